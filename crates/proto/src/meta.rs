@@ -1,0 +1,185 @@
+//! Requests served by the metadata server (opcodes 100-199).
+
+use freeflow_types::{Attr, FileKind, InodeId, ServerId, SetAttr, TimeSpec};
+use serde::{Deserialize, Serialize};
+
+use crate::requests;
+
+/// Who is asking, for POSIX permission checks on the metadata server. User 0 is root.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Caller {
+    pub user_id: u32,
+    pub group_id: u32,
+    /// Supplementary groups.
+    pub groups: Vec<u32>,
+}
+
+impl Caller {
+    pub fn root() -> Caller {
+        Caller::default()
+    }
+}
+
+/// How a rename treats an existing target (Linux `renameat2` flags).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RenameMode {
+    /// Replace an existing target (plain `rename`).
+    Replace,
+    /// Fail with `Exists` if the target exists (`RENAME_NOREPLACE`).
+    NoReplace,
+    /// Swap source and target atomically; both must exist (`RENAME_EXCHANGE`).
+    Exchange,
+}
+
+/// How a setxattr treats an existing attribute (`XATTR_CREATE`, `XATTR_REPLACE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum XattrSetMode {
+    Any,
+    CreateOnly,
+    ReplaceOnly,
+}
+
+/// Access wanted by an open.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenAccess {
+    pub read: bool,
+    pub write: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionGrant {
+    pub session_id: u64,
+    /// The session and its open handles end if not renewed within this time.
+    pub lease_ms: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateReply {
+    pub attr: Attr,
+    /// False when a non-exclusive create found an existing regular file.
+    pub created: bool,
+    /// Set when the create also opened the file for the given session.
+    pub handle_id: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenGrant {
+    pub handle_id: u64,
+    pub attr: Attr,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    pub name: String,
+    pub inode: InodeId,
+    pub kind: FileKind,
+    /// Present when the readdir asked for attributes (readdirplus).
+    pub attr: Option<Attr>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirPage {
+    /// Entries in name order, after the request's cursor. "." and ".." are not included.
+    pub entries: Vec<DirEntry>,
+    /// True when no entries follow the last one returned.
+    pub end: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsStats {
+    pub capacity_bytes: u64,
+    pub free_bytes: u64,
+    pub inode_count: u64,
+    pub servers_up: u32,
+    pub servers_total: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerRecord {
+    pub server_id: ServerId,
+    pub address: String,
+    pub up: bool,
+    pub capacity_bytes: u64,
+    pub free_bytes: u64,
+    pub object_count: u64,
+    /// Milliseconds since the last heartbeat; None if never seen since the meta server started.
+    pub last_seen_ms: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisterReply {
+    /// How often the I/O server should send `RegisterServer` again.
+    pub heartbeat_interval_ms: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterReport {
+    pub servers: Vec<ServerRecord>,
+    pub inode_count: u64,
+    /// Unlinked inodes whose data is still to be removed.
+    pub orphan_count: u64,
+    pub ready_ms: u64,
+    pub uptime_ms: u64,
+}
+
+requests! {
+    /// Start a client session; open handles belong to it and end with it.
+    OpenSession = 100 => SessionGrant { client_name: String }
+    RenewSession = 101 => () { session_id: u64 }
+    CloseSession = 102 => () { session_id: u64 }
+    Lookup = 110 => Attr { caller: Caller, parent: InodeId, name: String }
+    GetAttr = 111 => Attr { inode: InodeId }
+    SetAttributes = 112 => Attr { caller: Caller, inode: InodeId, changes: SetAttr }
+    /// Create a regular file, fifo, socket or device node. Not for directories or symlinks.
+    Create = 113 => CreateReply {
+        caller: Caller,
+        parent: InodeId,
+        name: String,
+        kind: FileKind,
+        permissions: u32,
+        device: u64,
+        /// Fail with `Exists` if the name exists (O_EXCL); otherwise an existing regular
+        /// file is returned with `created: false`.
+        exclusive: bool,
+        /// Also open the new file for this session with this access.
+        open: Option<(u64, OpenAccess)>,
+    }
+    Mkdir = 114 => Attr { caller: Caller, parent: InodeId, name: String, permissions: u32 }
+    Unlink = 115 => () { caller: Caller, parent: InodeId, name: String }
+    Rmdir = 116 => () { caller: Caller, parent: InodeId, name: String }
+    Rename = 117 => () {
+        caller: Caller,
+        source_parent: InodeId,
+        source_name: String,
+        target_parent: InodeId,
+        target_name: String,
+        mode: RenameMode,
+    }
+    Link = 118 => Attr { caller: Caller, inode: InodeId, target_parent: InodeId, target_name: String }
+    Symlink = 119 => Attr { caller: Caller, parent: InodeId, name: String, target: String }
+    ReadLink = 120 => String { inode: InodeId }
+    ReadDir = 121 => DirPage {
+        caller: Caller,
+        inode: InodeId,
+        /// Resume after this name (None: from the start).
+        after: Option<String>,
+        limit: u32,
+        with_attributes: bool,
+    }
+    StatFs = 122 => FsStats {}
+    SetXattr = 123 => () { caller: Caller, inode: InodeId, name: String, value: Vec<u8>, mode: XattrSetMode }
+    GetXattr = 124 => Vec<u8> { caller: Caller, inode: InodeId, name: String }
+    ListXattr = 125 => Vec<String> { caller: Caller, inode: InodeId }
+    RemoveXattr = 126 => () { caller: Caller, inode: InodeId, name: String }
+    Open = 127 => OpenGrant { caller: Caller, session_id: u64, inode: InodeId, access: OpenAccess }
+    Close = 128 => () { session_id: u64, handle_id: u64 }
+    /// Grow the size to at least `size_bytes` (never shrinks) and set the mtime: how
+    /// writers commit what they wrote.
+    CommitSize = 129 => Attr { inode: InodeId, size_bytes: u64, modify_time: TimeSpec }
+    /// Set the layout new files in a directory inherit.
+    SetDirLayout = 130 => Attr { caller: Caller, inode: InodeId, stripe_unit_bytes: Option<u32>, stripe_count: Option<u32> }
+    ListServers = 131 => Vec<ServerRecord> {}
+    /// Sent by an I/O server at start and then as its heartbeat.
+    RegisterServer = 132 => RegisterReply { server_id: ServerId, address: String, capacity_bytes: u64, free_bytes: u64, object_count: u64 }
+    ClusterStatus = 133 => ClusterReport {}
+}

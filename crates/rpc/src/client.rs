@@ -1,0 +1,413 @@
+//! The client side: one authenticated connection carrying many requests at once.
+//!
+//! `call` registers a reply slot under a fresh request id, queues the frame to the writer
+//! task and waits for the reader task to hand back the reply with that id, in whatever order
+//! replies come. Payload bytes in flight are bounded by the window the server announced in
+//! its hello (a request waits for window before it is sent). When the connection fails every
+//! waiting call gets `Disconnected` at once; a call whose reply does not come within the
+//! call timeout gets `TimedOut`: never a hang.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use freeflow_proto::frame::{
+    FLAG_REPLY, OPCODE_AUTHENTICATE, OPCODE_HELLO, PAYLOAD_LENGTH_MAX_DEFAULT,
+};
+use freeflow_proto::handshake::{Authenticate, Hello, ServerProof};
+use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
+use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use crate::codec::{read_frame, write_frame, RawFrame};
+use crate::transport::{ReadHalf, Tcp, Transport, WriteHalf};
+use crate::{ClusterKey, RpcError};
+
+#[derive(Clone, Debug)]
+pub struct ConnectOptions {
+    pub client_name: String,
+    pub call_timeout_ms: u64,
+    pub connect_timeout_ms: u64,
+    /// Frames queued for the writer before `call` waits.
+    pub send_queue_max: usize,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> ConnectOptions {
+        ConnectOptions {
+            client_name: format!("pid-{}", std::process::id()),
+            call_timeout_ms: 30_000,
+            connect_timeout_ms: 5_000,
+            send_queue_max: 1024,
+        }
+    }
+}
+
+type ReplySlot = oneshot::Sender<RawFrame>;
+
+struct Shared {
+    address: String,
+    pending: Mutex<HashMap<u64, ReplySlot>>,
+    closed: AtomicBool,
+}
+
+impl Shared {
+    /// Mark the connection dead and fail every waiting call (dropping a slot wakes its call).
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.pending.lock().expect("not poisoned").clear();
+    }
+}
+
+struct Outgoing {
+    opcode: u16,
+    request_id: u64,
+    header: Vec<u8>,
+    payload: Bytes,
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    identity: String,
+    sender: mpsc::Sender<Outgoing>,
+    next_request_id: AtomicU64,
+    window: Semaphore,
+    window_bytes: u32,
+    payload_length_max: u32,
+    call_timeout_ms: u64,
+}
+
+/// An authenticated, pipelined connection to one server. Clones share it.
+#[derive(Clone)]
+pub struct Connection {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("address", &self.inner.shared.address)
+            .field("identity", &self.inner.identity)
+            .finish()
+    }
+}
+
+impl Connection {
+    /// Connect over TCP and authenticate with the cluster key.
+    pub async fn connect(
+        address: &str,
+        key: &ClusterKey,
+        options: &ConnectOptions,
+    ) -> Result<Connection, RpcError> {
+        Connection::connect_with(&Tcp, address, key, options).await
+    }
+
+    pub async fn connect_with(
+        transport: &dyn Transport,
+        address: &str,
+        key: &ClusterKey,
+        options: &ConnectOptions,
+    ) -> Result<Connection, RpcError> {
+        let timeout = Duration::from_millis(options.connect_timeout_ms);
+        let (read, write) = match tokio::time::timeout(timeout, transport.connect(address)).await {
+            Ok(Ok(halves)) => halves,
+            Ok(Err(error)) => {
+                return Err(RpcError::Connect {
+                    address: address.to_owned(),
+                    reason: error.to_string(),
+                })
+            }
+            Err(_) => {
+                return Err(RpcError::Connect {
+                    address: address.to_owned(),
+                    reason: format!("no answer within {} ms", options.connect_timeout_ms),
+                })
+            }
+        };
+        let mut reader = BufReader::with_capacity(64 << 10, read);
+        let mut writer = BufWriter::with_capacity(64 << 10, write);
+        let hello = match tokio::time::timeout(
+            timeout,
+            handshake(&mut reader, &mut writer, key, &options.client_name),
+        )
+        .await
+        {
+            Ok(Ok(hello)) => hello,
+            Ok(Err(reason)) => {
+                return Err(RpcError::Handshake {
+                    address: address.to_owned(),
+                    reason,
+                })
+            }
+            Err(_) => {
+                return Err(RpcError::Handshake {
+                    address: address.to_owned(),
+                    reason: format!("no handshake within {} ms", options.connect_timeout_ms),
+                })
+            }
+        };
+        let shared = Arc::new(Shared {
+            address: address.to_owned(),
+            pending: Mutex::default(),
+            closed: AtomicBool::new(false),
+        });
+        let (sender, receiver) = mpsc::channel(options.send_queue_max.max(1));
+        tokio::spawn(writer_loop(writer, receiver, shared.clone()));
+        tokio::spawn(reader_loop(reader, shared.clone()));
+        let window_bytes = hello.window_bytes.max(1);
+        Ok(Connection {
+            inner: Arc::new(Inner {
+                shared,
+                identity: hello.identity,
+                sender,
+                next_request_id: AtomicU64::new(1),
+                window: Semaphore::new(window_bytes as usize),
+                window_bytes,
+                payload_length_max: hello.payload_length_max,
+                call_timeout_ms: options.call_timeout_ms,
+            }),
+        })
+    }
+
+    pub fn identity(&self) -> &str {
+        &self.inner.identity
+    }
+
+    pub fn address(&self) -> &str {
+        &self.inner.shared.address
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.inner.shared.closed.load(Ordering::Acquire)
+    }
+
+    /// The largest payload the server accepts in one request.
+    pub fn payload_length_max(&self) -> u32 {
+        self.inner.payload_length_max
+    }
+
+    /// Send one request and wait for its reply. Many calls may be in flight at once.
+    pub async fn call<R: Request>(
+        &self,
+        request: &R,
+        payload: Bytes,
+    ) -> Result<(R::Reply, Bytes), RpcError> {
+        let inner = &*self.inner;
+        let address = || inner.shared.address.clone();
+        if payload.len() > inner.payload_length_max as usize {
+            return Err(RpcError::Remote(WireError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "{} payload of {} bytes exceeds {}'s bound of {}",
+                    R::NAME,
+                    payload.len(),
+                    address(),
+                    inner.payload_length_max
+                ),
+            )));
+        }
+        let timeout_ms = inner.call_timeout_ms;
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
+        let timed_out = || RpcError::TimedOut {
+            address: address(),
+            request: R::NAME,
+            timeout_ms,
+        };
+        // Window credit for the payload; a payload larger than the whole window takes all of it.
+        let credit = (payload.len() as u32).min(inner.window_bytes);
+        let _credit =
+            match tokio::time::timeout_at(deadline, inner.window.acquire_many(credit)).await {
+                Ok(permit) => permit.expect("window semaphore never closed"),
+                Err(_) => return Err(timed_out()),
+            };
+        if self.is_closed() {
+            return Err(RpcError::Disconnected { address: address() });
+        }
+        let request_id = inner.next_request_id.fetch_add(1, Ordering::Relaxed);
+        let (slot, reply) = oneshot::channel();
+        inner
+            .shared
+            .pending
+            .lock()
+            .expect("not poisoned")
+            .insert(request_id, slot);
+        // Remove the slot however this call ends (timeout, error, or the caller dropping us).
+        let _slot_guard = SlotGuard {
+            shared: &inner.shared,
+            request_id,
+        };
+        let outgoing = Outgoing {
+            opcode: R::OPCODE,
+            request_id,
+            header: encode(request),
+            payload,
+        };
+        match tokio::time::timeout_at(deadline, inner.sender.send(outgoing)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(RpcError::Disconnected { address: address() }),
+            Err(_) => return Err(timed_out()),
+        }
+        if self.is_closed() {
+            return Err(RpcError::Disconnected { address: address() });
+        }
+        let frame = match tokio::time::timeout_at(deadline, reply).await {
+            Ok(Ok(frame)) => frame,
+            Ok(Err(_)) => return Err(RpcError::Disconnected { address: address() }),
+            Err(_) => return Err(timed_out()),
+        };
+        if frame.fixed.opcode != R::OPCODE {
+            inner.shared.close();
+            return Err(RpcError::Protocol {
+                address: address(),
+                reason: format!("reply to {} carries opcode {}", R::NAME, frame.fixed.opcode),
+            });
+        }
+        let result: Result<R::Reply, WireError> =
+            decode(&frame.header).map_err(|error| RpcError::Protocol {
+                address: address(),
+                reason: format!("undecodable reply to {}: {}", R::NAME, error.message),
+            })?;
+        match result {
+            Ok(reply) => Ok((reply, frame.payload)),
+            Err(error) => Err(RpcError::Remote(error)),
+        }
+    }
+}
+
+struct SlotGuard<'a> {
+    shared: &'a Shared,
+    request_id: u64,
+}
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        self.shared
+            .pending
+            .lock()
+            .expect("not poisoned")
+            .remove(&self.request_id);
+    }
+}
+
+async fn handshake(
+    reader: &mut BufReader<ReadHalf>,
+    writer: &mut BufWriter<WriteHalf>,
+    key: &ClusterKey,
+    client_name: &str,
+) -> Result<Hello, String> {
+    let frame = read_frame(reader, 0)
+        .await
+        .map_err(|error| error.to_string())?;
+    if frame.fixed.opcode != OPCODE_HELLO {
+        return Err(format!(
+            "expected a hello, got opcode {}",
+            frame.fixed.opcode
+        ));
+    }
+    let hello: Hello = decode(&frame.header).map_err(|error| error.message)?;
+    let client_nonce =
+        crate::random_nonce().map_err(|error| format!("no randomness for a nonce: {error}"))?;
+    let authenticate = Authenticate {
+        proof: crate::proof(key, crate::CLIENT_PROOF_DOMAIN, &hello.nonce),
+        client_nonce,
+        client_name: client_name.to_owned(),
+    };
+    write_frame(
+        writer,
+        0,
+        OPCODE_AUTHENTICATE,
+        0,
+        &encode(&authenticate),
+        &[],
+    )
+    .await
+    .map_err(|error| error.to_string())?;
+    writer.flush().await.map_err(|error| error.to_string())?;
+    let frame = read_frame(reader, 0).await.map_err(|error| match error {
+        crate::FrameReadError::Closed | crate::FrameReadError::Truncated => {
+            "server closed the connection".to_string()
+        }
+        other => other.to_string(),
+    })?;
+    let outcome: Result<ServerProof, WireError> =
+        decode(&frame.header).map_err(|error| error.message)?;
+    let server_proof =
+        outcome.map_err(|error| format!("refused by the server: {}", error.message))?;
+    let expected = crate::proof(key, crate::SERVER_PROOF_DOMAIN, &client_nonce);
+    if !crate::proofs_equal(&expected, &server_proof.proof) {
+        return Err("the server does not hold this cluster's key".to_string());
+    }
+    Ok(hello)
+}
+
+async fn writer_loop(
+    mut writer: BufWriter<WriteHalf>,
+    mut receiver: mpsc::Receiver<Outgoing>,
+    shared: Arc<Shared>,
+) {
+    let write_one = async |writer: &mut BufWriter<WriteHalf>, outgoing: Outgoing| {
+        write_frame(
+            writer,
+            0,
+            outgoing.opcode,
+            outgoing.request_id,
+            &outgoing.header,
+            &outgoing.payload,
+        )
+        .await
+    };
+    while let Some(outgoing) = receiver.recv().await {
+        let mut result = write_one(&mut writer, outgoing).await;
+        // Requests queued together share one flush.
+        while result.is_ok() {
+            match receiver.try_recv() {
+                Ok(outgoing) => result = write_one(&mut writer, outgoing).await,
+                Err(_) => break,
+            }
+        }
+        if result.is_err() || writer.flush().await.is_err() {
+            shared.close();
+            return;
+        }
+    }
+    // Every Connection clone is gone: end the stream so the server closes its side.
+    let _ = writer.shutdown().await;
+}
+
+async fn reader_loop(mut reader: BufReader<ReadHalf>, shared: Arc<Shared>) {
+    loop {
+        let frame = match read_frame(
+            &mut reader,
+            PAYLOAD_LENGTH_MAX_DEFAULT.max(freeflow_types::limits::IO_REQUEST_BYTES_MAX),
+        )
+        .await
+        {
+            Ok(frame) => frame,
+            Err(error) => {
+                if !matches!(error, crate::FrameReadError::Closed)
+                    && !shared.closed.load(Ordering::Acquire)
+                {
+                    tracing::debug!(address = %shared.address, %error, "connection failed");
+                }
+                shared.close();
+                return;
+            }
+        };
+        if frame.fixed.flags & FLAG_REPLY == 0 {
+            tracing::warn!(address = %shared.address, opcode = frame.fixed.opcode, "server sent a non-reply frame; closing");
+            shared.close();
+            return;
+        }
+        let slot = shared
+            .pending
+            .lock()
+            .expect("not poisoned")
+            .remove(&frame.fixed.request_id);
+        // No slot: the call timed out or was dropped; its late reply is discarded.
+        if let Some(slot) = slot {
+            let _ = slot.send(frame);
+        }
+    }
+}

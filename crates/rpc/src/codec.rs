@@ -1,0 +1,155 @@
+//! Reading and writing frames (layout in `freeflow_proto::frame`). A frame is read into one
+//! buffer of exactly its size and split into header and payload `Bytes` without copying.
+
+use bytes::{Bytes, BytesMut};
+use freeflow_proto::frame::{FrameError, FrameHeader, FIXED_HEADER_BYTES};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// A frame as read off the wire.
+#[derive(Debug)]
+pub struct RawFrame {
+    pub fixed: FrameHeader,
+    pub header: Bytes,
+    pub payload: Bytes,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrameReadError {
+    /// The peer closed the stream between frames: the normal end of a connection.
+    #[error("peer closed the connection")]
+    Closed,
+    #[error("truncated frame: the stream ended inside a frame")]
+    Truncated,
+    #[error("malformed frame: {0}")]
+    Invalid(#[from] FrameError),
+    #[error("read failed: {0}")]
+    Io(std::io::Error),
+}
+
+fn read_error(error: std::io::Error) -> FrameReadError {
+    if error.kind() == std::io::ErrorKind::UnexpectedEof {
+        FrameReadError::Truncated
+    } else {
+        FrameReadError::Io(error)
+    }
+}
+
+/// Read one frame, checking its bounds before allocating and its checksum after reading.
+pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
+    reader: &mut R,
+    payload_length_max: u32,
+) -> Result<RawFrame, FrameReadError> {
+    let mut fixed_bytes = [0u8; FIXED_HEADER_BYTES];
+    let first = reader
+        .read(&mut fixed_bytes)
+        .await
+        .map_err(FrameReadError::Io)?;
+    if first == 0 {
+        return Err(FrameReadError::Closed);
+    }
+    // Check the magic as soon as it is here, so a stray protocol (an HTTP probe, a port
+    // scanner) is turned away at once rather than after waiting for a full header.
+    let mut filled = first;
+    while filled < 4 {
+        let more = reader
+            .read(&mut fixed_bytes[filled..])
+            .await
+            .map_err(FrameReadError::Io)?;
+        if more == 0 {
+            return Err(FrameReadError::Truncated);
+        }
+        filled += more;
+    }
+    let magic = u32::from_le_bytes(fixed_bytes[0..4].try_into().expect("4 bytes"));
+    if magic != freeflow_proto::frame::MAGIC {
+        return Err(FrameError::BadMagic(magic).into());
+    }
+    reader
+        .read_exact(&mut fixed_bytes[filled..])
+        .await
+        .map_err(read_error)?;
+    let fixed = FrameHeader::decode(&fixed_bytes, payload_length_max)?;
+    let header_length = fixed.header_length as usize;
+    let total = header_length + fixed.payload_length as usize;
+    let mut body = BytesMut::zeroed(total);
+    reader.read_exact(&mut body).await.map_err(read_error)?;
+    let actual = crc32c::crc32c(&body);
+    if actual != fixed.checksum {
+        return Err(FrameError::BadChecksum {
+            expected: fixed.checksum,
+            actual,
+        }
+        .into());
+    }
+    let header = body.split_to(header_length).freeze();
+    Ok(RawFrame {
+        fixed,
+        header,
+        payload: body.freeze(),
+    })
+}
+
+/// Write one frame. The payload is written straight from its buffer.
+pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized>(
+    writer: &mut W,
+    flags: u8,
+    opcode: u16,
+    request_id: u64,
+    header: &[u8],
+    payload: &[u8],
+) -> std::io::Result<()> {
+    let checksum = crc32c::crc32c_append(crc32c::crc32c(header), payload);
+    let header_length = u32::try_from(header.len())
+        .map_err(|_| std::io::Error::other("frame header section too long"))?;
+    let payload_length = u32::try_from(payload.len())
+        .map_err(|_| std::io::Error::other("frame payload too long"))?;
+    let fixed = FrameHeader {
+        flags,
+        opcode,
+        request_id,
+        header_length,
+        payload_length,
+        checksum,
+    };
+    writer.write_all(&fixed.encode()).await?;
+    writer.write_all(header).await?;
+    writer.write_all(payload).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_round_trip_and_corruption_is_caught() {
+        let mut wire = Vec::new();
+        write_frame(&mut wire, 0, 200, 9, b"head", b"payload bytes")
+            .await
+            .unwrap();
+        let frame = read_frame(&mut wire.as_slice(), 1024).await.unwrap();
+        assert_eq!((frame.fixed.opcode, frame.fixed.request_id), (200, 9));
+        assert_eq!(&frame.header[..], b"head");
+        assert_eq!(&frame.payload[..], b"payload bytes");
+
+        let mut corrupt = wire.clone();
+        let last = corrupt.len() - 1;
+        corrupt[last] ^= 0xff;
+        assert!(matches!(
+            read_frame(&mut corrupt.as_slice(), 1024).await,
+            Err(FrameReadError::Invalid(FrameError::BadChecksum { .. }))
+        ));
+        let truncated = &wire[..wire.len() - 3];
+        assert!(matches!(
+            read_frame(&mut &truncated[..], 1024).await,
+            Err(FrameReadError::Truncated)
+        ));
+        assert!(matches!(
+            read_frame(&mut &wire[..0], 1024).await,
+            Err(FrameReadError::Closed)
+        ));
+        assert!(matches!(
+            read_frame(&mut wire.as_slice(), 4).await,
+            Err(FrameReadError::Invalid(FrameError::PayloadTooLong { .. }))
+        ));
+    }
+}

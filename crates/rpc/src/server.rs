@@ -1,0 +1,356 @@
+//! The server side: accept, authenticate, then run each connection's requests concurrently.
+//!
+//! Per connection there is one reader loop and one writer task. The reader admits at most
+//! `requests_in_flight_max` requests at once (the server's credit: past it the reader stops
+//! reading and TCP pushes back on the client); each admitted request runs as its own task,
+//! and its reply is queued to the writer as soon as it is ready, in whatever order requests
+//! finish. A frame that is malformed, an unknown opcode, or a request the service refuses
+//! closes that connection alone, with the reason logged.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use freeflow_proto::frame::{
+    FLAG_REPLY, OPCODE_AUTHENTICATE, OPCODE_HELLO, PAYLOAD_LENGTH_MAX_DEFAULT,
+};
+use freeflow_proto::handshake::{Authenticate, Hello, ServerProof};
+use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
+use tokio::io::{AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Notify, Semaphore};
+
+use crate::codec::{read_frame, write_frame, FrameReadError};
+use crate::transport::{ReadHalf, WriteHalf};
+use crate::ClusterKey;
+
+/// One request as received by a server.
+#[derive(Debug)]
+pub struct Frame {
+    pub opcode: u16,
+    pub request_id: u64,
+    pub header: Bytes,
+    pub payload: Bytes,
+}
+
+/// A reply: the header section is `encode(&Result<R::Reply, WireError>)`.
+#[derive(Debug)]
+pub struct Reply {
+    pub header: Bytes,
+    pub payload: Bytes,
+}
+
+impl Reply {
+    pub fn error<R: Request>(error: WireError) -> Reply {
+        Reply {
+            header: encode(&Err::<R::Reply, WireError>(error)).into(),
+            payload: Bytes::new(),
+        }
+    }
+}
+
+/// Who sent a request.
+#[derive(Clone, Debug)]
+pub struct PeerInfo {
+    pub address: SocketAddr,
+    pub client_name: String,
+}
+
+/// What a server implements. `Err(reason)` closes the connection with `reason` logged.
+pub trait Service: Send + Sync + 'static {
+    fn call(
+        &self,
+        frame: Frame,
+        peer: &PeerInfo,
+    ) -> impl Future<Output = Result<Reply, String>> + Send;
+}
+
+/// Run a typed handler: decode `R` from the frame, run `f`, encode its result.
+pub async fn handle<R, F, Fut>(frame: Frame, f: F) -> Result<Reply, String>
+where
+    R: Request,
+    F: FnOnce(R, Bytes) -> Fut,
+    Fut: Future<Output = Result<(R::Reply, Bytes), WireError>>,
+{
+    let request: R = decode(&frame.header)
+        .map_err(|error| format!("undecodable {} request: {}", R::NAME, error.message))?;
+    let (header, payload) = match f(request, frame.payload).await {
+        Ok((reply, payload)) => (encode(&Ok::<R::Reply, WireError>(reply)), payload),
+        Err(error) => (encode(&Err::<R::Reply, WireError>(error)), Bytes::new()),
+    };
+    Ok(Reply {
+        header: header.into(),
+        payload,
+    })
+}
+
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// "meta" or "io:<server id>", sent in the hello.
+    pub identity: String,
+    /// Payload bytes a client may have in flight on one connection.
+    pub window_bytes: u32,
+    /// Largest payload accepted in one frame.
+    pub payload_length_max: u32,
+    /// Requests of one connection being served at once.
+    pub requests_in_flight_max: u32,
+    /// Connections served at once; further ones are closed at accept.
+    pub connections_max: u32,
+    /// Time a new connection has to authenticate.
+    pub handshake_timeout_ms: u64,
+}
+
+impl ServerOptions {
+    pub fn new(identity: impl Into<String>) -> ServerOptions {
+        ServerOptions {
+            identity: identity.into(),
+            window_bytes: 64 << 20,
+            payload_length_max: PAYLOAD_LENGTH_MAX_DEFAULT,
+            requests_in_flight_max: 128,
+            connections_max: 4096,
+            handshake_timeout_ms: 5000,
+        }
+    }
+}
+
+/// Accept connections forever. Abort the task running it to stop accepting.
+pub async fn serve<S: Service>(
+    listener: TcpListener,
+    key: ClusterKey,
+    options: ServerOptions,
+    service: Arc<S>,
+) -> std::io::Result<()> {
+    let options = Arc::new(options);
+    let connections = Arc::new(Semaphore::new(options.connections_max as usize));
+    loop {
+        let (stream, address) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Running out of descriptors or a reset during accept is transient.
+                tracing::warn!(%error, "accept failed; retrying");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = connections.clone().try_acquire_owned() else {
+            tracing::warn!(peer = %address, limit = options.connections_max, "refusing connection: too many connections");
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let (read, write) = stream.into_split();
+        let (key, options, service) = (key.clone(), options.clone(), service.clone());
+        tokio::spawn(async move {
+            serve_connection(
+                Box::new(read),
+                Box::new(write),
+                address,
+                key,
+                options,
+                service,
+            )
+            .await;
+            drop(permit);
+        });
+    }
+}
+
+/// Serve one connection until it closes; logs why it closed if that was not the peer's choice.
+pub async fn serve_connection<S: Service>(
+    read: ReadHalf,
+    write: WriteHalf,
+    address: SocketAddr,
+    key: ClusterKey,
+    options: Arc<ServerOptions>,
+    service: Arc<S>,
+) {
+    let mut reader = BufReader::with_capacity(64 << 10, read);
+    let mut writer = BufWriter::with_capacity(64 << 10, write);
+    let timeout = Duration::from_millis(options.handshake_timeout_ms);
+    let client_name = match tokio::time::timeout(
+        timeout,
+        handshake(&mut reader, &mut writer, &key, &options),
+    )
+    .await
+    {
+        Ok(Ok(name)) => name,
+        Ok(Err(reason)) => {
+            tracing::warn!(peer = %address, "closing connection during handshake: {reason}");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(peer = %address, "closing connection: no handshake within {} ms", options.handshake_timeout_ms);
+            return;
+        }
+    };
+    let peer = Arc::new(PeerInfo {
+        address,
+        client_name,
+    });
+
+    let in_flight_max = options.requests_in_flight_max.max(1) as usize;
+    let (reply_sender, reply_receiver) = mpsc::channel::<(u16, u64, Reply)>(in_flight_max);
+    let writer_task = tokio::spawn(writer_loop(writer, reply_receiver));
+    let in_flight = Arc::new(Semaphore::new(in_flight_max));
+    let close = Arc::new(Notify::new());
+    let close_reason: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+
+    let reason = loop {
+        let permit = tokio::select! {
+            permit = in_flight.clone().acquire_owned() => permit.expect("semaphore never closed"),
+            () = close.notified() => break close_reason.lock().expect("not poisoned").take(),
+        };
+        let frame = tokio::select! {
+            frame = read_frame(&mut reader, options.payload_length_max) => frame,
+            () = close.notified() => break close_reason.lock().expect("not poisoned").take(),
+        };
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(FrameReadError::Closed) => break None,
+            Err(error) => break Some(error.to_string()),
+        };
+        if frame.fixed.flags & FLAG_REPLY != 0 {
+            break Some(format!(
+                "client sent a reply frame (opcode {})",
+                frame.fixed.opcode
+            ));
+        }
+        if frame.fixed.opcode == OPCODE_HELLO || frame.fixed.opcode == OPCODE_AUTHENTICATE {
+            break Some("handshake frame after the handshake".to_string());
+        }
+        let request = Frame {
+            opcode: frame.fixed.opcode,
+            request_id: frame.fixed.request_id,
+            header: frame.header,
+            payload: frame.payload,
+        };
+        let (service, peer, sender) = (service.clone(), peer.clone(), reply_sender.clone());
+        let (close, close_reason) = (close.clone(), close_reason.clone());
+        tokio::spawn(async move {
+            let (opcode, request_id) = (request.opcode, request.request_id);
+            match service.call(request, &peer).await {
+                Ok(reply) => {
+                    let _ = sender.send((opcode, request_id, reply)).await;
+                }
+                Err(reason) => {
+                    close_reason
+                        .lock()
+                        .expect("not poisoned")
+                        .get_or_insert(reason);
+                    close.notify_one();
+                }
+            }
+            drop(permit);
+        });
+    };
+    if let Some(reason) = reason {
+        tracing::warn!(peer = %address, client = %peer.client_name, "closing connection: {reason}");
+    }
+    drop(reply_sender);
+    // Replies of requests still running are sent if the peer is still reading; the writer
+    // ends when the last of them is done.
+    let _ = writer_task.await;
+}
+
+async fn writer_loop<W: AsyncWrite + Unpin>(
+    mut writer: BufWriter<W>,
+    mut replies: mpsc::Receiver<(u16, u64, Reply)>,
+) {
+    while let Some((opcode, request_id, reply)) = replies.recv().await {
+        if write_frame(
+            &mut writer,
+            FLAG_REPLY,
+            opcode,
+            request_id,
+            &reply.header,
+            &reply.payload,
+        )
+        .await
+        .is_err()
+        {
+            return;
+        }
+        // Flush only when no other reply is ready: replies that finish together share a write.
+        while let Ok((opcode, request_id, reply)) = replies.try_recv() {
+            if write_frame(
+                &mut writer,
+                FLAG_REPLY,
+                opcode,
+                request_id,
+                &reply.header,
+                &reply.payload,
+            )
+            .await
+            .is_err()
+            {
+                return;
+            }
+        }
+        if writer.flush().await.is_err() {
+            return;
+        }
+    }
+    let _ = writer.shutdown().await;
+}
+
+/// Server half of the handshake; returns the client's name.
+async fn handshake(
+    reader: &mut BufReader<ReadHalf>,
+    writer: &mut BufWriter<WriteHalf>,
+    key: &ClusterKey,
+    options: &ServerOptions,
+) -> Result<String, String> {
+    let nonce =
+        crate::random_nonce().map_err(|error| format!("no randomness for a nonce: {error}"))?;
+    let hello = Hello {
+        nonce,
+        identity: options.identity.clone(),
+        window_bytes: options.window_bytes,
+        payload_length_max: options.payload_length_max,
+    };
+    write_frame(writer, 0, OPCODE_HELLO, 0, &encode(&hello), &[])
+        .await
+        .map_err(|error| error.to_string())?;
+    writer.flush().await.map_err(|error| error.to_string())?;
+    let frame = read_frame(reader, 0)
+        .await
+        .map_err(|error| error.to_string())?;
+    if frame.fixed.opcode != OPCODE_AUTHENTICATE {
+        return Err(format!(
+            "expected the authenticate frame, got opcode {}",
+            frame.fixed.opcode
+        ));
+    }
+    let authenticate: Authenticate = decode(&frame.header).map_err(|error| error.message)?;
+    let expected = crate::proof(key, crate::CLIENT_PROOF_DOMAIN, &nonce);
+    let outcome = if crate::proofs_equal(&expected, &authenticate.proof) {
+        Ok(ServerProof {
+            proof: crate::proof(key, crate::SERVER_PROOF_DOMAIN, &authenticate.client_nonce),
+        })
+    } else {
+        Err(WireError::new(
+            ErrorCode::PermissionDenied,
+            "wrong cluster key",
+        ))
+    };
+    let refused = outcome.is_err();
+    write_frame(
+        writer,
+        FLAG_REPLY,
+        OPCODE_AUTHENTICATE,
+        frame.fixed.request_id,
+        &encode(&outcome),
+        &[],
+    )
+    .await
+    .map_err(|error| error.to_string())?;
+    writer.flush().await.map_err(|error| error.to_string())?;
+    if refused {
+        return Err(format!(
+            "client {:?} presented a wrong cluster key",
+            authenticate.client_name
+        ));
+    }
+    Ok(authenticate.client_name)
+}
