@@ -4,7 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// Encoded on the wire as its errno number (a u16), not as an enum index, so that codes can
+/// be added in any order and a code unknown to an older peer decodes as `Io`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u16)]
 pub enum ErrorCode {
     NotPermitted = 1,
@@ -71,7 +73,7 @@ impl ErrorCode {
             ErrorCode::Protocol => "protocol error",
             ErrorCode::Overflow => "value too large",
             ErrorCode::NotSupported => "operation not supported",
-            ErrorCode::Unreachable => "server unreachable",
+            ErrorCode::Unreachable => "not connected to the server",
             ErrorCode::TimedOut => "timed out",
             ErrorCode::Stale => "stale file handle",
         }
@@ -112,6 +114,19 @@ impl ErrorCode {
     }
 }
 
+impl Serialize for ErrorCode {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_u16(*self as u16)
+    }
+}
+
+impl<'de> Deserialize<'de> for ErrorCode {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<ErrorCode, D::Error> {
+        let number = u16::deserialize(deserializer)?;
+        Ok(ErrorCode::from_errno(i32::from(number)))
+    }
+}
+
 /// An error as sent in a reply: a code and a message naming what failed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[error("{} ({}): {message}", code.describe(), code.errno())]
@@ -136,5 +151,27 @@ impl From<std::io::Error> for WireError {
             .map(ErrorCode::from_errno)
             .unwrap_or(ErrorCode::Io);
         WireError::new(code, error.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_travel_as_errno_numbers_and_unknown_ones_become_io() {
+        for code in [
+            ErrorCode::NotPermitted,
+            ErrorCode::PermissionDenied,
+            ErrorCode::NotEmpty,
+            ErrorCode::Stale,
+        ] {
+            let bytes = crate::encode(&code);
+            assert_eq!(crate::decode::<u16>(&bytes).unwrap(), code as u16);
+            assert_eq!(crate::decode::<ErrorCode>(&bytes).unwrap(), code);
+            assert_eq!(ErrorCode::from_errno(code.errno()), code);
+        }
+        let unknown = crate::encode(&4000u16);
+        assert_eq!(crate::decode::<ErrorCode>(&unknown).unwrap(), ErrorCode::Io);
     }
 }

@@ -10,7 +10,7 @@
 //! | 8      | 8    | request_id     | chosen by the client, echoed in the reply           |
 //! | 16     | 4    | header_length  | ≤ [`HEADER_LENGTH_MAX`]                              |
 //! | 20     | 4    | payload_length | ≤ the receiver's payload bound                      |
-//! | 24     | 4    | checksum       | CRC-32C of the header section then the payload       |
+//! | 24     | 4    | checksum       | CRC-32C of bytes 0..24, the header section, the payload |
 //! | 28     | 4    | reserved       | zero                                                 |
 
 /// The frame magic, the bytes `FFLW`.

@@ -155,7 +155,8 @@ impl Connection {
         });
         let (sender, receiver) = mpsc::channel(options.send_queue_max.max(1));
         tokio::spawn(writer_loop(writer, receiver, shared.clone()));
-        tokio::spawn(reader_loop(reader, shared.clone()));
+        let reply_payload_max = hello.payload_length_max.max(PAYLOAD_LENGTH_MAX_DEFAULT);
+        tokio::spawn(reader_loop(reader, shared.clone(), reply_payload_max));
         let window_bytes = hello.window_bytes.max(1);
         Ok(Connection {
             inner: Arc::new(Inner {
@@ -264,11 +265,14 @@ impl Connection {
                 reason: format!("reply to {} carries opcode {}", R::NAME, frame.fixed.opcode),
             });
         }
-        let result: Result<R::Reply, WireError> =
-            decode(&frame.header).map_err(|error| RpcError::Protocol {
+        let result: Result<R::Reply, WireError> = decode(&frame.header).map_err(|error| {
+            // A peer that sends what we cannot decode cannot be trusted with the next reply.
+            inner.shared.close();
+            RpcError::Protocol {
                 address: address(),
                 reason: format!("undecodable reply to {}: {}", R::NAME, error.message),
-            })?;
+            }
+        })?;
         match result {
             Ok(reply) => Ok((reply, frame.payload)),
             Err(error) => Err(RpcError::Remote(error)),
@@ -331,6 +335,12 @@ async fn handshake(
         }
         other => other.to_string(),
     })?;
+    if frame.fixed.opcode != OPCODE_AUTHENTICATE || frame.fixed.flags & FLAG_REPLY == 0 {
+        return Err(format!(
+            "expected the authenticate reply, got opcode {}",
+            frame.fixed.opcode
+        ));
+    }
     let outcome: Result<ServerProof, WireError> =
         decode(&frame.header).map_err(|error| error.message)?;
     let server_proof =
@@ -376,14 +386,13 @@ async fn writer_loop(
     let _ = writer.shutdown().await;
 }
 
-async fn reader_loop(mut reader: BufReader<ReadHalf>, shared: Arc<Shared>) {
+async fn reader_loop(
+    mut reader: BufReader<ReadHalf>,
+    shared: Arc<Shared>,
+    payload_length_max: u32,
+) {
     loop {
-        let frame = match read_frame(
-            &mut reader,
-            PAYLOAD_LENGTH_MAX_DEFAULT.max(freeflow_types::limits::IO_REQUEST_BYTES_MAX),
-        )
-        .await
-        {
+        let frame = match read_frame(&mut reader, payload_length_max).await {
             Ok(frame) => frame,
             Err(error) => {
                 if !matches!(error, crate::FrameReadError::Closed)

@@ -73,7 +73,7 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
     let total = header_length + fixed.payload_length as usize;
     let mut body = BytesMut::zeroed(total);
     reader.read_exact(&mut body).await.map_err(read_error)?;
-    let actual = crc32c::crc32c(&body);
+    let actual = checksum(&fixed_bytes, &body[..header_length], &body[header_length..]);
     if actual != fixed.checksum {
         return Err(FrameError::BadChecksum {
             expected: fixed.checksum,
@@ -89,6 +89,13 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
     })
 }
 
+/// CRC-32C over the fixed header's first 24 bytes (everything but the checksum and the
+/// reserved word), then the header section, then the payload.
+fn checksum(fixed: &[u8; FIXED_HEADER_BYTES], header: &[u8], payload: &[u8]) -> u32 {
+    let crc = crc32c::crc32c(&fixed[..24]);
+    crc32c::crc32c_append(crc32c::crc32c_append(crc, header), payload)
+}
+
 /// Write one frame. The payload is written straight from its buffer.
 pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized>(
     writer: &mut W,
@@ -98,19 +105,19 @@ pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized>(
     header: &[u8],
     payload: &[u8],
 ) -> std::io::Result<()> {
-    let checksum = crc32c::crc32c_append(crc32c::crc32c(header), payload);
     let header_length = u32::try_from(header.len())
         .map_err(|_| std::io::Error::other("frame header section too long"))?;
     let payload_length = u32::try_from(payload.len())
         .map_err(|_| std::io::Error::other("frame payload too long"))?;
-    let fixed = FrameHeader {
+    let mut fixed = FrameHeader {
         flags,
         opcode,
         request_id,
         header_length,
         payload_length,
-        checksum,
+        checksum: 0,
     };
+    fixed.checksum = checksum(&fixed.encode(), header, payload);
     writer.write_all(&fixed.encode()).await?;
     writer.write_all(header).await?;
     writer.write_all(payload).await
@@ -131,6 +138,12 @@ mod tests {
         assert_eq!(&frame.header[..], b"head");
         assert_eq!(&frame.payload[..], b"payload bytes");
 
+        let mut flipped_opcode = wire.clone();
+        flipped_opcode[6] ^= 1;
+        assert!(matches!(
+            read_frame(&mut flipped_opcode.as_slice(), 1024).await,
+            Err(FrameReadError::Invalid(FrameError::BadChecksum { .. }))
+        ));
         let mut corrupt = wire.clone();
         let last = corrupt.len() - 1;
         corrupt[last] ^= 0xff;

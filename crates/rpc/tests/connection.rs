@@ -304,7 +304,7 @@ async fn misbehaving_peers_lose_only_their_own_connection() {
 
 /// A server that authenticates, takes one request and then dies (drops the socket), as a
 /// kill -9 does: the waiting call must fail at once with `Disconnected`, not wait out its
-/// 60-second timeout.
+/// 60-second call timeout (set below).
 #[tokio::test]
 async fn a_lost_server_fails_waiting_calls_at_once() {
     let key = ClusterKey::generate().unwrap();
