@@ -115,7 +115,9 @@ impl ServerOptions {
     }
 }
 
-/// Accept connections forever. Abort the task running it to stop accepting.
+/// Accept connections forever. Abort the task running it to stop: that also ends every
+/// connection it accepted (they live in its `JoinSet`), so a stopped server holds no
+/// sockets and no references to its service.
 pub async fn serve<S: Service>(
     listener: TcpListener,
     key: ClusterKey,
@@ -123,8 +125,10 @@ pub async fn serve<S: Service>(
     service: Arc<S>,
 ) -> std::io::Result<()> {
     let options = Arc::new(options);
-    let connections = Arc::new(Semaphore::new(options.connections_max as usize));
+    let connections_max = options.connections_max as usize;
+    let mut connections = tokio::task::JoinSet::new();
     loop {
+        while connections.try_join_next().is_some() {}
         let (stream, address) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(error) => {
@@ -134,14 +138,15 @@ pub async fn serve<S: Service>(
                 continue;
             }
         };
-        let Ok(permit) = connections.clone().try_acquire_owned() else {
-            tracing::warn!(peer = %address, limit = options.connections_max, "refusing connection: too many connections");
+        while connections.try_join_next().is_some() {}
+        if connections.len() >= connections_max {
+            tracing::warn!(peer = %address, limit = connections_max, "refusing connection: too many connections");
             continue;
-        };
+        }
         let _ = stream.set_nodelay(true);
         let (read, write) = stream.into_split();
         let (key, options, service) = (key.clone(), options.clone(), service.clone());
-        tokio::spawn(async move {
+        connections.spawn(async move {
             serve_connection(
                 Box::new(read),
                 Box::new(write),
@@ -151,7 +156,6 @@ pub async fn serve<S: Service>(
                 service,
             )
             .await;
-            drop(permit);
         });
     }
 }
@@ -191,7 +195,8 @@ pub async fn serve_connection<S: Service>(
 
     let in_flight_max = options.requests_in_flight_max.max(1) as usize;
     let (reply_sender, reply_receiver) = mpsc::channel::<(u16, u64, Reply)>(in_flight_max);
-    let writer_task = tokio::spawn(writer_loop(writer, reply_receiver));
+    // Aborted if this connection's task is aborted (server shutdown), so the socket closes.
+    let mut writer_task = AbortOnDrop(tokio::spawn(writer_loop(writer, reply_receiver)));
     let in_flight = Arc::new(Semaphore::new(in_flight_max));
     let close = Arc::new(Notify::new());
     let close_reason: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
@@ -250,7 +255,15 @@ pub async fn serve_connection<S: Service>(
     drop(reply_sender);
     // Replies of requests still running are sent if the peer is still reading; the writer
     // ends when the last of them is done.
-    let _ = writer_task.await;
+    let _ = (&mut writer_task.0).await;
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 async fn writer_loop<W: AsyncWrite + Unpin>(

@@ -424,3 +424,35 @@ async fn an_unanswered_call_times_out() {
         .unwrap();
     assert_eq!(&echoed[..], b"ok");
 }
+
+/// Regression: stopping a server (aborting `serve`) used to leave its accepted connections
+/// running, so a "stopped" server kept serving and held its store open.
+#[tokio::test]
+async fn stopping_the_server_closes_its_connections() {
+    let key = ClusterKey::generate().unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let server = tokio::spawn(serve(
+        listener,
+        key.clone(),
+        ServerOptions::new("test"),
+        Arc::new(Echo),
+    ));
+    let connection = Connection::connect(&address, &key, &ConnectOptions::default())
+        .await
+        .unwrap();
+    connection
+        .call(&write_request(1, 0), Bytes::new())
+        .await
+        .unwrap();
+    server.abort();
+    let _ = server.await;
+    let error = tokio::time::timeout(
+        Duration::from_secs(5),
+        connection.call(&write_request(1, 0), Bytes::new()),
+    )
+    .await
+    .expect("call hung after the server stopped")
+    .unwrap_err();
+    assert!(matches!(error, RpcError::Disconnected { .. }), "{error}");
+}

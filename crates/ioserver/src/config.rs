@@ -1,0 +1,263 @@
+//! The I/O server's configuration: a serde struct with documented defaults (the `[io]`
+//! section of a config file), then [`IoConfig::validate`], which checks every field and the
+//! rules between them before anything starts.
+
+use std::path::PathBuf;
+
+use freeflow_types::{limits, ServerId};
+use serde::{Deserialize, Serialize};
+
+use crate::error::IoServerError;
+
+/// Which disk engine to run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    /// io_uring with registered buffers (falls back to `Threads` if io_uring cannot start).
+    #[default]
+    Uring,
+    /// A pool of threads doing `pread`/`pwrite`.
+    Threads,
+}
+
+/// Hard limit of open descriptors on the machines we target (MACHINE.md); the descriptor
+/// cache must leave room below it for sockets and everything else.
+const PROCESS_OPEN_FILES_LIMIT: usize = 20_000;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IoConfig {
+    /// This server's id, fixed at `freeflow init`/`up`; stored in the data directory.
+    pub server_id: ServerId,
+    /// Where to listen, `host:port`; port 0 picks a free port. Default `127.0.0.1:7710`.
+    pub listen_address: String,
+    /// The address given to the meta server for clients; default: the bound listen address.
+    pub advertise_address: Option<String>,
+    /// The directory holding this server's objects (one per disk). Default `./freeflow-io`.
+    pub data_dir: PathBuf,
+    /// The meta server's address. Default `127.0.0.1:7700`.
+    pub meta_address: String,
+    /// Default `uring`.
+    pub engine: EngineKind,
+    /// Bound of the open-descriptor cache. Default 4096.
+    pub open_files_max: usize,
+    /// io_uring registered buffers. Default 64.
+    pub buffer_count: usize,
+    /// Size of each buffer; larger requests are done in buffer-sized pieces. Default 1 MiB.
+    pub buffer_bytes: usize,
+    /// Threads of the thread-pool engine. Default 8.
+    pub worker_threads: usize,
+    /// Payload bytes one connection may have in flight (flow-control window). Default 64 MiB.
+    pub window_bytes: u32,
+    /// io_uring submission queue size (in-flight disk operations + 1). Default 256.
+    pub ring_entries: u32,
+    /// Disk operations waiting to enter the engine before requests wait. Default 1024.
+    pub engine_queue_depth_max: usize,
+    /// Requests served at once on one connection. Default 128.
+    pub requests_in_flight_max: u32,
+    /// Timeout connecting to the meta server. Default 2000 ms.
+    pub meta_connect_timeout_ms: u64,
+    /// Timeout of one registration call. Default 5000 ms.
+    pub meta_call_timeout_ms: u64,
+    /// Longest wait between registration attempts while the meta server is away. Default 5000 ms.
+    pub register_backoff_max_ms: u64,
+}
+
+impl Default for IoConfig {
+    fn default() -> IoConfig {
+        IoConfig {
+            server_id: 1,
+            listen_address: "127.0.0.1:7710".to_owned(),
+            advertise_address: None,
+            data_dir: PathBuf::from("freeflow-io"),
+            meta_address: "127.0.0.1:7700".to_owned(),
+            engine: EngineKind::Uring,
+            open_files_max: 4096,
+            buffer_count: 64,
+            buffer_bytes: 1 << 20,
+            worker_threads: 8,
+            window_bytes: 64 << 20,
+            ring_entries: 256,
+            engine_queue_depth_max: 1024,
+            requests_in_flight_max: 128,
+            meta_connect_timeout_ms: 2000,
+            meta_call_timeout_ms: 5000,
+            register_backoff_max_ms: 5000,
+        }
+    }
+}
+
+impl IoConfig {
+    /// Checks every field; the error names the field and the rule.
+    pub fn validate(&self) -> Result<(), IoServerError> {
+        let IoConfig {
+            server_id: _,
+            listen_address,
+            advertise_address,
+            data_dir,
+            meta_address,
+            engine: _,
+            open_files_max,
+            buffer_count,
+            buffer_bytes,
+            worker_threads,
+            window_bytes,
+            ring_entries,
+            engine_queue_depth_max,
+            requests_in_flight_max,
+            meta_connect_timeout_ms,
+            meta_call_timeout_ms,
+            register_backoff_max_ms,
+        } = self;
+        check_address("listen_address", listen_address, true)?;
+        if let Some(advertise_address) = advertise_address {
+            check_address("advertise_address", advertise_address, false)?;
+        }
+        check_address("meta_address", meta_address, false)?;
+        if data_dir.as_os_str().is_empty() {
+            return invalid("data_dir is empty".to_owned());
+        }
+        check_range(
+            "open_files_max",
+            *open_files_max as u64,
+            1,
+            (PROCESS_OPEN_FILES_LIMIT - 4000) as u64,
+        )?;
+        check_range("buffer_count", *buffer_count as u64, 1, 4096)?;
+        check_range(
+            "buffer_bytes",
+            *buffer_bytes as u64,
+            4096,
+            u64::from(limits::IO_REQUEST_BYTES_MAX),
+        )?;
+        if buffer_bytes % 4096 != 0 {
+            return invalid(format!(
+                "buffer_bytes {buffer_bytes} is not a multiple of 4096"
+            ));
+        }
+        let pool_bytes = (*buffer_count as u64) * (*buffer_bytes as u64);
+        if pool_bytes > 4 << 30 {
+            return invalid(format!(
+                "buffer_count × buffer_bytes = {pool_bytes} bytes exceeds the 4 GiB bound"
+            ));
+        }
+        check_range("worker_threads", *worker_threads as u64, 1, 256)?;
+        check_range(
+            "window_bytes",
+            u64::from(*window_bytes),
+            u64::from(limits::IO_REQUEST_BYTES_MAX),
+            u64::from(u32::MAX),
+        )?;
+        check_range("ring_entries", u64::from(*ring_entries), 2, 4096)?;
+        check_range(
+            "engine_queue_depth_max",
+            *engine_queue_depth_max as u64,
+            1,
+            1 << 20,
+        )?;
+        check_range(
+            "requests_in_flight_max",
+            u64::from(*requests_in_flight_max),
+            1,
+            1 << 16,
+        )?;
+        check_range(
+            "meta_connect_timeout_ms",
+            *meta_connect_timeout_ms,
+            1,
+            600_000,
+        )?;
+        check_range("meta_call_timeout_ms", *meta_call_timeout_ms, 1, 600_000)?;
+        check_range(
+            "register_backoff_max_ms",
+            *register_backoff_max_ms,
+            100,
+            600_000,
+        )?;
+        Ok(())
+    }
+}
+
+fn invalid(message: String) -> Result<(), IoServerError> {
+    Err(IoServerError::InvalidConfig(message))
+}
+
+fn check_range(name: &str, value: u64, minimum: u64, maximum: u64) -> Result<(), IoServerError> {
+    if value < minimum || value > maximum {
+        return invalid(format!("{name} = {value} is outside {minimum}..={maximum}"));
+    }
+    Ok(())
+}
+
+/// `host:port` with a numeric port; port 0 only where `port_zero_allowed`.
+fn check_address(name: &str, address: &str, port_zero_allowed: bool) -> Result<(), IoServerError> {
+    let Some((host, port)) = address.rsplit_once(':') else {
+        return invalid(format!("{name} {address:?} is not host:port"));
+    };
+    let Ok(port) = port.parse::<u16>() else {
+        return invalid(format!("{name} {address:?} has no numeric port"));
+    };
+    if host.is_empty() {
+        return invalid(format!("{name} {address:?} has no host"));
+    }
+    if port == 0 && !port_zero_allowed {
+        return invalid(format!("{name} {address:?} has port 0"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_parse_from_toml() {
+        IoConfig::default().validate().unwrap();
+        let config: IoConfig = toml::from_str("engine = \"threads\"\nserver_id = 3\n").unwrap();
+        assert_eq!(config.engine, EngineKind::Threads);
+        assert_eq!(config.server_id, 3);
+        assert_eq!(config.open_files_max, 4096);
+    }
+
+    #[test]
+    fn unknown_fields_and_engines_are_refused() {
+        assert!(toml::from_str::<IoConfig>("engine = \"aio\"\n").is_err());
+        assert!(toml::from_str::<IoConfig>("buffers = 3\n").is_err());
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let config = IoConfig {
+            buffer_bytes: 1000,
+            ..IoConfig::default()
+        };
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("buffer_bytes"));
+        let config = IoConfig {
+            meta_address: "nowhere".to_owned(),
+            ..IoConfig::default()
+        };
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("meta_address"));
+        let config = IoConfig {
+            listen_address: "127.0.0.1:0".to_owned(),
+            ..IoConfig::default()
+        };
+        config.validate().unwrap();
+        let config = IoConfig {
+            open_files_max: 50_000,
+            ..IoConfig::default()
+        };
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("open_files_max"));
+    }
+}

@@ -1,0 +1,106 @@
+//! The data directory's owner: a `server-id` file written on first start, so a directory can
+//! never be served under another server's id (which would make the meta server's layouts
+//! point at the wrong objects).
+//!
+//! Format: the id in decimal followed by `\n`. Written once, atomically (temporary file,
+//! fsync, rename, fsync of the directory), so a crash leaves either no file or a whole one.
+
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::Path;
+
+use freeflow_types::ServerId;
+
+use crate::error::IoServerError;
+
+pub const SERVER_ID_FILE: &str = "server-id";
+
+/// Makes `data_dir` if needed and checks (or, on first start, writes) its server id.
+pub fn claim_data_dir(data_dir: &Path, server_id: ServerId) -> Result<(), IoServerError> {
+    let data_dir_error = |source: io::Error| IoServerError::DataDir {
+        path: data_dir.to_path_buf(),
+        source,
+    };
+    fs::create_dir_all(data_dir).map_err(data_dir_error)?;
+    let path = data_dir.join(SERVER_ID_FILE);
+    match fs::read_to_string(&path) {
+        Ok(text) => {
+            let stored: ServerId =
+                text.trim_end_matches('\n')
+                    .parse()
+                    .map_err(|_| IoServerError::ServerIdFile {
+                        path: path.clone(),
+                        reason: format!("expected a decimal server id, found {text:?}"),
+                    })?;
+            if stored != server_id {
+                return Err(IoServerError::ServerIdMismatch {
+                    data_dir: data_dir.to_path_buf(),
+                    stored,
+                    configured: server_id,
+                });
+            }
+            Ok(())
+        }
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {
+            write_server_id(data_dir, server_id).map_err(|source| IoServerError::ServerIdFile {
+                path,
+                reason: format!("cannot write: {source}"),
+            })
+        }
+        Err(error) => Err(IoServerError::ServerIdFile {
+            path,
+            reason: format!("cannot read: {error}"),
+        }),
+    }
+}
+
+fn write_server_id(data_dir: &Path, server_id: ServerId) -> io::Result<()> {
+    let temporary = data_dir.join(format!("{SERVER_ID_FILE}.tmp"));
+    let mut file = File::create(&temporary)?;
+    file.write_all(format!("{server_id}\n").as_bytes())?;
+    file.sync_all()?;
+    fs::rename(&temporary, data_dir.join(SERVER_ID_FILE))?;
+    File::open(data_dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_start_writes_the_id_and_later_starts_check_it() {
+        let directory = tempfile::tempdir().unwrap();
+        let data_dir = directory.path().join("data");
+        claim_data_dir(&data_dir, 7).unwrap();
+        assert_eq!(
+            fs::read_to_string(data_dir.join(SERVER_ID_FILE)).unwrap(),
+            "7\n"
+        );
+        claim_data_dir(&data_dir, 7).unwrap();
+        let error = claim_data_dir(&data_dir, 8).unwrap_err();
+        assert!(matches!(
+            error,
+            IoServerError::ServerIdMismatch {
+                stored: 7,
+                configured: 8,
+                ..
+            }
+        ));
+        let message = error.to_string();
+        assert!(
+            message.contains("server 7") && message.contains("configured as 8"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_garbled_id_file_is_refused() {
+        let directory = tempfile::tempdir().unwrap();
+        fs::write(directory.path().join(SERVER_ID_FILE), "seven\n").unwrap();
+        let error = claim_data_dir(directory.path(), 7).unwrap_err();
+        assert!(
+            matches!(error, IoServerError::ServerIdFile { .. }),
+            "{error}"
+        );
+    }
+}

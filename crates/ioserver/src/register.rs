@@ -1,0 +1,173 @@
+//! Registration with the meta server: `RegisterServer` at start and then every heartbeat
+//! interval (the meta server says how often in its reply), carrying this server's address,
+//! space and object count. The meta server uses it to know which servers are up and how full
+//! they are for placement.
+//!
+//! The I/O server serves whether or not the meta server is reachable (clients that already
+//! hold layouts keep working). Failed attempts are retried with exponential backoff bounded
+//! by `retry_backoff_max_ms`, and logged once per change of state, never once per attempt,
+//! so a meta server that is down for an hour does not fill the log.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use freeflow_proto::meta::RegisterServer;
+use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RpcError};
+
+use crate::service::IoService;
+use crate::store::ObjectStore;
+
+/// First retry delay after a failure; doubled per failure up to the configured bound.
+const RETRY_BACKOFF_INITIAL_MS: u64 = 100;
+/// Bounds on the heartbeat interval the meta server may ask for.
+const HEARTBEAT_INTERVAL_MIN_MS: u64 = 50;
+const HEARTBEAT_INTERVAL_MAX_MS: u64 = 60_000;
+
+#[derive(Clone, Debug)]
+pub struct RegistrationOptions {
+    pub meta_address: String,
+    /// The address clients should use to reach this server.
+    pub advertise_address: String,
+    pub connect_timeout_ms: u64,
+    pub call_timeout_ms: u64,
+    pub retry_backoff_max_ms: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LinkState {
+    Starting,
+    Registered,
+    /// The meta server could not be reached (connect, timeout, lost connection).
+    Unreachable,
+    /// The meta server answered with an error.
+    Refused,
+    /// This server could not read its own statistics (statvfs failed).
+    LocalFailure,
+}
+
+/// Registers forever; `registered` follows whether the last attempt succeeded.
+pub async fn run_registration(
+    store: Arc<ObjectStore>,
+    key: ClusterKey,
+    options: RegistrationOptions,
+    registered: Arc<AtomicBool>,
+) {
+    let connect_options = ConnectOptions {
+        client_name: format!("io:{}", store.server_id()),
+        call_timeout_ms: options.call_timeout_ms,
+        connect_timeout_ms: options.connect_timeout_ms,
+        ..ConnectOptions::default()
+    };
+    let mut connection: Option<Connection> = None;
+    let mut state = LinkState::Starting;
+    let mut backoff_ms = RETRY_BACKOFF_INITIAL_MS;
+    loop {
+        let attempt =
+            register_once(&store, &key, &options, &connect_options, &mut connection).await;
+        let (next_state, delay_ms) = match &attempt {
+            Ok(heartbeat_interval_ms) => {
+                backoff_ms = RETRY_BACKOFF_INITIAL_MS;
+                (LinkState::Registered, *heartbeat_interval_ms)
+            }
+            Err(error) => {
+                let delay_ms = backoff_ms;
+                backoff_ms = (backoff_ms * 2).min(options.retry_backoff_max_ms);
+                let next = match error {
+                    RegisterError::Rpc(RpcError::Remote(_)) => LinkState::Refused,
+                    RegisterError::Rpc(_) => LinkState::Unreachable,
+                    RegisterError::Stats(_) => LinkState::LocalFailure,
+                };
+                (next, delay_ms)
+            }
+        };
+        registered.store(next_state == LinkState::Registered, Ordering::Release);
+        if next_state != state {
+            log_transition(&store, &options, next_state, &attempt);
+            state = next_state;
+        }
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum RegisterError {
+    #[error("{0}")]
+    Rpc(RpcError),
+    #[error("cannot read the data directory's space: {0}")]
+    Stats(crate::error::StoreError),
+}
+
+/// One registration; returns the heartbeat interval to wait before the next.
+async fn register_once(
+    store: &ObjectStore,
+    key: &ClusterKey,
+    options: &RegistrationOptions,
+    connect_options: &ConnectOptions,
+    connection: &mut Option<Connection>,
+) -> Result<u64, RegisterError> {
+    let stats = IoService::stats(store).map_err(RegisterError::Stats)?;
+    if connection.as_ref().is_none_or(Connection::is_closed) {
+        *connection = None;
+        let connected = Connection::connect(&options.meta_address, key, connect_options)
+            .await
+            .map_err(RegisterError::Rpc)?;
+        *connection = Some(connected);
+    }
+    let Some(link) = connection.as_ref() else {
+        unreachable!("connected above")
+    };
+    let request = RegisterServer {
+        server_id: stats.server_id,
+        address: options.advertise_address.clone(),
+        capacity_bytes: stats.capacity_bytes,
+        free_bytes: stats.free_bytes,
+        object_count: stats.object_count,
+    };
+    let (reply, _) = link.call(&request, Bytes::new()).await.map_err(|error| {
+        if error.is_connection_failure() {
+            *connection = None;
+        }
+        RegisterError::Rpc(error)
+    })?;
+    Ok(u64::from(reply.heartbeat_interval_ms)
+        .clamp(HEARTBEAT_INTERVAL_MIN_MS, HEARTBEAT_INTERVAL_MAX_MS))
+}
+
+fn log_transition(
+    store: &ObjectStore,
+    options: &RegistrationOptions,
+    state: LinkState,
+    attempt: &Result<u64, RegisterError>,
+) {
+    let server_id = store.server_id();
+    let meta = options.meta_address.as_str();
+    match (state, attempt) {
+        (LinkState::Registered, Ok(heartbeat_interval_ms)) => tracing::info!(
+            server_id,
+            meta,
+            address = options.advertise_address.as_str(),
+            heartbeat_interval_ms,
+            "registered with the meta server"
+        ),
+        (LinkState::Refused, Err(error)) => tracing::error!(
+            server_id,
+            meta,
+            %error,
+            "meta server refused the registration; retrying with backoff (logged again only when this changes)"
+        ),
+        (LinkState::LocalFailure, Err(error)) => tracing::error!(
+            server_id,
+            %error,
+            "cannot register with the meta server; retrying with backoff (logged again only when this changes)"
+        ),
+        (_, Err(error)) => tracing::warn!(
+            server_id,
+            meta,
+            %error,
+            "meta server unreachable; serving anyway and retrying with backoff (logged again only when this changes)"
+        ),
+        (_, Ok(_)) => {}
+    }
+}

@@ -1,0 +1,95 @@
+//! The RPC face of the object store: decodes `proto::io` requests, runs them on the
+//! [`ObjectStore`], encodes replies. Bad arguments come back as wire errors with the right
+//! code (see [`StoreError::code`]); an unknown opcode or undecodable header closes the
+//! connection, since the peer is not speaking our protocol.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use freeflow_proto::io::{
+    IoStats, ReadObject, ReadReply, RemoveObjects, ServerStats, SyncObjects, TruncateObject,
+    WriteObject,
+};
+use freeflow_proto::{Request, WireError};
+use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
+
+use crate::error::StoreError;
+use crate::store::ObjectStore;
+
+pub struct IoService {
+    store: Arc<ObjectStore>,
+}
+
+impl IoService {
+    pub fn new(store: Arc<ObjectStore>) -> IoService {
+        IoService { store }
+    }
+
+    /// The reply to `ServerStats`, also what the registration sends.
+    pub fn stats(store: &ObjectStore) -> Result<IoStats, StoreError> {
+        let space = store.space()?;
+        Ok(IoStats {
+            server_id: store.server_id(),
+            capacity_bytes: space.capacity_bytes,
+            free_bytes: space.free_bytes,
+            object_count: store.object_count().objects,
+            engine: store.engine().name().to_owned(),
+        })
+    }
+}
+
+impl Service for IoService {
+    async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
+        let store = &*self.store;
+        match frame.opcode {
+            WriteObject::OPCODE => {
+                handle(frame, |request: WriteObject, payload| async move {
+                    store.write(request.object, request.offset, payload).await?;
+                    Ok(((), Bytes::new()))
+                })
+                .await
+            }
+            ReadObject::OPCODE => {
+                handle(frame, |request: ReadObject, _| async move {
+                    let data = store
+                        .read(request.object, request.offset, request.length)
+                        .await?;
+                    // `data` is at most `request.length` (a u32) long.
+                    let length = u32::try_from(data.len()).map_err(|_| {
+                        WireError::new(freeflow_proto::ErrorCode::Io, "read returned too much")
+                    })?;
+                    Ok((ReadReply { length }, data))
+                })
+                .await
+            }
+            TruncateObject::OPCODE => {
+                handle(frame, |request: TruncateObject, _| async move {
+                    store.truncate(request.object, request.length).await?;
+                    Ok(((), Bytes::new()))
+                })
+                .await
+            }
+            SyncObjects::OPCODE => {
+                handle(frame, |request: SyncObjects, _| async move {
+                    store.sync(&request.objects).await?;
+                    Ok(((), Bytes::new()))
+                })
+                .await
+            }
+            RemoveObjects::OPCODE => {
+                handle(frame, |request: RemoveObjects, _| async move {
+                    store.remove(request.inode, &request.stripes).await?;
+                    Ok(((), Bytes::new()))
+                })
+                .await
+            }
+            ServerStats::OPCODE => {
+                handle(frame, |_: ServerStats, _| async move {
+                    Ok((IoService::stats(store)?, Bytes::new()))
+                })
+                .await
+            }
+            opcode => Err(format!("unknown opcode {opcode} for an I/O server")),
+        }
+    }
+}

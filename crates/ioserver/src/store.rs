@@ -1,0 +1,437 @@
+//! The object store: one sparse local file per (inode, stripe) under the data directory,
+//! created lazily by the first write (a file create touches only the meta server).
+//!
+//! ## On-disk layout
+//! | path                                    | contents                                      |
+//! |-----------------------------------------|-----------------------------------------------|
+//! | `server-id`                             | the server id, decimal, then `\n` (see [`crate::identity`]) |
+//! | `objects/<inode % 256, 2 hex>/`         | 256 shard directories, made at start          |
+//! | `objects/<sh>/<inode, 16 hex>.<stripe>` | the object: bytes at their object offsets; holes read as zeros |
+//!
+//! Objects carry no header: the file *is* the data, so a read is one `pread` and an object
+//! can be inspected with ordinary tools. Durability is what `fdatasync` gives on the local
+//! file system: after a `SyncObjects` reply, every byte written before it is on stable
+//! storage; without a sync, a crash may lose recent writes (never reorder them into place).
+//!
+//! ## Object count
+//! Start-up must not be slow however many objects there are (DESIGN.md §2), so the count is
+//! not computed before ready: [`ObjectStore::count_objects`] scans the 256 shard directories
+//! in a background task after the server is ready. Each shard has a counter guarded by a
+//! lock that is also held around object creation and removal in that shard; before a shard is
+//! scanned, creations and removals there do not touch its counter (the scan will see the
+//! result), after it they do. So the final count is exact, never double-counted, and until
+//! the scan finishes [`ObjectStore::object_count`] reports a partial count and says so.
+//!
+//! There is no per-object lock on the data path: reads and writes go straight to the engine
+//! with the cached `Arc<File>`.
+
+use std::collections::BTreeSet;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use bytes::Bytes;
+use freeflow_types::{limits, InodeId, ObjectId, ServerId};
+
+use crate::engine::DiskEngine;
+use crate::error::{object_name, StoreError};
+use crate::fd_cache::FdCache;
+
+/// Number of shard directories under `objects/`.
+pub const SHARD_COUNT: usize = 256;
+
+/// Capacity and free space of the data directory's file system.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Space {
+    pub capacity_bytes: u64,
+    /// Free to an unprivileged user (`f_bavail`).
+    pub free_bytes: u64,
+}
+
+/// The number of objects, and whether the start-up scan has finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ObjectCount {
+    pub objects: u64,
+    /// False while the background scan runs: `objects` then counts only scanned shards
+    /// (and what was created in them since).
+    pub complete: bool,
+}
+
+#[derive(Default)]
+struct ShardCount {
+    scanned: bool,
+    objects: u64,
+}
+
+pub struct ObjectStore {
+    server_id: ServerId,
+    data_dir: PathBuf,
+    objects_dir: PathBuf,
+    engine: Arc<dyn DiskEngine>,
+    cache: FdCache,
+    /// One counter per shard directory, shared with the blocking tasks that create and
+    /// remove objects.
+    shards: Arc<[Mutex<ShardCount>]>,
+    count_complete: AtomicBool,
+}
+
+impl ObjectStore {
+    /// Opens the store in `data_dir` (whose identity the caller has already checked) and makes
+    /// the shard directories. O(1) in the number of objects.
+    pub fn open(
+        server_id: ServerId,
+        data_dir: &Path,
+        engine: Arc<dyn DiskEngine>,
+        open_files_max: usize,
+    ) -> io::Result<ObjectStore> {
+        let objects_dir = data_dir.join("objects");
+        for shard in 0..SHARD_COUNT {
+            std::fs::create_dir_all(objects_dir.join(format!("{shard:02x}")))?;
+        }
+        Ok(ObjectStore {
+            server_id,
+            data_dir: data_dir.to_path_buf(),
+            objects_dir,
+            engine,
+            cache: FdCache::new(open_files_max),
+            shards: (0..SHARD_COUNT)
+                .map(|_| Mutex::new(ShardCount::default()))
+                .collect::<Vec<_>>()
+                .into(),
+            count_complete: AtomicBool::new(false),
+        })
+    }
+
+    pub fn server_id(&self) -> ServerId {
+        self.server_id
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    pub fn engine(&self) -> &Arc<dyn DiskEngine> {
+        &self.engine
+    }
+
+    pub fn fd_cache(&self) -> &FdCache {
+        &self.cache
+    }
+
+    /// Where `object` lives.
+    pub fn object_path(&self, object: ObjectId) -> PathBuf {
+        self.objects_dir
+            .join(format!("{:02x}", shard_of(object.inode)))
+            .join(object_name(object))
+    }
+
+    /// Writes `data` at `offset`, creating the object if it does not exist.
+    pub async fn write(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        data: Bytes,
+    ) -> Result<(), StoreError> {
+        check_range(object, offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let file = self.open_or_create(object).await?;
+        self.engine
+            .write_at(file, offset, data)
+            .await
+            .map_err(|error| self.error("write", object, error))
+    }
+
+    /// Reads up to `length_bytes` at `offset`: fewer when the object ends first, none when
+    /// it does not exist.
+    pub async fn read(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        length_bytes: u32,
+    ) -> Result<Bytes, StoreError> {
+        check_range(object, offset, u64::from(length_bytes))?;
+        if length_bytes == 0 {
+            return Ok(Bytes::new());
+        }
+        let Some(file) = self.open_existing(object).await? else {
+            return Ok(Bytes::new());
+        };
+        self.engine
+            .read_at(file, offset, length_bytes as usize)
+            .await
+            .map_err(|error| self.error("read", object, error))
+    }
+
+    /// Cuts or extends the object to `length_bytes`; creates it only if `length_bytes > 0`.
+    pub async fn truncate(&self, object: ObjectId, length_bytes: u64) -> Result<(), StoreError> {
+        if length_bytes > limits::FILE_SIZE_MAX {
+            return Err(StoreError::FileTooBig {
+                object,
+                offset: 0,
+                length_bytes,
+            });
+        }
+        let file = if length_bytes == 0 {
+            match self.open_existing(object).await? {
+                Some(file) => file,
+                None => return Ok(()),
+            }
+        } else {
+            self.open_or_create(object).await?
+        };
+        blocking(move || file.set_len(length_bytes))
+            .await
+            .map_err(|error| self.error("truncate", object, error))
+    }
+
+    /// `fdatasync` of every listed object, all at once; missing objects are skipped.
+    pub async fn sync(&self, objects: &[ObjectId]) -> Result<(), StoreError> {
+        let unique: BTreeSet<ObjectId> = objects.iter().copied().collect();
+        let mut syncs = tokio::task::JoinSet::new();
+        for object in unique {
+            let Some(file) = self.open_existing(object).await? else {
+                continue;
+            };
+            let engine = Arc::clone(&self.engine);
+            syncs.spawn(async move { (object, engine.sync_data(file).await) });
+        }
+        let mut first_error = None;
+        while let Some(joined) = syncs.join_next().await {
+            let (object, result) = joined.map_err(|error| StoreError::Io {
+                server_id: self.server_id,
+                operation: "sync",
+                path: self.objects_dir.clone(),
+                source: io::Error::other(format!("sync task failed: {error}")),
+            })?;
+            if let Err(error) = result {
+                first_error.get_or_insert_with(|| self.error("sync", object, error));
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Removes these stripes' objects of `inode`; missing ones are fine.
+    pub async fn remove(&self, inode: InodeId, stripes: &[u32]) -> Result<(), StoreError> {
+        for &stripe_index in stripes {
+            let object = ObjectId {
+                inode,
+                stripe_index,
+            };
+            self.cache.remove(object);
+            let path = self.object_path(object);
+            let removed = {
+                let path = path.clone();
+                let shards = Arc::clone(&self.shards);
+                blocking(move || remove_object(&shards[shard_of(inode)], &path)).await
+            };
+            // A task that opened the file just before the unlink may have cached it; inode
+            // ids are never reused, so only that stale descriptor could be hit, and we drop it.
+            self.cache.remove(object);
+            removed.map_err(|error| StoreError::from_io(self.server_id, "remove", path, error))?;
+        }
+        Ok(())
+    }
+
+    /// Statistics of the data directory's file system.
+    pub fn space(&self) -> Result<Space, StoreError> {
+        statvfs(&self.data_dir).map_err(|error| {
+            StoreError::from_io(self.server_id, "statvfs", self.data_dir.clone(), error)
+        })
+    }
+
+    pub fn object_count(&self) -> ObjectCount {
+        // Read `complete` first: if it is true, every shard's count below is final.
+        let complete = self.count_complete.load(Ordering::Acquire);
+        let objects = self.shards.iter().map(|shard| lock(shard).objects).sum();
+        ObjectCount { objects, complete }
+    }
+
+    /// Counts the objects on disk, one shard at a time (see the module doc). Blocking: run
+    /// it on a blocking thread after the server is ready.
+    pub fn count_objects(&self) -> io::Result<u64> {
+        let started = Instant::now();
+        for (shard, count) in self.shards.iter().enumerate() {
+            let directory = self.objects_dir.join(format!("{shard:02x}"));
+            let mut count = lock(count);
+            if count.scanned {
+                continue;
+            }
+            let mut objects = 0u64;
+            for entry in std::fs::read_dir(&directory)? {
+                if is_object_name(&entry?.file_name().to_string_lossy()) {
+                    objects += 1;
+                }
+            }
+            count.objects = objects;
+            count.scanned = true;
+        }
+        self.count_complete.store(true, Ordering::Release);
+        let total = self.object_count().objects;
+        tracing::info!(
+            server_id = self.server_id,
+            objects = total,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "object count ready"
+        );
+        Ok(total)
+    }
+
+    async fn open_existing(&self, object: ObjectId) -> Result<Option<Arc<File>>, StoreError> {
+        if let Some(file) = self.cache.get(object) {
+            return Ok(Some(file));
+        }
+        let path = self.object_path(object);
+        let opened = {
+            let path = path.clone();
+            blocking(move || match open_object(&path, false) {
+                Ok(file) => Ok(Some(file)),
+                Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+                Err(error) => Err(error),
+            })
+            .await
+        };
+        match opened {
+            Ok(Some(file)) => Ok(Some(self.cache.insert(object, Arc::new(file)))),
+            Ok(None) => Ok(None),
+            Err(error) => Err(StoreError::from_io(self.server_id, "open", path, error)),
+        }
+    }
+
+    async fn open_or_create(&self, object: ObjectId) -> Result<Arc<File>, StoreError> {
+        if let Some(file) = self.cache.get(object) {
+            return Ok(file);
+        }
+        let path = self.object_path(object);
+        let opened = {
+            let path = path.clone();
+            let shards = Arc::clone(&self.shards);
+            blocking(move || create_object(&shards[shard_of(object.inode)], &path)).await
+        };
+        match opened {
+            Ok(file) => Ok(self.cache.insert(object, Arc::new(file))),
+            Err(error) => Err(StoreError::from_io(self.server_id, "create", path, error)),
+        }
+    }
+
+    fn error(&self, operation: &'static str, object: ObjectId, error: io::Error) -> StoreError {
+        StoreError::from_io(self.server_id, operation, self.object_path(object), error)
+    }
+}
+
+/// The shard of an inode: `inode % 256`.
+pub fn shard_of(inode: InodeId) -> usize {
+    (inode % SHARD_COUNT as u64) as usize
+}
+
+/// True for `<16 hex>.<decimal stripe>`, the names objects have.
+fn is_object_name(name: &str) -> bool {
+    let Some((inode, stripe)) = name.split_once('.') else {
+        return false;
+    };
+    inode.len() == 16
+        && inode.bytes().all(|byte| byte.is_ascii_hexdigit())
+        && !stripe.is_empty()
+        && stripe.parse::<u32>().is_ok()
+}
+
+/// Rejects ranges past the largest file size and requests past the request bound.
+fn check_range(object: ObjectId, offset: u64, length_bytes: u64) -> Result<(), StoreError> {
+    if length_bytes > u64::from(limits::IO_REQUEST_BYTES_MAX) {
+        return Err(StoreError::RequestTooLong { length_bytes });
+    }
+    match offset.checked_add(length_bytes) {
+        Some(end) if end <= limits::FILE_SIZE_MAX => Ok(()),
+        _ => Err(StoreError::FileTooBig {
+            object,
+            offset,
+            length_bytes,
+        }),
+    }
+}
+
+fn lock(shard: &Mutex<ShardCount>) -> MutexGuard<'_, ShardCount> {
+    // Each update is a single assignment: a poisoned lock is still consistent.
+    shard
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Opens an object read-write (objects opened for a read may later be written through the
+/// cache), creating it when `create` is set.
+fn open_object(path: &Path, create_new: bool) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(create_new)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// Opens the object, creating it if missing, and counts a creation under the shard's lock.
+fn create_object(shard: &Mutex<ShardCount>, path: &Path) -> io::Result<File> {
+    match open_object(path, false) {
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+        other => return other,
+    }
+    let mut count = lock(shard);
+    match open_object(path, true) {
+        Ok(file) => {
+            if count.scanned {
+                count.objects += 1;
+            }
+            Ok(file)
+        }
+        // Another task created it between our two opens.
+        Err(error) if error.kind() == io::ErrorKind::AlreadyExists => open_object(path, false),
+        Err(error) => Err(error),
+    }
+}
+
+/// Unlinks the object if it exists, counting the removal under the shard's lock.
+fn remove_object(shard: &Mutex<ShardCount>, path: &Path) -> io::Result<()> {
+    let mut count = lock(shard);
+    match std::fs::remove_file(path) {
+        Ok(()) => {
+            if count.scanned {
+                count.objects = count.objects.saturating_sub(1);
+            }
+            Ok(())
+        }
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(error) => Err(error),
+    }
+}
+
+/// Runs blocking file-system work (open, unlink, ftruncate) off the async threads.
+async fn blocking<T, F>(work: F) -> io::Result<T>
+where
+    F: FnOnce() -> io::Result<T> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|error| Err(io::Error::other(format!("blocking task failed: {error}"))))
+}
+
+fn statvfs(path: &Path) -> io::Result<Space> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
+    // SAFETY: statvfs fills the zeroed struct from a valid NUL-terminated path.
+    let mut stats: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(path.as_ptr(), &mut stats) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fragment_bytes = stats.f_frsize as u64;
+    Ok(Space {
+        capacity_bytes: (stats.f_blocks as u64).saturating_mul(fragment_bytes),
+        free_bytes: (stats.f_bavail as u64).saturating_mul(fragment_bytes),
+    })
+}

@@ -1,0 +1,289 @@
+//! The I/O server over the real RPC layer, in one process: requests and their error codes on
+//! the wire, the data directory's identity, and registration with a (fake) meta server,
+//! including a meta server that only appears after the I/O server started.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use freeflow_ioserver::{start, EngineKind, IoConfig, IoServerError};
+use freeflow_proto::io::{
+    ReadObject, RemoveObjects, ServerStats, SyncObjects, TruncateObject, WriteObject,
+};
+use freeflow_proto::meta::{RegisterReply, RegisterServer};
+use freeflow_proto::{ErrorCode, Request};
+use freeflow_rpc::{
+    handle, ClusterKey, ConnectOptions, Connection, Frame, PeerInfo, Reply, RpcError, Service,
+};
+use freeflow_types::{limits, ObjectId};
+
+fn config(directory: &tempfile::TempDir, engine: EngineKind, meta_address: String) -> IoConfig {
+    IoConfig {
+        server_id: 5,
+        listen_address: "127.0.0.1:0".to_owned(),
+        data_dir: directory.path().join("data"),
+        meta_address,
+        engine,
+        buffer_count: 8,
+        buffer_bytes: 64 << 10,
+        register_backoff_max_ms: 200,
+        meta_connect_timeout_ms: 500,
+        ..IoConfig::default()
+    }
+}
+
+/// An address nothing listens on.
+async fn dead_address() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    drop(listener);
+    address
+}
+
+async fn requests_over_rpc(engine: EngineKind) {
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let server = start(
+        config(&directory, engine, dead_address().await),
+        key.clone(),
+    )
+    .await
+    .unwrap();
+    let expected_engine = if engine == EngineKind::Uring {
+        "io_uring"
+    } else {
+        "threads"
+    };
+    assert_eq!(server.engine_name(), expected_engine);
+    let connection = Connection::connect(
+        &server.listen_address().to_string(),
+        &key,
+        &ConnectOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(connection.identity(), "io:5");
+
+    let object = ObjectId {
+        inode: 42,
+        stripe_index: 2,
+    };
+    // 200 KiB: more than three 64 KiB buffers.
+    let data: Vec<u8> = (0..200 << 10)
+        .map(|index: u32| (index % 251) as u8)
+        .collect();
+    let write = WriteObject {
+        object,
+        offset: 4096,
+    };
+    connection
+        .call(&write, Bytes::from(data.clone()))
+        .await
+        .unwrap();
+    let (reply, payload) = connection
+        .call(
+            &ReadObject {
+                object,
+                offset: 0,
+                length: 1 << 20,
+            },
+            Bytes::new(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.length as usize, 4096 + data.len());
+    assert_eq!(payload.len(), reply.length as usize);
+    assert!(payload[..4096].iter().all(|&byte| byte == 0));
+    assert!(payload[4096..] == data[..]);
+
+    connection
+        .call(
+            &SyncObjects {
+                objects: vec![object],
+            },
+            Bytes::new(),
+        )
+        .await
+        .unwrap();
+    connection
+        .call(
+            &TruncateObject {
+                object,
+                length: 100,
+            },
+            Bytes::new(),
+        )
+        .await
+        .unwrap();
+    let (reply, _) = connection
+        .call(
+            &ReadObject {
+                object,
+                offset: 0,
+                length: 4096,
+            },
+            Bytes::new(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.length, 100);
+
+    let (stats, _) = connection
+        .call(&ServerStats {}, Bytes::new())
+        .await
+        .unwrap();
+    assert_eq!(stats.server_id, 5);
+    assert_eq!(stats.engine, expected_engine);
+    assert!(stats.capacity_bytes >= stats.free_bytes && stats.capacity_bytes > 0);
+
+    connection
+        .call(
+            &RemoveObjects {
+                inode: 42,
+                stripes: vec![2, 3],
+            },
+            Bytes::new(),
+        )
+        .await
+        .unwrap();
+    let (reply, payload) = connection
+        .call(
+            &ReadObject {
+                object,
+                offset: 0,
+                length: 4096,
+            },
+            Bytes::new(),
+        )
+        .await
+        .unwrap();
+    assert_eq!((reply.length, payload.len()), (0, 0));
+
+    fn code<T: std::fmt::Debug>(result: Result<T, RpcError>) -> ErrorCode {
+        result.unwrap_err().code()
+    }
+    let too_far = WriteObject {
+        object,
+        offset: limits::FILE_SIZE_MAX,
+    };
+    assert_eq!(
+        code(connection.call(&too_far, Bytes::from_static(b"x")).await),
+        ErrorCode::FileTooBig
+    );
+    let too_long = ReadObject {
+        object,
+        offset: 0,
+        length: limits::IO_REQUEST_BYTES_MAX + 1,
+    };
+    assert_eq!(
+        code(connection.call(&too_long, Bytes::new()).await),
+        ErrorCode::InvalidArgument
+    );
+    // The connection survives argument errors.
+    assert!(!connection.is_closed());
+    connection
+        .call(&SyncObjects { objects: vec![] }, Bytes::new())
+        .await
+        .unwrap();
+
+    assert!(!server.is_registered());
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_over_rpc_with_io_uring() {
+    requests_over_rpc(EngineKind::Uring).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_over_rpc_with_threads() {
+    requests_over_rpc(EngineKind::Threads).await;
+}
+
+#[tokio::test]
+async fn a_data_dir_of_another_server_is_refused() {
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let mut config = config(&directory, EngineKind::Threads, dead_address().await);
+    start(config.clone(), key.clone())
+        .await
+        .unwrap()
+        .shutdown()
+        .await;
+    config.server_id = 6;
+    let error = start(config, key)
+        .await
+        .err()
+        .expect("a foreign data dir must be refused");
+    assert!(matches!(
+        error,
+        IoServerError::ServerIdMismatch {
+            stored: 5,
+            configured: 6,
+            ..
+        }
+    ));
+}
+
+/// A meta server that records registrations.
+struct FakeMeta {
+    registrations: Mutex<Vec<RegisterServer>>,
+}
+
+impl Service for FakeMeta {
+    async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
+        if frame.opcode != RegisterServer::OPCODE {
+            return Err(format!("unexpected opcode {}", frame.opcode));
+        }
+        handle(frame, |request: RegisterServer, _| async move {
+            self.registrations.lock().unwrap().push(request);
+            Ok((
+                RegisterReply {
+                    heartbeat_interval_ms: 50,
+                },
+                Bytes::new(),
+            ))
+        })
+        .await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_once_the_meta_server_appears_and_keeps_heartbeating() {
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let meta_address = dead_address().await;
+    let server = start(
+        config(&directory, EngineKind::Uring, meta_address.clone()),
+        key.clone(),
+    )
+    .await
+    .unwrap();
+    // The meta server is away: the I/O server serves anyway.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!server.is_registered());
+
+    let meta = Arc::new(FakeMeta {
+        registrations: Mutex::new(Vec::new()),
+    });
+    let listener = tokio::net::TcpListener::bind(&meta_address).await.unwrap();
+    let meta_task = tokio::spawn(freeflow_rpc::serve(
+        listener,
+        key,
+        freeflow_rpc::ServerOptions::new("meta"),
+        Arc::clone(&meta),
+    ));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while meta.registrations.lock().unwrap().len() < 3 {
+        assert!(tokio::time::Instant::now() < deadline, "no heartbeats");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(server.is_registered());
+    let last = meta.registrations.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(last.server_id, 5);
+    assert_eq!(last.address, server.listen_address().to_string());
+    assert!(last.capacity_bytes > 0);
+    assert_eq!(last.object_count, 0);
+    server.shutdown().await;
+    meta_task.abort();
+}

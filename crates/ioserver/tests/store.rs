@@ -1,0 +1,531 @@
+//! The object store against a model, for both disk engines: whatever sequence of writes,
+//! reads, truncates and removes, a read returns exactly what a `BTreeMap<offset, byte>` model
+//! says (holes as zeros, short at the object's end, empty when the object does not exist).
+//! Plus the concurrency promises: disjoint writes from many tasks all land, more requests than
+//! buffers complete (waiters are woken), and the descriptor cache stays within its bound.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use freeflow_ioserver::engine::threads::ThreadEngine;
+use freeflow_ioserver::engine::uring::{UringEngine, UringOptions};
+use freeflow_ioserver::engine::DiskEngine;
+use freeflow_ioserver::store::ObjectStore;
+use freeflow_ioserver::StoreError;
+use freeflow_proto::ErrorCode;
+use freeflow_types::{limits, ObjectId};
+use proptest::prelude::*;
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Uring,
+    Threads,
+}
+
+/// Small buffers so that requests span several of them and the pool runs dry.
+const BUFFER_BYTES: usize = 16 << 10;
+const BUFFER_COUNT: usize = 4;
+
+fn engine(kind: Kind) -> Arc<dyn DiskEngine> {
+    match kind {
+        Kind::Uring => {
+            let engine = UringEngine::new(UringOptions {
+                ring_entries: 16,
+                buffer_count: BUFFER_COUNT,
+                buffer_bytes: BUFFER_BYTES,
+                queue_depth_max: 8,
+            })
+            .expect("io_uring is available on the test machines");
+            Arc::new(engine)
+        }
+        Kind::Threads => Arc::new(ThreadEngine::new(3, 8).unwrap()),
+    }
+}
+
+fn store(kind: Kind, directory: &tempfile::TempDir, open_files_max: usize) -> ObjectStore {
+    ObjectStore::open(9, directory.path(), engine(kind), open_files_max).unwrap()
+}
+
+const OBJECT: ObjectId = ObjectId {
+    inode: 0x1234_5678,
+    stripe_index: 3,
+};
+
+/// The model: which bytes were written (absent = hole) and the object's length, or `None`
+/// when the object does not exist.
+#[derive(Default)]
+struct Model {
+    bytes: BTreeMap<u64, u8>,
+    length_bytes: Option<u64>,
+}
+
+impl Model {
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if data.is_empty() {
+            return;
+        }
+        for (index, &byte) in data.iter().enumerate() {
+            self.bytes.insert(offset + index as u64, byte);
+        }
+        let end = offset + data.len() as u64;
+        self.length_bytes = Some(self.length_bytes.unwrap_or(0).max(end));
+    }
+
+    fn read(&self, offset: u64, length_bytes: u32) -> Vec<u8> {
+        let end = (offset + u64::from(length_bytes)).min(self.length_bytes.unwrap_or(0));
+        (offset..end.max(offset))
+            .map(|at| self.bytes.get(&at).copied().unwrap_or(0))
+            .collect()
+    }
+
+    fn truncate(&mut self, length_bytes: u64) {
+        if self.length_bytes.is_none() && length_bytes == 0 {
+            return;
+        }
+        self.bytes.retain(|&at, _| at < length_bytes);
+        self.length_bytes = Some(length_bytes);
+    }
+
+    fn remove(&mut self) {
+        *self = Model::default();
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    Write {
+        offset: u64,
+        length_bytes: usize,
+        seed: u8,
+    },
+    Read {
+        offset: u64,
+        length_bytes: u32,
+    },
+    Truncate {
+        length_bytes: u64,
+    },
+    Sync,
+    Remove,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    // Offsets up to 96 KiB, lengths up to 40 KiB: several buffers per request, holes and
+    // reads past the end are all common.
+    prop_oneof![
+        4 => (0u64..96 << 10, 0usize..40 << 10, any::<u8>())
+            .prop_map(|(offset, length_bytes, seed)| Step::Write { offset, length_bytes, seed }),
+        4 => (0u64..128 << 10, 0u32..48 << 10)
+            .prop_map(|(offset, length_bytes)| Step::Read { offset, length_bytes }),
+        2 => (0u64..128 << 10).prop_map(|length_bytes| Step::Truncate { length_bytes }),
+        1 => Just(Step::Sync),
+        1 => Just(Step::Remove),
+    ]
+}
+
+fn pattern(length_bytes: usize, seed: u8) -> Vec<u8> {
+    (0..length_bytes)
+        .map(|index| (index as u8).wrapping_mul(31).wrapping_add(seed) | 1)
+        .collect()
+}
+
+fn run_model(kind: Kind, steps: Vec<Step>) -> Result<(), TestCaseError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let store = store(kind, &directory, 4);
+    let mut model = Model::default();
+    runtime.block_on(async {
+        for step in steps {
+            match step {
+                Step::Write {
+                    offset,
+                    length_bytes,
+                    seed,
+                } => {
+                    let data = pattern(length_bytes, seed);
+                    store
+                        .write(OBJECT, offset, Bytes::from(data.clone()))
+                        .await
+                        .unwrap();
+                    model.write(offset, &data);
+                }
+                Step::Read {
+                    offset,
+                    length_bytes,
+                } => {
+                    let read = store.read(OBJECT, offset, length_bytes).await.unwrap();
+                    let expected = model.read(offset, length_bytes);
+                    prop_assert_eq!(
+                        read.len(),
+                        expected.len(),
+                        "read at {} of {}",
+                        offset,
+                        length_bytes
+                    );
+                    prop_assert!(
+                        read[..] == expected[..],
+                        "contents differ at {} of {}",
+                        offset,
+                        length_bytes
+                    );
+                }
+                Step::Truncate { length_bytes } => {
+                    store.truncate(OBJECT, length_bytes).await.unwrap();
+                    model.truncate(length_bytes);
+                }
+                Step::Sync => store
+                    .sync(&[
+                        OBJECT,
+                        ObjectId {
+                            inode: 77,
+                            stripe_index: 0,
+                        },
+                    ])
+                    .await
+                    .unwrap(),
+                Step::Remove => {
+                    store
+                        .remove(OBJECT.inode, &[OBJECT.stripe_index, 99])
+                        .await
+                        .unwrap();
+                    model.remove();
+                }
+            }
+            // The object exists exactly when the model says so (lazy creation).
+            prop_assert_eq!(
+                store.object_path(OBJECT).exists(),
+                model.length_bytes.is_some()
+            );
+        }
+        // And a whole read at the end agrees too.
+        let length_bytes = model.length_bytes.unwrap_or(0) as u32;
+        let read = store.read(OBJECT, 0, length_bytes + 100).await.unwrap();
+        prop_assert!(read[..] == model.read(0, length_bytes + 100)[..]);
+        Ok(())
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_store_matches_the_model_with_io_uring(steps in prop::collection::vec(step(), 1..40)) {
+        run_model(Kind::Uring, steps)?;
+    }
+
+    #[test]
+    fn the_store_matches_the_model_with_threads(steps in prop::collection::vec(step(), 1..40)) {
+        run_model(Kind::Threads, steps)?;
+    }
+}
+
+/// 64 tasks write disjoint 24 KiB ranges of one object at once (each range needs two of the
+/// four buffers' worth of pieces), so requests outnumber buffers 16 to 1: all must complete
+/// and land, and with io_uring some must have waited for a buffer.
+async fn disjoint_concurrent_writes(kind: Kind) {
+    const WRITERS: u64 = 64;
+    const RANGE_BYTES: usize = 24 << 10;
+    let directory = tempfile::tempdir().unwrap();
+    let store = Arc::new(store(kind, &directory, 16));
+    let mut writers = tokio::task::JoinSet::new();
+    // Reverse order, so the object grows from its far end first.
+    for writer in (0..WRITERS).rev() {
+        let store = Arc::clone(&store);
+        writers.spawn(async move {
+            let data = Bytes::from(pattern(RANGE_BYTES, writer as u8));
+            store.write(OBJECT, writer * RANGE_BYTES as u64, data).await
+        });
+    }
+    while let Some(result) = writers.join_next().await {
+        result.unwrap().unwrap();
+    }
+    for writer in 0..WRITERS {
+        let read = store
+            .read(OBJECT, writer * RANGE_BYTES as u64, RANGE_BYTES as u32)
+            .await
+            .unwrap();
+        assert!(
+            read[..] == pattern(RANGE_BYTES, writer as u8)[..],
+            "range of writer {writer}"
+        );
+    }
+    let all = store
+        .read(OBJECT, 0, (WRITERS as u32) * RANGE_BYTES as u32 + 1)
+        .await
+        .unwrap();
+    assert_eq!(all.len(), WRITERS as usize * RANGE_BYTES);
+    let stats = store.engine().stats();
+    if matches!(kind, Kind::Uring) {
+        assert!(
+            stats.buffer_waits > 0,
+            "64 writers on 4 buffers never waited: {stats:?}"
+        );
+        // Each writer needs at least two pieces; plus the reads.
+        assert!(stats.completions >= WRITERS * 2, "{stats:?}");
+    }
+    println!("{kind:?}: {stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disjoint_concurrent_writes_all_land_with_io_uring() {
+    disjoint_concurrent_writes(Kind::Uring).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disjoint_concurrent_writes_all_land_with_threads() {
+    disjoint_concurrent_writes(Kind::Threads).await;
+}
+
+/// Many concurrent reads and syncs on a pool of four buffers: every one completes.
+async fn more_requests_than_buffers(kind: Kind) {
+    let directory = tempfile::tempdir().unwrap();
+    let store = Arc::new(store(kind, &directory, 64));
+    let objects: Vec<ObjectId> = (0..32)
+        .map(|inode| ObjectId {
+            inode: inode + 1,
+            stripe_index: 0,
+        })
+        .collect();
+    for object in &objects {
+        let data = Bytes::from(pattern(BUFFER_BYTES * 2, object.inode as u8));
+        store.write(*object, 0, data).await.unwrap();
+    }
+    let mut requests = tokio::task::JoinSet::new();
+    for round in 0..8 {
+        for object in objects.clone() {
+            let store = Arc::clone(&store);
+            requests.spawn(async move {
+                if round % 4 == 3 {
+                    store.sync(&[object]).await.unwrap();
+                    return;
+                }
+                let read = store
+                    .read(object, 0, (BUFFER_BYTES * 2) as u32)
+                    .await
+                    .unwrap();
+                assert!(read[..] == pattern(BUFFER_BYTES * 2, object.inode as u8)[..]);
+            });
+        }
+    }
+    let completed = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        let mut completed = 0;
+        while let Some(result) = requests.join_next().await {
+            result.unwrap();
+            completed += 1;
+        }
+        completed
+    })
+    .await
+    .expect("requests stalled waiting for buffers");
+    assert_eq!(completed, 8 * 32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_requests_than_buffers_complete_with_io_uring() {
+    more_requests_than_buffers(Kind::Uring).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_requests_than_buffers_complete_with_threads() {
+    more_requests_than_buffers(Kind::Threads).await;
+}
+
+/// 200 objects through a cache of 8 descriptors: the bound holds after every request and
+/// every object reads back.
+async fn descriptor_cache_bound(kind: Kind) {
+    const OPEN_FILES_MAX: usize = 8;
+    let directory = tempfile::tempdir().unwrap();
+    let store = store(kind, &directory, OPEN_FILES_MAX);
+    for inode in 1..=200u64 {
+        let object = ObjectId {
+            inode,
+            stripe_index: (inode % 3) as u32,
+        };
+        store
+            .write(object, inode * 7, Bytes::from(vec![inode as u8; 100]))
+            .await
+            .unwrap();
+        assert!(store.fd_cache().len() <= OPEN_FILES_MAX);
+    }
+    for inode in 1..=200u64 {
+        let object = ObjectId {
+            inode,
+            stripe_index: (inode % 3) as u32,
+        };
+        let read = store.read(object, 0, 10_000).await.unwrap();
+        assert_eq!(read.len(), inode as usize * 7 + 100);
+        assert!(read[..inode as usize * 7].iter().all(|&byte| byte == 0));
+        assert!(read[inode as usize * 7..]
+            .iter()
+            .all(|&byte| byte == inode as u8));
+        assert!(store.fd_cache().len() <= OPEN_FILES_MAX);
+    }
+    assert_eq!(store.fd_cache().len(), OPEN_FILES_MAX);
+}
+
+#[tokio::test]
+async fn descriptor_cache_bound_holds_with_io_uring() {
+    descriptor_cache_bound(Kind::Uring).await;
+}
+
+#[tokio::test]
+async fn descriptor_cache_bound_holds_with_threads() {
+    descriptor_cache_bound(Kind::Threads).await;
+}
+
+#[tokio::test]
+async fn objects_are_created_lazily_and_counted_exactly() {
+    let directory = tempfile::tempdir().unwrap();
+    let store = store(Kind::Uring, &directory, 16);
+    let object = |inode: u64| ObjectId {
+        inode,
+        stripe_index: 1,
+    };
+    // Reads, empty writes, zero-length truncates and syncs create nothing.
+    assert!(store.read(object(1), 0, 100).await.unwrap().is_empty());
+    store.write(object(1), 10, Bytes::new()).await.unwrap();
+    store.truncate(object(1), 0).await.unwrap();
+    store.sync(&[object(1)]).await.unwrap();
+    assert!(!store.object_path(object(1)).exists());
+    assert_eq!(
+        store
+            .object_path(object(0x1ff))
+            .parent()
+            .unwrap()
+            .file_name()
+            .unwrap(),
+        "ff"
+    );
+
+    for inode in 1..=5 {
+        store
+            .write(object(inode), 0, Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+    }
+    assert!(!store.object_count().complete);
+    assert_eq!(store.count_objects().unwrap(), 5);
+    store.truncate(object(6), 4096).await.unwrap();
+    store
+        .write(object(6), 0, Bytes::from_static(b"again"))
+        .await
+        .unwrap();
+    assert_eq!(store.object_count().objects, 6);
+    store.remove(1, &[1, 2, 3]).await.unwrap();
+    store.remove(1, &[1]).await.unwrap();
+    let count = store.object_count();
+    assert_eq!((count.objects, count.complete), (5, true));
+    drop(store);
+
+    // A restart counts the same objects again.
+    let reopened = self::store(Kind::Threads, &directory, 16);
+    assert_eq!(reopened.object_count().objects, 0);
+    assert_eq!(reopened.count_objects().unwrap(), 5);
+    assert_eq!(
+        reopened.read(object(6), 0, 10_000).await.unwrap().len(),
+        4096
+    );
+}
+
+#[tokio::test]
+async fn bad_arguments_get_their_codes() {
+    let directory = tempfile::tempdir().unwrap();
+    let store = store(Kind::Uring, &directory, 16);
+    let past_end = store
+        .write(OBJECT, limits::FILE_SIZE_MAX - 1, Bytes::from_static(b"ab"))
+        .await;
+    assert_eq!(past_end.unwrap_err().code(), ErrorCode::FileTooBig);
+    let overflow = store.read(OBJECT, u64::MAX, 10).await;
+    assert_eq!(overflow.unwrap_err().code(), ErrorCode::FileTooBig);
+    let too_long = store
+        .read(OBJECT, 0, limits::IO_REQUEST_BYTES_MAX + 1)
+        .await;
+    assert_eq!(too_long.unwrap_err().code(), ErrorCode::InvalidArgument);
+    let huge = store.truncate(OBJECT, limits::FILE_SIZE_MAX + 1).await;
+    assert_eq!(huge.unwrap_err().code(), ErrorCode::FileTooBig);
+    // Exactly at the limit is fine for a read (it reads nothing).
+    assert!(store
+        .read(OBJECT, limits::FILE_SIZE_MAX - 10, 10)
+        .await
+        .unwrap()
+        .is_empty());
+}
+
+#[test]
+fn disk_full_names_the_server_and_the_path() {
+    let error = StoreError::from_io(
+        4,
+        "write",
+        "/data/objects/01/0000000000000001.0".into(),
+        std::io::Error::from_raw_os_error(libc_enospc()),
+    );
+    assert_eq!(error.code(), ErrorCode::NoSpace);
+    let message = error.to_string();
+    assert!(
+        message.contains("server 4") && message.contains("0000000000000001.0"),
+        "{message}"
+    );
+}
+
+fn libc_enospc() -> i32 {
+    28
+}
+
+/// FLAIM's lesson, observed: while an fdatasync of 64 MiB of dirty data is in flight, reads
+/// submitted after it complete at once (they do not wait behind the oldest operation), and
+/// each such completion is counted as out of order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_overtake_a_slow_sync_and_are_counted_out_of_order() {
+    const READS: u64 = 20;
+    let engine = Arc::new(
+        UringEngine::new(UringOptions {
+            ring_entries: 16,
+            buffer_count: 2,
+            buffer_bytes: 4096,
+            queue_depth_max: 8,
+        })
+        .unwrap(),
+    );
+    let directory = tempfile::tempdir().unwrap();
+    let big_path = directory.path().join("big");
+    std::fs::write(&big_path, vec![7u8; 64 << 20]).unwrap();
+    std::fs::write(directory.path().join("small"), vec![3u8; 4096]).unwrap();
+    let open = |name: &str| {
+        let path = directory.path().join(name);
+        Arc::new(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)
+                .unwrap(),
+        )
+    };
+    let (big, small) = (open("big"), open("small"));
+    let sync = {
+        let engine = Arc::clone(&engine);
+        tokio::spawn(async move { engine.sync_data(big).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let before = engine.stats().out_of_order_completions;
+    for _ in 0..READS {
+        let read = engine.read_at(Arc::clone(&small), 0, 4096).await.unwrap();
+        assert!(read.iter().all(|&byte| byte == 3));
+    }
+    let sync_still_running = !sync.is_finished();
+    sync.await.unwrap().unwrap();
+    let overtaken = engine.stats().out_of_order_completions - before;
+    println!(
+        "sync still running after {READS} reads: {sync_still_running}; out of order: {overtaken}"
+    );
+    if sync_still_running {
+        assert!(
+            overtaken >= READS,
+            "reads overtook the sync but only {overtaken} were counted"
+        );
+    }
+}
