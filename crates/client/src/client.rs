@@ -1,0 +1,623 @@
+//! The client: a session at the meta server, the connections, and the inode API the mount
+//! is built on (one method per meta server operation, plus `open`/`create_open` that give a
+//! [`FileHandle`] and a `setattr` that also cuts the data of a truncated file).
+//!
+//! The session is renewed in the background at a third of its lease; if the meta server has
+//! forgotten it (restart, lease expired during a network cut), a new one is opened so that new
+//! opens work again; handles of the old session are gone with it and report that on close.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+use freeflow_proto::io::TruncateObject;
+use freeflow_proto::meta::{
+    Caller, CloseSession, ClusterReport, ClusterStatus, Create, DirPage, FsStats, GetAttr,
+    GetXattr, Link, ListXattr, Lookup, Mkdir, Open, OpenAccess, OpenSession, ReadDir, ReadLink,
+    RemoveXattr, Rename, RenameMode, RenewSession, Rmdir, ServerRecord, SetAttributes,
+    SetDirLayout, SetXattr, StatFs, Symlink, Unlink, XattrSetMode,
+};
+use freeflow_proto::ErrorCode;
+use freeflow_rpc::{ConnectOptions, RpcError};
+use freeflow_types::limits::FILE_SIZE_MAX;
+use freeflow_types::{Attr, FileKind, InodeId, ObjectId, SetAttr};
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+
+use crate::file::{FileHandle, HandleShared};
+use crate::pool::Pool;
+use crate::{ClientConfig, ClientError};
+
+/// State shared by every clone of a [`Client`] and by its open handles.
+pub(crate) struct Shared {
+    pub config: ClientConfig,
+    pub pool: Pool,
+    session_id: AtomicU64,
+    /// Write bytes in flight over the whole client (`dirty_bytes_max` permits).
+    pub dirty: Arc<Semaphore>,
+    /// Open handles by inode, so a truncate can wait for their writes and reset their
+    /// sizes. Bounded by the number of open handles.
+    handles: Mutex<HashMap<InodeId, Vec<Weak<HandleShared>>>>,
+    renewer: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A connected client. Clones share the session and the connections.
+#[derive(Clone)]
+pub struct Client {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) caller: Caller,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("meta_address", &self.shared.config.meta_address)
+            .field("session_id", &self.session_id())
+            .field("caller", &self.caller)
+            .finish_non_exhaustive()
+    }
+}
+
+fn is_session_unknown(error: &ClientError) -> bool {
+    matches!(
+        error,
+        ClientError::Meta { source: RpcError::Remote(wire), .. }
+            if matches!(wire.code, ErrorCode::NotFound | ErrorCode::Stale | ErrorCode::BadHandle)
+    )
+}
+
+impl Client {
+    /// Connect to the meta server and open a session, renewed in the background.
+    pub async fn connect(config: ClientConfig) -> Result<Client, ClientError> {
+        config.validate()?;
+        let options = ConnectOptions {
+            client_name: config.client_name.clone(),
+            call_timeout_ms: config.call_timeout_ms,
+            connect_timeout_ms: config.connect_timeout_ms,
+            ..ConnectOptions::default()
+        };
+        let pool = Pool::new(config.meta_address.clone(), config.key.clone(), options);
+        let client_name = config.client_name.clone();
+        let grant = pool
+            .meta_call(
+                &OpenSession {
+                    client_name: client_name.clone(),
+                },
+                || format!("for client {client_name:?}"),
+            )
+            .await?;
+        // The semaphore's permit count is usize; validation bounds dirty_bytes_max to 1 TiB.
+        let dirty = Arc::new(Semaphore::new(config.dirty_bytes_max as usize));
+        let caller = config.caller.clone();
+        let shared = Arc::new(Shared {
+            config,
+            pool,
+            session_id: AtomicU64::new(grant.session_id),
+            dirty,
+            handles: Mutex::new(HashMap::new()),
+            renewer: Mutex::new(None),
+        });
+        let renewer = tokio::spawn(renew_session(Arc::downgrade(&shared), grant.lease_ms));
+        *shared.renewer.lock().expect("not poisoned") = Some(renewer);
+        Ok(Client { shared, caller })
+    }
+
+    /// The same client (session, connections) acting for another identity.
+    pub fn with_caller(&self, caller: Caller) -> Client {
+        Client {
+            shared: self.shared.clone(),
+            caller,
+        }
+    }
+
+    pub fn caller(&self) -> &Caller {
+        &self.caller
+    }
+
+    pub fn config(&self) -> &ClientConfig {
+        &self.shared.config
+    }
+
+    pub fn session_id(&self) -> u64 {
+        self.shared.session_id.load(Ordering::Acquire)
+    }
+
+    /// Close the session at the meta server (best effort) and stop renewing it.
+    pub async fn shutdown(&self) {
+        if let Some(renewer) = self.shared.renewer.lock().expect("not poisoned").take() {
+            renewer.abort();
+        }
+        let session_id = self.session_id();
+        if let Err(error) = self
+            .shared
+            .pool
+            .meta_call(&CloseSession { session_id }, || {
+                format!("session {session_id}")
+            })
+            .await
+        {
+            tracing::debug!(%error, "closing the session failed");
+        }
+    }
+
+    pub(crate) fn register_handle(&self, handle: &Arc<HandleShared>) {
+        let inode = handle.inode();
+        let mut handles = self.shared.handles.lock().expect("not poisoned");
+        let list = handles.entry(inode).or_default();
+        list.retain(|weak| weak.strong_count() > 0);
+        list.push(Arc::downgrade(handle));
+    }
+
+    pub(crate) fn unregister_handle(&self, inode: InodeId, handle: &Arc<HandleShared>) {
+        let mut handles = self.shared.handles.lock().expect("not poisoned");
+        if let Some(list) = handles.get_mut(&inode) {
+            list.retain(|weak| {
+                weak.strong_count() > 0 && !std::ptr::eq(weak.as_ptr(), Arc::as_ptr(handle))
+            });
+            if list.is_empty() {
+                handles.remove(&inode);
+            }
+        }
+    }
+
+    fn open_handles(&self, inode: InodeId) -> Vec<Arc<HandleShared>> {
+        let handles = self.shared.handles.lock().expect("not poisoned");
+        handles
+            .get(&inode)
+            .map(|list| list.iter().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default()
+    }
+
+    async fn meta<R: freeflow_proto::Request>(
+        &self,
+        request: &R,
+        target: impl FnOnce() -> String,
+    ) -> Result<R::Reply, ClientError> {
+        self.shared.pool.meta_call(request, target).await
+    }
+
+    // ----- the inode API -----
+
+    pub async fn lookup(&self, parent: InodeId, name: &str) -> Result<Attr, ClientError> {
+        let request = Lookup {
+            caller: self.caller.clone(),
+            parent,
+            name: name.to_string(),
+        };
+        self.meta(&request, || format!("parent {parent} name {name:?}"))
+            .await
+    }
+
+    pub async fn getattr(&self, inode: InodeId) -> Result<Attr, ClientError> {
+        self.meta(&GetAttr { inode }, || format!("inode {inode}"))
+            .await
+    }
+
+    /// Change attributes. A size change first waits for this client's writes in flight to
+    /// the file, then cuts every object of the layout to the length it has at the smaller of
+    /// the old and new sizes (in parallel on the I/O servers), and only then sets the size at
+    /// the meta server: bytes beyond a shrink never reappear after a later extension.
+    pub async fn setattr(&self, inode: InodeId, changes: SetAttr) -> Result<Attr, ClientError> {
+        let Some(new_size) = changes.size_bytes else {
+            return self
+                .meta(
+                    &SetAttributes {
+                        caller: self.caller.clone(),
+                        inode,
+                        changes,
+                    },
+                    || format!("inode {inode}"),
+                )
+                .await;
+        };
+        if new_size > FILE_SIZE_MAX {
+            return Err(ClientError::inode(
+                inode,
+                ErrorCode::FileTooBig,
+                format!("size {new_size} is beyond the largest file size {FILE_SIZE_MAX}"),
+            ));
+        }
+        let handles = self.open_handles(inode);
+        for handle in &handles {
+            handle.wait_for_writes().await;
+        }
+        let current = self.getattr(inode).await?;
+        match current.kind {
+            FileKind::Regular => {}
+            FileKind::Directory => {
+                return Err(ClientError::inode(
+                    inode,
+                    ErrorCode::IsDirectory,
+                    "cannot change the size of a directory",
+                ))
+            }
+            kind => {
+                return Err(ClientError::inode(
+                    inode,
+                    ErrorCode::InvalidArgument,
+                    format!("cannot change the size of a {kind:?}"),
+                ))
+            }
+        }
+        let layout = current.layout.clone().ok_or_else(|| {
+            ClientError::inode(
+                inode,
+                ErrorCode::Io,
+                "the meta server gave this regular file no layout",
+            )
+        })?;
+        // Bytes this client wrote but did not commit yet count as part of the old size.
+        let old_size = handles
+            .iter()
+            .map(|handle| handle.local_size())
+            .fold(current.size_bytes, u64::max);
+        let cut_size = old_size.min(new_size);
+        let cuts = (0..layout.stripe_count()).map(|stripe_index| {
+            let server_id = layout.servers[stripe_index as usize];
+            let length = layout.object_length(cut_size, stripe_index);
+            let request = TruncateObject {
+                object: ObjectId {
+                    inode,
+                    stripe_index,
+                },
+                length,
+            };
+            async move {
+                self.shared
+                    .pool
+                    .io_call(server_id, inode, &request, Bytes::new(), || {
+                        format!("of inode {inode} stripe {stripe_index} to {length} bytes")
+                    })
+                    .await
+            }
+        });
+        futures::future::try_join_all(cuts).await?;
+        let attr = self
+            .meta(
+                &SetAttributes {
+                    caller: self.caller.clone(),
+                    inode,
+                    changes,
+                },
+                || format!("inode {inode}"),
+            )
+            .await?;
+        for handle in &handles {
+            handle.truncated(&attr);
+        }
+        Ok(attr)
+    }
+
+    /// Create a regular file, fifo, socket or device node (not a directory or symlink).
+    pub async fn create(
+        &self,
+        parent: InodeId,
+        name: &str,
+        kind: FileKind,
+        permissions: u32,
+        device: u64,
+        exclusive: bool,
+    ) -> Result<Attr, ClientError> {
+        let request = Create {
+            caller: self.caller.clone(),
+            parent,
+            name: name.to_string(),
+            kind,
+            permissions,
+            device,
+            exclusive,
+            open: None,
+        };
+        let reply = self
+            .meta(&request, || format!("parent {parent} name {name:?}"))
+            .await?;
+        Ok(reply.attr)
+    }
+
+    /// Create a regular file and open it in one round trip. Without `exclusive`, an existing
+    /// regular file is opened instead (`created` false).
+    pub async fn create_open(
+        &self,
+        parent: InodeId,
+        name: &str,
+        permissions: u32,
+        exclusive: bool,
+        access: OpenAccess,
+    ) -> Result<(FileHandle, bool), ClientError> {
+        let session_id = self.session_id();
+        let request = Create {
+            caller: self.caller.clone(),
+            parent,
+            name: name.to_string(),
+            kind: FileKind::Regular,
+            permissions,
+            device: 0,
+            exclusive,
+            open: Some((session_id, access)),
+        };
+        let reply = self
+            .meta(&request, || format!("parent {parent} name {name:?}"))
+            .await?;
+        let handle = match reply.handle_id {
+            Some(handle_id) => {
+                FileHandle::new(self.clone(), reply.attr, handle_id, session_id, access)
+            }
+            None => self.open(reply.attr.inode, access).await?,
+        };
+        Ok((handle, reply.created))
+    }
+
+    pub async fn mkdir(
+        &self,
+        parent: InodeId,
+        name: &str,
+        permissions: u32,
+    ) -> Result<Attr, ClientError> {
+        let request = Mkdir {
+            caller: self.caller.clone(),
+            parent,
+            name: name.to_string(),
+            permissions,
+        };
+        self.meta(&request, || format!("parent {parent} name {name:?}"))
+            .await
+    }
+
+    pub async fn unlink(&self, parent: InodeId, name: &str) -> Result<(), ClientError> {
+        let request = Unlink {
+            caller: self.caller.clone(),
+            parent,
+            name: name.to_string(),
+        };
+        self.meta(&request, || format!("parent {parent} name {name:?}"))
+            .await
+    }
+
+    pub async fn rmdir(&self, parent: InodeId, name: &str) -> Result<(), ClientError> {
+        let request = Rmdir {
+            caller: self.caller.clone(),
+            parent,
+            name: name.to_string(),
+        };
+        self.meta(&request, || format!("parent {parent} name {name:?}"))
+            .await
+    }
+
+    pub async fn rename(
+        &self,
+        source_parent: InodeId,
+        source_name: &str,
+        target_parent: InodeId,
+        target_name: &str,
+        mode: RenameMode,
+    ) -> Result<(), ClientError> {
+        let request = Rename {
+            caller: self.caller.clone(),
+            source_parent,
+            source_name: source_name.to_string(),
+            target_parent,
+            target_name: target_name.to_string(),
+            mode,
+        };
+        self.meta(&request, || {
+            format!("parent {source_parent} name {source_name:?} to parent {target_parent} name {target_name:?}")
+        })
+        .await
+    }
+
+    /// A new name `target_name` in `target_parent` for `inode`.
+    pub async fn link(
+        &self,
+        inode: InodeId,
+        target_parent: InodeId,
+        target_name: &str,
+    ) -> Result<Attr, ClientError> {
+        let request = Link {
+            caller: self.caller.clone(),
+            inode,
+            target_parent,
+            target_name: target_name.to_string(),
+        };
+        self.meta(&request, || {
+            format!("inode {inode} as parent {target_parent} name {target_name:?}")
+        })
+        .await
+    }
+
+    /// A symlink `name` in `parent` pointing at `target`.
+    pub async fn symlink(
+        &self,
+        parent: InodeId,
+        name: &str,
+        target: &str,
+    ) -> Result<Attr, ClientError> {
+        let request = Symlink {
+            caller: self.caller.clone(),
+            parent,
+            name: name.to_string(),
+            target: target.to_string(),
+        };
+        self.meta(&request, || format!("parent {parent} name {name:?}"))
+            .await
+    }
+
+    pub async fn readlink(&self, inode: InodeId) -> Result<String, ClientError> {
+        self.meta(&ReadLink { inode }, || format!("inode {inode}"))
+            .await
+    }
+
+    /// One page of a directory, in name order, after the name `after`.
+    pub async fn readdir(
+        &self,
+        inode: InodeId,
+        after: Option<&str>,
+        limit: u32,
+        with_attributes: bool,
+    ) -> Result<DirPage, ClientError> {
+        let request = ReadDir {
+            caller: self.caller.clone(),
+            inode,
+            after: after.map(str::to_string),
+            limit,
+            with_attributes,
+        };
+        self.meta(&request, || format!("inode {inode}")).await
+    }
+
+    pub async fn statfs(&self) -> Result<FsStats, ClientError> {
+        self.meta(&StatFs {}, || "of the file system".to_string())
+            .await
+    }
+
+    pub async fn set_xattr(
+        &self,
+        inode: InodeId,
+        name: &str,
+        value: &[u8],
+        mode: XattrSetMode,
+    ) -> Result<(), ClientError> {
+        let request = SetXattr {
+            caller: self.caller.clone(),
+            inode,
+            name: name.to_string(),
+            value: value.to_vec(),
+            mode,
+        };
+        self.meta(&request, || format!("inode {inode} attribute {name:?}"))
+            .await
+    }
+
+    pub async fn get_xattr(&self, inode: InodeId, name: &str) -> Result<Vec<u8>, ClientError> {
+        let request = GetXattr {
+            caller: self.caller.clone(),
+            inode,
+            name: name.to_string(),
+        };
+        self.meta(&request, || format!("inode {inode} attribute {name:?}"))
+            .await
+    }
+
+    pub async fn list_xattr(&self, inode: InodeId) -> Result<Vec<String>, ClientError> {
+        self.meta(
+            &ListXattr {
+                caller: self.caller.clone(),
+                inode,
+            },
+            || format!("inode {inode}"),
+        )
+        .await
+    }
+
+    pub async fn remove_xattr(&self, inode: InodeId, name: &str) -> Result<(), ClientError> {
+        let request = RemoveXattr {
+            caller: self.caller.clone(),
+            inode,
+            name: name.to_string(),
+        };
+        self.meta(&request, || format!("inode {inode} attribute {name:?}"))
+            .await
+    }
+
+    /// Set the layout new files in directory `inode` inherit (None keeps that part).
+    pub async fn set_dir_layout(
+        &self,
+        inode: InodeId,
+        stripe_unit_bytes: Option<u32>,
+        stripe_count: Option<u32>,
+    ) -> Result<Attr, ClientError> {
+        let request = SetDirLayout {
+            caller: self.caller.clone(),
+            inode,
+            stripe_unit_bytes,
+            stripe_count,
+        };
+        self.meta(&request, || format!("inode {inode}")).await
+    }
+
+    /// Open a file. The attributes (and so the size) come fresh from the meta server.
+    pub async fn open(
+        &self,
+        inode: InodeId,
+        access: OpenAccess,
+    ) -> Result<FileHandle, ClientError> {
+        let session_id = self.session_id();
+        let request = Open {
+            caller: self.caller.clone(),
+            session_id,
+            inode,
+            access,
+        };
+        let grant = self.meta(&request, || format!("inode {inode}")).await?;
+        let handle = FileHandle::new(
+            self.clone(),
+            grant.attr,
+            grant.handle_id,
+            session_id,
+            access,
+        );
+        if handle.attr().kind == FileKind::Directory && access.write {
+            // The meta server should have refused; do not leave the handle open.
+            let _ = handle.close().await;
+            return Err(ClientError::inode(
+                inode,
+                ErrorCode::IsDirectory,
+                "cannot open a directory for writing",
+            ));
+        }
+        Ok(handle)
+    }
+
+    /// The I/O servers as the meta server lists them (also refreshes the client's addresses).
+    pub async fn servers(&self) -> Result<Vec<ServerRecord>, ClientError> {
+        self.shared.pool.refresh_servers().await
+    }
+
+    pub async fn cluster_status(&self) -> Result<ClusterReport, ClientError> {
+        self.meta(&ClusterStatus {}, || "of the cluster".to_string())
+            .await
+    }
+}
+
+/// Renew the session at a third of its lease until the client is gone.
+async fn renew_session(shared: Weak<Shared>, lease_ms: u32) {
+    let interval = Duration::from_millis(u64::from(lease_ms / 3).max(100));
+    loop {
+        tokio::time::sleep(interval).await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let session_id = shared.session_id.load(Ordering::Acquire);
+        let renewed = shared
+            .pool
+            .meta_call(&RenewSession { session_id }, || {
+                format!("session {session_id}")
+            })
+            .await;
+        match renewed {
+            Ok(()) => {}
+            Err(error) if is_session_unknown(&error) => {
+                let client_name = shared.config.client_name.clone();
+                match shared
+                    .pool
+                    .meta_call(&OpenSession { client_name }, || {
+                        "after the old one expired".to_string()
+                    })
+                    .await
+                {
+                    Ok(grant) => {
+                        tracing::warn!(
+                            old_session = session_id,
+                            new_session = grant.session_id,
+                            "the meta server forgot this client's session; handles open in it are lost"
+                        );
+                        shared.session_id.store(grant.session_id, Ordering::Release);
+                    }
+                    Err(error) => tracing::warn!(%error, "reopening the session failed"),
+                }
+            }
+            Err(error) => tracing::warn!(%error, "renewing the session failed; retrying"),
+        }
+    }
+}

@@ -1,0 +1,711 @@
+//! Open files: the data path (DESIGN.md §4-6).
+//!
+//! A write is cut into object requests ([`crate::plan`]) that are all sent at once, each on a
+//! spawned task, and `write_at` returns as soon as they are in flight (write-behind). Their
+//! payloads are slices of the caller's buffer, never copies. The bytes in flight over the
+//! whole client are bounded by a semaphore of `dirty_bytes_max` bytes: a writer past it waits.
+//! The first failure of a write is kept on the handle and returned by every later write,
+//! flush, fsync and close (it is never lost, and the handle stays failed: the data is gone).
+//!
+//! Order: requests to one server are pipelined and may complete in any order, so a write that
+//! overlaps one still in flight on the same handle waits for it first; otherwise a later write
+//! could be overtaken by an earlier one. Reads wait for the handle's own writes in flight, so
+//! a handle always reads what it wrote.
+//!
+//! Size: the handle keeps the highest end it wrote and commits it to the meta server
+//! (`CommitSize`, monotonic there) on flush, fsync and close, and in the background when
+//! `size_commit_interval_ms` has passed since the last commit. `fsync` waits for every write
+//! in flight, makes every object written since the last sync durable (`SyncObjects` on each
+//! server, in parallel), and then commits the size: when it returns, the data and the size
+//! survive a crash of any server.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::{Bytes, BytesMut};
+use freeflow_proto::io::{ReadObject, SyncObjects, WriteObject};
+use freeflow_proto::meta::{Close, CommitSize, GetAttr, OpenAccess};
+use freeflow_proto::ErrorCode;
+use freeflow_types::limits::{FILE_SIZE_MAX, IO_REQUEST_BYTES_MAX};
+use freeflow_types::{Attr, FileKind, InodeId, Layout, ObjectId, TimeSpec};
+use tokio::sync::{watch, OwnedSemaphorePermit};
+
+use crate::plan::{plan_requests, ObjectRequest};
+use crate::{Client, ClientError};
+
+/// Largest single `read_at`, after clamping to the file size: the bound on the buffer one
+/// read allocates.
+pub const READ_LENGTH_MAX: u64 = 256 << 20;
+
+/// The wall clock as a `TimeSpec` (mtime of writes).
+pub(crate) fn now() -> TimeSpec {
+    let since_epoch = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    TimeSpec::new(since_epoch.as_secs() as i64, since_epoch.subsec_nanos())
+}
+
+/// An open file. Methods take `&self`, so the mount can share one through an `Arc`; the
+/// writes of one handle are ordered as described in the module doc.
+pub struct FileHandle {
+    shared: Arc<HandleShared>,
+}
+
+pub(crate) struct HandleShared {
+    client: Client,
+    inode: InodeId,
+    handle_id: u64,
+    session_id: u64,
+    access: OpenAccess,
+    /// The layout of a regular file; None for other kinds (which cannot be read or written).
+    layout: Option<Layout>,
+    state: Mutex<HandleState>,
+    /// Bumped after each write completes; tasks waiting on in-flight writes re-check then.
+    completions: watch::Sender<u64>,
+    closed: AtomicBool,
+}
+
+struct HandleState {
+    attr: Attr,
+    /// The size reads clamp to and appends write at: the meta server's size or this
+    /// handle's own extension, whichever is larger.
+    known_size: u64,
+    /// Highest end of any write started through this handle.
+    written_end: u64,
+    /// Highest end of any write acknowledged by its server.
+    acknowledged_end: u64,
+    /// Count of `write_at` calls, and its value when a commit last covered all of them.
+    writes_started: u64,
+    writes_committed: u64,
+    last_commit: Instant,
+    commit_running: bool,
+    first_error: Option<ClientError>,
+    /// Writes in flight: (stripe index, object offset) → object end. Overlapping entries never
+    /// coexist, so the start is a unique key. Bounded by `dirty_bytes_max` / request size.
+    in_flight: BTreeMap<(u32, u64), u64>,
+    /// Stripes written since the last successful sync.
+    unsynced_stripes: BTreeSet<u32>,
+}
+
+impl HandleState {
+    fn overlaps_in_flight(&self, request: &ObjectRequest) -> bool {
+        // No request is longer than IO_REQUEST_BYTES_MAX, so any overlapping one starts
+        // at most that far before this one.
+        let lowest_start = request
+            .object_offset
+            .saturating_sub(u64::from(IO_REQUEST_BYTES_MAX));
+        self.in_flight
+            .range(
+                (request.stripe_index, lowest_start)..(request.stripe_index, request.object_end()),
+            )
+            .any(|(_, &end)| end > request.object_offset)
+    }
+
+    fn absorb_attr(&mut self, attr: Attr) {
+        self.known_size = self.known_size.max(attr.size_bytes);
+        self.attr = attr;
+    }
+}
+
+impl HandleShared {
+    fn lock(&self) -> MutexGuard<'_, HandleState> {
+        self.state.lock().expect("handle state lock not poisoned")
+    }
+
+    fn check_open(&self) -> Result<(), ClientError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(ClientError::inode(
+                self.inode,
+                ErrorCode::BadHandle,
+                "the handle is closed",
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_no_failed_write(&self) -> Result<(), ClientError> {
+        match &self.lock().first_error {
+            Some(error) => Err(ClientError::EarlierWrite {
+                inode: self.inode,
+                source: Box::new(error.clone()),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn data_layout(&self) -> Result<&Layout, ClientError> {
+        let kind = self.lock().attr.kind;
+        match (&self.layout, kind) {
+            (Some(layout), FileKind::Regular) => Ok(layout),
+            (_, FileKind::Directory) => Err(ClientError::inode(
+                self.inode,
+                ErrorCode::IsDirectory,
+                "a directory has no data to read or write",
+            )),
+            (None, FileKind::Regular) => Err(ClientError::inode(
+                self.inode,
+                ErrorCode::Io,
+                "the meta server gave this regular file no layout",
+            )),
+            (_, kind) => Err(ClientError::inode(
+                self.inode,
+                ErrorCode::InvalidArgument,
+                format!("a {kind:?} has no data on the I/O servers"),
+            )),
+        }
+    }
+
+    /// Wait until `done` holds for the state, re-checking after each write completes.
+    async fn wait_until(&self, done: impl Fn(&HandleState) -> bool) {
+        loop {
+            let mut receiver = {
+                let state = self.lock();
+                if done(&state) {
+                    return;
+                }
+                // Subscribed under the lock: a completion after the check is seen.
+                self.completions.subscribe()
+            };
+            // Fails only if the sender is gone, and `self` owns it.
+            let _ = receiver.changed().await;
+        }
+    }
+
+    async fn wait_idle(&self) {
+        self.wait_until(|state| state.in_flight.is_empty()).await;
+    }
+
+    /// Wait until no write in flight overlaps `request`, then register it as in flight.
+    async fn begin_write(&self, request: &ObjectRequest) {
+        loop {
+            let mut receiver = {
+                let mut state = self.lock();
+                if !state.overlaps_in_flight(request) {
+                    state.in_flight.insert(
+                        (request.stripe_index, request.object_offset),
+                        request.object_end(),
+                    );
+                    state.unsynced_stripes.insert(request.stripe_index);
+                    return;
+                }
+                self.completions.subscribe()
+            };
+            let _ = receiver.changed().await;
+        }
+    }
+
+    /// Send one write request and record how it ended.
+    async fn send_write(
+        self: Arc<Self>,
+        layout: Layout,
+        request: ObjectRequest,
+        payload: Bytes,
+        permit: OwnedSemaphorePermit,
+    ) {
+        let server_id = layout.servers[request.stripe_index as usize];
+        let object = ObjectId {
+            inode: self.inode,
+            stripe_index: request.stripe_index,
+        };
+        let write = WriteObject {
+            object,
+            offset: request.object_offset,
+        };
+        let result = self
+            .client
+            .shared
+            .pool
+            .io_call(server_id, self.inode, &write, payload, || {
+                format!(
+                    "of {} bytes at inode {} stripe {} offset {}",
+                    request.length, self.inode, request.stripe_index, request.object_offset
+                )
+            })
+            .await;
+        drop(permit);
+        {
+            let mut state = self.lock();
+            state
+                .in_flight
+                .remove(&(request.stripe_index, request.object_offset));
+            match result {
+                Ok(_) => state.acknowledged_end = state.acknowledged_end.max(request.file_end()),
+                Err(error) => {
+                    if state.first_error.is_none() {
+                        tracing::debug!(inode = self.inode, %error, "write failed; the handle reports it next");
+                        state.first_error = Some(error);
+                    }
+                }
+            }
+        }
+        self.completions
+            .send_modify(|count| *count = count.wrapping_add(1));
+    }
+
+    async fn commit_size(&self, size_bytes: u64) -> Result<Attr, ClientError> {
+        let inode = self.inode;
+        let request = CommitSize {
+            inode,
+            size_bytes,
+            modify_time: now(),
+        };
+        self.client
+            .shared
+            .pool
+            .meta_call(&request, || format!("inode {inode} size {size_bytes}"))
+            .await
+    }
+
+    /// Start a background size commit if the interval has passed since the last one.
+    fn commit_if_due(self: &Arc<Self>) {
+        let interval = Duration::from_millis(self.client.shared.config.size_commit_interval_ms);
+        {
+            let mut state = self.lock();
+            let due = !state.commit_running
+                && state.writes_started != state.writes_committed
+                && state.last_commit.elapsed() >= interval;
+            if !due {
+                return;
+            }
+            state.commit_running = true;
+        }
+        let handle = self.clone();
+        tokio::spawn(async move {
+            // Only acknowledged bytes: readers elsewhere should not see a size that covers
+            // data still on its way.
+            let size = handle.lock().acknowledged_end;
+            let result = handle.commit_size(size).await;
+            let mut state = handle.lock();
+            state.commit_running = false;
+            state.last_commit = Instant::now();
+            match result {
+                Ok(attr) => state.absorb_attr(attr),
+                // Not fatal: the next flush, fsync or close commits again and reports.
+                Err(error) => {
+                    tracing::warn!(inode = handle.inode, %error, "background size commit failed")
+                }
+            }
+        });
+    }
+
+    /// Wait for the writes in flight, report a failed one, and commit the size if anything
+    /// was written since the last commit.
+    async fn flush(&self) -> Result<(), ClientError> {
+        if !self.access.write {
+            return Ok(());
+        }
+        self.wait_idle().await;
+        self.check_no_failed_write()?;
+        let (size, started) = {
+            let state = self.lock();
+            if state.writes_started == state.writes_committed {
+                return Ok(());
+            }
+            (state.written_end, state.writes_started)
+        };
+        let attr = self.commit_size(size).await?;
+        let mut state = self.lock();
+        state.absorb_attr(attr);
+        state.writes_committed = state.writes_committed.max(started);
+        state.last_commit = Instant::now();
+        Ok(())
+    }
+
+    async fn fsync(&self) -> Result<(), ClientError> {
+        if !self.access.write {
+            return Ok(());
+        }
+        self.wait_idle().await;
+        self.check_no_failed_write()?;
+        let layout = self.data_layout()?.clone();
+        let stripes = std::mem::take(&mut self.lock().unsynced_stripes);
+        let syncs = stripes.iter().map(|&stripe_index| {
+            let server_id = layout.servers[stripe_index as usize];
+            let request = SyncObjects {
+                objects: vec![ObjectId {
+                    inode: self.inode,
+                    stripe_index,
+                }],
+            };
+            async move {
+                self.client
+                    .shared
+                    .pool
+                    .io_call(server_id, self.inode, &request, Bytes::new(), || {
+                        format!("of inode {} stripe {stripe_index}", self.inode)
+                    })
+                    .await
+            }
+        });
+        if let Err(error) = futures::future::try_join_all(syncs).await {
+            // Bytes acknowledged but not synced may be lost with that server: the handle
+            // reports the failure from now on.
+            let mut state = self.lock();
+            state.unsynced_stripes.extend(stripes);
+            if state.first_error.is_none() {
+                state.first_error = Some(error.clone());
+            }
+            return Err(error);
+        }
+        self.flush().await
+    }
+
+    async fn read_piece(
+        &self,
+        layout: &Layout,
+        request: &ObjectRequest,
+    ) -> Result<Bytes, ClientError> {
+        let server_id = layout.servers[request.stripe_index as usize];
+        let object = ObjectId {
+            inode: self.inode,
+            stripe_index: request.stripe_index,
+        };
+        // A request is at most IO_REQUEST_BYTES_MAX, which fits u32.
+        let read = ReadObject {
+            object,
+            offset: request.object_offset,
+            length: request.length as u32,
+        };
+        let (reply, payload) = self
+            .client
+            .shared
+            .pool
+            .io_call(server_id, self.inode, &read, Bytes::new(), || {
+                format!(
+                    "of {} bytes at inode {} stripe {} offset {}",
+                    request.length, self.inode, request.stripe_index, request.object_offset
+                )
+            })
+            .await?;
+        if reply.length as usize != payload.len() || payload.len() as u64 > request.length {
+            return Err(ClientError::inode(
+                self.inode,
+                ErrorCode::Protocol,
+                format!(
+                    "I/O server {server_id} answered a read of {} bytes with {} bytes (header says {})",
+                    request.length,
+                    payload.len(),
+                    reply.length
+                ),
+            ));
+        }
+        Ok(payload)
+    }
+
+    /// After a truncate of the file to `size_bytes`: forget what this handle wrote beyond it,
+    /// so a later commit does not grow the file back.
+    pub(crate) fn truncated(&self, attr: &Attr) {
+        let size = attr.size_bytes;
+        let mut state = self.lock();
+        state.known_size = size;
+        state.written_end = state.written_end.min(size);
+        state.acknowledged_end = state.acknowledged_end.min(size);
+        state.attr = attr.clone();
+    }
+
+    pub(crate) fn inode(&self) -> InodeId {
+        self.inode
+    }
+
+    pub(crate) async fn wait_for_writes(&self) {
+        self.wait_idle().await;
+    }
+
+    pub(crate) fn local_size(&self) -> u64 {
+        self.lock().known_size
+    }
+
+    /// Flush and close at the meta server; the handle is unusable afterwards.
+    async fn close(self: &Arc<Self>) -> Result<(), ClientError> {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Err(ClientError::inode(
+                self.inode,
+                ErrorCode::BadHandle,
+                "the handle is already closed",
+            ));
+        }
+        let flushed = self.flush().await;
+        let (session_id, handle_id) = (self.session_id, self.handle_id);
+        let closed = self
+            .client
+            .shared
+            .pool
+            .meta_call(
+                &Close {
+                    session_id,
+                    handle_id,
+                },
+                || format!("handle {handle_id} of inode {}", self.inode),
+            )
+            .await;
+        self.client.unregister_handle(self.inode, self);
+        flushed?;
+        closed?;
+        Ok(())
+    }
+}
+
+impl FileHandle {
+    pub(crate) fn new(
+        client: Client,
+        attr: Attr,
+        handle_id: u64,
+        session_id: u64,
+        access: OpenAccess,
+    ) -> FileHandle {
+        let (completions, _) = watch::channel(0);
+        let layout = attr.layout.clone();
+        let shared = Arc::new(HandleShared {
+            inode: attr.inode,
+            handle_id,
+            session_id,
+            access,
+            layout,
+            state: Mutex::new(HandleState {
+                known_size: attr.size_bytes,
+                attr,
+                written_end: 0,
+                acknowledged_end: 0,
+                writes_started: 0,
+                writes_committed: 0,
+                last_commit: Instant::now(),
+                commit_running: false,
+                first_error: None,
+                in_flight: BTreeMap::new(),
+                unsynced_stripes: BTreeSet::new(),
+            }),
+            completions,
+            closed: AtomicBool::new(false),
+            client: client.clone(),
+        });
+        client.register_handle(&shared);
+        FileHandle { shared }
+    }
+
+    pub fn inode(&self) -> InodeId {
+        self.shared.inode
+    }
+
+    /// The handle id the meta server gave this open.
+    pub fn handle_id(&self) -> u64 {
+        self.shared.handle_id
+    }
+
+    pub fn access(&self) -> OpenAccess {
+        self.shared.access
+    }
+
+    /// The attributes as last seen, with the size this handle knows (including its own
+    /// writes not yet committed).
+    pub fn attr(&self) -> Attr {
+        let state = self.shared.lock();
+        let mut attr = state.attr.clone();
+        attr.size_bytes = state.known_size;
+        attr
+    }
+
+    /// The size this handle knows, including its own writes not yet committed.
+    pub fn size(&self) -> u64 {
+        self.shared.local_size()
+    }
+
+    /// Fetch the attributes from the meta server again (to see other clients' committed
+    /// writes; close-to-open does not need it).
+    pub async fn refresh(&self) -> Result<Attr, ClientError> {
+        let inode = self.shared.inode;
+        let attr = self
+            .shared
+            .client
+            .shared
+            .pool
+            .meta_call(&GetAttr { inode }, || format!("inode {inode}"))
+            .await?;
+        let mut state = self.shared.lock();
+        let uncommitted = state.writes_started != state.writes_committed;
+        state.known_size = if uncommitted {
+            attr.size_bytes.max(state.written_end)
+        } else {
+            attr.size_bytes
+        };
+        state.attr = attr;
+        let mut attr = state.attr.clone();
+        attr.size_bytes = state.known_size;
+        Ok(attr)
+    }
+
+    /// Read up to `length` bytes at `offset`; shorter only at the end of the file. Holes
+    /// read as zeros. Sees every write made through this handle before the call (it waits
+    /// for those still in flight that overlap the range).
+    pub async fn read_at(&self, offset: u64, length: u64) -> Result<Bytes, ClientError> {
+        let shared = &self.shared;
+        shared.check_open()?;
+        if !shared.access.read {
+            return Err(ClientError::inode(
+                shared.inode,
+                ErrorCode::BadHandle,
+                "the handle is not open for reading",
+            ));
+        }
+        let layout = shared.data_layout()?;
+        let size = shared.local_size();
+        if length == 0 || offset >= size {
+            return Ok(Bytes::new());
+        }
+        let length = length.min(size - offset);
+        if length > READ_LENGTH_MAX {
+            return Err(ClientError::inode(
+                shared.inode,
+                ErrorCode::InvalidArgument,
+                format!("a read of {length} bytes is above the bound of {READ_LENGTH_MAX}"),
+            ));
+        }
+        let requests = plan_requests(layout, offset, length, u64::from(IO_REQUEST_BYTES_MAX));
+        // This handle's own writes to the range land first, so it reads what it wrote.
+        shared
+            .wait_until(|state| {
+                requests
+                    .iter()
+                    .all(|request| !state.overlaps_in_flight(request))
+            })
+            .await;
+        let mut pieces = futures::future::try_join_all(
+            requests
+                .iter()
+                .map(|request| shared.read_piece(layout, request)),
+        )
+        .await?;
+        if pieces.len() == 1 && pieces[0].len() as u64 == length {
+            return Ok(pieces.pop().expect("one piece"));
+        }
+        // `length` ≤ READ_LENGTH_MAX, so it fits usize.
+        let mut buffer = BytesMut::zeroed(length as usize);
+        for (request, piece) in requests.iter().zip(pieces) {
+            let at = (request.file_offset - offset) as usize;
+            buffer[at..at + piece.len()].copy_from_slice(&piece);
+        }
+        Ok(buffer.freeze())
+    }
+
+    /// Write `data` at `offset`. Returns once every request is in flight; a failure is
+    /// reported by the next write, flush, fsync or close.
+    pub async fn write_at(&self, offset: u64, data: Bytes) -> Result<(), ClientError> {
+        let shared = &self.shared;
+        shared.check_open()?;
+        if !shared.access.write {
+            return Err(ClientError::inode(
+                shared.inode,
+                ErrorCode::BadHandle,
+                "the handle is not open for writing",
+            ));
+        }
+        shared.check_no_failed_write()?;
+        let layout = shared.data_layout()?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let length = data.len() as u64;
+        let end = offset.checked_add(length).filter(|end| *end <= FILE_SIZE_MAX).ok_or_else(|| {
+            ClientError::inode(
+                shared.inode,
+                ErrorCode::FileTooBig,
+                format!("a write of {length} bytes at {offset} ends beyond the largest file size {FILE_SIZE_MAX}"),
+            )
+        })?;
+        {
+            let mut state = shared.lock();
+            state.known_size = state.known_size.max(end);
+            state.written_end = state.written_end.max(end);
+            state.writes_started += 1;
+        }
+        let dirty = &shared.client.shared.dirty;
+        for request in plan_requests(layout, offset, length, u64::from(IO_REQUEST_BYTES_MAX)) {
+            let start = (request.file_offset - offset) as usize;
+            let payload = data.slice(start..start + request.length as usize);
+            // The semaphore is never closed; a request (≤ IO_REQUEST_BYTES_MAX) fits u32 and
+            // config validation keeps dirty_bytes_max at least that large.
+            let permit = dirty
+                .clone()
+                .acquire_many_owned(request.length as u32)
+                .await
+                .expect("dirty semaphore never closed");
+            shared.begin_write(&request).await;
+            tokio::spawn(
+                shared
+                    .clone()
+                    .send_write(layout.clone(), request, payload, permit),
+            );
+        }
+        shared.commit_if_due();
+        Ok(())
+    }
+
+    /// Write `data` at the end of the file as this handle knows it; returns the offset used.
+    /// Appends through one handle never overlap; appends from several clients at once are
+    /// not ordered against each other (the size is committed lazily).
+    pub async fn append(&self, data: Bytes) -> Result<u64, ClientError> {
+        self.shared.check_open()?;
+        self.shared.check_no_failed_write()?;
+        let offset = {
+            let mut state = self.shared.lock();
+            let offset = state.known_size;
+            state.known_size = offset.saturating_add(data.len() as u64);
+            offset
+        };
+        self.write_at(offset, data).await?;
+        Ok(offset)
+    }
+
+    /// Make every byte written through this handle durable on its servers and commit the
+    /// size and mtime at the meta server.
+    pub async fn fsync(&self) -> Result<(), ClientError> {
+        self.shared.check_open()?;
+        self.shared.fsync().await
+    }
+
+    /// Wait for the writes in flight and commit the size (close-time flush, no disk sync).
+    pub async fn flush(&self) -> Result<(), ClientError> {
+        self.shared.check_open()?;
+        self.shared.flush().await
+    }
+
+    /// Flush and close.
+    pub async fn close(self) -> Result<(), ClientError> {
+        self.shared.close().await
+    }
+
+    /// Flush and close a handle shared through an `Arc` (the mount's release); any later
+    /// call on it fails with `BadHandle`.
+    pub async fn close_shared(&self) -> Result<(), ClientError> {
+        self.shared.close().await
+    }
+}
+
+impl Drop for FileHandle {
+    /// A handle dropped without close is closed in the background (best effort), so the
+    /// meta server does not keep it open until the session ends.
+    fn drop(&mut self) {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let shared = self.shared.clone();
+            runtime.spawn(async move {
+                if let Err(error) = shared.close().await {
+                    tracing::warn!(inode = shared.inode, %error, "closing a dropped handle failed");
+                }
+            });
+        }
+    }
+}
+
+impl std::fmt::Debug for FileHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileHandle")
+            .field("inode", &self.shared.inode)
+            .field("handle_id", &self.shared.handle_id)
+            .field("access", &self.shared.access)
+            .finish_non_exhaustive()
+    }
+}

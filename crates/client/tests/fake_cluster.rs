@@ -1,0 +1,926 @@
+//! The client against an in-process cluster of fakes: a meta server with an in-memory
+//! namespace and I/O servers keeping objects in memory, all behind the real RPC layer.
+//! The fakes are small enough to trust, so these tests pin the client's own behaviour:
+//! striping, parallel and ordered writes, holes, truncation, fsync, throttling, errors
+//! from a server that is down, and the path API.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use freeflow_client::{
+    Attr, Client, ClientConfig, ClusterKey, ErrorCode, FileKind, InodeId, Layout, OpenAccess,
+    OpenOptions, SetAttr, TimeSpec, ROOT_INODE,
+};
+use freeflow_proto::io::{
+    ReadObject, ReadReply, RemoveObjects, SyncObjects, TruncateObject, WriteObject,
+};
+use freeflow_proto::meta::*;
+use freeflow_proto::{Request, WireError};
+use freeflow_rpc::{handle, serve, Frame, PeerInfo, Reply, ServerOptions, Service};
+use freeflow_types::{ObjectId, ServerId};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+fn wire(code: ErrorCode, message: &str) -> WireError {
+    WireError::new(code, message)
+}
+
+/// Run a synchronous typed handler for request type R.
+async fn typed<R: Request>(
+    frame: Frame,
+    f: impl FnOnce(R, Bytes) -> Result<(R::Reply, Bytes), WireError>,
+) -> Result<Reply, String> {
+    handle::<R, _, _>(frame, |request, payload| {
+        let result = f(request, payload);
+        async move { result }
+    })
+    .await
+}
+
+// ---------- fake meta server ----------
+
+struct MetaState {
+    next_inode: InodeId,
+    inodes: HashMap<InodeId, Attr>,
+    entries: BTreeMap<(InodeId, String), InodeId>,
+    targets: HashMap<InodeId, String>,
+    next_handle: u64,
+    next_first_server: usize,
+    commits: u64,
+}
+
+struct FakeMeta {
+    state: Mutex<MetaState>,
+    servers: Mutex<Vec<ServerRecord>>,
+    stripe_unit_bytes: u32,
+    stripe_count: usize,
+}
+
+fn new_attr(inode: InodeId, kind: FileKind, permissions: u32, layout: Option<Layout>) -> Attr {
+    Attr {
+        inode,
+        kind,
+        permissions,
+        link_count: 1,
+        user_id: 0,
+        group_id: 0,
+        size_bytes: 0,
+        access_time: TimeSpec::default(),
+        modify_time: TimeSpec::default(),
+        change_time: TimeSpec::default(),
+        birth_time: TimeSpec::default(),
+        device: 0,
+        layout,
+        generation: 1,
+    }
+}
+
+impl FakeMeta {
+    fn new(stripe_unit_bytes: u32, stripe_count: usize) -> FakeMeta {
+        let mut inodes = HashMap::new();
+        inodes.insert(
+            ROOT_INODE,
+            new_attr(ROOT_INODE, FileKind::Directory, 0o755, None),
+        );
+        FakeMeta {
+            state: Mutex::new(MetaState {
+                next_inode: 2,
+                inodes,
+                entries: BTreeMap::new(),
+                targets: HashMap::new(),
+                next_handle: 1,
+                next_first_server: 0,
+                commits: 0,
+            }),
+            servers: Mutex::new(Vec::new()),
+            stripe_unit_bytes,
+            stripe_count,
+        }
+    }
+
+    fn add_entry(
+        &self,
+        parent: InodeId,
+        name: &str,
+        kind: FileKind,
+        permissions: u32,
+    ) -> Result<Attr, WireError> {
+        let servers: Vec<ServerId> = self
+            .servers
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|s| s.server_id)
+            .collect();
+        let mut state = self.state.lock().unwrap();
+        match state.inodes.get(&parent) {
+            Some(attr) if attr.kind == FileKind::Directory => {}
+            Some(_) => return Err(wire(ErrorCode::NotDirectory, "parent")),
+            None => return Err(wire(ErrorCode::NotFound, "parent")),
+        }
+        if state.entries.contains_key(&(parent, name.to_string())) {
+            return Err(wire(ErrorCode::Exists, name));
+        }
+        let layout = (kind == FileKind::Regular).then(|| {
+            let first = state.next_first_server;
+            state.next_first_server += 1;
+            let chosen = (0..self.stripe_count)
+                .map(|i| servers[(first + i) % servers.len()])
+                .collect();
+            Layout::new(self.stripe_unit_bytes, chosen).unwrap()
+        });
+        let inode = state.next_inode;
+        state.next_inode += 1;
+        let attr = new_attr(inode, kind, permissions, layout);
+        state.inodes.insert(inode, attr.clone());
+        state.entries.insert((parent, name.to_string()), inode);
+        Ok(attr)
+    }
+
+    fn get(&self, inode: InodeId) -> Result<Attr, WireError> {
+        self.state
+            .lock()
+            .unwrap()
+            .inodes
+            .get(&inode)
+            .cloned()
+            .ok_or_else(|| wire(ErrorCode::NotFound, "inode"))
+    }
+
+    fn lookup(&self, parent: InodeId, name: &str) -> Result<Attr, WireError> {
+        let state = self.state.lock().unwrap();
+        let inode = state
+            .entries
+            .get(&(parent, name.to_string()))
+            .ok_or_else(|| wire(ErrorCode::NotFound, name))?;
+        Ok(state.inodes[inode].clone())
+    }
+
+    fn remove(&self, parent: InodeId, name: &str, directory: bool) -> Result<(), WireError> {
+        let mut state = self.state.lock().unwrap();
+        let inode = *state
+            .entries
+            .get(&(parent, name.to_string()))
+            .ok_or_else(|| wire(ErrorCode::NotFound, name))?;
+        let is_directory = state.inodes[&inode].kind == FileKind::Directory;
+        if directory && !is_directory {
+            return Err(wire(ErrorCode::NotDirectory, name));
+        }
+        if !directory && is_directory {
+            return Err(wire(ErrorCode::IsDirectory, name));
+        }
+        if directory && state.entries.keys().any(|(p, _)| *p == inode) {
+            return Err(wire(ErrorCode::NotEmpty, name));
+        }
+        state.entries.remove(&(parent, name.to_string()));
+        Ok(())
+    }
+
+    fn next_handle(&self) -> u64 {
+        let mut state = self.state.lock().unwrap();
+        state.next_handle += 1;
+        state.next_handle
+    }
+}
+
+impl Service for FakeMeta {
+    async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
+        let none = Bytes::new;
+        match frame.opcode {
+            OpenSession::OPCODE => {
+                typed::<OpenSession>(frame, |_, _| {
+                    Ok((
+                        SessionGrant {
+                            session_id: 7,
+                            lease_ms: 30_000,
+                        },
+                        none(),
+                    ))
+                })
+                .await
+            }
+            RenewSession::OPCODE => typed::<RenewSession>(frame, |_, _| Ok(((), none()))).await,
+            CloseSession::OPCODE => typed::<CloseSession>(frame, |_, _| Ok(((), none()))).await,
+            ListServers::OPCODE => {
+                typed::<ListServers>(frame, |_, _| {
+                    Ok((self.servers.lock().unwrap().clone(), none()))
+                })
+                .await
+            }
+            Lookup::OPCODE => {
+                typed::<Lookup>(frame, |r, _| Ok((self.lookup(r.parent, &r.name)?, none()))).await
+            }
+            GetAttr::OPCODE => {
+                typed::<GetAttr>(frame, |r, _| Ok((self.get(r.inode)?, none()))).await
+            }
+            SetAttributes::OPCODE => {
+                typed::<SetAttributes>(frame, |r, _| {
+                    let mut state = self.state.lock().unwrap();
+                    let attr = state
+                        .inodes
+                        .get_mut(&r.inode)
+                        .ok_or_else(|| wire(ErrorCode::NotFound, "inode"))?;
+                    if let Some(size) = r.changes.size_bytes {
+                        attr.size_bytes = size;
+                    }
+                    if let Some(permissions) = r.changes.permissions {
+                        attr.permissions = permissions;
+                    }
+                    Ok((attr.clone(), none()))
+                })
+                .await
+            }
+            Create::OPCODE => {
+                typed::<Create>(frame, |r, _| {
+                    let (attr, created) =
+                        match self.add_entry(r.parent, &r.name, r.kind, r.permissions) {
+                            Ok(attr) => (attr, true),
+                            Err(error) if error.code == ErrorCode::Exists && !r.exclusive => {
+                                let attr = self.lookup(r.parent, &r.name)?;
+                                if attr.kind != FileKind::Regular {
+                                    return Err(error);
+                                }
+                                (attr, false)
+                            }
+                            Err(error) => return Err(error),
+                        };
+                    let handle_id = r.open.map(|_| self.next_handle());
+                    Ok((
+                        CreateReply {
+                            attr,
+                            created,
+                            handle_id,
+                        },
+                        none(),
+                    ))
+                })
+                .await
+            }
+            Mkdir::OPCODE => {
+                typed::<Mkdir>(frame, |r, _| {
+                    Ok((
+                        self.add_entry(r.parent, &r.name, FileKind::Directory, r.permissions)?,
+                        none(),
+                    ))
+                })
+                .await
+            }
+            Symlink::OPCODE => {
+                typed::<Symlink>(frame, |r, _| {
+                    let attr = self.add_entry(r.parent, &r.name, FileKind::Symlink, 0o777)?;
+                    self.state
+                        .lock()
+                        .unwrap()
+                        .targets
+                        .insert(attr.inode, r.target);
+                    Ok((attr, none()))
+                })
+                .await
+            }
+            ReadLink::OPCODE => {
+                typed::<ReadLink>(frame, |r, _| {
+                    let state = self.state.lock().unwrap();
+                    Ok((
+                        state
+                            .targets
+                            .get(&r.inode)
+                            .cloned()
+                            .ok_or_else(|| wire(ErrorCode::InvalidArgument, "not a link"))?,
+                        none(),
+                    ))
+                })
+                .await
+            }
+            Unlink::OPCODE => {
+                typed::<Unlink>(frame, |r, _| {
+                    Ok((self.remove(r.parent, &r.name, false)?, none()))
+                })
+                .await
+            }
+            Rmdir::OPCODE => {
+                typed::<Rmdir>(frame, |r, _| {
+                    Ok((self.remove(r.parent, &r.name, true)?, none()))
+                })
+                .await
+            }
+            Rename::OPCODE => {
+                typed::<Rename>(frame, |r, _| {
+                    let mut state = self.state.lock().unwrap();
+                    let inode = state
+                        .entries
+                        .remove(&(r.source_parent, r.source_name.clone()))
+                        .ok_or_else(|| wire(ErrorCode::NotFound, &r.source_name))?;
+                    state
+                        .entries
+                        .insert((r.target_parent, r.target_name), inode);
+                    Ok(((), none()))
+                })
+                .await
+            }
+            ReadDir::OPCODE => {
+                typed::<ReadDir>(frame, |r, _| {
+                    let state = self.state.lock().unwrap();
+                    let all: Vec<DirEntry> = state
+                        .entries
+                        .iter()
+                        .filter(|((parent, name), _)| {
+                            *parent == r.inode && r.after.as_ref().is_none_or(|after| name > after)
+                        })
+                        .map(|((_, name), inode)| DirEntry {
+                            name: name.clone(),
+                            inode: *inode,
+                            kind: state.inodes[inode].kind,
+                            attr: None,
+                        })
+                        .collect();
+                    let end = all.len() <= r.limit as usize;
+                    let entries = all.into_iter().take(r.limit as usize).collect();
+                    Ok((DirPage { entries, end }, none()))
+                })
+                .await
+            }
+            Open::OPCODE => {
+                typed::<Open>(frame, |r, _| {
+                    let attr = self.get(r.inode)?;
+                    if attr.kind == FileKind::Directory && r.access.write {
+                        return Err(wire(ErrorCode::IsDirectory, "open"));
+                    }
+                    Ok((
+                        OpenGrant {
+                            handle_id: self.next_handle(),
+                            attr,
+                        },
+                        none(),
+                    ))
+                })
+                .await
+            }
+            Close::OPCODE => typed::<Close>(frame, |_, _| Ok(((), none()))).await,
+            CommitSize::OPCODE => {
+                typed::<CommitSize>(frame, |r, _| {
+                    let mut state = self.state.lock().unwrap();
+                    state.commits += 1;
+                    let attr = state
+                        .inodes
+                        .get_mut(&r.inode)
+                        .ok_or_else(|| wire(ErrorCode::NotFound, "inode"))?;
+                    attr.size_bytes = attr.size_bytes.max(r.size_bytes);
+                    attr.modify_time = r.modify_time;
+                    Ok((attr.clone(), none()))
+                })
+                .await
+            }
+            opcode => Err(format!("fake meta does not serve opcode {opcode}")),
+        }
+    }
+}
+
+// ---------- fake I/O server ----------
+
+#[derive(Default)]
+struct FakeIo {
+    objects: Mutex<HashMap<ObjectId, Vec<u8>>>,
+    syncs: Mutex<Vec<ObjectId>>,
+    /// Writes whose payload starts with b'S' sleep this long (to reorder replies).
+    slow_write_ms: AtomicU64,
+    /// Every write sleeps this long.
+    write_delay_ms: AtomicU64,
+    in_flight_bytes: AtomicU64,
+    in_flight_bytes_peak: AtomicU64,
+    failing: AtomicBool,
+}
+
+impl Service for FakeIo {
+    async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
+        if self.failing.load(Ordering::Acquire) {
+            return Err("the fake server is down".to_string());
+        }
+        let none = Bytes::new;
+        match frame.opcode {
+            WriteObject::OPCODE => {
+                let request: WriteObject =
+                    freeflow_proto::decode(&frame.header).map_err(|e| e.message)?;
+                let length = frame.payload.len() as u64;
+                let now = self.in_flight_bytes.fetch_add(length, Ordering::AcqRel) + length;
+                self.in_flight_bytes_peak.fetch_max(now, Ordering::AcqRel);
+                let mut delay = self.write_delay_ms.load(Ordering::Acquire);
+                if frame.payload.first() == Some(&b'S') {
+                    delay += self.slow_write_ms.load(Ordering::Acquire);
+                }
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+                {
+                    let mut objects = self.objects.lock().unwrap();
+                    let object = objects.entry(request.object).or_default();
+                    let end = request.offset as usize + frame.payload.len();
+                    if object.len() < end {
+                        object.resize(end, 0);
+                    }
+                    object[request.offset as usize..end].copy_from_slice(&frame.payload);
+                }
+                self.in_flight_bytes.fetch_sub(length, Ordering::AcqRel);
+                typed::<WriteObject>(frame, |_, _| Ok(((), none()))).await
+            }
+            ReadObject::OPCODE => {
+                typed::<ReadObject>(frame, |r, _| {
+                    let objects = self.objects.lock().unwrap();
+                    let data = objects.get(&r.object).map(Vec::as_slice).unwrap_or(&[]);
+                    let start = (r.offset as usize).min(data.len());
+                    let end = (start + r.length as usize).min(data.len());
+                    let payload = Bytes::copy_from_slice(&data[start..end]);
+                    Ok((
+                        ReadReply {
+                            length: payload.len() as u32,
+                        },
+                        payload,
+                    ))
+                })
+                .await
+            }
+            TruncateObject::OPCODE => {
+                typed::<TruncateObject>(frame, |r, _| {
+                    let mut objects = self.objects.lock().unwrap();
+                    if r.length > 0 || objects.contains_key(&r.object) {
+                        objects
+                            .entry(r.object)
+                            .or_default()
+                            .resize(r.length as usize, 0);
+                    }
+                    Ok(((), none()))
+                })
+                .await
+            }
+            SyncObjects::OPCODE => {
+                typed::<SyncObjects>(frame, |r, _| {
+                    self.syncs.lock().unwrap().extend(r.objects);
+                    Ok(((), none()))
+                })
+                .await
+            }
+            RemoveObjects::OPCODE => typed::<RemoveObjects>(frame, |_, _| Ok(((), none()))).await,
+            opcode => Err(format!("fake I/O server does not serve opcode {opcode}")),
+        }
+    }
+}
+
+// ---------- the cluster ----------
+
+struct Cluster {
+    key: ClusterKey,
+    meta: Arc<FakeMeta>,
+    meta_address: String,
+    io: Vec<(ServerId, Arc<FakeIo>, JoinHandle<std::io::Result<()>>)>,
+    _meta_task: JoinHandle<std::io::Result<()>>,
+}
+
+impl Cluster {
+    async fn start(io_count: u32, stripe_unit_bytes: u32, stripe_count: usize) -> Cluster {
+        let key = ClusterKey::from_bytes([7; 32]);
+        let meta = Arc::new(FakeMeta::new(stripe_unit_bytes, stripe_count));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let meta_address = listener.local_addr().unwrap().to_string();
+        let meta_task = tokio::spawn(serve(
+            listener,
+            key.clone(),
+            ServerOptions::new("meta"),
+            meta.clone(),
+        ));
+        let mut io = Vec::new();
+        for server_id in 1..=io_count {
+            let fake = Arc::new(FakeIo::default());
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let address = listener.local_addr().unwrap().to_string();
+            let task = tokio::spawn(serve(
+                listener,
+                key.clone(),
+                ServerOptions::new(format!("io:{server_id}")),
+                fake.clone(),
+            ));
+            meta.servers.lock().unwrap().push(ServerRecord {
+                server_id,
+                address,
+                up: true,
+                capacity_bytes: 1 << 40,
+                free_bytes: 1 << 40,
+                object_count: 0,
+                last_seen_ms: Some(0),
+            });
+            io.push((server_id, fake, task));
+        }
+        Cluster {
+            key,
+            meta,
+            meta_address,
+            io,
+            _meta_task: meta_task,
+        }
+    }
+
+    fn config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new(self.meta_address.clone(), self.key.clone());
+        config.call_timeout_ms = 5_000;
+        config.connect_timeout_ms = 2_000;
+        config
+    }
+
+    async fn client(&self) -> Client {
+        Client::connect(self.config()).await.unwrap()
+    }
+
+    fn io(&self, server_id: ServerId) -> &FakeIo {
+        &self
+            .io
+            .iter()
+            .find(|(id, _, _)| *id == server_id)
+            .unwrap()
+            .1
+    }
+
+    fn object(&self, server_id: ServerId, object: ObjectId) -> Option<Vec<u8>> {
+        self.io(server_id)
+            .objects
+            .lock()
+            .unwrap()
+            .get(&object)
+            .cloned()
+    }
+}
+
+/// Deterministic test data: byte i is a function of i and a seed.
+fn pattern(length: usize, seed: u8) -> Vec<u8> {
+    (0..length)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1] ^ seed)
+        .collect()
+}
+
+const READ_WRITE: OpenAccess = OpenAccess {
+    read: true,
+    write: true,
+};
+
+#[tokio::test]
+async fn striped_write_lands_where_the_layout_says_and_reads_back() {
+    let cluster = Cluster::start(3, 64 << 10, 3).await;
+    let client = cluster.client().await;
+    let (file, created) = client
+        .create_open(ROOT_INODE, "data", 0o644, true, READ_WRITE)
+        .await
+        .unwrap();
+    assert!(created);
+    let data = pattern(1_000_000, 1);
+    file.write_at(0, Bytes::from(data.clone())).await.unwrap();
+    // Unaligned overwrite across unit boundaries.
+    let patch = pattern(200_000, 2);
+    file.write_at(100_001, Bytes::from(patch.clone()))
+        .await
+        .unwrap();
+    let mut expected = data.clone();
+    expected[100_001..300_001].copy_from_slice(&patch);
+    assert_eq!(file.size(), 1_000_000);
+    // The handle reads its own writes.
+    assert_eq!(
+        file.read_at(0, 2_000_000).await.unwrap(),
+        Bytes::from(expected.clone())
+    );
+    assert_eq!(
+        file.read_at(65_530, 70_000).await.unwrap(),
+        Bytes::copy_from_slice(&expected[65_530..135_530])
+    );
+    let inode = file.inode();
+    let layout = file.attr().layout.unwrap();
+    file.close().await.unwrap();
+
+    // Each object holds exactly its stripe's bytes.
+    for stripe_index in 0..3u32 {
+        let server_id = layout.servers[stripe_index as usize];
+        let object = cluster
+            .object(
+                server_id,
+                ObjectId {
+                    inode,
+                    stripe_index,
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            object.len() as u64,
+            layout.object_length(1_000_000, stripe_index)
+        );
+        for (object_offset, byte) in object.iter().enumerate().step_by(997) {
+            let file_offset = layout.file_offset(stripe_index, object_offset as u64);
+            assert_eq!(
+                *byte, expected[file_offset as usize],
+                "stripe {stripe_index} offset {object_offset}"
+            );
+        }
+    }
+    // Close committed the size; a new open sees it and the data.
+    assert_eq!(client.getattr(inode).await.unwrap().size_bytes, 1_000_000);
+    let reader = client
+        .open(
+            inode,
+            OpenAccess {
+                read: true,
+                write: false,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        reader.read_at(999_990, 100).await.unwrap(),
+        Bytes::copy_from_slice(&expected[999_990..])
+    );
+    assert_eq!(reader.read_at(1_000_000, 10).await.unwrap().len(), 0);
+    let error = reader
+        .write_at(0, Bytes::from_static(b"x"))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), ErrorCode::BadHandle);
+    reader.close().await.unwrap();
+    client.shutdown().await;
+}
+
+#[tokio::test]
+async fn holes_read_as_zeros_and_truncate_cuts_stale_bytes() {
+    let cluster = Cluster::start(2, 4096, 2).await;
+    let client = cluster.client().await;
+    let (file, _) = client
+        .create_open(ROOT_INODE, "sparse", 0o644, false, READ_WRITE)
+        .await
+        .unwrap();
+    file.write_at(0, Bytes::from(vec![1u8; 10])).await.unwrap();
+    file.write_at(50_000, Bytes::from(vec![2u8; 10]))
+        .await
+        .unwrap();
+    file.flush().await.unwrap();
+    let all = file.read_at(0, 50_010).await.unwrap();
+    assert_eq!(all.len(), 50_010);
+    assert!(all[..10].iter().all(|&b| b == 1));
+    assert!(all[10..50_000].iter().all(|&b| b == 0));
+    assert!(all[50_000..].iter().all(|&b| b == 2));
+
+    // Shrink to 5 bytes, then extend to 60000: bytes 5.. must be zeros, not the old ones.
+    let inode = file.inode();
+    client
+        .setattr(
+            inode,
+            SetAttr {
+                size_bytes: Some(5),
+                ..SetAttr::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(file.size(), 5);
+    client
+        .setattr(
+            inode,
+            SetAttr {
+                size_bytes: Some(60_000),
+                ..SetAttr::default()
+            },
+        )
+        .await
+        .unwrap();
+    file.refresh().await.unwrap();
+    let all = file.read_at(0, 60_000).await.unwrap();
+    assert_eq!(all.len(), 60_000);
+    assert!(all[..5].iter().all(|&b| b == 1));
+    assert!(
+        all[5..].iter().all(|&b| b == 0),
+        "stale bytes reappeared after truncate"
+    );
+    // A close after the truncate must not grow the file back to the old written end.
+    file.write_at(0, Bytes::from_static(b"z")).await.unwrap();
+    client
+        .setattr(
+            inode,
+            SetAttr {
+                size_bytes: Some(3),
+                ..SetAttr::default()
+            },
+        )
+        .await
+        .unwrap();
+    file.close().await.unwrap();
+    assert_eq!(client.getattr(inode).await.unwrap().size_bytes, 3);
+}
+
+#[tokio::test]
+async fn a_later_overlapping_write_wins_even_if_the_earlier_is_slow() {
+    let cluster = Cluster::start(1, 4096, 1).await;
+    cluster.io(1).slow_write_ms.store(200, Ordering::Release);
+    let client = cluster.client().await;
+    let (file, _) = client
+        .create_open(ROOT_INODE, "order", 0o644, true, READ_WRITE)
+        .await
+        .unwrap();
+    file.write_at(0, Bytes::from(vec![b'S'; 3000]))
+        .await
+        .unwrap();
+    file.write_at(1000, Bytes::from(vec![b'F'; 1000]))
+        .await
+        .unwrap();
+    file.fsync().await.unwrap();
+    let inode = file.inode();
+    file.close().await.unwrap();
+    let object = cluster
+        .object(
+            1,
+            ObjectId {
+                inode,
+                stripe_index: 0,
+            },
+        )
+        .unwrap();
+    assert!(object[..1000].iter().all(|&b| b == b'S'));
+    assert!(
+        object[1000..2000].iter().all(|&b| b == b'F'),
+        "the earlier write overtook the later one"
+    );
+    assert!(object[2000..].iter().all(|&b| b == b'S'));
+}
+
+#[tokio::test]
+async fn fsync_syncs_every_written_object_and_commits_the_size() {
+    let cluster = Cluster::start(4, 4096, 4).await;
+    let client = cluster.client().await;
+    let (file, _) = client
+        .create_open(ROOT_INODE, "durable", 0o644, true, READ_WRITE)
+        .await
+        .unwrap();
+    // Units 0, 1 and 3: stripe 2 is never written.
+    file.write_at(0, Bytes::from(vec![9u8; 8192]))
+        .await
+        .unwrap();
+    file.write_at(3 * 4096, Bytes::from(vec![9u8; 100]))
+        .await
+        .unwrap();
+    let inode = file.inode();
+    assert_eq!(
+        client.getattr(inode).await.unwrap().size_bytes,
+        0,
+        "size is committed lazily"
+    );
+    file.fsync().await.unwrap();
+    assert_eq!(
+        client.getattr(inode).await.unwrap().size_bytes,
+        3 * 4096 + 100
+    );
+    let layout = file.attr().layout.unwrap();
+    for stripe_index in 0..4u32 {
+        let server_id = layout.servers[stripe_index as usize];
+        let synced = cluster
+            .io(server_id)
+            .syncs
+            .lock()
+            .unwrap()
+            .contains(&ObjectId {
+                inode,
+                stripe_index,
+            });
+        assert_eq!(synced, stripe_index != 2, "stripe {stripe_index}");
+    }
+    // A second fsync with nothing new written syncs nothing.
+    let syncs_before: usize = cluster
+        .io
+        .iter()
+        .map(|(_, io, _)| io.syncs.lock().unwrap().len())
+        .sum();
+    file.fsync().await.unwrap();
+    let syncs_after: usize = cluster
+        .io
+        .iter()
+        .map(|(_, io, _)| io.syncs.lock().unwrap().len())
+        .sum();
+    assert_eq!(syncs_before, syncs_after);
+    file.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn writes_go_to_all_servers_at_once_within_the_dirty_bound() {
+    let cluster = Cluster::start(4, 1 << 20, 4).await;
+    for (_, io, _) in &cluster.io {
+        io.write_delay_ms.store(30, Ordering::Release);
+    }
+    let mut config = cluster.config();
+    config.dirty_bytes_max = 8 << 20;
+    let client = Client::connect(config).await.unwrap();
+    let (file, _) = client
+        .create_open(ROOT_INODE, "wide", 0o644, true, READ_WRITE)
+        .await
+        .unwrap();
+    let data = Bytes::from(pattern(32 << 20, 3));
+    let started = Instant::now();
+    file.write_at(0, data.clone()).await.unwrap();
+    file.flush().await.unwrap();
+    let elapsed = started.elapsed();
+    // 32 requests of 1 MiB at 30 ms each: sequentially ~1 s; 8 at a time ~120 ms.
+    assert!(
+        elapsed < Duration::from_millis(900),
+        "writes were not parallel: {elapsed:?}"
+    );
+    let peak: u64 = cluster
+        .io
+        .iter()
+        .map(|(_, io, _)| io.in_flight_bytes_peak.load(Ordering::Acquire))
+        .sum();
+    assert!(
+        peak <= 8 << 20,
+        "more than dirty_bytes_max in flight: {peak}"
+    );
+    assert_eq!(file.read_at(0, 32 << 20).await.unwrap(), data);
+    file.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_down_server_gives_an_error_naming_it_and_the_handle_keeps_it() {
+    let cluster = Cluster::start(2, 4096, 2).await;
+    let client = cluster.client().await;
+    let (file, _) = client
+        .create_open(ROOT_INODE, "doomed", 0o644, true, READ_WRITE)
+        .await
+        .unwrap();
+    let layout = file.attr().layout.unwrap();
+    let down = layout.servers[1];
+    let (_, io, task) = cluster.io.iter().find(|(id, _, _)| *id == down).unwrap();
+    io.failing.store(true, Ordering::Release);
+    task.abort();
+    let started = Instant::now();
+    file.write_at(0, Bytes::from(vec![1u8; 8192]))
+        .await
+        .unwrap();
+    let error = file.fsync().await.unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(error.code(), ErrorCode::Unreachable, "{error}");
+    let message = error.to_string();
+    assert!(message.contains(&format!("I/O server {down}")), "{message}");
+    // The failure is not lost: later calls report it too.
+    assert!(file.write_at(0, Bytes::from_static(b"x")).await.is_err());
+    assert!(file.flush().await.is_err());
+    assert!(file.close().await.is_err());
+}
+
+#[tokio::test]
+async fn path_api_walks_creates_and_removes() {
+    let cluster = Cluster::start(1, 4096, 1).await;
+    let client = cluster.client().await;
+    client.mkdir_all("/a/b/c").await.unwrap();
+    assert_eq!(
+        client.mkdir_all("/a/b/c").await.unwrap().kind,
+        FileKind::Directory
+    );
+    client.symlink_path("/a/b", "/link").await.unwrap();
+    let options = OpenOptions::new().write(true).create(true);
+    let file = client.open_path("/link/c/f", &options).await.unwrap();
+    file.append(Bytes::from_static(b"hello ")).await.unwrap();
+    assert_eq!(file.append(Bytes::from_static(b"world")).await.unwrap(), 6);
+    file.close().await.unwrap();
+    assert_eq!(client.stat("/a/b/c/f").await.unwrap().size_bytes, 11);
+    assert_eq!(client.lstat("/link").await.unwrap().kind, FileKind::Symlink);
+    assert_eq!(
+        client.stat("/link").await.unwrap().kind,
+        FileKind::Directory
+    );
+
+    // Truncate on open.
+    let options = OpenOptions::new().read(true).write(true).truncate(true);
+    let file = client.open_path("/a/b/c/f", &options).await.unwrap();
+    assert_eq!(file.size(), 0);
+    file.close().await.unwrap();
+    assert_eq!(client.stat("/a/b/c/f").await.unwrap().size_bytes, 0);
+
+    let error = client
+        .open_path("/a/b", &OpenOptions::new().write(true))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), ErrorCode::IsDirectory);
+    let error = client
+        .open_path("/a/missing", &OpenOptions::new().read(true))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), ErrorCode::NotFound);
+    assert!(error.to_string().starts_with("/a/missing"), "{error}");
+
+    client.rename_path("/a/b/c/f", "/a/g").await.unwrap();
+    let names: Vec<String> = client
+        .read_dir_all("/a")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(names, vec!["b", "g"]);
+    let error = client.remove_path("/a").await.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::NotEmpty);
+    client.remove_all("/a").await.unwrap();
+    assert_eq!(
+        client.stat("/a").await.unwrap_err().code(),
+        ErrorCode::NotFound
+    );
+    client.remove_path("/link").await.unwrap();
+    assert!(client.read_dir_all("/").await.unwrap().is_empty());
+    assert!(cluster.meta.state.lock().unwrap().commits > 0);
+}

@@ -1,0 +1,444 @@
+//! Freeflow's metadata server: the namespace, inodes, layouts, orphans and the I/O server
+//! registry, kept in redb behind the [`store::MetaStore`] seam (DESIGN.md §2).
+//!
+//! Reads run in read transactions on the request's task, concurrently with writes (MVCC).
+//! Mutations go through one writer thread that group-commits them (`writer.rs`): one fsync
+//! covers every operation that arrived together, and each is durable before its reply.
+//! Start-up reads a handful of counters and never scans, so it is O(1) in the number of
+//! files.
+
+pub mod ops;
+pub mod reaper;
+pub mod records;
+pub mod registry;
+pub mod service;
+pub mod sessions;
+pub mod shared;
+pub mod store;
+pub mod writer;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use freeflow_rpc::{ClusterKey, ServerOptions};
+use freeflow_types::limits::{STRIPE_COUNT_MAX, STRIPE_UNIT_BYTES_DEFAULT};
+use freeflow_types::Layout;
+use tokio::sync::{mpsc, Notify};
+use tokio::task::JoinHandle;
+
+use crate::ops::WriterState;
+use crate::registry::Registry;
+use crate::service::MetaService;
+use crate::sessions::{SessionLimits, Sessions};
+use crate::shared::Shared;
+use crate::store::{MetaStore, RedbStore, StoreError, StoreWrite};
+use crate::writer::WriterMessage;
+
+/// Name of the redb file inside the data directory.
+pub const DATABASE_FILE_NAME: &str = "meta.redb";
+
+/// Configuration of the metadata server, as read from TOML. Every field has a default.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetaConfig {
+    /// Address to listen on; port 0 picks a free port (tests). Default "127.0.0.1:7700".
+    pub listen_address: String,
+    /// Directory holding `meta.redb`; created if missing.
+    pub data_dir: PathBuf,
+    /// Sessions not renewed within this time end, closing their handles. Default 30000.
+    pub lease_ms: u32,
+    /// Stripe unit of new files when their directory sets none. Default 1 MiB.
+    pub stripe_unit_bytes: u32,
+    /// Stripe count of new files when their directory sets none; 0: all servers. Default 0.
+    pub stripe_count: u32,
+    /// An I/O server not heard from within this time is reported down. Default 5000.
+    pub server_down_after_ms: u64,
+    /// How often I/O servers are told to send their heartbeat. Default 1000.
+    pub heartbeat_interval_ms: u32,
+    /// Most mutations committed in one write transaction (one fsync). Default 256.
+    pub commit_batch_max: usize,
+    /// Mutations queued for the writer before callers wait. Default 4096.
+    pub commit_queue_max: usize,
+    /// Payload bytes a client may have in flight per connection. Default 16 MiB.
+    pub window_bytes: u32,
+    /// Requests served at once per connection. Default 128.
+    pub requests_in_flight_max: u32,
+    /// Client sessions at once. Default 65536.
+    pub sessions_max: usize,
+    /// Open handles at once, over all sessions. Default 1048576.
+    pub handles_max: usize,
+    /// Orphans whose data is being removed at once. Default 32.
+    pub reap_concurrency_max: usize,
+    /// Memory redb may use to cache pages. Default 256 MiB.
+    pub store_cache_bytes: usize,
+}
+
+impl Default for MetaConfig {
+    fn default() -> MetaConfig {
+        MetaConfig {
+            listen_address: "127.0.0.1:7700".into(),
+            data_dir: PathBuf::from("freeflow-meta"),
+            lease_ms: 30_000,
+            stripe_unit_bytes: STRIPE_UNIT_BYTES_DEFAULT,
+            stripe_count: 0,
+            server_down_after_ms: 5000,
+            heartbeat_interval_ms: 1000,
+            commit_batch_max: 256,
+            commit_queue_max: 4096,
+            window_bytes: 16 << 20,
+            requests_in_flight_max: 128,
+            sessions_max: 65_536,
+            handles_max: 1 << 20,
+            reap_concurrency_max: 32,
+            store_cache_bytes: 256 << 20,
+        }
+    }
+}
+
+/// Why the metadata server could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum MetaError {
+    #[error("invalid meta config: {field}: {reason}")]
+    InvalidConfig { field: &'static str, reason: String },
+    #[error("cannot create data directory {path}: {source}")]
+    DataDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot open metadata store {path}: {source}")]
+    Store { path: PathBuf, source: StoreError },
+    #[error("cannot listen on {address}: {source}")]
+    Bind {
+        address: String,
+        source: std::io::Error,
+    },
+    #[error("metadata server task failed: {0}")]
+    Task(String),
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> MetaError {
+    MetaError::InvalidConfig {
+        field,
+        reason: reason.into(),
+    }
+}
+
+impl MetaConfig {
+    /// Check every field and the rules between fields.
+    pub fn validate(&self) -> Result<(), MetaError> {
+        let MetaConfig {
+            listen_address,
+            data_dir,
+            lease_ms,
+            stripe_unit_bytes,
+            stripe_count,
+            server_down_after_ms,
+            heartbeat_interval_ms,
+            commit_batch_max,
+            commit_queue_max,
+            window_bytes,
+            requests_in_flight_max,
+            sessions_max,
+            handles_max,
+            reap_concurrency_max,
+            store_cache_bytes,
+        } = self;
+        if listen_address.is_empty() || !listen_address.contains(':') {
+            return Err(invalid(
+                "listen_address",
+                format!("{listen_address:?} is not host:port"),
+            ));
+        }
+        if data_dir.as_os_str().is_empty() {
+            return Err(invalid("data_dir", "must not be empty"));
+        }
+        if *lease_ms < 100 {
+            return Err(invalid(
+                "lease_ms",
+                format!("{lease_ms} is below the minimum 100"),
+            ));
+        }
+        if let Err(error) = Layout::new(*stripe_unit_bytes, vec![0]) {
+            return Err(invalid("stripe_unit_bytes", error.to_string()));
+        }
+        if *stripe_count > STRIPE_COUNT_MAX {
+            return Err(invalid(
+                "stripe_count",
+                format!("{stripe_count} is above the maximum {STRIPE_COUNT_MAX} (0: all servers)"),
+            ));
+        }
+        if *heartbeat_interval_ms == 0 {
+            return Err(invalid("heartbeat_interval_ms", "must be at least 1"));
+        }
+        if *server_down_after_ms <= u64::from(*heartbeat_interval_ms) {
+            return Err(invalid(
+                "server_down_after_ms",
+                format!(
+                    "{server_down_after_ms} must be longer than heartbeat_interval_ms {heartbeat_interval_ms}"
+                ),
+            ));
+        }
+        for (field, value) in [
+            ("commit_batch_max", *commit_batch_max),
+            ("commit_queue_max", *commit_queue_max),
+            ("sessions_max", *sessions_max),
+            ("handles_max", *handles_max),
+            ("reap_concurrency_max", *reap_concurrency_max),
+            ("requests_in_flight_max", *requests_in_flight_max as usize),
+        ] {
+            if value == 0 {
+                return Err(invalid(field, "must be at least 1"));
+            }
+        }
+        if *window_bytes < 64 << 10 {
+            return Err(invalid(
+                "window_bytes",
+                format!("{window_bytes} is below 64 KiB"),
+            ));
+        }
+        if *store_cache_bytes < 1 << 20 {
+            return Err(invalid(
+                "store_cache_bytes",
+                format!("{store_cache_bytes} is below 1 MiB"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A running metadata server.
+pub struct RunningMeta {
+    shared: Arc<Shared>,
+    listen_address: SocketAddr,
+    serve_task: JoinHandle<std::io::Result<()>>,
+    background_tasks: Vec<JoinHandle<()>>,
+    writer_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// How long shutdown waits for in-flight reads to release the store before closing it.
+const STORE_RELEASE_WAIT_MS: u64 = 5000;
+
+/// Open the store (creating it on first start), bind, and serve.
+pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, MetaError> {
+    config.validate()?;
+    let started = Instant::now();
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| MetaError::DataDir {
+        path: config.data_dir.clone(),
+        source,
+    })?;
+    let path = config.data_dir.join(DATABASE_FILE_NAME);
+    let store_error = |source| MetaError::Store {
+        path: path.clone(),
+        source,
+    };
+    let store = RedbStore::open_with_cache(&path, config.store_cache_bytes).map_err(store_error)?;
+    let (state, servers) = {
+        let mut write = store.begin_write().map_err(store_error)?;
+        let state = ops::initialise(&mut write, ops::now()).map_err(store_error)?;
+        write.commit().map_err(store_error)?;
+        let read = store.begin_read().map_err(store_error)?;
+        let servers = ops::servers::load_servers(&read).map_err(|error| match error {
+            ops::OpError::Store(source) => store_error(source),
+            ops::OpError::Refused(wire) => store_error(StoreError::Backend(wire.message)),
+        })?;
+        (state, servers)
+    };
+    let listener = tokio::net::TcpListener::bind(&config.listen_address)
+        .await
+        .map_err(|source| MetaError::Bind {
+            address: config.listen_address.clone(),
+            source,
+        })?;
+    let listen_address = listener.local_addr().map_err(|source| MetaError::Bind {
+        address: config.listen_address.clone(),
+        source,
+    })?;
+
+    let (writer_sender, writer_receiver) = mpsc::channel(config.commit_queue_max);
+    let shared = Arc::new(Shared {
+        sessions: Mutex::new(Sessions::new(SessionLimits {
+            sessions_max: config.sessions_max,
+            handles_max: config.handles_max,
+            lease: Duration::from_millis(u64::from(config.lease_ms)),
+        })),
+        registry: Mutex::new(Registry::new(
+            servers,
+            Duration::from_millis(config.server_down_after_ms),
+        )),
+        store: RwLock::new(Some(Arc::new(store))),
+        writer: writer_sender,
+        inode_count: AtomicU64::new(state.inode_count),
+        orphan_count: AtomicU64::new(state.orphan_count),
+        commit_count: AtomicU64::new(0),
+        boot_epoch: state.boot_epoch,
+        started,
+        ready_ms: AtomicU64::new(0),
+        reaper_wake: Notify::new(),
+        closing: AtomicBool::new(false),
+        config,
+    });
+    let writer_thread = spawn_writer(shared.clone(), writer_receiver, state)?;
+
+    let mut options = ServerOptions::new("meta");
+    options.window_bytes = shared.config.window_bytes;
+    options.requests_in_flight_max = shared.config.requests_in_flight_max;
+    let service = Arc::new(MetaService {
+        shared: shared.clone(),
+    });
+    let serve_task = tokio::spawn(freeflow_rpc::serve(listener, key.clone(), options, service));
+    let background_tasks = vec![
+        tokio::spawn(reaper::run(shared.clone(), key)),
+        tokio::spawn(expire_sessions(shared.clone())),
+    ];
+
+    let ready_ms = started.elapsed().as_millis() as u64;
+    shared.ready_ms.store(ready_ms, Ordering::Relaxed);
+    tracing::info!(
+        inode_count = shared.inode_count.load(Ordering::Relaxed),
+        listen_address = %listen_address,
+        data_dir = %shared.config.data_dir.display(),
+        "ready in {ready_ms} ms"
+    );
+    Ok(RunningMeta {
+        shared,
+        listen_address,
+        serve_task,
+        background_tasks,
+        writer_thread: Some(writer_thread),
+    })
+}
+
+fn spawn_writer(
+    shared: Arc<Shared>,
+    receiver: mpsc::Receiver<WriterMessage>,
+    state: WriterState,
+) -> Result<std::thread::JoinHandle<()>, MetaError> {
+    std::thread::Builder::new()
+        .name("meta-writer".into())
+        .spawn(move || writer::run(shared, receiver, state))
+        .map_err(|error| MetaError::Task(format!("cannot start the writer thread: {error}")))
+}
+
+/// Ends sessions whose lease ran out; wakes the reaper for files left without handles.
+async fn expire_sessions(shared: Arc<Shared>) {
+    let period_ms = (u64::from(shared.config.lease_ms) / 4).max(50);
+    let mut interval = tokio::time::interval(Duration::from_millis(period_ms));
+    loop {
+        interval.tick().await;
+        let closed = shared.sessions().expire(Instant::now());
+        if !closed.is_empty() {
+            shared.reaper_wake.notify_one();
+        }
+    }
+}
+
+impl RunningMeta {
+    pub fn listen_address(&self) -> SocketAddr {
+        self.listen_address
+    }
+
+    /// Milliseconds from `start` being called to serving.
+    pub fn ready_ms(&self) -> u64 {
+        self.shared.ready_ms.load(Ordering::Relaxed)
+    }
+
+    pub fn inode_count(&self) -> u64 {
+        self.shared.inode_count.load(Ordering::Relaxed)
+    }
+
+    pub fn orphan_count(&self) -> u64 {
+        self.shared.orphan_count.load(Ordering::Relaxed)
+    }
+
+    /// Write transactions committed since start (each one fsync, covering a batch).
+    pub fn commit_count(&self) -> u64 {
+        self.shared.commit_count.load(Ordering::Relaxed)
+    }
+
+    /// Stop accepting, commit what is queued, close the store (its file lock is released
+    /// when this returns, so the same data directory can be started again).
+    pub async fn shutdown(mut self) {
+        self.stop().await;
+    }
+
+    async fn stop(&mut self) {
+        self.shared.closing.store(true, Ordering::Release);
+        self.serve_task.abort();
+        for task in &self.background_tasks {
+            task.abort();
+        }
+        if self
+            .shared
+            .writer
+            .send(WriterMessage::Shutdown)
+            .await
+            .is_err()
+        {
+            tracing::warn!("metadata writer had already stopped");
+        }
+        if let Some(thread) = self.writer_thread.take() {
+            let joined = tokio::task::spawn_blocking(move || thread.join()).await;
+            if !matches!(joined, Ok(Ok(()))) {
+                tracing::error!("metadata writer thread panicked");
+            }
+        }
+        let store = {
+            let mut guard = self
+                .shared
+                .store
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            guard.take()
+        };
+        if let Some(mut store) = store {
+            let deadline = Instant::now() + Duration::from_millis(STORE_RELEASE_WAIT_MS);
+            loop {
+                match Arc::try_unwrap(store) {
+                    Ok(store) => {
+                        drop(store);
+                        break;
+                    }
+                    Err(still_shared) if Instant::now() < deadline => {
+                        store = still_shared;
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    Err(_) => {
+                        tracing::warn!("metadata store still in use at shutdown; left open");
+                        break;
+                    }
+                }
+            }
+        }
+        tracing::info!("metadata server stopped");
+    }
+
+    /// Serve until the listener fails fatally.
+    pub async fn wait(mut self) -> Result<(), MetaError> {
+        let result = (&mut self.serve_task).await;
+        self.stop().await;
+        match result {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(MetaError::Task(format!("listener failed: {error}"))),
+            Err(error) if error.is_cancelled() => Ok(()),
+            Err(error) => Err(MetaError::Task(format!("listener task failed: {error}"))),
+        }
+    }
+}
+
+impl Drop for RunningMeta {
+    /// Dropped without `shutdown`: stop serving and let the writer finish what is queued
+    /// and exit (it would otherwise wait forever on its channel).
+    fn drop(&mut self) {
+        if self.writer_thread.is_some() {
+            let _ = self.shared.writer.try_send(WriterMessage::Shutdown);
+        }
+        self.shared.closing.store(true, Ordering::Release);
+        self.serve_task.abort();
+        for task in &self.background_tasks {
+            task.abort();
+        }
+    }
+}

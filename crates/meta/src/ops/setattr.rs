@@ -1,0 +1,138 @@
+//! Set attributes: permissions, owner, group, size and times, with the POSIX rules.
+//!
+//! - chmod: only the owner or root (EPERM); a caller that is not root and not in the file's
+//!   group loses the setgid bit.
+//! - chown: only root changes the user; the owner may change the group to one of its own.
+//!   A change of owner or group clears setuid (and setgid if group-executable) on files.
+//! - size: regular files only, needs write permission; a change sets mtime.
+//! - atime/mtime: the owner, root, or a caller with write permission.
+//! - ctime is set to now on every change (or to the explicit value, owner or root only).
+
+use freeflow_proto::meta::SetAttributes;
+use freeflow_proto::ErrorCode;
+use freeflow_types::limits::FILE_SIZE_MAX;
+use freeflow_types::{Attr, FileKind};
+
+use super::{
+    caller_in_group, has_access, load_inode, refuse, require_access, save_inode, OpContext,
+    OpResult, ACCESS_WRITE, MODE_SET_GROUP_ID, MODE_SET_USER_ID,
+};
+use crate::store::StoreWrite;
+
+pub fn set_attributes<W: StoreWrite>(
+    write: &mut W,
+    context: &mut OpContext<'_>,
+    request: &SetAttributes,
+) -> OpResult<Attr> {
+    let caller = &request.caller;
+    let changes = &request.changes;
+    let mut record = load_inode(write, request.inode)?;
+    let attr = &record.attr;
+    let is_root = caller.user_id == 0;
+    let is_owner = is_root || caller.user_id == attr.user_id;
+    let not_permitted = |what: &str| {
+        refuse(
+            ErrorCode::NotPermitted,
+            format!(
+                "user {} may not {what} inode {}",
+                caller.user_id, request.inode
+            ),
+        )
+    };
+    if changes.permissions.is_some() && !is_owner {
+        return Err(not_permitted("change the permissions of"));
+    }
+    let user_changes = changes.user_id.is_some_and(|user| user != attr.user_id);
+    let group_changes = changes.group_id.is_some_and(|group| group != attr.group_id);
+    if user_changes && !is_root {
+        return Err(not_permitted("change the owner of"));
+    }
+    if let Some(group) = changes.group_id {
+        if group_changes && !is_root && !(is_owner && caller_in_group(caller, group)) {
+            return Err(not_permitted("change the group of"));
+        }
+    }
+    if let Some(size) = changes.size_bytes {
+        match attr.kind {
+            FileKind::Regular => {}
+            FileKind::Directory => {
+                return Err(refuse(
+                    ErrorCode::IsDirectory,
+                    format!(
+                        "inode {} is a directory: it has no size to set",
+                        request.inode
+                    ),
+                ))
+            }
+            _ => {
+                return Err(refuse(
+                    ErrorCode::InvalidArgument,
+                    format!(
+                        "inode {} is not a regular file: it has no size to set",
+                        request.inode
+                    ),
+                ))
+            }
+        }
+        if size > FILE_SIZE_MAX {
+            return Err(refuse(
+                ErrorCode::FileTooBig,
+                format!("size {size} is larger than the limit {FILE_SIZE_MAX}"),
+            ));
+        }
+        require_access(attr, caller, ACCESS_WRITE)?;
+    }
+    if (changes.access_time.is_some() || changes.modify_time.is_some())
+        && !is_owner
+        && !has_access(attr, caller, ACCESS_WRITE)
+    {
+        return Err(refuse(
+            ErrorCode::PermissionDenied,
+            format!(
+                "user {} may not set the times of inode {}",
+                caller.user_id, request.inode
+            ),
+        ));
+    }
+    if changes.change_time.is_some() && !is_owner {
+        return Err(not_permitted("set the change time of"));
+    }
+
+    // Validated: write.
+    let now = context.now;
+    let attr = &mut record.attr;
+    if let Some(user) = changes.user_id {
+        attr.user_id = user;
+    }
+    if let Some(group) = changes.group_id {
+        attr.group_id = group;
+    }
+    if (user_changes || group_changes) && attr.kind != FileKind::Directory {
+        attr.permissions &= !MODE_SET_USER_ID;
+        if attr.permissions & 0o010 != 0 {
+            attr.permissions &= !MODE_SET_GROUP_ID;
+        }
+    }
+    if let Some(permissions) = changes.permissions {
+        attr.permissions = permissions & 0o7777;
+        if !is_root && !caller_in_group(caller, attr.group_id) {
+            attr.permissions &= !MODE_SET_GROUP_ID;
+        }
+    }
+    if let Some(size) = changes.size_bytes {
+        if size != attr.size_bytes {
+            attr.size_bytes = size;
+            attr.modify_time = now;
+        }
+    }
+    if let Some(time) = changes.access_time {
+        attr.access_time = time;
+    }
+    if let Some(time) = changes.modify_time {
+        attr.modify_time = time;
+    }
+    attr.change_time = changes.change_time.unwrap_or(now);
+    attr.generation += 1;
+    save_inode(write, &record)?;
+    Ok(record.attr)
+}

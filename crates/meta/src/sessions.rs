@@ -1,0 +1,257 @@
+//! Client sessions and their open handles, in memory.
+//!
+//! A session lives while its client renews it within the lease; every handle belongs to one
+//! session and ends with it. The open count per inode is what keeps an unlinked file's data
+//! from the reaper: an orphan is reaped only when no handle is open on it. Nothing here is
+//! persisted: after a restart every session is gone, and orphans from before the restart
+//! wait one lease before being reaped (see `reaper.rs`).
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use freeflow_proto::meta::OpenAccess;
+use freeflow_proto::{ErrorCode, WireError};
+use freeflow_types::InodeId;
+
+/// Bounds of the in-memory tables.
+#[derive(Clone, Copy, Debug)]
+pub struct SessionLimits {
+    pub sessions_max: usize,
+    pub handles_max: usize,
+    pub lease: Duration,
+}
+
+#[derive(Debug)]
+struct Session {
+    client_name: String,
+    renewed_at: Instant,
+    handles: HashSet<u64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Handle {
+    session_id: u64,
+    inode: InodeId,
+}
+
+#[derive(Debug)]
+pub struct Sessions {
+    limits: SessionLimits,
+    next_session_id: u64,
+    next_handle_id: u64,
+    sessions: HashMap<u64, Session>,
+    handles: HashMap<u64, Handle>,
+    open_counts: HashMap<InodeId, u32>,
+}
+
+fn bad_session(session_id: u64) -> WireError {
+    WireError::new(
+        ErrorCode::BadHandle,
+        format!("session {session_id} does not exist or its lease expired"),
+    )
+}
+
+impl Sessions {
+    pub fn new(limits: SessionLimits) -> Sessions {
+        // Ids start at a time-derived value so ids from before a restart are not reused.
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_micros() as u64;
+        Sessions {
+            limits,
+            next_session_id: seed << 8,
+            next_handle_id: seed << 8,
+            sessions: HashMap::new(),
+            handles: HashMap::new(),
+            open_counts: HashMap::new(),
+        }
+    }
+
+    pub fn open_session(&mut self, client_name: &str, now: Instant) -> Result<u64, WireError> {
+        if self.sessions.len() >= self.limits.sessions_max {
+            return Err(WireError::new(
+                ErrorCode::Busy,
+                format!("{} sessions are open, the limit", self.limits.sessions_max),
+            ));
+        }
+        self.next_session_id += 1;
+        let session_id = self.next_session_id;
+        let session = Session {
+            client_name: client_name.to_string(),
+            renewed_at: now,
+            handles: HashSet::new(),
+        };
+        self.sessions.insert(session_id, session);
+        Ok(session_id)
+    }
+
+    pub fn renew(&mut self, session_id: u64, now: Instant) -> Result<(), WireError> {
+        let session = self
+            .sessions
+            .get_mut(&session_id)
+            .ok_or_else(|| bad_session(session_id))?;
+        session.renewed_at = now;
+        Ok(())
+    }
+
+    pub fn exists(&self, session_id: u64) -> bool {
+        self.sessions.contains_key(&session_id)
+    }
+
+    /// Register a handle first, before checking the inode is still linked: an unlink that
+    /// commits after that check is then sure to see the handle (see `reaper.rs`).
+    pub fn open_handle(
+        &mut self,
+        session_id: u64,
+        inode: InodeId,
+        _access: OpenAccess,
+    ) -> Result<u64, WireError> {
+        if self.handles.len() >= self.limits.handles_max {
+            return Err(WireError::new(
+                ErrorCode::Busy,
+                format!("{} handles are open, the limit", self.limits.handles_max),
+            ));
+        }
+        let session = self
+            .sessions
+            .get_mut(&session_id)
+            .ok_or_else(|| bad_session(session_id))?;
+        self.next_handle_id += 1;
+        let handle_id = self.next_handle_id;
+        session.handles.insert(handle_id);
+        self.handles.insert(handle_id, Handle { session_id, inode });
+        *self.open_counts.entry(inode).or_default() += 1;
+        Ok(handle_id)
+    }
+
+    /// Close a handle; returns the inode if this was its last open handle.
+    pub fn close_handle(
+        &mut self,
+        session_id: u64,
+        handle_id: u64,
+    ) -> Result<Option<InodeId>, WireError> {
+        match self.handles.get(&handle_id) {
+            Some(handle) if handle.session_id == session_id => {}
+            _ => {
+                return Err(WireError::new(
+                    ErrorCode::BadHandle,
+                    format!("handle {handle_id} is not open in session {session_id}"),
+                ))
+            }
+        }
+        if let Some(session) = self.sessions.get_mut(&session_id) {
+            session.handles.remove(&handle_id);
+        }
+        Ok(self.forget_handle(handle_id))
+    }
+
+    fn forget_handle(&mut self, handle_id: u64) -> Option<InodeId> {
+        let handle = self.handles.remove(&handle_id)?;
+        let count = self.open_counts.get_mut(&handle.inode)?;
+        *count -= 1;
+        if *count == 0 {
+            self.open_counts.remove(&handle.inode);
+            return Some(handle.inode);
+        }
+        None
+    }
+
+    /// End a session and its handles; returns the inodes that have no open handle left.
+    pub fn close_session(&mut self, session_id: u64) -> Result<Vec<InodeId>, WireError> {
+        let session = self
+            .sessions
+            .remove(&session_id)
+            .ok_or_else(|| bad_session(session_id))?;
+        Ok(session
+            .handles
+            .into_iter()
+            .filter_map(|handle| self.forget_handle(handle))
+            .collect())
+    }
+
+    /// End every session not renewed within the lease; returns the inodes left without
+    /// open handles.
+    pub fn expire(&mut self, now: Instant) -> Vec<InodeId> {
+        let lease = self.limits.lease;
+        let expired: Vec<u64> = self
+            .sessions
+            .iter()
+            .filter(|(_, session)| now.saturating_duration_since(session.renewed_at) > lease)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut closed = Vec::new();
+        for session_id in expired {
+            if let Some(session) = self.sessions.get(&session_id) {
+                tracing::info!(session_id, client = %session.client_name, "session lease expired");
+            }
+            closed.extend(self.close_session(session_id).unwrap_or_default());
+        }
+        closed
+    }
+
+    pub fn is_open(&self, inode: InodeId) -> bool {
+        self.open_counts.contains_key(&inode)
+    }
+
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sessions() -> Sessions {
+        Sessions::new(SessionLimits {
+            sessions_max: 2,
+            handles_max: 3,
+            lease: Duration::from_millis(100),
+        })
+    }
+
+    #[test]
+    fn last_close_reports_the_inode() {
+        let mut table = sessions();
+        let now = Instant::now();
+        let session = table.open_session("a", now).unwrap();
+        let first = table
+            .open_handle(session, 7, OpenAccess::default())
+            .unwrap();
+        let second = table
+            .open_handle(session, 7, OpenAccess::default())
+            .unwrap();
+        assert!(table.is_open(7));
+        assert_eq!(table.close_handle(session, first).unwrap(), None);
+        assert_eq!(table.close_handle(session, second).unwrap(), Some(7));
+        assert!(!table.is_open(7));
+        assert_eq!(
+            table.close_handle(session, second).unwrap_err().code,
+            ErrorCode::BadHandle
+        );
+    }
+
+    #[test]
+    fn expiry_closes_handles_and_bounds_hold() {
+        let mut table = sessions();
+        let start = Instant::now();
+        let old = table.open_session("old", start).unwrap();
+        let fresh = table.open_session("fresh", start).unwrap();
+        assert_eq!(
+            table.open_session("third", start).unwrap_err().code,
+            ErrorCode::Busy
+        );
+        table.open_handle(old, 5, OpenAccess::default()).unwrap();
+        table.open_handle(fresh, 6, OpenAccess::default()).unwrap();
+        let later = start + Duration::from_millis(150);
+        table.renew(fresh, later).unwrap();
+        assert_eq!(table.expire(later), vec![5]);
+        assert!(!table.exists(old));
+        assert!(table.is_open(6));
+        assert_eq!(
+            table.renew(old, later).unwrap_err().code,
+            ErrorCode::BadHandle
+        );
+    }
+}

@@ -1,0 +1,323 @@
+//! The metadata server over real RPC connections, in this process: group commit, the
+//! orphan reaper against a fake I/O server, and a restart on the same data directory.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use freeflow_meta::{start, MetaConfig, RunningMeta};
+use freeflow_proto::io::RemoveObjects;
+use freeflow_proto::meta::{
+    Caller, Close, ClusterStatus, Create, GetAttr, Mkdir, OpenAccess, OpenSession, ReadDir,
+    RegisterServer, Unlink,
+};
+use freeflow_proto::{ErrorCode, Request};
+use freeflow_rpc::{
+    handle, serve, ClusterKey, ConnectOptions, Connection, Frame, PeerInfo, Reply, RpcError,
+    ServerOptions, Service,
+};
+use freeflow_types::{FileKind, ROOT_INODE};
+
+fn config(data_dir: &std::path::Path) -> MetaConfig {
+    MetaConfig {
+        listen_address: "127.0.0.1:0".into(),
+        data_dir: data_dir.to_path_buf(),
+        lease_ms: 400,
+        ..MetaConfig::default()
+    }
+}
+
+async fn connect(meta: &RunningMeta, key: &ClusterKey) -> Connection {
+    let address = meta.listen_address().to_string();
+    Connection::connect(&address, key, &ConnectOptions::default())
+        .await
+        .expect("connect")
+}
+
+fn remote_code(error: RpcError) -> ErrorCode {
+    error.code()
+}
+
+/// An I/O server that only records `RemoveObjects`.
+#[derive(Default)]
+struct FakeIo {
+    removed: Mutex<Vec<RemoveObjects>>,
+}
+
+impl Service for FakeIo {
+    async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
+        if frame.opcode != RemoveObjects::OPCODE {
+            return Err(format!("unexpected opcode {}", frame.opcode));
+        }
+        handle(frame, |request: RemoveObjects, _| async move {
+            self.removed.lock().unwrap().push(request);
+            Ok(((), Bytes::new()))
+        })
+        .await
+    }
+}
+
+async fn start_fake_io(key: &ClusterKey) -> (Arc<FakeIo>, String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let fake = Arc::new(FakeIo::default());
+    let task = tokio::spawn({
+        let (key, fake) = (key.clone(), fake.clone());
+        async move {
+            let _ = serve(listener, key, ServerOptions::new("io:1"), fake).await;
+        }
+    });
+    (fake, address, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_mutations_share_commits() {
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let meta = start(config(directory.path()), key.clone()).await.unwrap();
+    let connection = connect(&meta, &key).await;
+    let before = meta.commit_count();
+    let count = 64;
+    let mut tasks = Vec::new();
+    for index in 0..count {
+        let connection = connection.clone();
+        tasks.push(tokio::spawn(async move {
+            let request = Mkdir {
+                caller: Caller::root(),
+                parent: ROOT_INODE,
+                name: format!("dir-{index}"),
+                permissions: 0o755,
+            };
+            connection.call(&request, Bytes::new()).await
+        }));
+    }
+    // One request in the middle of the stream fails; the others must still commit.
+    let failing = Mkdir {
+        caller: Caller::root(),
+        parent: 999_999,
+        name: "orphaned".into(),
+        permissions: 0o755,
+    };
+    let failure = connection.call(&failing, Bytes::new()).await.unwrap_err();
+    assert_eq!(remote_code(failure), ErrorCode::NotFound);
+    for task in tasks {
+        let (attr, _) = task.await.unwrap().expect("mkdir");
+        assert_eq!(attr.kind, FileKind::Directory);
+    }
+    let commits = meta.commit_count() - before;
+    assert!(commits < count, "{count} mutations took {commits} commits");
+    let listing = ReadDir {
+        caller: Caller::root(),
+        inode: ROOT_INODE,
+        after: None,
+        limit: 1000,
+        with_attributes: false,
+    };
+    let (page, _) = connection.call(&listing, Bytes::new()).await.unwrap();
+    assert_eq!(page.entries.len(), count as usize);
+    assert_eq!(meta.inode_count(), 1 + count);
+    meta.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reaper_removes_data_after_the_last_close_and_restart_keeps_the_namespace() {
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let (fake, fake_address, fake_task) = start_fake_io(&key).await;
+    let meta = start(config(directory.path()), key.clone()).await.unwrap();
+    let connection = connect(&meta, &key).await;
+
+    let create = |open| Create {
+        caller: Caller::root(),
+        parent: ROOT_INODE,
+        name: "f".into(),
+        kind: FileKind::Regular,
+        permissions: 0o644,
+        device: 0,
+        exclusive: true,
+        open,
+    };
+    let refused = connection
+        .call(&create(None), Bytes::new())
+        .await
+        .unwrap_err();
+    assert_eq!(remote_code(refused), ErrorCode::NoSpace);
+
+    let register = RegisterServer {
+        server_id: 1,
+        address: fake_address,
+        capacity_bytes: 1 << 30,
+        free_bytes: 1 << 29,
+        object_count: 0,
+    };
+    connection.call(&register, Bytes::new()).await.unwrap();
+    let (session, _) = connection
+        .call(
+            &OpenSession {
+                client_name: "test".into(),
+            },
+            Bytes::new(),
+        )
+        .await
+        .unwrap();
+    let access = OpenAccess {
+        read: true,
+        write: true,
+    };
+    let (created, _) = connection
+        .call(&create(Some((session.session_id, access))), Bytes::new())
+        .await
+        .unwrap();
+    assert!(created.created);
+    let handle_id = created.handle_id.expect("create opened the file");
+    let inode = created.attr.inode;
+    assert_eq!(created.attr.layout.as_ref().unwrap().servers, vec![1]);
+
+    let unlink = Unlink {
+        caller: Caller::root(),
+        parent: ROOT_INODE,
+        name: "f".into(),
+    };
+    connection.call(&unlink, Bytes::new()).await.unwrap();
+    // Open: the data stays, the inode is still readable by its handle.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(fake.removed.lock().unwrap().is_empty());
+    let (attr, _) = connection
+        .call(&GetAttr { inode }, Bytes::new())
+        .await
+        .unwrap();
+    assert_eq!(attr.link_count, 0);
+    let (status, _) = connection
+        .call(&ClusterStatus {}, Bytes::new())
+        .await
+        .unwrap();
+    assert_eq!(status.orphan_count, 1);
+
+    let close = Close {
+        session_id: session.session_id,
+        handle_id,
+    };
+    connection.call(&close, Bytes::new()).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while meta.orphan_count() > 0 {
+        assert!(Instant::now() < deadline, "orphan not reaped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    {
+        let removed = fake.removed.lock().unwrap();
+        assert_eq!(
+            removed.as_slice(),
+            &[RemoveObjects {
+                inode,
+                stripes: vec![0]
+            }]
+        );
+    }
+    let gone = connection
+        .call(&GetAttr { inode }, Bytes::new())
+        .await
+        .unwrap_err();
+    assert_eq!(remote_code(gone), ErrorCode::NotFound);
+
+    let mkdir = Mkdir {
+        caller: Caller::root(),
+        parent: ROOT_INODE,
+        name: "kept".into(),
+        permissions: 0o700,
+    };
+    let (kept, _) = connection.call(&mkdir, Bytes::new()).await.unwrap();
+    let inode_count = meta.inode_count();
+    drop(connection);
+    meta.shutdown().await;
+
+    // Restart on the same directory: the store lock was released, the namespace is there.
+    let meta = start(config(directory.path()), key.clone()).await.unwrap();
+    assert_eq!(meta.inode_count(), inode_count);
+    let connection = connect(&meta, &key).await;
+    let (again, _) = connection
+        .call(&GetAttr { inode: kept.inode }, Bytes::new())
+        .await
+        .unwrap();
+    assert_eq!(again.permissions, 0o700);
+    meta.shutdown().await;
+    fake_task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orphans_survive_a_restart_and_wait_one_lease_before_reaping() {
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    // An address where nothing listens: the reaper cannot remove the data yet.
+    let dead_address = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().to_string()
+    };
+    let meta = start(config(directory.path()), key.clone()).await.unwrap();
+    let connection = connect(&meta, &key).await;
+    let register = |address: String| RegisterServer {
+        server_id: 1,
+        address,
+        capacity_bytes: 1 << 30,
+        free_bytes: 1 << 29,
+        object_count: 0,
+    };
+    connection
+        .call(&register(dead_address), Bytes::new())
+        .await
+        .unwrap();
+    let create = Create {
+        caller: Caller::root(),
+        parent: ROOT_INODE,
+        name: "doomed".into(),
+        kind: FileKind::Regular,
+        permissions: 0o644,
+        device: 0,
+        exclusive: true,
+        open: None,
+    };
+    let (created, _) = connection.call(&create, Bytes::new()).await.unwrap();
+    let unlink = Unlink {
+        caller: Caller::root(),
+        parent: ROOT_INODE,
+        name: "doomed".into(),
+    };
+    connection.call(&unlink, Bytes::new()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(meta.orphan_count(), 1);
+    drop(connection);
+    meta.shutdown().await;
+
+    let (fake, fake_address, fake_task) = start_fake_io(&key).await;
+    let started = Instant::now();
+    let meta = start(config(directory.path()), key.clone()).await.unwrap();
+    assert_eq!(meta.orphan_count(), 1);
+    let connection = connect(&meta, &key).await;
+    connection
+        .call(&register(fake_address), Bytes::new())
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while meta.orphan_count() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "orphan from before the restart not reaped"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Not before one lease (400 ms) after the start.
+    assert!(
+        started.elapsed() >= Duration::from_millis(400),
+        "{:?}",
+        started.elapsed()
+    );
+    let removed = fake.removed.lock().unwrap().clone();
+    assert_eq!(
+        removed,
+        vec![RemoveObjects {
+            inode: created.attr.inode,
+            stripes: vec![0]
+        }]
+    );
+    meta.shutdown().await;
+    fake_task.abort();
+}
