@@ -1,0 +1,139 @@
+//! Config files of the binary. Each server file holds the path of the cluster key and the
+//! server crate's own config section; the client file says where the metadata server is.
+//! Relative paths in a file are taken from the file's own directory, so a data directory
+//! made by `freeflow up` or `freeflow init` can be moved as a whole.
+//!
+//! ```toml
+//! # meta.toml                      # io-0.toml                       # client.toml
+//! key_file = "cluster.key"         key_file = "cluster.key"          meta_address = "127.0.0.1:7700"
+//! [meta]                           [io]                              key_file = "cluster.key"
+//! listen_address = "0.0.0.0:7700"  server_id = 0
+//! data_dir = "meta"                listen_address = "0.0.0.0:7710"
+//!                                  data_dir = "io-0"
+//!                                  meta_address = "meta-host:7700"
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use freeflow_ioserver::IoConfig;
+use freeflow_meta::MetaConfig;
+use freeflow_rpc::ClusterKey;
+use serde::{Deserialize, Serialize};
+
+use crate::failure::ConfigError;
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetaFile {
+    pub key_file: PathBuf,
+    pub meta: MetaConfig,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IoFile {
+    pub key_file: PathBuf,
+    pub io: IoConfig,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientFile {
+    pub meta_address: String,
+    pub key_file: PathBuf,
+    /// Seconds a call may wait for its reply before failing.
+    #[serde(default = "default_call_timeout_ms")]
+    pub call_timeout_ms: u64,
+}
+
+fn default_call_timeout_ms() -> u64 {
+    30_000
+}
+
+/// Read and parse a TOML file, naming the file in every error.
+pub fn read<T: for<'de> Deserialize<'de>>(path: &Path) -> anyhow::Result<T> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read config file {}", path.display()))?;
+    toml::from_str(&text)
+        .map_err(|error| ConfigError(format!("config file {}: {error}", path.display())).into())
+}
+
+/// Write a TOML file (refusing to overwrite unless `replace`).
+pub fn write<T: Serialize>(path: &Path, value: &T, replace: bool) -> anyhow::Result<()> {
+    if !replace && path.exists() {
+        return Err(ConfigError(format!(
+            "{} exists already; not overwriting it",
+            path.display()
+        ))
+        .into());
+    }
+    let text = toml::to_string_pretty(value).context("config does not encode as TOML")?;
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// `path` taken relative to the directory of `file` unless absolute.
+pub fn relative_to(file: &Path, path: &Path) -> PathBuf {
+    if path.is_absolute() {
+        path.to_owned()
+    } else {
+        file.parent().unwrap_or(Path::new(".")).join(path)
+    }
+}
+
+pub fn load_key(config_file: &Path, key_file: &Path) -> anyhow::Result<ClusterKey> {
+    let path = relative_to(config_file, key_file);
+    ClusterKey::load(&path).map_err(|error| ConfigError(error.to_string()).into())
+}
+
+/// The client file to use: `--cluster`, then $FREEFLOW_CLUSTER, then ./freeflow-data/client.toml.
+pub fn client_file_path(flag: Option<PathBuf>) -> PathBuf {
+    flag.or_else(|| std::env::var_os("FREEFLOW_CLUSTER").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("./freeflow-data/client.toml"))
+}
+
+/// Connect a client to the cluster the client file names.
+pub async fn connect(flag: Option<PathBuf>) -> anyhow::Result<freeflow_client::Client> {
+    let path = client_file_path(flag);
+    if !path.exists() {
+        return Err(ConfigError(format!(
+            "no cluster file at {}: start a cluster with `freeflow up`, or name one with --cluster FILE",
+            path.display()
+        ))
+        .into());
+    }
+    let file: ClientFile = read(&path)?;
+    let key = load_key(&path, &file.key_file)?;
+    let mut config = freeflow_client::ClientConfig::new(file.meta_address.clone(), key);
+    config.call_timeout_ms = file.call_timeout_ms;
+    config.client_name = format!("freeflow-cli-{}", std::process::id());
+    config.caller = current_caller();
+    freeflow_client::Client::connect(config)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the cluster of {} (metadata server {})",
+                path.display(),
+                file.meta_address
+            )
+        })
+}
+
+/// The calling user, for permission checks at the metadata server.
+pub fn current_caller() -> freeflow_proto::meta::Caller {
+    // SAFETY: these calls have no preconditions and cannot fail.
+    let (user_id, group_id) = unsafe { (libc::getuid(), libc::getgid()) };
+    freeflow_proto::meta::Caller {
+        user_id,
+        group_id,
+        groups: supplementary_groups(),
+    }
+}
+
+fn supplementary_groups() -> Vec<u32> {
+    let mut groups = vec![0 as libc::gid_t; 256];
+    // SAFETY: the buffer holds 256 entries and we pass that length.
+    let count = unsafe { libc::getgroups(groups.len() as libc::c_int, groups.as_mut_ptr()) };
+    groups.truncate(count.max(0) as usize);
+    groups
+}

@@ -1,0 +1,90 @@
+//! `freeflow init`: the cluster key and a config file per server for a deployment on many
+//! hosts. Nothing is started; the operator copies each file to its host.
+
+use std::path::Path;
+
+use anyhow::Context;
+use freeflow_ioserver::IoConfig;
+use freeflow_meta::MetaConfig;
+use freeflow_rpc::ClusterKey;
+
+use crate::cluster_file::{self, ClientFile, IoFile, MetaFile};
+
+pub const META_PORT: u16 = 7700;
+pub const IO_PORT_BASE: u16 = 7710;
+
+pub fn run(
+    out: &Path,
+    meta_host: &str,
+    io_hosts: &[String],
+    key_path: &Path,
+    data_root: &Path,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let key_file = out.join("cluster.key");
+    ClusterKey::generate()
+        .context("no randomness for a cluster key")?
+        .write_new(&key_file)
+        .with_context(|| {
+            format!(
+                "cannot write a new cluster key at {} (is there one already?)",
+                key_file.display()
+            )
+        })?;
+    let meta_address = format!("{meta_host}:{META_PORT}");
+    let meta = MetaConfig {
+        listen_address: format!("0.0.0.0:{META_PORT}"),
+        data_dir: data_root.join("meta"),
+        ..MetaConfig::default()
+    };
+    cluster_file::write(
+        &out.join("meta.toml"),
+        &MetaFile {
+            key_file: key_path.to_owned(),
+            meta,
+        },
+        false,
+    )?;
+    // Servers sharing a host get consecutive ports.
+    let mut next_port_on_host = std::collections::HashMap::<&str, u16>::new();
+    for (server_id, host) in io_hosts.iter().enumerate() {
+        let port = next_port_on_host
+            .entry(host.as_str())
+            .or_insert(IO_PORT_BASE);
+        let io = IoConfig {
+            server_id: server_id as u32,
+            listen_address: format!("0.0.0.0:{port}"),
+            advertise_address: Some(format!("{host}:{port}")),
+            data_dir: data_root.join(format!("io-{server_id}")),
+            meta_address: meta_address.clone(),
+            ..IoConfig::default()
+        };
+        *port += 1;
+        let path = out.join(format!("io-{server_id}.toml"));
+        cluster_file::write(
+            &path,
+            &IoFile {
+                key_file: key_path.to_owned(),
+                io,
+            },
+            false,
+        )?;
+    }
+    let client = ClientFile {
+        meta_address,
+        key_file: key_path.to_owned(),
+        call_timeout_ms: 30_000,
+    };
+    cluster_file::write(&out.join("client.toml"), &client, false)?;
+    println!("Wrote {}:", out.display());
+    println!(
+        "  cluster.key   copy to {} on every host (mode 600, owner only)",
+        key_path.display()
+    );
+    println!("  meta.toml     on {meta_host}: freeflow meta --config meta.toml");
+    for (server_id, host) in io_hosts.iter().enumerate() {
+        println!("  io-{server_id}.toml   on {host}: freeflow io --config io-{server_id}.toml");
+    }
+    println!("  client.toml   on every client: freeflow --cluster client.toml status");
+    Ok(())
+}

@@ -1,0 +1,59 @@
+//! One module per group of subcommands; `run` dispatches.
+
+mod copy;
+mod init;
+mod namespace;
+mod servers;
+mod status;
+mod stripe;
+mod up;
+
+use crate::args::{Cli, Command, StripeCommand};
+
+pub async fn run(arguments: Cli) -> anyhow::Result<()> {
+    let cluster = arguments.cluster;
+    match arguments.command {
+        Command::Up {
+            data,
+            io_servers,
+            port,
+            engine,
+        } => up::run(data, io_servers, port, &engine).await,
+        Command::Init {
+            out,
+            meta_host,
+            io_hosts,
+            key_path,
+            data_root,
+        } => init::run(&out, &meta_host, &io_hosts, &key_path, &data_root),
+        Command::Meta { config } => servers::run_meta(&config).await,
+        Command::Io { config } => servers::run_io(&config).await,
+        Command::Status => status::run(cluster).await,
+        Command::Ls { long, path } => namespace::ls(cluster, &path, long).await,
+        Command::Stat { path } => namespace::stat(cluster, &path).await,
+        Command::Mkdir { parents, path } => namespace::mkdir(cluster, &path, parents).await,
+        Command::Rm { recursive, path } => namespace::rm(cluster, &path, recursive).await,
+        Command::Mv { source, target } => namespace::mv(cluster, &source, &target).await,
+        Command::Cat { path } => namespace::cat(cluster, &path).await,
+        Command::Cp {
+            source,
+            target,
+            sync,
+            quiet,
+        } => copy::run(cluster, &source, &target, sync, quiet).await,
+        Command::Stripe(StripeCommand::Get { path }) => stripe::get(cluster, &path).await,
+        Command::Stripe(StripeCommand::Set { path, unit, count }) => {
+            stripe::set(cluster, &path, unit, count).await
+        }
+    }
+}
+
+/// Wait for Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() -> anyhow::Result<()> {
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        result = tokio::signal::ctrl_c() => result?,
+        _ = terminate.recv() => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,87 @@
+//! `freeflow status`: the servers, whether each is up, capacity and file count.
+
+use std::path::PathBuf;
+
+use crate::cluster_file;
+
+pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
+    let client = cluster_file::connect(cluster).await?;
+    let report = client.cluster_status().await?;
+    println!(
+        "{:<6} {:<22} {:<5} {:>11} {:>11} {:>9} {:>10}",
+        "SERVER", "ADDRESS", "STATE", "CAPACITY", "FREE", "OBJECTS", "LAST SEEN"
+    );
+    let (mut capacity, mut free, mut up) = (0u64, 0u64, 0usize);
+    for server in &report.servers {
+        if server.up {
+            up += 1;
+            capacity += server.capacity_bytes;
+            free += server.free_bytes;
+        }
+        let seen = match server.last_seen_ms {
+            Some(ms) => format!("{:.1} s ago", ms as f64 / 1000.0),
+            None => "never".to_string(),
+        };
+        println!(
+            "{:<6} {:<22} {:<5} {:>11} {:>11} {:>9} {:>10}",
+            server.server_id,
+            server.address,
+            if server.up { "up" } else { "DOWN" },
+            human_bytes(server.capacity_bytes),
+            human_bytes(server.free_bytes),
+            server.object_count,
+            seen
+        );
+    }
+    println!(
+        "{up} of {} I/O servers up; capacity {} ({} free); {} inodes, {} orphans awaiting removal",
+        report.servers.len(),
+        human_bytes(capacity),
+        human_bytes(free),
+        report.inode_count,
+        report.orphan_count
+    );
+    println!(
+        "metadata server ready in {} ms, up for {}",
+        report.ready_ms,
+        human_duration_ms(report.uptime_ms)
+    );
+    client.shutdown().await;
+    Ok(())
+}
+
+/// Bytes in binary units, three significant digits.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+fn human_duration_ms(ms: u64) -> String {
+    let seconds = ms / 1000;
+    match seconds {
+        0..60 => format!("{seconds} s"),
+        60..3600 => format!("{} min {} s", seconds / 60, seconds % 60),
+        _ => format!("{} h {} min", seconds / 3600, (seconds % 3600) / 60),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn human_units() {
+        assert_eq!(super::human_bytes(512), "512 B");
+        assert_eq!(super::human_bytes(1536), "1.5 KiB");
+        assert_eq!(super::human_bytes(1 << 30), "1.0 GiB");
+        assert_eq!(super::human_duration_ms(61_000), "1 min 1 s");
+    }
+}

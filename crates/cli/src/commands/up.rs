@@ -1,0 +1,182 @@
+//! `freeflow up`: a whole cluster in one process on loopback, the embedded default.
+//! Data, key and configs live under one directory and are reused on the next start; the
+//! configs written there also run the same cluster as separate processes
+//! (`freeflow meta --config DIR/meta.toml`, `freeflow io --config DIR/io-0.toml`, ...).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use freeflow_ioserver::{EngineKind, IoConfig};
+use freeflow_meta::MetaConfig;
+use freeflow_rpc::ClusterKey;
+
+use crate::cluster_file::{self, ClientFile, IoFile, MetaFile};
+
+/// How long `up` waits for every I/O server to register before reporting ready anyway.
+const REGISTRATION_WAIT_MS: u64 = 10_000;
+
+pub async fn run(
+    data: PathBuf,
+    io_server_count: u32,
+    port: u16,
+    engine: &str,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&data)
+        .with_context(|| format!("cannot create data directory {}", data.display()))?;
+    let data = data
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", data.display()))?;
+    let key = load_or_create_key(&data.join("cluster.key"))?;
+    let meta_address = format!("127.0.0.1:{port}");
+    let engine = match engine {
+        "threads" => EngineKind::Threads,
+        _ => EngineKind::Uring,
+    };
+
+    let meta_config = MetaConfig {
+        listen_address: meta_address.clone(),
+        data_dir: data.join("meta"),
+        ..MetaConfig::default()
+    };
+    let io_configs: Vec<IoConfig> = (0..io_server_count)
+        .map(|server_id| IoConfig {
+            server_id,
+            listen_address: format!("127.0.0.1:{}", u32::from(port) + 10 + server_id),
+            advertise_address: None,
+            data_dir: data.join(format!("io-{server_id}")),
+            meta_address: meta_address.clone(),
+            engine,
+            ..IoConfig::default()
+        })
+        .collect();
+    write_configs(&data, &meta_config, &io_configs, &meta_address)?;
+
+    let meta = freeflow_meta::start(meta_config, key.clone())
+        .await
+        .with_context(|| format!("metadata server failed to start on {meta_address}"))?;
+    println!(
+        "metadata server  {}  ready in {} ms, {} inodes  (data {})",
+        meta.listen_address(),
+        meta.ready_ms(),
+        meta.inode_count(),
+        data.join("meta").display()
+    );
+    let mut io_servers = Vec::new();
+    for config in io_configs {
+        let (server_id, listen, directory) = (
+            config.server_id,
+            config.listen_address.clone(),
+            config.data_dir.clone(),
+        );
+        let server = match freeflow_ioserver::start(config, key.clone()).await {
+            Ok(server) => server,
+            Err(error) => {
+                for server in io_servers {
+                    freeflow_ioserver::RunningIo::shutdown(server).await;
+                }
+                meta.shutdown().await;
+                return Err(error).with_context(|| {
+                    format!("I/O server {server_id} failed to start on {listen}")
+                });
+            }
+        };
+        println!(
+            "I/O server {server_id:<4}    {}  engine {}  (data {})",
+            server.listen_address(),
+            server.engine_name(),
+            directory.display()
+        );
+        io_servers.push(server);
+    }
+    let client_file = data.join("client.toml");
+    wait_for_registration(&client_file, io_server_count).await;
+    println!("cluster file     {}", client_file.display());
+    println!("try: freeflow --cluster {} status", client_file.display());
+    println!("Freeflow is up. Press Ctrl-C to stop.");
+
+    super::shutdown_signal().await?;
+    println!("stopping");
+    for server in io_servers {
+        server.shutdown().await;
+    }
+    meta.shutdown().await;
+    println!("stopped");
+    Ok(())
+}
+
+fn load_or_create_key(path: &Path) -> anyhow::Result<ClusterKey> {
+    if path.exists() {
+        return cluster_file::load_key(path, path);
+    }
+    let key = ClusterKey::generate().context("no randomness for a cluster key")?;
+    key.write_new(path)
+        .with_context(|| format!("cannot write cluster key {}", path.display()))?;
+    Ok(key)
+}
+
+/// Configs for the same cluster as separate processes, and the client file for tools.
+fn write_configs(
+    data: &Path,
+    meta: &MetaConfig,
+    io: &[IoConfig],
+    meta_address: &str,
+) -> anyhow::Result<()> {
+    let key_file = PathBuf::from("cluster.key");
+    let relative = |path: &Path| {
+        path.strip_prefix(data)
+            .map(Path::to_owned)
+            .unwrap_or_else(|_| path.to_owned())
+    };
+    let mut meta = meta.clone();
+    meta.data_dir = relative(&meta.data_dir);
+    cluster_file::write(
+        &data.join("meta.toml"),
+        &MetaFile {
+            key_file: key_file.clone(),
+            meta,
+        },
+        true,
+    )?;
+    for config in io {
+        let mut config = config.clone();
+        config.data_dir = relative(&config.data_dir);
+        let path = data.join(format!("io-{}.toml", config.server_id));
+        cluster_file::write(
+            &path,
+            &IoFile {
+                key_file: key_file.clone(),
+                io: config,
+            },
+            true,
+        )?;
+    }
+    let client = ClientFile {
+        meta_address: meta_address.to_owned(),
+        key_file,
+        call_timeout_ms: 30_000,
+    };
+    cluster_file::write(&data.join("client.toml"), &client, true)
+}
+
+/// Wait until the metadata server lists every I/O server as up, so that a `freeflow cp`
+/// started right after `up` prints its banner finds them.
+async fn wait_for_registration(client_file: &Path, expected: u32) {
+    let started = Instant::now();
+    let client = match cluster_file::connect(Some(client_file.to_owned())).await {
+        Ok(client) => client,
+        Err(error) => {
+            tracing::warn!("cannot check registration: {error:#}");
+            return;
+        }
+    };
+    while started.elapsed() < Duration::from_millis(REGISTRATION_WAIT_MS) {
+        if let Ok(servers) = client.servers().await {
+            if servers.iter().filter(|server| server.up).count() as u32 >= expected {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    client.shutdown().await;
+}
