@@ -135,7 +135,13 @@ impl Connection {
         .await
         {
             Ok(Ok(hello)) => hello,
-            Ok(Err(reason)) => {
+            Ok(Err(HandshakeFailure::Refused(reason))) => {
+                return Err(RpcError::Refused {
+                    address: address.to_owned(),
+                    reason,
+                })
+            }
+            Ok(Err(HandshakeFailure::Failed(reason))) => {
                 return Err(RpcError::Handshake {
                     address: address.to_owned(),
                     reason,
@@ -295,20 +301,29 @@ impl Drop for SlotGuard<'_> {
     }
 }
 
+/// Why a handshake failed: the keys differ, or the connection did not carry it through.
+enum HandshakeFailure {
+    Refused(String),
+    Failed(String),
+}
+
+impl From<String> for HandshakeFailure {
+    fn from(reason: String) -> HandshakeFailure {
+        HandshakeFailure::Failed(reason)
+    }
+}
+
 async fn handshake(
     reader: &mut BufReader<ReadHalf>,
     writer: &mut BufWriter<WriteHalf>,
     key: &ClusterKey,
     client_name: &str,
-) -> Result<Hello, String> {
+) -> Result<Hello, HandshakeFailure> {
     let frame = read_frame(reader, 0)
         .await
         .map_err(|error| error.to_string())?;
     if frame.fixed.opcode != OPCODE_HELLO {
-        return Err(format!(
-            "expected a hello, got opcode {}",
-            frame.fixed.opcode
-        ));
+        return Err(format!("expected a hello, got opcode {}", frame.fixed.opcode).into());
     }
     let hello: Hello = decode(&frame.header).map_err(|error| error.message)?;
     let client_nonce =
@@ -339,15 +354,17 @@ async fn handshake(
         return Err(format!(
             "expected the authenticate reply, got opcode {}",
             frame.fixed.opcode
-        ));
+        )
+        .into());
     }
     let outcome: Result<ServerProof, WireError> =
         decode(&frame.header).map_err(|error| error.message)?;
-    let server_proof =
-        outcome.map_err(|error| format!("refused by the server: {}", error.message))?;
+    let server_proof = outcome.map_err(|error| HandshakeFailure::Refused(error.message))?;
     let expected = crate::proof(key, crate::SERVER_PROOF_DOMAIN, &client_nonce);
     if !crate::proofs_equal(&expected, &server_proof.proof) {
-        return Err("the server does not hold this cluster's key".to_string());
+        return Err(HandshakeFailure::Refused(
+            "the server does not hold this cluster's key".to_string(),
+        ));
     }
     Ok(hello)
 }

@@ -6,8 +6,12 @@ use freeflow_proto::{ErrorCode, WireError};
 pub enum RpcError {
     #[error("cannot connect to {address}: {reason}")]
     Connect { address: String, reason: String },
+    /// The connection failed during the handshake (closed, reset, timed out, malformed).
     #[error("handshake with {address} failed: {reason}")]
     Handshake { address: String, reason: String },
+    /// The cluster keys differ: the server refused ours, or it could not prove it holds it.
+    #[error("{address} refused the connection: {reason}")]
+    Refused { address: String, reason: String },
     #[error("connection to {address} was lost")]
     Disconnected { address: String },
     #[error("{request} to {address} got no reply within {timeout_ms} ms")]
@@ -29,7 +33,8 @@ impl RpcError {
             RpcError::Remote(error) => error.code,
             RpcError::TimedOut { .. } => ErrorCode::TimedOut,
             RpcError::Connect { .. } | RpcError::Disconnected { .. } => ErrorCode::Unreachable,
-            RpcError::Handshake { .. } => ErrorCode::PermissionDenied,
+            RpcError::Refused { .. } => ErrorCode::PermissionDenied,
+            RpcError::Handshake { .. } => ErrorCode::Unreachable,
             RpcError::Protocol { .. } => ErrorCode::Protocol,
         }
     }

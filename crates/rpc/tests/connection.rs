@@ -156,7 +156,7 @@ async fn a_wrong_key_is_refused_and_named() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&error, RpcError::Handshake { reason, .. } if reason.contains("wrong cluster key")),
+        matches!(&error, RpcError::Refused { reason, .. } if reason.contains("wrong cluster key")),
         "{error}"
     );
     assert_eq!(error.code(), ErrorCode::PermissionDenied);

@@ -265,7 +265,7 @@ mod tests {
         );
         assert_eq!(
             time_string(TimeSpec::new(1_795_225_845, 5)),
-            "2026-11-21 00:30:45.000000005 UTC"
+            "2026-11-21 01:50:45.000000005 UTC"
         );
         assert_eq!(
             time_string(TimeSpec::new(951_782_400, 0)),

@@ -1,0 +1,793 @@
+//! The FUSE mount end to end: real servers (child processes from the common harness), real
+//! `freeflow mount` processes, and ordinary system calls on the mount point, so what is
+//! tested is what a program on a mounted cluster sees (issue 3: POSIX behaviour, two
+//! clients, the seeds' dd patterns, servers going away).
+//!
+//! Every test skips with a message when /dev/fuse is missing (no FUSE in this kernel or
+//! container); everything else is a real failure.
+
+mod common;
+
+use std::ffi::CString;
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::{assert_bytes_eq, Cluster, Xorshift, FREEFLOW};
+
+/// How long a mount gets to appear in /proc/mounts.
+const MOUNT_WAIT_MS: u64 = 30_000;
+
+fn fuse_available() -> bool {
+    if Path::new("/dev/fuse").exists() {
+        return true;
+    }
+    eprintln!("skipping: /dev/fuse is missing, so nothing can be mounted here");
+    false
+}
+
+fn is_mounted(mountpoint: &Path) -> bool {
+    let Ok(mounts) = fs::read_to_string("/proc/self/mounts") else {
+        return false;
+    };
+    let wanted = mountpoint.to_string_lossy();
+    mounts
+        .lines()
+        .any(|line| line.split(' ').nth(1) == Some(&*wanted))
+}
+
+/// A `freeflow mount` child process. Dropping it stops the process and clears the mount.
+struct Mount {
+    child: Option<Child>,
+    mountpoint: PathBuf,
+    log: PathBuf,
+}
+
+impl Mount {
+    fn start(cluster: &Cluster, name: &str, extra: &[&str]) -> Mount {
+        let mountpoint = cluster.path().join(name);
+        fs::create_dir_all(&mountpoint).expect("make the mount point");
+        let mountpoint = mountpoint.canonicalize().expect("canonical mount point");
+        let log = cluster.path().join(format!("{name}.log"));
+        let log_file = File::create(&log).expect("create the mount log");
+        let child = Command::new(FREEFLOW)
+            .arg("mount")
+            .arg(cluster.client_toml())
+            .arg(&mountpoint)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log_file.try_clone().expect("clone log")))
+            .stderr(Stdio::from(log_file))
+            .spawn()
+            .expect("start freeflow mount");
+        let mut mount = Mount {
+            child: Some(child),
+            mountpoint,
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_millis(MOUNT_WAIT_MS);
+        while !is_mounted(&mount.mountpoint) {
+            if let Some(status) = mount
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!("freeflow mount exited with {status}:\n{}", mount.log_text());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not mounted within {MOUNT_WAIT_MS} ms:\n{}",
+                mount.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        mount
+    }
+
+    fn path(&self, relative: &str) -> PathBuf {
+        self.mountpoint.join(relative)
+    }
+
+    fn log_text(&self) -> String {
+        common::read_log(&self.log)
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        if let Some(child) = &self.child {
+            // SAFETY: sending a signal to our own child process.
+            unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+        }
+    }
+
+    /// SIGTERM and wait for a clean exit; returns whether it exited 0 in time.
+    fn stop(&mut self) -> bool {
+        let Some(mut child) = self.child.take() else {
+            return true;
+        };
+        // SAFETY: as in `signal`.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return status.success();
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        self.signal(libc::SIGTERM);
+        if !self.stop() {
+            eprintln!("mount did not stop cleanly:\n{}", self.log_text());
+        }
+        lazy_unmount(&self.mountpoint);
+    }
+}
+
+fn lazy_unmount(mountpoint: &Path) {
+    if is_mounted(mountpoint) {
+        let path = CString::new(mountpoint.as_os_str().as_bytes()).expect("path");
+        // SAFETY: valid path; MNT_DETACH has no other preconditions.
+        unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+fn c_path(path: &Path) -> CString {
+    CString::new(path.as_os_str().as_bytes()).expect("no NUL in paths")
+}
+
+fn errno_of<T>(result: std::io::Result<T>) -> Option<i32> {
+    result.err().and_then(|error| error.raw_os_error())
+}
+
+fn renameat2(source: &Path, target: &Path, flags: libc::c_uint) -> std::io::Result<()> {
+    let (source, target) = (c_path(source), c_path(target));
+    // SAFETY: valid NUL-terminated paths; AT_FDCWD with absolute paths.
+    let result = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            libc::AT_FDCWD,
+            source.as_ptr(),
+            libc::AT_FDCWD,
+            target.as_ptr(),
+            flags,
+        )
+    };
+    if result == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+fn check(result: libc::c_int) -> std::io::Result<libc::c_int> {
+    if result < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(result)
+    }
+}
+
+fn set_xattr(path: &Path, name: &str, value: &[u8], flags: libc::c_int) -> std::io::Result<()> {
+    let (path, name) = (c_path(path), CString::new(name).expect("name"));
+    // SAFETY: valid pointers and lengths.
+    check(unsafe {
+        libc::setxattr(
+            path.as_ptr(),
+            name.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            flags,
+        )
+    })
+    .map(|_| ())
+}
+
+/// getxattr with a buffer of `size` bytes (0: size probe); returns the length and bytes.
+fn get_xattr(path: &Path, name: &str, size: usize) -> std::io::Result<(usize, Vec<u8>)> {
+    let (path, name) = (c_path(path), CString::new(name).expect("name"));
+    let mut buffer = vec![0u8; size];
+    // SAFETY: the buffer holds `size` bytes.
+    let length = unsafe {
+        libc::getxattr(
+            path.as_ptr(),
+            name.as_ptr(),
+            buffer.as_mut_ptr().cast(),
+            size,
+        )
+    };
+    if length < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    buffer.truncate(if size == 0 { 0 } else { length as usize });
+    Ok((length as usize, buffer))
+}
+
+fn list_xattr(path: &Path) -> std::io::Result<Vec<String>> {
+    let path = c_path(path);
+    let mut buffer = vec![0u8; 4096];
+    // SAFETY: the buffer holds 4096 bytes.
+    let length = unsafe { libc::listxattr(path.as_ptr(), buffer.as_mut_ptr().cast(), 4096) };
+    if length < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    buffer.truncate(length as usize);
+    Ok(buffer
+        .split(|byte| *byte == 0)
+        .filter(|name| !name.is_empty())
+        .map(|name| String::from_utf8_lossy(name).into_owned())
+        .collect())
+}
+
+fn remove_xattr(path: &Path, name: &str) -> std::io::Result<()> {
+    let (path, name) = (c_path(path), CString::new(name).expect("name"));
+    // SAFETY: valid NUL-terminated strings.
+    check(unsafe { libc::removexattr(path.as_ptr(), name.as_ptr()) }).map(|_| ())
+}
+
+fn sorted_names(directory: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(directory)
+        .expect("read_dir")
+        .map(|entry| {
+            entry
+                .expect("entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    names.sort();
+    names
+}
+
+fn run_dd(arguments: &[String]) {
+    let output = Command::new("dd").args(arguments).output().expect("run dd");
+    assert!(
+        output.status.success(),
+        "dd {arguments:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_directories_and_links_behave_as_posix_says() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(2).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+
+    // Create, write, read, close.
+    let file = mount.path("hello.txt");
+    fs::write(&file, b"hello, freeflow\n").expect("write a file");
+    assert_eq!(fs::read(&file).expect("read it back"), b"hello, freeflow\n");
+    let metadata = fs::metadata(&file).expect("stat");
+    assert_eq!(metadata.len(), 16);
+    assert!(metadata.is_file());
+
+    // Data spanning stripes, written in odd pieces, read back whole.
+    let mut random = Xorshift::new(7);
+    let data = random.bytes(3 * 65_536 + 12_345);
+    {
+        let mut writer = File::create(mount.path("striped")).expect("create");
+        for piece in data.chunks(40_000) {
+            writer.write_all(piece).expect("write a piece");
+        }
+    }
+    assert_bytes_eq(
+        &fs::read(mount.path("striped")).expect("read striped"),
+        &data,
+        "striped file",
+    );
+
+    // Directories: nested, listed in pages, not removable while not empty.
+    fs::create_dir_all(mount.path("a/b/c")).expect("mkdir -p");
+    for index in 0..1500 {
+        File::create(mount.path(&format!("a/b/f{index:04}"))).expect("create in a/b");
+    }
+    let names = sorted_names(&mount.path("a/b"));
+    assert_eq!(names.len(), 1501, "1500 files and c");
+    assert_eq!(names[0], "c");
+    assert_eq!(names[1], "f0000");
+    assert_eq!(names[1500], "f1499");
+    assert_eq!(
+        errno_of(fs::remove_dir(mount.path("a/b"))),
+        Some(libc::ENOTEMPTY)
+    );
+    assert_eq!(
+        errno_of(fs::create_dir(mount.path("a"))),
+        Some(libc::EEXIST)
+    );
+    assert_eq!(
+        errno_of(fs::read(mount.path("missing"))),
+        Some(libc::ENOENT)
+    );
+    assert_eq!(
+        errno_of(File::open(mount.path("hello.txt/x"))),
+        Some(libc::ENOTDIR)
+    );
+    fs::remove_dir(mount.path("a/b/c")).expect("rmdir an empty directory");
+    assert!(!mount.path("a/b/c").exists());
+
+    // Rename: across directories, replacing, NOREPLACE and EXCHANGE.
+    fs::write(mount.path("one"), b"1").expect("write one");
+    fs::write(mount.path("two"), b"22").expect("write two");
+    fs::rename(mount.path("one"), mount.path("a/one-moved")).expect("rename across dirs");
+    assert!(!mount.path("one").exists());
+    assert_eq!(fs::read(mount.path("a/one-moved")).expect("read"), b"1");
+    fs::rename(mount.path("a/one-moved"), mount.path("two")).expect("rename over a file");
+    assert_eq!(fs::read(mount.path("two")).expect("read"), b"1");
+    fs::write(mount.path("three"), b"333").expect("write three");
+    assert_eq!(
+        errno_of(renameat2(
+            &mount.path("three"),
+            &mount.path("two"),
+            libc::RENAME_NOREPLACE
+        )),
+        Some(libc::EEXIST)
+    );
+    renameat2(
+        &mount.path("three"),
+        &mount.path("two"),
+        libc::RENAME_EXCHANGE,
+    )
+    .expect("exchange");
+    assert_eq!(fs::read(mount.path("two")).expect("read"), b"333");
+    assert_eq!(fs::read(mount.path("three")).expect("read"), b"1");
+    renameat2(
+        &mount.path("three"),
+        &mount.path("four"),
+        libc::RENAME_NOREPLACE,
+    )
+    .expect("noreplace to a free name");
+    assert!(mount.path("four").exists() && !mount.path("three").exists());
+
+    // Hard links and link counts.
+    fs::hard_link(mount.path("four"), mount.path("a/four-link")).expect("link");
+    assert_eq!(fs::metadata(mount.path("four")).expect("stat").nlink(), 2);
+    assert_eq!(
+        fs::metadata(mount.path("four")).expect("stat").ino(),
+        fs::metadata(mount.path("a/four-link")).expect("stat").ino()
+    );
+    fs::remove_file(mount.path("four")).expect("unlink one name");
+    assert_eq!(
+        fs::metadata(mount.path("a/four-link"))
+            .expect("stat")
+            .nlink(),
+        1
+    );
+    assert_eq!(fs::read(mount.path("a/four-link")).expect("read"), b"1");
+    assert_eq!(fs::metadata(mount.path("a")).expect("stat dir").nlink(), 3);
+
+    // Symlinks.
+    std::os::unix::fs::symlink("a/four-link", mount.path("sym")).expect("symlink");
+    assert_eq!(
+        fs::read_link(mount.path("sym")).expect("readlink"),
+        PathBuf::from("a/four-link")
+    );
+    assert_eq!(fs::read(mount.path("sym")).expect("read through"), b"1");
+    assert!(fs::symlink_metadata(mount.path("sym"))
+        .expect("lstat")
+        .file_type()
+        .is_symlink());
+    std::os::unix::fs::symlink("nowhere", mount.path("dangling")).expect("symlink");
+    assert_eq!(
+        errno_of(fs::read(mount.path("dangling"))),
+        Some(libc::ENOENT)
+    );
+
+    // chmod, chown, utimes.
+    fs::set_permissions(&file, fs::Permissions::from_mode(0o640)).expect("chmod");
+    assert_eq!(fs::metadata(&file).expect("stat").mode() & 0o7777, 0o640);
+    std::os::unix::fs::chown(&file, Some(1234), Some(5678)).expect("chown");
+    let metadata = fs::metadata(&file).expect("stat");
+    assert_eq!((metadata.uid(), metadata.gid()), (1234, 5678));
+    let when = UNIX_EPOCH + Duration::new(1_000_000_000, 123_456_789);
+    File::options()
+        .write(true)
+        .open(&file)
+        .expect("open")
+        .set_times(fs::FileTimes::new().set_accessed(when).set_modified(when))
+        .expect("utimes");
+    let metadata = fs::metadata(&file).expect("stat");
+    assert_eq!(metadata.mtime(), 1_000_000_000);
+    assert_eq!(metadata.mtime_nsec(), 123_456_789);
+    assert_eq!(metadata.atime(), 1_000_000_000);
+    // utimes(NULL): now.
+    let path = c_path(&file);
+    // SAFETY: valid path; NULL times means now.
+    check(unsafe { libc::utimes(path.as_ptr(), std::ptr::null()) }).expect("touch");
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_secs() as i64;
+    assert!((fs::metadata(&file).expect("stat").mtime() - now).abs() <= 5);
+
+    // Truncate down and up (path and handle), with the bytes past a shrink gone for good.
+    let truncated = mount.path("truncated");
+    fs::write(&truncated, b"0123456789").expect("write");
+    let handle = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&truncated)
+        .expect("open rw");
+    handle.set_len(4).expect("ftruncate down");
+    assert_eq!(fs::read(&truncated).expect("read"), b"0123");
+    handle.set_len(8).expect("ftruncate up");
+    assert_eq!(fs::read(&truncated).expect("read"), b"0123\0\0\0\0");
+    drop(handle);
+    let path = c_path(&truncated);
+    // SAFETY: valid path.
+    check(unsafe { libc::truncate(path.as_ptr(), 2) }).expect("truncate by path");
+    assert_eq!(fs::read(&truncated).expect("read"), b"01");
+    // O_TRUNC on open.
+    fs::write(&truncated, b"x").expect("write with O_TRUNC");
+    assert_eq!(fs::read(&truncated).expect("read"), b"x");
+
+    // O_APPEND and O_EXCL.
+    let appended = mount.path("appended");
+    fs::write(&appended, b"start").expect("write");
+    for word in [&b"-one"[..], b"-two"] {
+        let mut appender = OpenOptions::new()
+            .append(true)
+            .open(&appended)
+            .expect("open O_APPEND");
+        appender.write_all(word).expect("append");
+    }
+    assert_eq!(fs::read(&appended).expect("read"), b"start-one-two");
+    assert_eq!(
+        errno_of(
+            OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&appended)
+        ),
+        Some(libc::EEXIST)
+    );
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(mount.path("fresh"))
+        .expect("O_EXCL on a new name");
+    assert_eq!(
+        fs::metadata(mount.path("fresh")).expect("stat").mode() & 0o777,
+        0o600
+    );
+
+    // An unlinked open file stays readable and writable through its descriptor.
+    let doomed = mount.path("doomed");
+    fs::write(&doomed, b"still here").expect("write");
+    let mut open = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&doomed)
+        .expect("open");
+    fs::remove_file(&doomed).expect("unlink while open");
+    assert!(!doomed.exists());
+    let mut contents = String::new();
+    open.read_to_string(&mut contents)
+        .expect("read after unlink");
+    assert_eq!(contents, "still here");
+    open.write_all_at(b"STILL", 0).expect("write after unlink");
+    let mut buffer = [0u8; 10];
+    open.read_exact_at(&mut buffer, 0).expect("read again");
+    assert_eq!(&buffer, b"STILL here");
+    drop(open);
+
+    // A sparse file beyond 4 GiB: holes read as zeros.
+    let sparse = mount.path("sparse");
+    let offset = 5u64 << 30;
+    {
+        let writer = File::create(&sparse).expect("create sparse");
+        writer
+            .write_all_at(b"tail", offset)
+            .expect("write past 4 GiB");
+    }
+    assert_eq!(fs::metadata(&sparse).expect("stat").len(), offset + 4);
+    let reader = File::open(&sparse).expect("open sparse");
+    let mut buffer = [7u8; 8];
+    reader
+        .read_exact_at(&mut buffer, offset - 4)
+        .expect("read across the hole's end");
+    assert_eq!(&buffer, b"\0\0\0\0tail");
+    let mut hole = vec![7u8; 4096];
+    reader
+        .read_exact_at(&mut hole, 4u64 << 30)
+        .expect("read in the hole");
+    assert!(hole.iter().all(|byte| *byte == 0));
+
+    // Extended attributes: set, size probe, too-small buffer, list, replace, remove.
+    set_xattr(&file, "user.colour", b"blue", 0).expect("setxattr");
+    assert_eq!(get_xattr(&file, "user.colour", 0).expect("probe").0, 4);
+    assert_eq!(
+        errno_of(get_xattr(&file, "user.colour", 2)),
+        Some(libc::ERANGE)
+    );
+    assert_eq!(get_xattr(&file, "user.colour", 64).expect("get").1, b"blue");
+    assert_eq!(
+        errno_of(set_xattr(&file, "user.colour", b"red", libc::XATTR_CREATE)),
+        Some(libc::EEXIST)
+    );
+    assert_eq!(
+        errno_of(set_xattr(&file, "user.shape", b"x", libc::XATTR_REPLACE)),
+        Some(libc::ENODATA)
+    );
+    set_xattr(&file, "user.shape", b"round", 0).expect("second attribute");
+    let mut listed = list_xattr(&file).expect("listxattr");
+    listed.sort();
+    assert_eq!(listed, vec!["user.colour", "user.shape"]);
+    remove_xattr(&file, "user.colour").expect("removexattr");
+    assert_eq!(
+        errno_of(get_xattr(&file, "user.colour", 64)),
+        Some(libc::ENODATA)
+    );
+
+    // statfs reports the cluster's real capacity.
+    let mut stats: libc::statvfs = unsafe { std::mem::zeroed() };
+    let root = c_path(&mount.mountpoint);
+    // SAFETY: valid path and a statvfs to fill.
+    check(unsafe { libc::statvfs(root.as_ptr(), &mut stats) }).expect("statvfs");
+    assert!(stats.f_blocks > 0, "capacity is reported");
+    assert!(stats.f_bfree <= stats.f_blocks);
+    assert_eq!(stats.f_namemax, 255);
+
+    // Fifos and device nodes are metadata.
+    let fifo = c_path(&mount.path("fifo"));
+    // SAFETY: valid path.
+    check(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }).expect("mkfifo");
+    assert!(std::os::unix::fs::FileTypeExt::is_fifo(
+        &fs::metadata(mount.path("fifo")).expect("stat").file_type()
+    ));
+    let device = c_path(&mount.path("null-device"));
+    // SAFETY: valid path; a character device 1:3.
+    check(unsafe { libc::mknod(device.as_ptr(), libc::S_IFCHR | 0o600, libc::makedev(1, 3)) })
+        .expect("mknod");
+    let metadata = fs::metadata(mount.path("null-device")).expect("stat");
+    assert!(std::os::unix::fs::FileTypeExt::is_char_device(
+        &metadata.file_type()
+    ));
+    assert_eq!(metadata.rdev(), libc::makedev(1, 3));
+
+    // The names this test made are all listed at the root.
+    let root_names = sorted_names(&mount.mountpoint);
+    for name in [
+        "a",
+        "appended",
+        "fifo",
+        "fresh",
+        "hello.txt",
+        "sparse",
+        "sym",
+        "two",
+    ] {
+        assert!(
+            root_names.iter().any(|n| n == name),
+            "{name} in {root_names:?}"
+        );
+    }
+    assert!(!root_names.iter().any(|n| n == "doomed"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_mounts_see_each_other_at_once() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(2).await;
+    let left = Mount::start(&cluster, "left", &[]);
+    let right = Mount::start(&cluster, "right", &[]);
+
+    // Prime the right mount's caches, then change things on the left.
+    fs::create_dir(left.path("shared")).expect("mkdir on left");
+    assert!(right.path("shared").is_dir(), "mkdir seen on right");
+    fs::write(left.path("shared/note"), b"version 1").expect("write on left");
+    assert_eq!(
+        fs::read(right.path("shared/note")).expect("read on right"),
+        b"version 1"
+    );
+    let _ = fs::metadata(right.path("shared/note")).expect("stat on right");
+
+    // Close-to-open: a longer version written and closed on the left is read whole.
+    fs::write(left.path("shared/note"), b"version 2, longer").expect("rewrite on left");
+    assert_eq!(
+        fs::read(right.path("shared/note")).expect("read on right"),
+        b"version 2, longer"
+    );
+
+    // Renames and unlinks are seen at once, and a removed name is never opened.
+    fs::rename(left.path("shared/note"), left.path("shared/renamed")).expect("rename on left");
+    assert_eq!(
+        errno_of(File::open(right.path("shared/note"))),
+        Some(libc::ENOENT)
+    );
+    assert_eq!(
+        fs::read(right.path("shared/renamed")).expect("read renamed"),
+        b"version 2, longer"
+    );
+    fs::write(left.path("shared/gone"), b"x").expect("write");
+    assert!(right.path("shared/gone").exists());
+    fs::remove_file(left.path("shared/gone")).expect("unlink on left");
+    assert_eq!(
+        errno_of(File::open(right.path("shared/gone"))),
+        Some(libc::ENOENT)
+    );
+    assert_eq!(sorted_names(&right.path("shared")), vec!["renamed"]);
+
+    // A file kept open on the right sees the left's closed writes at its next open.
+    let reader = File::open(right.path("shared/renamed")).expect("keep open on right");
+    fs::write(
+        left.path("shared/renamed"),
+        b"version 3 is the longest of all",
+    )
+    .expect("write");
+    assert_eq!(
+        fs::read(right.path("shared/renamed")).expect("reopen on right"),
+        b"version 3 is the longest of all"
+    );
+    drop(reader);
+
+    // Writes from the right are seen on the left after close.
+    let mut random = Xorshift::new(99);
+    let data = random.bytes(3 << 20);
+    fs::write(right.path("shared/big"), &data).expect("write big on right");
+    assert_bytes_eq(
+        &fs::read(left.path("shared/big")).expect("read big on left"),
+        &data,
+        "3 MiB written on the other mount",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dd_streams_and_concurrent_half_writers() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(3).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let size_mib = 256u64;
+    let source = cluster.path().join("source.bin");
+    {
+        let mut random = Xorshift::new(2024);
+        let mut writer = File::create(&source).expect("create the local source");
+        for _ in 0..size_mib {
+            writer
+                .write_all(&random.bytes(1 << 20))
+                .expect("write source");
+        }
+    }
+    let source_bytes = fs::read(&source).expect("read the source");
+
+    // One writer, bs=512K, then read back with dd.
+    let single = mount.path("single.bin");
+    run_dd(&[
+        format!("if={}", source.display()),
+        format!("of={}", single.display()),
+        "bs=512K".into(),
+        "conv=fsync".into(),
+    ]);
+    assert_eq!(fs::metadata(&single).expect("stat").len(), size_mib << 20);
+    let copy = cluster.path().join("copy.bin");
+    run_dd(&[
+        format!("if={}", single.display()),
+        format!("of={}", copy.display()),
+        "bs=512K".into(),
+    ]);
+    assert_bytes_eq(
+        &fs::read(&copy).expect("read copy"),
+        &source_bytes,
+        "dd copy",
+    );
+
+    // Two dd writers at once, each on one half of one file.
+    let halves = mount.path("halves.bin");
+    let half_blocks = (size_mib << 20) / (512 << 10) / 2;
+    let spawn_half = |index: u64| {
+        Command::new("dd")
+            .arg(format!("if={}", source.display()))
+            .arg(format!("of={}", halves.display()))
+            .arg("bs=512K")
+            .arg(format!("skip={}", index * half_blocks))
+            .arg(format!("seek={}", index * half_blocks))
+            .arg(format!("count={half_blocks}"))
+            .arg("conv=notrunc")
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start dd")
+    };
+    let writers = [spawn_half(0), spawn_half(1)];
+    for writer in writers {
+        let output = writer.wait_with_output().expect("wait for dd");
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    assert_bytes_eq(
+        &fs::read(&halves).expect("read halves"),
+        &fs::read(&single).expect("read single"),
+        "two half writers against one writer",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mount_without_servers_fails_in_bounded_time_and_recovers() {
+    if !fuse_available() {
+        return;
+    }
+    let mut cluster = Cluster::start(1).await;
+    let mut mount = Mount::start(&cluster, "mnt", &["--call-timeout-ms", "2000"]);
+    fs::write(mount.path("before"), b"before").expect("write");
+
+    cluster.kill_meta();
+    cluster.kill_io(0);
+    let started = Instant::now();
+    let path = mount.path("before");
+    let outcome = tokio::task::spawn_blocking(move || fs::metadata(path))
+        .await
+        .expect("stat task");
+    let error = outcome.expect_err("stat with the servers gone fails");
+    assert!(
+        matches!(
+            error.raw_os_error(),
+            Some(libc::ENOTCONN) | Some(libc::EIO) | Some(libc::ETIMEDOUT)
+        ),
+        "{error}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "answered in {:?}",
+        started.elapsed()
+    );
+
+    cluster.restart_meta().await;
+    cluster.restart_io(0).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if fs::read(mount.path("before")).ok().as_deref() == Some(&b"before"[..]) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", mount.log_text());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    fs::write(mount.path("after"), b"after").expect("write after the restart");
+    assert_eq!(fs::read(mount.path("after")).expect("read"), b"after");
+
+    // SIGTERM unmounts cleanly and exits 0.
+    assert!(mount.stop(), "clean exit:\n{}", mount.log_text());
+    assert!(!is_mounted(&mount.mountpoint), "unmounted at SIGTERM");
+
+    // kill -9 leaves a dead mount; after a lazy unmount, mounting again works.
+    let mut killed = Mount::start(&cluster, "mnt2", &[]);
+    killed.kill9();
+    let dead = killed.path("after");
+    let outcome = tokio::task::spawn_blocking(move || fs::metadata(dead))
+        .await
+        .expect("stat task");
+    assert_eq!(errno_of(outcome), Some(libc::ENOTCONN));
+    lazy_unmount(&killed.mountpoint);
+    drop(killed);
+    let again = Mount::start(&cluster, "mnt2", &[]);
+    assert_eq!(fs::read(again.path("after")).expect("read"), b"after");
+}
