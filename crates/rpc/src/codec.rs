@@ -24,6 +24,8 @@ pub enum FrameReadError {
     Invalid(#[from] FrameError),
     #[error("read failed: {0}")]
     Io(std::io::Error),
+    #[error("frame not completed in time")]
+    Stalled,
 }
 
 fn read_error(error: std::io::Error) -> FrameReadError {
@@ -39,51 +41,100 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
     reader: &mut R,
     payload_length_max: u32,
 ) -> Result<RawFrame, FrameReadError> {
-    let mut fixed_bytes = [0u8; FIXED_HEADER_BYTES];
-    let first = reader
-        .read(&mut fixed_bytes)
-        .await
-        .map_err(FrameReadError::Io)?;
+    let limits = FrameLimits {
+        header_length_max: freeflow_proto::frame::HEADER_LENGTH_MAX,
+        payload_length_max,
+        header_timeout: None,
+    };
+    let fixed = read_fixed_header(reader, &limits).await?;
+    read_frame_body(reader, fixed).await
+}
+
+/// Bounds a receiver puts on one frame.
+#[derive(Clone, Copy, Debug)]
+pub struct FrameLimits {
+    pub header_length_max: u32,
+    pub payload_length_max: u32,
+    /// Time the rest of the fixed header may take once its first byte is here.
+    pub header_timeout: Option<std::time::Duration>,
+}
+
+/// Read and check the fixed header of the next frame. Waits as long as the peer is idle;
+/// `limits.header_timeout` bounds the time from its first byte on.
+pub async fn read_fixed_header<R: AsyncRead + Unpin + ?Sized>(
+    reader: &mut R,
+    limits: &FrameLimits,
+) -> Result<FixedHeader, FrameReadError> {
+    let mut bytes = [0u8; FIXED_HEADER_BYTES];
+    let first = reader.read(&mut bytes).await.map_err(FrameReadError::Io)?;
     if first == 0 {
         return Err(FrameReadError::Closed);
     }
-    // Check the magic as soon as it is here, so a stray protocol (an HTTP probe, a port
-    // scanner) is turned away at once rather than after waiting for a full header.
-    let mut filled = first;
-    while filled < 4 {
-        let more = reader
-            .read(&mut fixed_bytes[filled..])
-            .await
-            .map_err(FrameReadError::Io)?;
-        if more == 0 {
-            return Err(FrameReadError::Truncated);
+    let rest = async {
+        // Check the magic as soon as it is here, so a stray protocol (an HTTP probe, a port
+        // scanner) is turned away at once rather than after waiting for a full header.
+        let mut filled = first;
+        while filled < 4 {
+            let more = reader
+                .read(&mut bytes[filled..])
+                .await
+                .map_err(FrameReadError::Io)?;
+            if more == 0 {
+                return Err(FrameReadError::Truncated);
+            }
+            filled += more;
         }
-        filled += more;
+        let magic = u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes"));
+        if magic != freeflow_proto::frame::MAGIC {
+            return Err(FrameError::BadMagic(magic).into());
+        }
+        reader
+            .read_exact(&mut bytes[filled..])
+            .await
+            .map_err(read_error)?;
+        Ok::<(), FrameReadError>(())
+    };
+    match limits.header_timeout {
+        Some(timeout) => tokio::time::timeout(timeout, rest)
+            .await
+            .map_err(|_| FrameReadError::Stalled)??,
+        None => rest.await?,
     }
-    let magic = u32::from_le_bytes(fixed_bytes[0..4].try_into().expect("4 bytes"));
-    if magic != freeflow_proto::frame::MAGIC {
-        return Err(FrameError::BadMagic(magic).into());
+    let header = FrameHeader::decode(&bytes, limits.payload_length_max)?;
+    if header.header_length > limits.header_length_max {
+        return Err(FrameError::HeaderTooLong(header.header_length).into());
     }
-    reader
-        .read_exact(&mut fixed_bytes[filled..])
-        .await
-        .map_err(read_error)?;
-    let fixed = FrameHeader::decode(&fixed_bytes, payload_length_max)?;
-    let header_length = fixed.header_length as usize;
-    let total = header_length + fixed.payload_length as usize;
+    Ok(FixedHeader { header, bytes })
+}
+
+/// A checked fixed header and its raw bytes (the checksum covers them).
+#[derive(Clone, Copy, Debug)]
+pub struct FixedHeader {
+    pub header: FrameHeader,
+    bytes: [u8; FIXED_HEADER_BYTES],
+}
+
+/// Read the sections announced by a fixed header into one exact-size buffer and verify
+/// the checksum.
+pub async fn read_frame_body<R: AsyncRead + Unpin + ?Sized>(
+    reader: &mut R,
+    fixed: FixedHeader,
+) -> Result<RawFrame, FrameReadError> {
+    let header_length = fixed.header.header_length as usize;
+    let total = header_length + fixed.header.payload_length as usize;
     let mut body = BytesMut::zeroed(total);
     reader.read_exact(&mut body).await.map_err(read_error)?;
-    let actual = checksum(&fixed_bytes, &body[..header_length], &body[header_length..]);
-    if actual != fixed.checksum {
+    let actual = checksum(&fixed.bytes, &body[..header_length], &body[header_length..]);
+    if actual != fixed.header.checksum {
         return Err(FrameError::BadChecksum {
-            expected: fixed.checksum,
+            expected: fixed.header.checksum,
             actual,
         }
         .into());
     }
     let header = body.split_to(header_length).freeze();
     Ok(RawFrame {
-        fixed,
+        fixed: fixed.header,
         header,
         payload: body.freeze(),
     })

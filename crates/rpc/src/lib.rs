@@ -15,7 +15,10 @@ mod server;
 mod transport;
 
 pub use client::{ConnectOptions, Connection};
-pub use codec::{read_frame, write_frame, FrameReadError, RawFrame};
+pub use codec::{
+    read_fixed_header, read_frame, read_frame_body, write_frame, FixedHeader, FrameLimits,
+    FrameReadError, RawFrame,
+};
 pub use error::RpcError;
 pub use key::{ClusterKey, KeyError};
 pub use server::{handle, serve, serve_connection, Frame, PeerInfo, Reply, ServerOptions, Service};

@@ -22,7 +22,7 @@ use tokio::io::{AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Notify, Semaphore};
 
-use crate::codec::{read_frame, write_frame, FrameReadError};
+use crate::codec::{read_fixed_header, read_frame_body, write_frame, FrameLimits, FrameReadError};
 use crate::transport::{ReadHalf, WriteHalf};
 use crate::ClusterKey;
 
@@ -96,10 +96,18 @@ pub struct ServerOptions {
     pub payload_length_max: u32,
     /// Requests of one connection being served at once.
     pub requests_in_flight_max: u32,
+    /// Request payload bytes held by the whole server at once (all connections); a frame
+    /// whose payload does not fit waits before it is read, pushing back on its sender.
+    pub payload_bytes_in_flight_max: u64,
     /// Connections served at once; further ones are closed at accept.
     pub connections_max: u32,
+    /// Connections still authenticating at once: unauthenticated peers cannot take the
+    /// slots of real clients.
+    pub handshakes_max: u32,
     /// Time a new connection has to authenticate.
     pub handshake_timeout_ms: u64,
+    /// Time a frame has to arrive completely once its first byte is here.
+    pub frame_timeout_ms: u64,
 }
 
 impl ServerOptions {
@@ -109,10 +117,25 @@ impl ServerOptions {
             window_bytes: 64 << 20,
             payload_length_max: PAYLOAD_LENGTH_MAX_DEFAULT,
             requests_in_flight_max: 128,
+            payload_bytes_in_flight_max: 512 << 20,
             connections_max: 4096,
+            handshakes_max: 128,
             handshake_timeout_ms: 5000,
+            frame_timeout_ms: 30_000,
         }
     }
+}
+
+/// The longest header section accepted before authentication: the authenticate message
+/// is about a hundred bytes, so nothing larger is allocated for an unknown peer.
+const HANDSHAKE_HEADER_LENGTH_MAX: u32 = 4096;
+
+/// State shared by all connections of one server.
+struct ServerShared {
+    options: ServerOptions,
+    key: ClusterKey,
+    handshakes: Semaphore,
+    payload_bytes: Arc<Semaphore>,
 }
 
 /// Accept connections forever. Abort the task running it to stop: that also ends every
@@ -124,8 +147,18 @@ pub async fn serve<S: Service>(
     options: ServerOptions,
     service: Arc<S>,
 ) -> std::io::Result<()> {
-    let options = Arc::new(options);
     let connections_max = options.connections_max as usize;
+    let payload_bytes = options
+        .payload_bytes_in_flight_max
+        .max(u64::from(options.payload_length_max));
+    let shared = Arc::new(ServerShared {
+        handshakes: Semaphore::new(options.handshakes_max.max(1) as usize),
+        payload_bytes: Arc::new(Semaphore::new(
+            payload_bytes.min(Semaphore::MAX_PERMITS as u64) as usize,
+        )),
+        options,
+        key,
+    });
     let mut connections = tokio::task::JoinSet::new();
     loop {
         while connections.try_join_next().is_some() {}
@@ -145,22 +178,15 @@ pub async fn serve<S: Service>(
         }
         let _ = stream.set_nodelay(true);
         let (read, write) = stream.into_split();
-        let (key, options, service) = (key.clone(), options.clone(), service.clone());
+        let (shared, service) = (shared.clone(), service.clone());
         connections.spawn(async move {
-            serve_connection(
-                Box::new(read),
-                Box::new(write),
-                address,
-                key,
-                options,
-                service,
-            )
-            .await;
+            run_connection(Box::new(read), Box::new(write), address, shared, service).await;
         });
     }
 }
 
-/// Serve one connection until it closes; logs why it closed if that was not the peer's choice.
+/// Serve one connection of a stream pair accepted elsewhere (another transport), with
+/// its own limits. Returns when the connection closes.
 pub async fn serve_connection<S: Service>(
     read: ReadHalf,
     write: WriteHalf,
@@ -169,12 +195,39 @@ pub async fn serve_connection<S: Service>(
     options: Arc<ServerOptions>,
     service: Arc<S>,
 ) {
+    let options = (*options).clone();
+    let shared = Arc::new(ServerShared {
+        handshakes: Semaphore::new(1),
+        payload_bytes: Arc::new(Semaphore::new(
+            options
+                .payload_bytes_in_flight_max
+                .max(u64::from(options.payload_length_max))
+                .min(Semaphore::MAX_PERMITS as u64) as usize,
+        )),
+        options,
+        key,
+    });
+    run_connection(read, write, address, shared, service).await;
+}
+
+async fn run_connection<S: Service>(
+    read: ReadHalf,
+    write: WriteHalf,
+    address: SocketAddr,
+    shared: Arc<ServerShared>,
+    service: Arc<S>,
+) {
+    let options = &shared.options;
     let mut reader = BufReader::with_capacity(64 << 10, read);
     let mut writer = BufWriter::with_capacity(64 << 10, write);
+    let Ok(handshake_slot) = shared.handshakes.try_acquire() else {
+        tracing::warn!(peer = %address, limit = options.handshakes_max, "closing connection: too many connections authenticating");
+        return;
+    };
     let timeout = Duration::from_millis(options.handshake_timeout_ms);
     let client_name = match tokio::time::timeout(
         timeout,
-        handshake(&mut reader, &mut writer, &key, &options),
+        handshake(&mut reader, &mut writer, &shared.key, options),
     )
     .await
     {
@@ -188,6 +241,7 @@ pub async fn serve_connection<S: Service>(
             return;
         }
     };
+    drop(handshake_slot);
     let peer = Arc::new(PeerInfo {
         address,
         client_name,
@@ -200,41 +254,72 @@ pub async fn serve_connection<S: Service>(
     let in_flight = Arc::new(Semaphore::new(in_flight_max));
     let close = Arc::new(Notify::new());
     let close_reason: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+    let frame_timeout = Duration::from_millis(options.frame_timeout_ms);
+    let limits = FrameLimits {
+        header_length_max: freeflow_proto::frame::HEADER_LENGTH_MAX,
+        payload_length_max: options.payload_length_max,
+        header_timeout: Some(frame_timeout),
+    };
+    // Requests belong to their connection: when it ends, those still running are dropped.
+    let mut requests = tokio::task::JoinSet::new();
+    let take_reason = || close_reason.lock().expect("not poisoned").take();
 
     let reason = loop {
+        while requests.try_join_next().is_some() {}
         let permit = tokio::select! {
             permit = in_flight.clone().acquire_owned() => permit.expect("semaphore never closed"),
-            () = close.notified() => break close_reason.lock().expect("not poisoned").take(),
+            () = close.notified() => break take_reason(),
         };
-        let frame = tokio::select! {
-            frame = read_frame(&mut reader, options.payload_length_max) => frame,
-            () = close.notified() => break close_reason.lock().expect("not poisoned").take(),
+        // An idle connection may wait for its next request as long as it likes.
+        let fixed = tokio::select! {
+            fixed = read_fixed_header(&mut reader, &limits) => fixed,
+            () = close.notified() => break take_reason(),
         };
-        let frame = match frame {
-            Ok(frame) => frame,
+        let fixed = match fixed {
+            Ok(fixed) => fixed,
             Err(FrameReadError::Closed) => break None,
             Err(error) => break Some(error.to_string()),
         };
-        if frame.fixed.flags & FLAG_REPLY != 0 {
+        let header = fixed.header;
+        if header.flags & FLAG_REPLY != 0 {
             break Some(format!(
                 "client sent a reply frame (opcode {})",
-                frame.fixed.opcode
+                header.opcode
             ));
         }
-        if frame.fixed.opcode == OPCODE_HELLO || frame.fixed.opcode == OPCODE_AUTHENTICATE {
+        if header.opcode == OPCODE_HELLO || header.opcode == OPCODE_AUTHENTICATE {
             break Some("handshake frame after the handshake".to_string());
         }
+        // Room for the payload in the server-wide budget before reading it.
+        let payload_permit = tokio::select! {
+            permit = shared.payload_bytes.clone().acquire_many_owned(header.payload_length) => permit.expect("semaphore never closed"),
+            () = close.notified() => break take_reason(),
+        };
+        // Once a frame has begun, all of it must come within the frame timeout.
+        let frame =
+            match tokio::time::timeout(frame_timeout, read_frame_body(&mut reader, fixed)).await {
+                Ok(Ok(frame)) => frame,
+                Ok(Err(error)) => break Some(error.to_string()),
+                Err(_) => {
+                    break Some(format!(
+                        "frame not completed within {} ms",
+                        options.frame_timeout_ms
+                    ))
+                }
+            };
         let request = Frame {
-            opcode: frame.fixed.opcode,
-            request_id: frame.fixed.request_id,
+            opcode: header.opcode,
+            request_id: header.request_id,
             header: frame.header,
             payload: frame.payload,
         };
         let (service, peer, sender) = (service.clone(), peer.clone(), reply_sender.clone());
         let (close, close_reason) = (close.clone(), close_reason.clone());
-        tokio::spawn(async move {
+        requests.spawn(async move {
             let (opcode, request_id) = (request.opcode, request.request_id);
-            match service.call(request, &peer).await {
+            let outcome = service.call(request, &peer).await;
+            drop(payload_permit);
+            match outcome {
                 Ok(reply) => {
                     let _ = sender.send((opcode, request_id, reply)).await;
                 }
@@ -252,9 +337,8 @@ pub async fn serve_connection<S: Service>(
     if let Some(reason) = reason {
         tracing::warn!(peer = %address, client = %peer.client_name, "closing connection: {reason}");
     }
+    drop(requests);
     drop(reply_sender);
-    // Replies of requests still running are sent if the peer is still reading; the writer
-    // ends when the last of them is done.
     let _ = (&mut writer_task.0).await;
 }
 
@@ -326,10 +410,18 @@ async fn handshake(
         .await
         .map_err(|error| error.to_string())?;
     writer.flush().await.map_err(|error| error.to_string())?;
-    let frame = read_frame(reader, 0)
+    let limits = FrameLimits {
+        header_length_max: HANDSHAKE_HEADER_LENGTH_MAX,
+        payload_length_max: 0,
+        header_timeout: None,
+    };
+    let fixed = read_fixed_header(reader, &limits)
         .await
         .map_err(|error| error.to_string())?;
-    if frame.fixed.opcode != OPCODE_AUTHENTICATE {
+    let frame = read_frame_body(reader, fixed)
+        .await
+        .map_err(|error| error.to_string())?;
+    if frame.fixed.opcode != OPCODE_AUTHENTICATE || frame.fixed.flags & FLAG_REPLY != 0 {
         return Err(format!(
             "expected the authenticate frame, got opcode {}",
             frame.fixed.opcode

@@ -456,3 +456,111 @@ async fn stopping_the_server_closes_its_connections() {
     .unwrap_err();
     assert!(matches!(error, RpcError::Disconnected { .. }), "{error}");
 }
+
+/// A frame that starts and then stalls (slowloris) is cut off after the frame timeout,
+/// while an idle connection between frames is left alone.
+#[tokio::test]
+async fn a_stalled_frame_is_cut_off_but_idleness_is_not() {
+    let key = ClusterKey::generate().unwrap();
+    let mut options = ServerOptions::new("test");
+    options.frame_timeout_ms = 300;
+    let address = start_server(&key, options).await;
+    let idle = Connection::connect(&address, &key, &ConnectOptions::default())
+        .await
+        .unwrap();
+    let mut stalled = raw_authenticated(&address, &key).await;
+    stalled
+        .write_all(&freeflow_proto::frame::MAGIC.to_le_bytes())
+        .await
+        .unwrap();
+    stalled.write_all(&[1, 0, 200, 0]).await.unwrap();
+    assert_closed_by_server(stalled).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let (_, echoed) = idle
+        .call(&write_request(1, 0), Bytes::from_static(b"idle is fine"))
+        .await
+        .unwrap();
+    assert_eq!(&echoed[..], b"idle is fine");
+}
+
+/// Before authentication a peer may not make the server allocate a large header section.
+#[tokio::test]
+async fn an_unauthenticated_peer_cannot_announce_a_large_header() {
+    let key = ClusterKey::generate().unwrap();
+    let address = start_server(&key, ServerOptions::new("test")).await;
+    let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let _hello = freeflow_rpc::read_frame(&mut stream, 0).await.unwrap();
+    let fixed = freeflow_proto::frame::FrameHeader {
+        flags: 0,
+        opcode: freeflow_proto::frame::OPCODE_AUTHENTICATE,
+        request_id: 0,
+        header_length: 100_000,
+        payload_length: 0,
+        checksum: 0,
+    };
+    stream.write_all(&fixed.encode()).await.unwrap();
+    assert_closed_by_server(stream).await;
+}
+
+/// Peers that connect and never authenticate cannot take every slot: past the handshake
+/// limit new connections are closed at once, and slots come back as handshakes end.
+#[tokio::test]
+async fn unauthenticated_connections_have_a_limit_of_their_own() {
+    let key = ClusterKey::generate().unwrap();
+    let mut options = ServerOptions::new("test");
+    options.handshakes_max = 1;
+    let address = start_server(&key, options).await;
+    let mut squatter = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let _hello = freeflow_rpc::read_frame(&mut squatter, 0).await.unwrap();
+    let refused = Connection::connect(&address, &key, &ConnectOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), ErrorCode::Unreachable, "{refused}");
+    drop(squatter);
+    let started = std::time::Instant::now();
+    loop {
+        match Connection::connect(&address, &key, &ConnectOptions::default()).await {
+            Ok(connection) => {
+                connection
+                    .call(&write_request(1, 0), Bytes::new())
+                    .await
+                    .unwrap();
+                break;
+            }
+            Err(error) => assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "slot never freed: {error}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// With a server-wide payload budget smaller than what clients send at once, requests
+/// wait for room instead of failing, and all complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_server_payload_budget_still_carries_every_request() {
+    let key = ClusterKey::generate().unwrap();
+    let mut options = ServerOptions::new("budget");
+    options.payload_length_max = 64 << 10;
+    options.payload_bytes_in_flight_max = 64 << 10;
+    let address = start_server(&key, options).await;
+    let mut calls = Vec::new();
+    for _ in 0..3 {
+        let connection = Connection::connect(&address, &key, &ConnectOptions::default())
+            .await
+            .unwrap();
+        for _ in 0..10 {
+            let connection = connection.clone();
+            calls.push(tokio::spawn(async move {
+                connection
+                    .call(&write_request(1, 5), Bytes::from(vec![9u8; 40_000]))
+                    .await
+                    .map(|(_, p)| p.len())
+            }));
+        }
+    }
+    for call in calls {
+        assert_eq!(call.await.unwrap().unwrap(), 40_000);
+    }
+}
