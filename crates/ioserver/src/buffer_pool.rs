@@ -15,12 +15,13 @@ use tokio::sync::oneshot;
 
 /// The pool. Shared by `Arc`; leases keep it (and so the memory) alive.
 pub struct BufferPool {
-    /// Start of `buffer_count × buffer_bytes` bytes. Owned by `_memory`; never moved.
+    /// Start of `buffer_count × buffer_bytes` bytes from the global allocator with
+    /// [`BufferPool::allocation`]'s layout; owned by the pool and freed in its `Drop`. A raw
+    /// allocation (not a `Box` moved after taking its pointer) keeps every access through
+    /// `base` valid under Rust's aliasing rules; page alignment suits O_DIRECT.
     base: *mut u8,
     buffer_bytes: usize,
     buffer_count: usize,
-    /// Keeps the allocation alive; never read or written through after construction.
-    _memory: Box<[u8]>,
     state: Mutex<PoolState>,
     /// How many acquires had to wait for a buffer (a metric: the pool was the bottleneck).
     waits: AtomicU64,
@@ -33,7 +34,7 @@ struct PoolState {
     waiters: VecDeque<oneshot::Sender<usize>>,
 }
 
-// SAFETY: `base` points into `_memory`, which lives as long as the pool. Each buffer index is
+// SAFETY: `base` is an allocation owned by the pool for its whole life. Each buffer index is
 // owned by at most one `BufferLease` at a time (enforced by `state`), so no two threads touch
 // the same bytes through the pool.
 unsafe impl Send for BufferPool {}
@@ -50,19 +51,28 @@ impl BufferPool {
         let total_bytes = buffer_count
             .checked_mul(buffer_bytes)
             .expect("buffer pool size validated by the config");
-        let mut memory = vec![0u8; total_bytes].into_boxed_slice();
-        let base = memory.as_mut_ptr();
+        let layout = Self::allocation(total_bytes);
+        // SAFETY: the layout has a non-zero size (both factors are > 0).
+        let base = unsafe { std::alloc::alloc_zeroed(layout) };
+        if base.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
         Arc::new(BufferPool {
             base,
             buffer_bytes,
             buffer_count,
-            _memory: memory,
             state: Mutex::new(PoolState {
                 free: (0..buffer_count).rev().collect(),
                 waiters: VecDeque::new(),
             }),
             waits: AtomicU64::new(0),
         })
+    }
+
+    /// The layout of the pool's memory: page aligned.
+    fn allocation(total_bytes: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(total_bytes, 4096)
+            .expect("buffer pool size validated by the config")
     }
 
     pub fn buffer_bytes(&self) -> usize {
@@ -176,6 +186,15 @@ impl Drop for GrantGuard<'_> {
                 self.pool.release(index);
             }
         }
+    }
+}
+
+impl Drop for BufferPool {
+    fn drop(&mut self) {
+        let layout = Self::allocation(self.buffer_count * self.buffer_bytes);
+        // SAFETY: `base` came from `alloc_zeroed` with this layout; leases hold an `Arc` of
+        // the pool, so none is alive once the pool drops.
+        unsafe { std::alloc::dealloc(self.base, layout) };
     }
 }
 

@@ -26,6 +26,10 @@ pub enum StoreError {
         limits::IO_REQUEST_BYTES_MAX
     )]
     RequestTooLong { length_bytes: u64 },
+    #[error("{count} objects in one request exceed the bound of {max}")]
+    TooManyObjects { count: usize, max: usize },
+    #[error("object {}: its file was deleted; the write is refused", object_name(*object))]
+    Removed { object: ObjectId },
     #[error("I/O server {server_id}: no space left on device for {}", path.display())]
     NoSpace { server_id: ServerId, path: PathBuf },
     #[error("I/O server {server_id}: {operation} {}: {source}", path.display())]
@@ -59,7 +63,10 @@ impl StoreError {
     pub fn code(&self) -> ErrorCode {
         match self {
             StoreError::FileTooBig { .. } => ErrorCode::FileTooBig,
-            StoreError::RequestTooLong { .. } => ErrorCode::InvalidArgument,
+            StoreError::RequestTooLong { .. } | StoreError::TooManyObjects { .. } => {
+                ErrorCode::InvalidArgument
+            }
+            StoreError::Removed { .. } => ErrorCode::Stale,
             StoreError::NoSpace { .. } => ErrorCode::NoSpace,
             StoreError::Io { source, .. } => source
                 .raw_os_error()

@@ -25,7 +25,7 @@
 //! There is no per-object lock on the data path: reads and writes go straight to the engine
 //! with the cached `Arc<File>`.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
@@ -43,6 +43,37 @@ use crate::fd_cache::FdCache;
 
 /// Number of shard directories under `objects/`.
 pub const SHARD_COUNT: usize = 256;
+
+/// Most objects one `SyncObjects` may name, and most syncs run at once for it: a request
+/// cannot make the server hold more descriptors than this.
+pub const SYNC_OBJECTS_MAX: usize = 4096;
+const SYNC_CONCURRENCY_MAX: usize = 64;
+
+/// How many recently removed inodes are remembered. A write that arrives for one of them
+/// (a straggler from a client that timed out before the file was deleted) is refused
+/// instead of recreating an object that nothing would ever remove. Kept in memory: after a
+/// restart the window starts empty, which only reopens that (already unlikely) leak.
+const REMOVED_INODES_REMEMBERED: usize = 65536;
+
+/// A bounded first-in first-out set of removed inodes.
+#[derive(Default)]
+struct RemovedInodes {
+    order: VecDeque<InodeId>,
+    members: HashSet<InodeId>,
+}
+
+impl RemovedInodes {
+    fn insert(&mut self, inode: InodeId) {
+        if self.members.insert(inode) {
+            self.order.push_back(inode);
+            if self.order.len() > REMOVED_INODES_REMEMBERED {
+                if let Some(oldest) = self.order.pop_front() {
+                    self.members.remove(&oldest);
+                }
+            }
+        }
+    }
+}
 
 /// Capacity and free space of the data directory's file system.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +108,10 @@ pub struct ObjectStore {
     /// remove objects.
     shards: Arc<[Mutex<ShardCount>]>,
     count_complete: AtomicBool,
+    /// Objects created since their shard directory was last synced: their directory entry
+    /// is made durable by the next sync that names them.
+    created_unsynced: Mutex<HashSet<ObjectId>>,
+    removed: Mutex<RemovedInodes>,
 }
 
 impl ObjectStore {
@@ -103,6 +138,8 @@ impl ObjectStore {
                 .collect::<Vec<_>>()
                 .into(),
             count_complete: AtomicBool::new(false),
+            created_unsynced: Mutex::default(),
+            removed: Mutex::default(),
         })
     }
 
@@ -137,6 +174,7 @@ impl ObjectStore {
         data: Bytes,
     ) -> Result<(), StoreError> {
         check_range(object, offset, data.len() as u64)?;
+        self.check_not_removed(object)?;
         if data.is_empty() {
             return Ok(());
         }
@@ -177,6 +215,10 @@ impl ObjectStore {
                 length_bytes,
             });
         }
+        if self.check_not_removed(object).is_err() {
+            // The file is gone: there is nothing to cut, and nothing must be recreated.
+            return Ok(());
+        }
         let file = if length_bytes == 0 {
             match self.open_existing(object).await? {
                 Some(file) => file,
@@ -190,19 +232,32 @@ impl ObjectStore {
             .map_err(|error| self.error("truncate", object, error))
     }
 
-    /// `fdatasync` of every listed object, all at once; missing objects are skipped.
+    /// `fdatasync` of every listed object (up to [`SYNC_CONCURRENCY_MAX`] at once), then of
+    /// the shard directories of those created since their last sync, so that a new object's
+    /// name is as durable as its data. Missing objects are skipped.
     pub async fn sync(&self, objects: &[ObjectId]) -> Result<(), StoreError> {
-        let unique: BTreeSet<ObjectId> = objects.iter().copied().collect();
-        let mut syncs = tokio::task::JoinSet::new();
-        for object in unique {
-            let Some(file) = self.open_existing(object).await? else {
-                continue;
-            };
-            let engine = Arc::clone(&self.engine);
-            syncs.spawn(async move { (object, engine.sync_data(file).await) });
+        if objects.len() > SYNC_OBJECTS_MAX {
+            return Err(StoreError::TooManyObjects {
+                count: objects.len(),
+                max: SYNC_OBJECTS_MAX,
+            });
         }
+        let unique: BTreeSet<ObjectId> = objects.iter().copied().collect();
         let mut first_error = None;
-        while let Some(joined) = syncs.join_next().await {
+        let mut pending = unique.iter().copied();
+        let mut syncs = tokio::task::JoinSet::new();
+        loop {
+            while syncs.len() < SYNC_CONCURRENCY_MAX {
+                let Some(object) = pending.next() else { break };
+                let Some(file) = self.open_existing(object).await? else {
+                    continue;
+                };
+                let engine = Arc::clone(&self.engine);
+                syncs.spawn(async move { (object, engine.sync_data(file).await) });
+            }
+            let Some(joined) = syncs.join_next().await else {
+                break;
+            };
             let (object, result) = joined.map_err(|error| StoreError::Io {
                 server_id: self.server_id,
                 operation: "sync",
@@ -213,11 +268,60 @@ impl ObjectStore {
                 first_error.get_or_insert_with(|| self.error("sync", object, error));
             }
         }
-        first_error.map_or(Ok(()), Err)
+        if let Some(error) = first_error {
+            return Err(error);
+        }
+        self.sync_new_directory_entries(&unique).await
+    }
+
+    async fn sync_new_directory_entries(
+        &self,
+        objects: &BTreeSet<ObjectId>,
+    ) -> Result<(), StoreError> {
+        let shards: BTreeSet<usize> = {
+            let mut created = lock_set(&self.created_unsynced);
+            objects
+                .iter()
+                .filter(|object| created.remove(object))
+                .map(|object| shard_of(object.inode))
+                .collect()
+        };
+        for shard in shards {
+            let directory = self.objects_dir.join(format!("{shard:02x}"));
+            let path = directory.clone();
+            blocking(move || File::open(&path)?.sync_all())
+                .await
+                .map_err(|error| {
+                    StoreError::from_io(self.server_id, "sync directory", directory, error)
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Refuses writes to an inode whose objects were removed (see [`REMOVED_INODES_REMEMBERED`]).
+    fn check_not_removed(&self, object: ObjectId) -> Result<(), StoreError> {
+        let removed = self
+            .removed
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if removed.members.contains(&object.inode) {
+            return Err(StoreError::Removed { object });
+        }
+        Ok(())
     }
 
     /// Removes these stripes' objects of `inode`; missing ones are fine.
     pub async fn remove(&self, inode: InodeId, stripes: &[u32]) -> Result<(), StoreError> {
+        if stripes.len() > limits::STRIPE_COUNT_MAX as usize {
+            return Err(StoreError::TooManyObjects {
+                count: stripes.len(),
+                max: limits::STRIPE_COUNT_MAX as usize,
+            });
+        }
+        self.removed
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(inode);
         for &stripe_index in stripes {
             let object = ObjectId {
                 inode,
@@ -314,7 +418,12 @@ impl ObjectStore {
             blocking(move || create_object(&shards[shard_of(object.inode)], &path)).await
         };
         match opened {
-            Ok(file) => Ok(self.cache.insert(object, Arc::new(file))),
+            Ok((file, created)) => {
+                if created {
+                    lock_set(&self.created_unsynced).insert(object);
+                }
+                Ok(self.cache.insert(object, Arc::new(file)))
+            }
             Err(error) => Err(StoreError::from_io(self.server_id, "create", path, error)),
         }
     }
@@ -375,10 +484,11 @@ fn open_object(path: &Path, create_new: bool) -> io::Result<File> {
 }
 
 /// Opens the object, creating it if missing, and counts a creation under the shard's lock.
-fn create_object(shard: &Mutex<ShardCount>, path: &Path) -> io::Result<File> {
+/// Says whether this call created it.
+fn create_object(shard: &Mutex<ShardCount>, path: &Path) -> io::Result<(File, bool)> {
     match open_object(path, false) {
         Err(error) if error.kind() == io::ErrorKind::NotFound => {}
-        other => return other,
+        other => return other.map(|file| (file, false)),
     }
     let mut count = lock(shard);
     match open_object(path, true) {
@@ -386,12 +496,18 @@ fn create_object(shard: &Mutex<ShardCount>, path: &Path) -> io::Result<File> {
             if count.scanned {
                 count.objects += 1;
             }
-            Ok(file)
+            Ok((file, true))
         }
         // Another task created it between our two opens.
-        Err(error) if error.kind() == io::ErrorKind::AlreadyExists => open_object(path, false),
+        Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
+            open_object(path, false).map(|file| (file, false))
+        }
         Err(error) => Err(error),
     }
+}
+
+fn lock_set<T>(set: &Mutex<HashSet<T>>) -> MutexGuard<'_, HashSet<T>> {
+    set.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Unlinks the object if it exists, counting the removal under the shard's lock.

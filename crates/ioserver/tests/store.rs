@@ -139,6 +139,9 @@ fn run_model(kind: Kind, steps: Vec<Step>) -> Result<(), TestCaseError> {
     let directory = tempfile::tempdir().unwrap();
     let store = store(kind, &directory, 4);
     let mut model = Model::default();
+    // Once removed, an inode's objects are gone for good: ids are never reused, so a later
+    // write is a straggler and is refused (Stale), and a truncate creates nothing.
+    let mut removed = false;
     runtime.block_on(async {
         for step in steps {
             match step {
@@ -148,11 +151,14 @@ fn run_model(kind: Kind, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     seed,
                 } => {
                     let data = pattern(length_bytes, seed);
-                    store
-                        .write(OBJECT, offset, Bytes::from(data.clone()))
-                        .await
-                        .unwrap();
-                    model.write(offset, &data);
+                    let written = store.write(OBJECT, offset, Bytes::from(data.clone())).await;
+                    if removed {
+                        let error = written.expect_err("a write after removal is refused");
+                        prop_assert_eq!(error.code(), freeflow_proto::ErrorCode::Stale);
+                    } else {
+                        written.unwrap();
+                        model.write(offset, &data);
+                    }
                 }
                 Step::Read {
                     offset,
@@ -176,7 +182,9 @@ fn run_model(kind: Kind, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 }
                 Step::Truncate { length_bytes } => {
                     store.truncate(OBJECT, length_bytes).await.unwrap();
-                    model.truncate(length_bytes);
+                    if !removed {
+                        model.truncate(length_bytes);
+                    }
                 }
                 Step::Sync => store
                     .sync(&[
@@ -194,6 +202,7 @@ fn run_model(kind: Kind, steps: Vec<Step>) -> Result<(), TestCaseError> {
                         .await
                         .unwrap();
                     model.remove();
+                    removed = true;
                 }
             }
             // The object exists exactly when the model says so (lazy creation).
@@ -226,7 +235,9 @@ proptest! {
 
 /// 64 tasks write disjoint 24 KiB ranges of one object at once (each range needs two of the
 /// four buffers' worth of pieces), so requests outnumber buffers 16 to 1: all must complete
-/// and land, and with io_uring some must have waited for a buffer.
+/// and land. (Whether some had to wait for a buffer depends on how the two cores schedule
+/// the tasks, so it is printed, not asserted; waking waiters in order is tested
+/// deterministically in `buffer_pool`'s unit tests.)
 async fn disjoint_concurrent_writes(kind: Kind) {
     const WRITERS: u64 = 64;
     const RANGE_BYTES: usize = 24 << 10;
@@ -261,10 +272,6 @@ async fn disjoint_concurrent_writes(kind: Kind) {
     assert_eq!(all.len(), WRITERS as usize * RANGE_BYTES);
     let stats = store.engine().stats();
     if matches!(kind, Kind::Uring) {
-        assert!(
-            stats.buffer_waits > 0,
-            "64 writers on 4 buffers never waited: {stats:?}"
-        );
         // Each writer needs at least two pieces; plus the reads.
         assert!(stats.completions >= WRITERS * 2, "{stats:?}");
     }
@@ -528,4 +535,49 @@ async fn reads_overtake_a_slow_sync_and_are_counted_out_of_order() {
             "reads overtook the sync but only {overtaken} were counted"
         );
     }
+}
+
+/// Regression: a write arriving after the reaper removed a file's objects (a straggler of a
+/// client that timed out) recreated the object, which nothing would ever remove again.
+#[tokio::test]
+async fn a_write_after_removal_is_refused_and_creates_nothing() {
+    for kind in [Kind::Uring, Kind::Threads] {
+        let directory = tempfile::tempdir().unwrap();
+        let store = store(kind, &directory, 4);
+        store
+            .write(OBJECT, 0, Bytes::from_static(b"before"))
+            .await
+            .unwrap();
+        store
+            .remove(OBJECT.inode, &[OBJECT.stripe_index])
+            .await
+            .unwrap();
+        let error = store
+            .write(OBJECT, 0, Bytes::from_static(b"late"))
+            .await
+            .unwrap_err();
+        assert_eq!(error.code(), ErrorCode::Stale, "{kind:?}: {error}");
+        store.truncate(OBJECT, 4096).await.unwrap();
+        assert!(
+            !store.object_path(OBJECT).exists(),
+            "{kind:?}: the removed object came back"
+        );
+        assert!(store.read(OBJECT, 0, 10).await.unwrap().is_empty());
+    }
+}
+
+/// One request cannot make the server open and sync an unbounded number of objects.
+#[tokio::test]
+async fn a_sync_of_too_many_objects_is_refused() {
+    let directory = tempfile::tempdir().unwrap();
+    let store = store(Kind::Threads, &directory, 4);
+    let objects: Vec<ObjectId> = (0..=freeflow_ioserver::store::SYNC_OBJECTS_MAX as u64)
+        .map(|inode| ObjectId {
+            inode: inode + 1,
+            stripe_index: 0,
+        })
+        .collect();
+    let error = store.sync(&objects).await.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::InvalidArgument, "{error}");
+    store.sync(&objects[..10]).await.unwrap();
 }
