@@ -7,6 +7,8 @@
 //! Start-up reads a handful of counters and never scans, so it is O(1) in the number of
 //! files.
 
+pub mod cutter;
+pub mod io_peers;
 pub mod ops;
 pub mod reaper;
 pub mod records;
@@ -17,6 +19,10 @@ pub mod shared;
 pub mod store;
 pub mod writer;
 
+#[cfg(test)]
+mod batch_tests;
+
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -29,6 +35,7 @@ use freeflow_types::Layout;
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
 
+use crate::io_peers::IoConnections;
 use crate::ops::WriterState;
 use crate::registry::Registry;
 use crate::service::MetaService;
@@ -278,6 +285,8 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         ready_ms: AtomicU64::new(0),
         reaper_wake: Notify::new(),
         closing: AtomicBool::new(false),
+        io: IoConnections::new(key.clone()),
+        cut_gates: Mutex::new(HashMap::new()),
         config,
     });
     let writer_thread = spawn_writer(shared.clone(), writer_receiver, state)?;
@@ -290,7 +299,7 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
     });
     let serve_task = tokio::spawn(freeflow_rpc::serve(listener, key.clone(), options, service));
     let background_tasks = vec![
-        tokio::spawn(reaper::run(shared.clone(), key)),
+        tokio::spawn(reaper::run(shared.clone())),
         tokio::spawn(expire_sessions(shared.clone())),
     ];
 

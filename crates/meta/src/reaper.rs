@@ -8,60 +8,38 @@
 //! all succeeded does it delete the orphan record and the inode (through the writer, in one
 //! transaction). A server that is down is retried later with a bounded backoff; orphans
 //! survive crashes in the `orphans` table.
+//!
+//! Each pass first retries pending truncations (cuts a set-attributes could not make
+//! because a server was unreachable; they survive crashes in the `truncations` table), only
+//! on servers that are up: a server's re-registration wakes the reaper, so its cuts are
+//! made as soon as it is back (see `cutter.rs` for the edge this leaves). Inodes pinned by
+//! a set-attributes in flight are left alone, both their cuts and their orphan data.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use freeflow_proto::io::RemoveObjects;
-use freeflow_rpc::{ClusterKey, ConnectOptions, Connection};
 use freeflow_types::{InodeId, ServerId};
 use tokio::task::JoinSet;
 
+use crate::cutter::{carry_out, Reach};
 use crate::ops::orphan::{forget_orphan, list_orphans};
-use crate::records::OrphanRecord;
+use crate::ops::truncate::{list_truncations, settle_truncation};
+use crate::ops::try_load_inode;
+use crate::records::{OrphanRecord, TruncationRecord};
 use crate::shared::Shared;
 
 /// Orphans read from the store per page of a pass.
 pub const REAP_PAGE_ORPHANS: usize = 256;
+/// Pending truncations read from the store per page of a pass.
+pub const CUT_PAGE_TRUNCATIONS: usize = 256;
 /// Shortest and longest wait before retrying after a failure.
 pub const RETRY_DELAY_MIN_MS: u64 = 100;
 pub const RETRY_DELAY_MAX_MS: u64 = 10_000;
 /// Time between passes when nothing wakes the reaper (catches anything missed).
 pub const IDLE_PASS_INTERVAL_MS: u64 = 30_000;
-
-/// Connections to I/O servers, one per server, reconnected when closed.
-struct Connections {
-    key: ClusterKey,
-    options: ConnectOptions,
-    cache: Mutex<HashMap<ServerId, Connection>>,
-}
-
-impl Connections {
-    async fn get(&self, server: ServerId, address: &str) -> Result<Connection, String> {
-        {
-            let cache = self
-                .cache
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            if let Some(connection) = cache.get(&server) {
-                if !connection.is_closed() && connection.address() == address {
-                    return Ok(connection.clone());
-                }
-            }
-        }
-        let connection = Connection::connect(address, &self.key, &self.options)
-            .await
-            .map_err(|error| error.to_string())?;
-        let mut cache = self
-            .cache
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        cache.insert(server, connection.clone());
-        Ok(connection)
-    }
-}
 
 /// The stripes each server of a layout holds.
 pub fn stripes_by_server(orphan: &OrphanRecord) -> BTreeMap<ServerId, Vec<u32>> {
@@ -72,18 +50,13 @@ pub fn stripes_by_server(orphan: &OrphanRecord) -> BTreeMap<ServerId, Vec<u32>> 
     by_server
 }
 
-async fn remove_data(
-    shared: &Shared,
-    connections: &Connections,
-    inode: InodeId,
-    orphan: &OrphanRecord,
-) -> Result<(), String> {
+async fn remove_data(shared: &Shared, inode: InodeId, orphan: &OrphanRecord) -> Result<(), String> {
     for (server, stripes) in stripes_by_server(orphan) {
         let address = shared
             .registry()
             .address(server)
             .ok_or_else(|| format!("server {server} is not registered"))?;
-        let connection = connections.get(server, &address).await?;
+        let connection = shared.io.get(server, &address).await?;
         connection
             .call(&RemoveObjects { inode, stripes }, bytes::Bytes::new())
             .await
@@ -100,7 +73,91 @@ struct PassOutcome {
     waiting_for_lease: bool,
 }
 
-async fn pass(shared: &Arc<Shared>, connections: &Arc<Connections>) -> PassOutcome {
+/// What to do with one pending truncation.
+enum CutStep {
+    /// Send the cuts.
+    Cut,
+    /// Unlinked and not open: the orphan pass removes the objects whole.
+    LeaveToOrphanPass,
+    /// The inode is gone, and its objects with it.
+    Forget,
+}
+
+/// Retry the pending truncations; true if some are still pending.
+async fn cut_pass(shared: &Arc<Shared>) -> bool {
+    let mut pending = false;
+    let mut after = None;
+    loop {
+        let page = match shared.read(|read| list_truncations(read, after, CUT_PAGE_TRUNCATIONS)) {
+            Ok(page) => page,
+            Err(error) => {
+                tracing::warn!(%error, "reaper cannot list pending truncations");
+                return true;
+            }
+        };
+        let Some((last, _)) = page.last() else {
+            return pending;
+        };
+        after = Some(*last);
+        let page_len = page.len();
+        for (inode, record) in page {
+            if !retry_cuts(shared, inode, &record).await {
+                pending = true;
+            }
+        }
+        if page_len < CUT_PAGE_TRUNCATIONS {
+            return pending;
+        }
+    }
+}
+
+/// Retry the cuts of one truncation; true if none is pending any more (or they are not
+/// the reaper's to make).
+async fn retry_cuts(shared: &Arc<Shared>, inode: InodeId, record: &TruncationRecord) -> bool {
+    // A set-attributes in flight on this inode makes (or will make) these cuts itself.
+    let Some(pin) = shared.try_pin_cuts(inode) else {
+        return false;
+    };
+    let _exclusive = pin.exclusive().await;
+    let step = shared.read(|read| {
+        Ok(match try_load_inode(read, inode)? {
+            None => CutStep::Forget,
+            Some(found) if found.attr.link_count == 0 && !shared.sessions().is_open(inode) => {
+                CutStep::LeaveToOrphanPass
+            }
+            Some(_) => CutStep::Cut,
+        })
+    });
+    match step {
+        Err(error) => {
+            tracing::warn!(inode, %error, "reaper cannot read an inode with pending cuts");
+            false
+        }
+        Ok(CutStep::LeaveToOrphanPass) => true,
+        Ok(CutStep::Forget) => {
+            let (generation, stripes): (u64, Vec<u32>) = (
+                record.generation,
+                record.cuts.iter().map(|(stripe, _)| *stripe).collect(),
+            );
+            shared
+                .write(move |write, _| settle_truncation(write, inode, generation, &stripes))
+                .await
+                .is_ok()
+        }
+        Ok(CutStep::Cut) => match carry_out(shared, inode, record, Reach::UpOnly).await {
+            Ok(()) => {
+                tracing::info!(inode, "pending cuts made");
+                true
+            }
+            Err(error) => {
+                tracing::debug!(inode, %error, "cuts still pending; will retry");
+                false
+            }
+        },
+    }
+}
+
+async fn pass(shared: &Arc<Shared>) -> PassOutcome {
     let mut outcome = PassOutcome::default();
     let lease = Duration::from_millis(u64::from(shared.config.lease_ms));
     let old_epoch_ready = shared.started.elapsed() >= lease;
@@ -122,7 +179,7 @@ async fn pass(shared: &Arc<Shared>, connections: &Arc<Connections>) -> PassOutco
         let page_len = page.len();
         let mut tasks = JoinSet::new();
         for (inode, orphan) in page {
-            if shared.sessions().is_open(inode) {
+            if shared.sessions().is_open(inode) || shared.is_pinned(inode) {
                 continue;
             }
             if orphan.boot_epoch < shared.boot_epoch && !old_epoch_ready {
@@ -134,9 +191,9 @@ async fn pass(shared: &Arc<Shared>, connections: &Arc<Connections>) -> PassOutco
                     outcome.failed = true;
                 }
             }
-            let (shared, connections) = (shared.clone(), connections.clone());
+            let shared = shared.clone();
             tasks.spawn(async move {
-                if let Err(reason) = remove_data(&shared, &connections, inode, &orphan).await {
+                if let Err(reason) = remove_data(&shared, inode, &orphan).await {
                     tracing::debug!(inode, %reason, "orphan data not removed yet; will retry");
                     return false;
                 }
@@ -164,28 +221,20 @@ async fn pass(shared: &Arc<Shared>, connections: &Arc<Connections>) -> PassOutco
 }
 
 /// The reaper task; runs until aborted.
-pub async fn run(shared: Arc<Shared>, key: ClusterKey) {
-    let connections = Arc::new(Connections {
-        key,
-        options: ConnectOptions {
-            client_name: "meta-reaper".into(),
-            call_timeout_ms: 10_000,
-            connect_timeout_ms: 2_000,
-            ..ConnectOptions::default()
-        },
-        cache: Mutex::new(HashMap::new()),
-    });
+pub async fn run(shared: Arc<Shared>) {
     let lease = Duration::from_millis(u64::from(shared.config.lease_ms));
     let mut retry_delay_ms = RETRY_DELAY_MIN_MS;
     loop {
         if shared.closing.load(Ordering::Acquire) {
             return;
         }
-        let outcome = if shared.orphan_count.load(Ordering::Relaxed) > 0 {
-            pass(&shared, &connections).await
+        let cuts_pending = cut_pass(&shared).await;
+        let mut outcome = if shared.orphan_count.load(Ordering::Relaxed) > 0 {
+            pass(&shared).await
         } else {
             PassOutcome::default()
         };
+        outcome.failed |= cuts_pending;
         let wait = if outcome.failed {
             let wait = Duration::from_millis(retry_delay_ms);
             retry_delay_ms = (retry_delay_ms * 2).min(RETRY_DELAY_MAX_MS);

@@ -1,14 +1,15 @@
 //! On-disk formats of the metadata tables, defined once.
 //!
-//! | table    | key                                  | value                                   |
-//! |----------|--------------------------------------|-----------------------------------------|
-//! | inodes   | inode u64 BE                         | version 1 byte + postcard(InodeRecord)  |
-//! | dirents  | parent u64 BE ++ name bytes          | child u64 BE ++ kind 1 byte             |
-//! | symlinks | inode u64 BE                         | target bytes (UTF-8)                    |
-//! | xattrs   | inode u64 BE ++ name bytes           | value bytes                             |
-//! | orphans  | inode u64 BE                         | version 1 byte + postcard(OrphanRecord) |
-//! | counters | counter name (ASCII)                 | u64 BE                                  |
-//! | servers  | server u32 BE                        | version 1 byte + postcard(ServerEntry)  |
+//! | table       | key                         | value                                       |
+//! |-------------|-----------------------------|---------------------------------------------|
+//! | inodes      | inode u64 BE                | version 1 byte + postcard(InodeRecord)      |
+//! | dirents     | parent u64 BE ++ name bytes | child u64 BE ++ kind 1 byte                 |
+//! | symlinks    | inode u64 BE                | target bytes (UTF-8)                        |
+//! | xattrs      | inode u64 BE ++ name bytes  | value bytes                                 |
+//! | orphans     | inode u64 BE                | version 1 byte + postcard(OrphanRecord)     |
+//! | counters    | counter name (ASCII)        | u64 BE                                      |
+//! | servers     | server u32 BE               | version 1 byte + postcard(ServerEntry)      |
+//! | truncations | inode u64 BE                | version 1 byte + postcard(TruncationRecord) |
 //!
 //! Integers in keys are big-endian so that byte order is numeric order and all entries of
 //! one directory (or one inode's xattrs) are one contiguous range. Every record read back is
@@ -45,6 +46,18 @@ pub struct OrphanRecord {
     pub layout: Layout,
     /// The boot epoch in which the inode became an orphan.
     pub boot_epoch: u64,
+}
+
+/// A shrink whose cuts on the I/O servers are not all done yet (see `ops/truncate.rs`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TruncationRecord {
+    pub layout: Layout,
+    /// The inode's generation at the shrink that last changed this record. A cutter settles
+    /// the stripes it cut only if the record still has the generation it cut for.
+    pub generation: u64,
+    /// (stripe index, file size to cut that stripe's object at), in stripe order: the
+    /// smallest size still pending per stripe.
+    pub cuts: Vec<(u32, u64)>,
 }
 
 /// A registered I/O server.

@@ -69,8 +69,11 @@ impl Registry {
         self.servers.is_empty()
     }
 
-    /// Record a heartbeat (after any needed persist has committed).
-    pub fn heartbeat(&mut self, server: ServerId, entry: ServerEntry, now: Instant) {
+    /// Record a heartbeat (after any needed persist has committed). True if the server was
+    /// not up before it (new, never seen since the start, or silent too long): work waiting
+    /// for it (pending cuts, orphans) can be retried now.
+    pub fn heartbeat(&mut self, server: ServerId, entry: ServerEntry, now: Instant) -> bool {
+        let came_up = !self.server_is_up(server, now);
         self.servers.insert(
             server,
             ServerState {
@@ -78,6 +81,14 @@ impl Registry {
                 last_seen: Some(now),
             },
         );
+        came_up
+    }
+
+    /// Registered and heard from within `server_down_after_ms`.
+    pub fn server_is_up(&self, server: ServerId, now: Instant) -> bool {
+        self.servers
+            .get(&server)
+            .is_some_and(|state| self.is_up(state, now))
     }
 
     fn is_up(&self, state: &ServerState, now: Instant) -> bool {
@@ -161,7 +172,10 @@ mod tests {
         assert!(registry.needs_persist(4, "b:1"));
         // Never seen: not up, but still placed on when nothing is up.
         assert_eq!(registry.placement_servers(start), vec![3]);
-        registry.heartbeat(4, entry("b:1"), start);
+        assert!(registry.heartbeat(4, entry("b:1"), start));
+        assert!(!registry.heartbeat(4, entry("b:1"), start));
+        assert!(registry.server_is_up(4, start));
+        assert!(!registry.server_is_up(3, start));
         assert_eq!(registry.placement_servers(start), vec![4]);
         let totals = registry.totals(start);
         assert_eq!(
@@ -171,5 +185,9 @@ mod tests {
         let later = start + Duration::from_millis(80);
         assert!(registry.records(later).iter().all(|record| !record.up));
         assert_eq!(registry.placement_servers(later), vec![3, 4]);
+        assert!(
+            registry.heartbeat(4, entry("b:1"), later),
+            "back after silence"
+        );
     }
 }

@@ -15,8 +15,9 @@ use freeflow_proto::meta::{
 };
 use freeflow_proto::{ErrorCode, Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
-use freeflow_types::{FileKind, InodeId};
+use freeflow_types::{Attr, FileKind, InodeId};
 
+use crate::cutter::{self, Reach};
 use crate::ops::{self, refuse, require_access, ACCESS_READ, ACCESS_WRITE};
 use crate::records::{inode_key, ServerEntry};
 use crate::shared::Shared;
@@ -91,7 +92,10 @@ impl Service for MetaService {
             GetXattr::OPCODE => read_request!(frame, shared, GetXattr, ops::xattr::get_xattr),
             ListXattr::OPCODE => read_request!(frame, shared, ListXattr, ops::xattr::list_xattr),
             SetAttributes::OPCODE => {
-                write_request!(frame, shared, SetAttributes, ops::setattr::set_attributes)
+                handle(frame, |request: SetAttributes, _| async move {
+                    with_empty_payload(set_attributes(shared, request).await)
+                })
+                .await
             }
             Mkdir::OPCODE => write_request!(frame, shared, Mkdir, ops::create::mkdir),
             Unlink::OPCODE => write_request!(frame, shared, Unlink, ops::remove::unlink),
@@ -231,42 +235,88 @@ fn open(shared: &Shared, request: &Open) -> Result<OpenGrant, WireError> {
     match checked {
         Ok(attr) => Ok(OpenGrant { handle_id, attr }),
         Err(error) => {
-            if let Ok(Some(inode)) = shared
-                .sessions()
-                .close_handle(request.session_id, handle_id)
-            {
-                wake_reaper_for(shared, &[inode]);
+            release_handle(shared, request.session_id, handle_id);
+            Err(error)
+        }
+    }
+}
+
+/// Set attributes; a shrink replies only once the I/O servers cut their objects (or with
+/// `Unreachable` naming the server whose cut is left pending: the size is set either way).
+async fn set_attributes(shared: &Arc<Shared>, request: SetAttributes) -> Result<Attr, WireError> {
+    let inode = request.inode;
+    // Pinned before the job is queued (see `CutPin`): an unlink in the same batch cannot
+    // have the reaper remove the objects while this cuts them.
+    let pin = request.changes.size_bytes.map(|_| shared.pin_cuts(inode));
+    let sessions_of = shared.clone();
+    let outcome = shared
+        .write(move |write, context| {
+            ops::setattr::set_attributes_recording_cuts(write, context, &request, |inode| {
+                sessions_of.sessions().is_open(inode)
+            })
+        })
+        .await?;
+    if let (Some(record), Some(pin)) = (&outcome.truncation, &pin) {
+        let _exclusive = pin.exclusive().await;
+        if let Err(error) = cutter::carry_out(shared, inode, record, Reach::All).await {
+            tracing::warn!(inode, %error, "truncate: cuts pending");
+            shared.reaper_wake.notify_one();
+            return Err(error.to_wire());
+        }
+    }
+    Ok(outcome.attr)
+}
+
+/// Create (and maybe open). The handle is reserved before the job is queued and bound to
+/// the inode inside the transaction, as `open` registers first: a later operation of the
+/// same batch that unlinks the file makes an orphan the reaper already sees open.
+async fn create(shared: &Arc<Shared>, request: Create) -> Result<CreateReply, WireError> {
+    let reserved = match request.open {
+        Some((session_id, access)) => Some((
+            session_id,
+            shared.sessions().reserve_handle(session_id, access)?,
+        )),
+        None => None,
+    };
+    let binder = shared.clone();
+    let created = shared
+        .write(move |write, context| {
+            let mut outcome = ops::create::create(write, context, &request)?;
+            if let Some((_, handle_id)) = reserved {
+                // Written already: a lost handle (session ended) is reported after the
+                // commit, not as a refusal that would leave half a batch entry.
+                if binder
+                    .sessions()
+                    .bind_handle(handle_id, outcome.reply.attr.inode)
+                    .is_ok()
+                {
+                    outcome.reply.handle_id = Some(handle_id);
+                }
+            }
+            Ok(outcome)
+        })
+        .await;
+    match (created, reserved) {
+        (Ok(outcome), None) => Ok(outcome.reply),
+        (Ok(outcome), Some(_)) if outcome.reply.handle_id.is_some() => Ok(outcome.reply),
+        (Ok(_), Some((session_id, _))) => Err(WireError::new(
+            ErrorCode::BadHandle,
+            format!("session {session_id} ended while the file was created; it is not open"),
+        )),
+        (Err(error), reserved) => {
+            if let Some((session_id, handle_id)) = reserved {
+                release_handle(shared, session_id, handle_id);
             }
             Err(error)
         }
     }
 }
 
-async fn create(shared: &Shared, request: Create) -> Result<CreateReply, WireError> {
-    if let Some((session_id, _)) = request.open {
-        if !shared.sessions().exists(session_id) {
-            return Err(WireError::new(
-                ErrorCode::BadHandle,
-                format!("session {session_id} does not exist or its lease expired"),
-            ));
-        }
+/// Close a handle of a failed open or create (it may already be gone with its session).
+fn release_handle(shared: &Shared, session_id: u64, handle_id: u64) {
+    if let Ok(Some(inode)) = shared.sessions().close_handle(session_id, handle_id) {
+        wake_reaper_for(shared, &[inode]);
     }
-    let after_commit: crate::writer::AfterCommit<ops::create::CreateOutcome> =
-        Box::new(|mut outcome, shared| {
-            if let Some((session_id, access)) = outcome.open {
-                let inode = outcome.reply.attr.inode;
-                let handle_id = shared.sessions().open_handle(session_id, inode, access)?;
-                outcome.reply.handle_id = Some(handle_id);
-            }
-            Ok(outcome)
-        });
-    let outcome = shared
-        .write_then(
-            move |write, context| ops::create::create(write, context, &request),
-            Some(after_commit),
-        )
-        .await?;
-    Ok(outcome.reply)
 }
 
 fn stat_fs(shared: &Shared) -> FsStats {
@@ -330,9 +380,13 @@ async fn register_server(
             .await?;
         tracing::info!(server_id, address = %request.address, "I/O server registered");
     }
-    shared
+    let came_up = shared
         .registry()
         .heartbeat(request.server_id, entry, Instant::now());
+    if came_up {
+        // Cuts and orphans waiting for this server are retried at once.
+        shared.reaper_wake.notify_one();
+    }
     Ok(RegisterReply {
         heartbeat_interval_ms: shared.config.heartbeat_interval_ms,
     })

@@ -31,7 +31,8 @@ struct Session {
 #[derive(Clone, Copy, Debug)]
 struct Handle {
     session_id: u64,
-    inode: InodeId,
+    /// None while reserved by a create-and-open whose inode is not chosen yet.
+    inode: Option<InodeId>,
 }
 
 #[derive(Debug)]
@@ -107,6 +108,40 @@ impl Sessions {
         inode: InodeId,
         _access: OpenAccess,
     ) -> Result<u64, WireError> {
+        let handle_id = self.insert_handle(session_id, Some(inode))?;
+        *self.open_counts.entry(inode).or_default() += 1;
+        Ok(handle_id)
+    }
+
+    /// Reserve a handle for a create-and-open before its job is queued; the writer binds it
+    /// to the inode inside the transaction ([`Sessions::bind_handle`]), so it is counted
+    /// open before the commit that could make the file an orphan. Close it if the create
+    /// fails.
+    pub fn reserve_handle(
+        &mut self,
+        session_id: u64,
+        _access: OpenAccess,
+    ) -> Result<u64, WireError> {
+        self.insert_handle(session_id, None)
+    }
+
+    /// Bind a reserved handle to its inode. Err if the handle is gone (its session ended)
+    /// or already bound.
+    pub fn bind_handle(&mut self, handle_id: u64, inode: InodeId) -> Result<(), WireError> {
+        match self.handles.get_mut(&handle_id) {
+            Some(handle) if handle.inode.is_none() => {
+                handle.inode = Some(inode);
+                *self.open_counts.entry(inode).or_default() += 1;
+                Ok(())
+            }
+            _ => Err(WireError::new(
+                ErrorCode::BadHandle,
+                format!("handle {handle_id} is not reserved (its session ended?)"),
+            )),
+        }
+    }
+
+    fn insert_handle(&mut self, session_id: u64, inode: Option<InodeId>) -> Result<u64, WireError> {
         if self.handles.len() >= self.limits.handles_max {
             return Err(WireError::new(
                 ErrorCode::Busy,
@@ -121,7 +156,6 @@ impl Sessions {
         let handle_id = self.next_handle_id;
         session.handles.insert(handle_id);
         self.handles.insert(handle_id, Handle { session_id, inode });
-        *self.open_counts.entry(inode).or_default() += 1;
         Ok(handle_id)
     }
 
@@ -147,12 +181,12 @@ impl Sessions {
     }
 
     fn forget_handle(&mut self, handle_id: u64) -> Option<InodeId> {
-        let handle = self.handles.remove(&handle_id)?;
-        let count = self.open_counts.get_mut(&handle.inode)?;
+        let inode = self.handles.remove(&handle_id)?.inode?;
+        let count = self.open_counts.get_mut(&inode)?;
         *count -= 1;
         if *count == 0 {
-            self.open_counts.remove(&handle.inode);
-            return Some(handle.inode);
+            self.open_counts.remove(&inode);
+            return Some(inode);
         }
         None
     }
@@ -228,6 +262,33 @@ mod tests {
         assert!(!table.is_open(7));
         assert_eq!(
             table.close_handle(session, second).unwrap_err().code,
+            ErrorCode::BadHandle
+        );
+    }
+
+    #[test]
+    fn a_reserved_handle_counts_once_bound() {
+        let mut table = sessions();
+        let session = table.open_session("a", Instant::now()).unwrap();
+        let reserved = table
+            .reserve_handle(session, OpenAccess::default())
+            .unwrap();
+        assert!(!table.is_open(9));
+        table.bind_handle(reserved, 9).unwrap();
+        assert!(table.is_open(9));
+        assert_eq!(
+            table.bind_handle(reserved, 9).unwrap_err().code,
+            ErrorCode::BadHandle
+        );
+        assert_eq!(table.close_handle(session, reserved).unwrap(), Some(9));
+        // A reserved handle never bound closes without reporting an inode.
+        let unbound = table
+            .reserve_handle(session, OpenAccess::default())
+            .unwrap();
+        assert_eq!(table.close_handle(session, unbound).unwrap(), None);
+        assert!(!table.is_open(9));
+        assert_eq!(
+            table.bind_handle(unbound, 9).unwrap_err().code,
             ErrorCode::BadHandle
         );
     }

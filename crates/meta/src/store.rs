@@ -34,10 +34,12 @@ pub enum TableId {
     Counters,
     /// server id (u32 BE) → versioned server record.
     Servers,
+    /// inode id → versioned truncation record (cuts still to be made on I/O servers).
+    Truncations,
 }
 
 impl TableId {
-    pub const ALL: [TableId; 7] = [
+    pub const ALL: [TableId; 8] = [
         TableId::Inodes,
         TableId::Dirents,
         TableId::Symlinks,
@@ -45,6 +47,7 @@ impl TableId {
         TableId::Orphans,
         TableId::Counters,
         TableId::Servers,
+        TableId::Truncations,
     ];
 
     pub fn name(self) -> &'static str {
@@ -56,6 +59,7 @@ impl TableId {
             TableId::Orphans => "orphans",
             TableId::Counters => "counters",
             TableId::Servers => "servers",
+            TableId::Truncations => "truncations",
         }
     }
 

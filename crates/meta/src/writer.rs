@@ -19,10 +19,6 @@ use crate::ops::{now, OpContext, OpError, OpResult, WriterState};
 use crate::shared::Shared;
 use crate::store::{MetaStore, RedbWrite, StoreError, StoreWrite};
 
-/// Runs after the batch committed, with the operation's result (e.g. registering the
-/// handle of a create-and-open).
-pub type AfterCommit<T> = Box<dyn FnOnce(T, &Shared) -> Result<T, WireError> + Send>;
-
 /// One queued mutation, type-erased.
 pub trait BatchJob: Send {
     /// Apply in the batch transaction. Err only when the store failed (the batch aborts).
@@ -32,7 +28,7 @@ pub trait BatchJob: Send {
         context: &mut OpContext<'_>,
     ) -> Result<(), StoreError>;
     /// Reply once the batch's fate is known.
-    fn finish(self: Box<Self>, batch: &Result<(), WireError>, shared: &Shared);
+    fn finish(self: Box<Self>, batch: &Result<(), WireError>);
 }
 
 pub enum WriterMessage {
@@ -45,7 +41,6 @@ struct TypedJob<T, F> {
     operation: Option<F>,
     result: Option<Result<T, WireError>>,
     reply: oneshot::Sender<Result<T, WireError>>,
-    after_commit: Option<AfterCommit<T>>,
 }
 
 impl<T, F> BatchJob for TypedJob<T, F>
@@ -69,13 +64,10 @@ where
         Ok(())
     }
 
-    fn finish(self: Box<Self>, batch: &Result<(), WireError>, shared: &Shared) {
+    fn finish(self: Box<Self>, batch: &Result<(), WireError>) {
         let reply = match (batch, self.result) {
             (Err(error), _) => Err(error.clone()),
-            (Ok(()), Some(Ok(value))) => match self.after_commit {
-                Some(after_commit) => after_commit(value, shared),
-                None => Ok(value),
-            },
+            (Ok(()), Some(Ok(value))) => Ok(value),
             (Ok(()), Some(Err(error))) => Err(error),
             (Ok(()), None) => Err(WireError::new(ErrorCode::Io, "operation was not applied")),
         };
@@ -85,10 +77,7 @@ where
 }
 
 /// Build a job and the receiver of its reply.
-pub fn job<T, F>(
-    operation: F,
-    after_commit: Option<AfterCommit<T>>,
-) -> (Box<dyn BatchJob>, oneshot::Receiver<Result<T, WireError>>)
+pub fn job<T, F>(operation: F) -> (Box<dyn BatchJob>, oneshot::Receiver<Result<T, WireError>>)
 where
     T: Send + 'static,
     F: FnOnce(&mut RedbWrite, &mut OpContext<'_>) -> OpResult<T> + Send + 'static,
@@ -98,7 +87,6 @@ where
         operation: Some(operation),
         result: None,
         reply,
-        after_commit,
     };
     (Box::new(job), receiver)
 }
@@ -138,7 +126,7 @@ pub fn run(
     ));
     while let Ok(message) = receiver.try_recv() {
         if let WriterMessage::Job(job) = message {
-            job.finish(&refused, &shared);
+            job.finish(&refused);
         }
     }
 }
@@ -182,10 +170,11 @@ fn run_batch(shared: &Shared, state: &mut WriterState, mut batch: Vec<Box<dyn Ba
         }
     };
     for job in batch {
-        job.finish(&outcome, shared);
+        job.finish(&outcome);
     }
-    // After the replies: a create-and-open in this batch has registered its handle by now,
-    // so the reaper cannot take the data of a file that was opened and unlinked together.
+    // Handles of create-and-opens and pins of truncates in this batch were registered
+    // before the commit, so the reaper cannot take the data of a file opened (or being cut)
+    // and unlinked in the same batch.
     if outcome.is_ok() && state.orphan_count > orphans_before {
         shared.reaper_wake.notify_one();
     }

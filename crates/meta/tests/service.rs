@@ -1,22 +1,23 @@
 //! The metadata server over real RPC connections, in this process: group commit, the
-//! orphan reaper against a fake I/O server, and a restart on the same data directory.
+//! orphan reaper against a fake I/O server, truncation cuts made by the meta server, and a
+//! restart on the same data directory.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use freeflow_meta::{start, MetaConfig, RunningMeta};
-use freeflow_proto::io::RemoveObjects;
+use freeflow_proto::io::{RemoveObjects, TruncateObject};
 use freeflow_proto::meta::{
     Caller, Close, ClusterStatus, Create, GetAttr, Mkdir, OpenAccess, OpenSession, ReadDir,
-    RegisterServer, Unlink,
+    RegisterServer, SetAttributes, Unlink,
 };
 use freeflow_proto::{ErrorCode, Request};
 use freeflow_rpc::{
     handle, serve, ClusterKey, ConnectOptions, Connection, Frame, PeerInfo, Reply, RpcError,
     ServerOptions, Service,
 };
-use freeflow_types::{FileKind, ROOT_INODE};
+use freeflow_types::{Attr, FileKind, InodeId, ObjectId, SetAttr, ROOT_INODE};
 
 fn config(data_dir: &std::path::Path) -> MetaConfig {
     MetaConfig {
@@ -38,29 +39,49 @@ fn remote_code(error: RpcError) -> ErrorCode {
     error.code()
 }
 
-/// An I/O server that only records `RemoveObjects`.
+/// An I/O server that only records `RemoveObjects` and `TruncateObject`; it answers a
+/// cut only `cut_delay` after recording it.
 #[derive(Default)]
 struct FakeIo {
     removed: Mutex<Vec<RemoveObjects>>,
+    cuts: Mutex<Vec<TruncateObject>>,
+    cut_delay: Duration,
 }
 
 impl Service for FakeIo {
     async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
-        if frame.opcode != RemoveObjects::OPCODE {
-            return Err(format!("unexpected opcode {}", frame.opcode));
+        match frame.opcode {
+            RemoveObjects::OPCODE => {
+                handle(frame, |request: RemoveObjects, _| async move {
+                    self.removed.lock().unwrap().push(request);
+                    Ok(((), Bytes::new()))
+                })
+                .await
+            }
+            TruncateObject::OPCODE => {
+                handle(frame, |request: TruncateObject, _| async move {
+                    self.cuts.lock().unwrap().push(request);
+                    tokio::time::sleep(self.cut_delay).await;
+                    Ok(((), Bytes::new()))
+                })
+                .await
+            }
+            other => Err(format!("unexpected opcode {other}")),
         }
-        handle(frame, |request: RemoveObjects, _| async move {
-            self.removed.lock().unwrap().push(request);
-            Ok(((), Bytes::new()))
-        })
-        .await
     }
 }
 
 async fn start_fake_io(key: &ClusterKey) -> (Arc<FakeIo>, String, tokio::task::JoinHandle<()>) {
+    start_fake_io_with(key, FakeIo::default()).await
+}
+
+async fn start_fake_io_with(
+    key: &ClusterKey,
+    fake: FakeIo,
+) -> (Arc<FakeIo>, String, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
-    let fake = Arc::new(FakeIo::default());
+    let fake = Arc::new(fake);
     let task = tokio::spawn({
         let (key, fake) = (key.clone(), fake.clone());
         async move {
@@ -318,6 +339,232 @@ async fn orphans_survive_a_restart_and_wait_one_lease_before_reaping() {
             stripes: vec![0]
         }]
     );
+    meta.shutdown().await;
+    fake_task.abort();
+}
+
+fn register(server_id: u32, address: String) -> RegisterServer {
+    RegisterServer {
+        server_id,
+        address,
+        capacity_bytes: 1 << 30,
+        free_bytes: 1 << 29,
+        object_count: 0,
+    }
+}
+
+fn create_file(name: &str) -> Create {
+    Create {
+        caller: Caller::root(),
+        parent: ROOT_INODE,
+        name: name.into(),
+        kind: FileKind::Regular,
+        permissions: 0o644,
+        device: 0,
+        exclusive: true,
+        open: None,
+    }
+}
+
+fn set_size(caller: Caller, inode: InodeId, size_bytes: u64) -> SetAttributes {
+    SetAttributes {
+        caller,
+        inode,
+        changes: SetAttr {
+            size_bytes: Some(size_bytes),
+            ..SetAttr::default()
+        },
+    }
+}
+
+fn cut_count(fakes: &[&FakeIo]) -> usize {
+    fakes
+        .iter()
+        .map(|fake| fake.cuts.lock().unwrap().len())
+        .sum()
+}
+
+/// The cut each stripe's server must receive for a file cut at `size_bytes`.
+fn expected_cut(attr: &Attr, size_bytes: u64, stripe_index: u32) -> TruncateObject {
+    let layout = attr.layout.as_ref().expect("a regular file has a layout");
+    TruncateObject {
+        object: ObjectId {
+            inode: attr.inode,
+            stripe_index,
+        },
+        length: layout.object_length(size_bytes, stripe_index),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shrink_cuts_every_stripe_before_replying_and_nothing_else_cuts() {
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let cut_delay = Duration::from_millis(300);
+    let slow = || FakeIo {
+        cut_delay,
+        ..FakeIo::default()
+    };
+    let (first, first_address, first_task) = start_fake_io_with(&key, slow()).await;
+    let (second, second_address, second_task) = start_fake_io_with(&key, slow()).await;
+    let meta_config = MetaConfig {
+        stripe_unit_bytes: 4096,
+        ..config(directory.path())
+    };
+    let meta = start(meta_config, key.clone()).await.unwrap();
+    let connection = connect(&meta, &key).await;
+    for (id, address) in [(1, first_address), (2, second_address)] {
+        connection
+            .call(&register(id, address), Bytes::new())
+            .await
+            .unwrap();
+    }
+    let (created, _) = connection
+        .call(&create_file("f"), Bytes::new())
+        .await
+        .unwrap();
+    let inode = created.attr.inode;
+    let servers = created.attr.layout.clone().unwrap().servers;
+    assert_eq!(servers.len(), 2);
+    let fakes = [&*first, &*second];
+
+    // Growing cuts nothing; neither does setting the same size.
+    let grown_bytes = 3 * 4096 + 100;
+    for _ in 0..2 {
+        let (attr, _) = connection
+            .call(&set_size(Caller::root(), inode, grown_bytes), Bytes::new())
+            .await
+            .unwrap();
+        assert_eq!(attr.size_bytes, grown_bytes);
+    }
+    assert_eq!(cut_count(&fakes), 0);
+
+    // A shrink the caller may not make (no write permission) is refused and cuts nothing.
+    let stranger = Caller {
+        user_id: 1000,
+        group_id: 1000,
+        groups: vec![],
+    };
+    let refused = connection
+        .call(&set_size(stranger, inode, 10), Bytes::new())
+        .await
+        .unwrap_err();
+    assert_eq!(remote_code(refused), ErrorCode::PermissionDenied);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(cut_count(&fakes), 0);
+    let (attr, _) = connection
+        .call(&GetAttr { inode }, Bytes::new())
+        .await
+        .unwrap();
+    assert_eq!(attr.size_bytes, grown_bytes);
+
+    // A shrink: every stripe's server cuts, and only then the reply comes.
+    let shrunk_bytes = 4096 + 10;
+    let sent = Instant::now();
+    let (attr, _) = connection
+        .call(&set_size(Caller::root(), inode, shrunk_bytes), Bytes::new())
+        .await
+        .unwrap();
+    assert_eq!(attr.size_bytes, shrunk_bytes);
+    assert!(
+        sent.elapsed() >= cut_delay,
+        "replied after {:?}",
+        sent.elapsed()
+    );
+    for (stripe_index, server) in servers.iter().enumerate() {
+        let fake = if *server == 1 { &first } else { &second };
+        let cuts = fake.cuts.lock().unwrap().clone();
+        let expected = expected_cut(&attr, shrunk_bytes, stripe_index as u32);
+        assert_eq!(cuts, vec![expected], "server {server}");
+    }
+    // Stripe 0 keeps its whole first unit, stripe 1 the last 10 bytes.
+    let lengths: Vec<u64> = (0..2)
+        .map(|stripe| expected_cut(&attr, shrunk_bytes, stripe).length)
+        .collect();
+    assert_eq!(lengths, vec![4096, 10]);
+    // Nothing is left pending: the reaper does not cut again.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(cut_count(&fakes), 2);
+    meta.shutdown().await;
+    first_task.abort();
+    second_task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_pending_on_a_dead_server_survives_a_restart_and_is_made_when_it_returns() {
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let dead_address = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().to_string()
+    };
+    let meta_config = || MetaConfig {
+        stripe_unit_bytes: 4096,
+        ..config(directory.path())
+    };
+    let meta = start(meta_config(), key.clone()).await.unwrap();
+    let connection = connect(&meta, &key).await;
+    connection
+        .call(&register(1, dead_address), Bytes::new())
+        .await
+        .unwrap();
+    let (created, _) = connection
+        .call(&create_file("g"), Bytes::new())
+        .await
+        .unwrap();
+    let inode = created.attr.inode;
+    connection
+        .call(&set_size(Caller::root(), inode, 10_000), Bytes::new())
+        .await
+        .unwrap();
+    let pending = connection
+        .call(&set_size(Caller::root(), inode, 100), Bytes::new())
+        .await
+        .unwrap_err();
+    let message = pending.to_string();
+    assert_eq!(remote_code(pending), ErrorCode::Unreachable);
+    assert!(message.contains("pending on server 1"), "{message}");
+    assert!(message.contains("size"), "{message}");
+    // The size is set even though the cut is pending; a later grow keeps the cut at 100.
+    let (attr, _) = connection
+        .call(&GetAttr { inode }, Bytes::new())
+        .await
+        .unwrap();
+    assert_eq!(attr.size_bytes, 100);
+    connection
+        .call(&set_size(Caller::root(), inode, 5_000), Bytes::new())
+        .await
+        .unwrap();
+    drop(connection);
+    meta.shutdown().await;
+
+    let (fake, fake_address, fake_task) = start_fake_io(&key).await;
+    let meta = start(meta_config(), key.clone()).await.unwrap();
+    let connection = connect(&meta, &key).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(cut_count(&[&fake]), 0, "not registered at this address yet");
+    connection
+        .call(&register(1, fake_address), Bytes::new())
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while cut_count(&[&fake]) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "pending cut not made after restart"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let expected = expected_cut(&created.attr, 100, 0);
+    assert_eq!(expected.length, 100);
+    // Made once: settled, so not retried.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(fake.cuts.lock().unwrap().clone(), vec![expected]);
+    let (attr, _) = connection
+        .call(&GetAttr { inode }, Bytes::new())
+        .await
+        .unwrap();
+    assert_eq!(attr.size_bytes, 5_000);
     meta.shutdown().await;
     fake_task.abort();
 }

@@ -19,6 +19,7 @@ pub mod rename;
 pub mod servers;
 pub mod setattr;
 pub mod size;
+pub mod truncate;
 pub mod xattr;
 
 use std::ops::Bound;
@@ -433,6 +434,8 @@ pub fn delete_inode<W: StoreWrite>(
 ) -> Result<(), StoreError> {
     write.delete(TableId::Inodes, &inode_key(inode))?;
     write.delete(TableId::Symlinks, &inode_key(inode))?;
+    // The objects are gone with the inode: no cut is left to make.
+    write.delete(TableId::Truncations, &inode_key(inode))?;
     let start = inode_key(inode);
     let end = inode_key(inode + 1);
     loop {

@@ -4,7 +4,8 @@
 //!   group loses the setgid bit.
 //! - chown: only root changes the user; the owner may change the group to one of its own.
 //!   A change of owner or group clears setuid (and setgid if group-executable) on files.
-//! - size: regular files only, needs write permission; a change sets mtime.
+//! - size: regular files only, needs write permission; a change sets mtime. A shrink also
+//!   records the cuts the I/O servers must make, in the same transaction (`truncate.rs`).
 //! - atime/mtime: the owner, root, or a caller with write permission.
 //! - ctime is set to now on every change (or to the explicit value, owner or root only).
 
@@ -13,11 +14,49 @@ use freeflow_proto::ErrorCode;
 use freeflow_types::limits::FILE_SIZE_MAX;
 use freeflow_types::{Attr, FileKind};
 
+use super::truncate::record_truncation;
 use super::{
     caller_in_group, has_access, load_inode, refuse, require_access, save_inode, OpContext,
     OpResult, ACCESS_WRITE, MODE_SET_GROUP_ID, MODE_SET_USER_ID,
 };
+use crate::records::TruncationRecord;
 use crate::store::StoreWrite;
+
+/// What a set-attributes changed, and the cuts a shrink left for the I/O servers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SetAttrOutcome {
+    pub attr: Attr,
+    /// Some after a shrink of a regular file with data: the pending truncation as recorded
+    /// (already durable when the batch commits); send its cuts, then settle it.
+    pub truncation: Option<TruncationRecord>,
+}
+
+/// [`set_attributes`], and for a shrink of a regular file the record of its cuts, in the
+/// same transaction (`truncate.rs`). Growing or keeping the size records nothing.
+///
+/// `is_open` says whether the file has open handles. An unlinked file without any is left
+/// to the reaper: it removes the objects whole, and a cut racing that removal could
+/// re-create an object nobody would ever remove.
+pub fn set_attributes_recording_cuts<W: StoreWrite>(
+    write: &mut W,
+    context: &mut OpContext<'_>,
+    request: &SetAttributes,
+    is_open: impl FnOnce(freeflow_types::InodeId) -> bool,
+) -> OpResult<SetAttrOutcome> {
+    let size_before_bytes = load_inode(write, request.inode)?.attr.size_bytes;
+    let attr = set_attributes(write, context, request)?;
+    let truncation = match &attr.layout {
+        Some(layout)
+            if attr.kind == FileKind::Regular
+                && attr.size_bytes < size_before_bytes
+                && (attr.link_count > 0 || is_open(attr.inode)) =>
+        {
+            Some(record_truncation(write, &attr, layout, attr.size_bytes)?)
+        }
+        _ => None,
+    };
+    Ok(SetAttrOutcome { attr, truncation })
+}
 
 pub fn set_attributes<W: StoreWrite>(
     write: &mut W,

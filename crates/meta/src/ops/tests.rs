@@ -601,3 +601,116 @@ fn xattr_modes_and_bounds() {
         b"3"
     );
 }
+
+fn resize(
+    harness: &mut Harness,
+    caller: Caller,
+    inode: InodeId,
+    size_bytes: u64,
+    open: bool,
+) -> OpResult<setattr::SetAttrOutcome> {
+    let request = SetAttributes {
+        caller,
+        inode,
+        changes: SetAttr {
+            size_bytes: Some(size_bytes),
+            ..SetAttr::default()
+        },
+    };
+    harness.write(|write, context| {
+        setattr::set_attributes_recording_cuts(write, context, &request, |_| open)
+    })
+}
+
+#[test]
+fn shrinks_record_the_smallest_pending_cut_per_stripe() {
+    let mut harness = Harness::new();
+    let file = harness.create(ROOT_INODE, "f").unwrap();
+    let inode = file.inode;
+    let stripe_count = file.layout.as_ref().unwrap().stripe_count() as usize;
+    assert_eq!(stripe_count, 3);
+    let grown = resize(&mut harness, Caller::root(), inode, 5000, false).unwrap();
+    assert_eq!(grown.truncation, None, "growing cuts nothing");
+    let same = resize(&mut harness, Caller::root(), inode, 5000, false).unwrap();
+    assert_eq!(same.truncation, None, "same size cuts nothing");
+    assert_eq!(
+        code(resize(&mut harness, user(1000, 1000), inode, 10, false)),
+        ErrorCode::PermissionDenied
+    );
+    let pending = |harness: &Harness| {
+        harness
+            .read(|read| Ok(truncate::load_truncation(read, inode)?))
+            .unwrap()
+    };
+    assert_eq!(pending(&harness), None, "a refused shrink records nothing");
+
+    let first = resize(&mut harness, Caller::root(), inode, 10, false)
+        .unwrap()
+        .truncation
+        .expect("a shrink records cuts");
+    assert_eq!(first.cuts, vec![(0, 10), (1, 10), (2, 10)]);
+    assert_eq!(pending(&harness), Some(first.clone()));
+    // Stripes 0 and 1 confirmed; stripe 2 stays pending, across a restart.
+    let generation = first.generation;
+    let left = harness
+        .write(|write, _| truncate::settle_truncation(write, inode, generation, &[0, 1]))
+        .unwrap();
+    assert_eq!(left, 1);
+    harness.reopen();
+    assert_eq!(pending(&harness).unwrap().cuts, vec![(2, 10)]);
+
+    // Grow, then shrink to 100: stripe 2 must still be cut at 10 (bytes 10..100 are zeros).
+    resize(&mut harness, Caller::root(), inode, 5000, false).unwrap();
+    let second = resize(&mut harness, Caller::root(), inode, 100, false)
+        .unwrap()
+        .truncation
+        .unwrap();
+    assert_eq!(second.cuts, vec![(0, 100), (1, 100), (2, 10)]);
+    assert_eq!(harness.attr(inode).unwrap().size_bytes, 100);
+    assert_ne!(second.generation, generation);
+    // The first shrink's late settle must not drop the second one's cuts.
+    let left = harness
+        .write(|write, _| truncate::settle_truncation(write, inode, generation, &[2]))
+        .unwrap();
+    assert_eq!(left, 3);
+    let generation = second.generation;
+    let left = harness
+        .write(|write, _| truncate::settle_truncation(write, inode, generation, &[0, 1, 2]))
+        .unwrap();
+    assert_eq!(left, 0);
+    assert_eq!(pending(&harness), None);
+    let listed = harness
+        .read(|read| truncate::list_truncations(read, None, 10))
+        .unwrap();
+    assert!(listed.is_empty());
+}
+
+#[test]
+fn an_unlinked_file_is_cut_only_while_open_and_its_cuts_go_with_it() {
+    let mut harness = Harness::new();
+    let file = harness.create(ROOT_INODE, "f").unwrap();
+    let inode = file.inode;
+    resize(&mut harness, Caller::root(), inode, 5000, false).unwrap();
+    let request = Unlink {
+        caller: Caller::root(),
+        parent: ROOT_INODE,
+        name: "f".into(),
+    };
+    harness
+        .write(|write, context| remove::unlink(write, context, &request))
+        .unwrap();
+    let unopened = resize(&mut harness, Caller::root(), inode, 4000, false).unwrap();
+    assert_eq!(unopened.truncation, None, "left to the reaper's removal");
+    let open = resize(&mut harness, Caller::root(), inode, 3000, true).unwrap();
+    assert!(
+        open.truncation.is_some(),
+        "readers through a handle see the cut"
+    );
+    harness
+        .write(|write, context| orphan::forget_orphan(write, context, inode))
+        .unwrap();
+    let listed = harness
+        .read(|read| truncate::list_truncations(read, None, 10))
+        .unwrap();
+    assert!(listed.is_empty(), "forgetting the inode forgets its cuts");
+}
