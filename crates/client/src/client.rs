@@ -1,18 +1,20 @@
 //! The client: a session at the meta server, the connections, and the inode API the mount
 //! is built on (one method per meta server operation, plus `open`/`create_open` that give a
-//! [`FileHandle`] and a `setattr` that also cuts the data of a truncated file).
+//! [`FileHandle`] and a `setattr` that keeps this client's open handles right across a
+//! size change).
 //!
 //! The session is renewed in the background at a third of its lease; if the meta server has
 //! forgotten it (restart, lease expired during a network cut), a new one is opened so that new
-//! opens work again; handles of the old session are gone with it and report that on close.
+//! opens work again. An open that finds the session unknown reopens it at once (one reopen
+//! for all callers that found the same session gone) and is tried once more, so opens do not
+//! fail until the renewer notices. Handles of the old session are gone with it; closing one
+//! succeeds once its data is flushed.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use bytes::Bytes;
-use freeflow_proto::io::TruncateObject;
 use freeflow_proto::meta::{
     Caller, CloseSession, ClusterReport, ClusterStatus, Create, DirPage, FsStats, GetAttr,
     GetXattr, Link, ListXattr, Lookup, Mkdir, Open, OpenAccess, OpenSession, ReadDir, ReadLink,
@@ -22,11 +24,11 @@ use freeflow_proto::meta::{
 use freeflow_proto::ErrorCode;
 use freeflow_rpc::{ConnectOptions, RpcError};
 use freeflow_types::limits::FILE_SIZE_MAX;
-use freeflow_types::{Attr, FileKind, InodeId, ObjectId, SetAttr};
+use freeflow_types::{Attr, FileKind, InodeId, SetAttr};
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
-use crate::file::{FileHandle, HandleShared};
+use crate::file::{FileHandle, HandleShared, Truncation};
 use crate::pool::Pool;
 use crate::{ClientConfig, ClientError};
 
@@ -41,6 +43,9 @@ pub(crate) struct Shared {
     /// sizes. Bounded by the number of open handles.
     handles: Mutex<HashMap<InodeId, Vec<Weak<HandleShared>>>>,
     renewer: Mutex<Option<JoinHandle<()>>>,
+    /// Held while a new session is opened, so callers that found the session gone at the
+    /// same time make one new session between them.
+    reopening: tokio::sync::Mutex<()>,
 }
 
 /// A connected client. Clones share the session and the connections.
@@ -66,6 +71,41 @@ fn is_session_unknown(error: &ClientError) -> bool {
         ClientError::Meta { source: RpcError::Remote(wire), .. }
             if matches!(wire.code, ErrorCode::NotFound | ErrorCode::Stale | ErrorCode::BadHandle)
     )
+}
+
+/// Whether an `Open` or `Create` with open was refused because the meta server does not know
+/// the session (it answers `BadHandle` for that; `NotFound` there means the file).
+fn is_open_session_unknown(error: &ClientError) -> bool {
+    matches!(
+        error,
+        ClientError::Meta { source: RpcError::Remote(wire), .. } if wire.code == ErrorCode::BadHandle
+    )
+}
+
+impl Shared {
+    /// Open a new session because `gone_session_id` is unknown at the meta server, unless
+    /// another caller already did; returns the session to use.
+    async fn reopen_session(&self, gone_session_id: u64) -> Result<u64, ClientError> {
+        let _reopening = self.reopening.lock().await;
+        let current = self.session_id.load(Ordering::Acquire);
+        if current != gone_session_id {
+            return Ok(current);
+        }
+        let client_name = self.config.client_name.clone();
+        let grant = self
+            .pool
+            .meta_call(&OpenSession { client_name }, || {
+                format!("after session {gone_session_id} was lost")
+            })
+            .await?;
+        tracing::warn!(
+            old_session = gone_session_id,
+            new_session = grant.session_id,
+            "the meta server forgot this client's session; handles open in it are lost"
+        );
+        self.session_id.store(grant.session_id, Ordering::Release);
+        Ok(grant.session_id)
+    }
 }
 
 impl Client {
@@ -98,6 +138,7 @@ impl Client {
             dirty,
             handles: Mutex::new(HashMap::new()),
             renewer: Mutex::new(None),
+            reopening: tokio::sync::Mutex::new(()),
         });
         let renewer = tokio::spawn(renew_session(Arc::downgrade(&shared), grant.lease_ms));
         *shared.renewer.lock().expect("not poisoned") = Some(renewer);
@@ -195,22 +236,20 @@ impl Client {
             .await
     }
 
-    /// Change attributes. A size change first waits for this client's writes in flight to
-    /// the file, then cuts every object of the layout to the length it has at the smaller of
-    /// the old and new sizes (in parallel on the I/O servers), and only then sets the size at
-    /// the meta server: bytes beyond a shrink never reappear after a later extension.
+    /// Change attributes. A size change first waits for this client's writes to the file
+    /// that started before the call, and holds back its handles' size commits until the meta
+    /// server answers (a commit computed before the change must not grow the file back);
+    /// then the handles take the new size. The meta server checks permissions and cuts the
+    /// objects on the I/O servers itself, before it replies: bytes beyond a shrink never
+    /// reappear after a later extension.
     pub async fn setattr(&self, inode: InodeId, changes: SetAttr) -> Result<Attr, ClientError> {
-        let Some(new_size) = changes.size_bytes else {
-            return self
-                .meta(
-                    &SetAttributes {
-                        caller: self.caller.clone(),
-                        inode,
-                        changes,
-                    },
-                    || format!("inode {inode}"),
-                )
-                .await;
+        let request = SetAttributes {
+            caller: self.caller.clone(),
+            inode,
+            changes,
+        };
+        let Some(new_size) = request.changes.size_bytes else {
+            return self.meta(&request, || format!("inode {inode}")).await;
         };
         if new_size > FILE_SIZE_MAX {
             return Err(ClientError::inode(
@@ -219,75 +258,25 @@ impl Client {
                 format!("size {new_size} is beyond the largest file size {FILE_SIZE_MAX}"),
             ));
         }
+        // On a task of its own: a caller that stops waiting must not leave the handles
+        // without the new size while the request may still reach the meta server.
+        let client = self.clone();
         let handles = self.open_handles(inode);
-        for handle in &handles {
-            handle.wait_for_writes().await;
-        }
-        let current = self.getattr(inode).await?;
-        match current.kind {
-            FileKind::Regular => {}
-            FileKind::Directory => {
-                return Err(ClientError::inode(
-                    inode,
-                    ErrorCode::IsDirectory,
-                    "cannot change the size of a directory",
-                ))
-            }
-            kind => {
-                return Err(ClientError::inode(
-                    inode,
-                    ErrorCode::InvalidArgument,
-                    format!("cannot change the size of a {kind:?}"),
-                ))
-            }
-        }
-        let layout = current.layout.clone().ok_or_else(|| {
-            ClientError::inode(
+        let change = tokio::spawn(async move {
+            let truncation = Truncation::begin(handles).await;
+            let attr = client.meta(&request, || format!("inode {inode}")).await?;
+            truncation.finish(&attr);
+            Ok(attr)
+        });
+        match change.await {
+            Ok(result) => result,
+            // Only if the runtime is shutting down.
+            Err(error) => Err(ClientError::inode(
                 inode,
                 ErrorCode::Io,
-                "the meta server gave this regular file no layout",
-            )
-        })?;
-        // Bytes this client wrote but did not commit yet count as part of the old size.
-        let old_size = handles
-            .iter()
-            .map(|handle| handle.local_size())
-            .fold(current.size_bytes, u64::max);
-        let cut_size = old_size.min(new_size);
-        let cuts = (0..layout.stripe_count()).map(|stripe_index| {
-            let server_id = layout.servers[stripe_index as usize];
-            let length = layout.object_length(cut_size, stripe_index);
-            let request = TruncateObject {
-                object: ObjectId {
-                    inode,
-                    stripe_index,
-                },
-                length,
-            };
-            async move {
-                self.shared
-                    .pool
-                    .io_call(server_id, inode, &request, Bytes::new(), || {
-                        format!("of inode {inode} stripe {stripe_index} to {length} bytes")
-                    })
-                    .await
-            }
-        });
-        futures::future::try_join_all(cuts).await?;
-        let attr = self
-            .meta(
-                &SetAttributes {
-                    caller: self.caller.clone(),
-                    inode,
-                    changes,
-                },
-                || format!("inode {inode}"),
-            )
-            .await?;
-        for handle in &handles {
-            handle.truncated(&attr);
+                format!("the size change task ended early: {error}"),
+            )),
         }
-        Ok(attr)
     }
 
     /// Create a regular file, fifo, socket or device node (not a directory or symlink).
@@ -326,8 +315,8 @@ impl Client {
         exclusive: bool,
         access: OpenAccess,
     ) -> Result<(FileHandle, bool), ClientError> {
-        let session_id = self.session_id();
-        let request = Create {
+        let mut session_id = self.session_id();
+        let mut request = Create {
             caller: self.caller.clone(),
             parent,
             name: name.to_string(),
@@ -337,9 +326,17 @@ impl Client {
             exclusive,
             open: Some((session_id, access)),
         };
-        let reply = self
-            .meta(&request, || format!("parent {parent} name {name:?}"))
-            .await?;
+        let target = || format!("parent {parent} name {name:?}");
+        // The meta server checks the session before it creates anything, so the retry
+        // cannot find its own file and fail an exclusive create.
+        let reply = match self.meta(&request, target).await {
+            Err(error) if is_open_session_unknown(&error) => {
+                session_id = self.shared.reopen_session(session_id).await?;
+                request.open = Some((session_id, access));
+                self.meta(&request, target).await?
+            }
+            reply => reply?,
+        };
         let handle = match reply.handle_id {
             Some(handle_id) => {
                 FileHandle::new(self.clone(), reply.attr, handle_id, session_id, access)
@@ -542,19 +539,24 @@ impl Client {
         inode: InodeId,
         access: OpenAccess,
     ) -> Result<FileHandle, ClientError> {
-        let session_id = self.session_id();
-        let request = Open {
+        let mut request = Open {
             caller: self.caller.clone(),
-            session_id,
+            session_id: self.session_id(),
             inode,
             access,
         };
-        let grant = self.meta(&request, || format!("inode {inode}")).await?;
+        let grant = match self.meta(&request, || format!("inode {inode}")).await {
+            Err(error) if is_open_session_unknown(&error) => {
+                request.session_id = self.shared.reopen_session(request.session_id).await?;
+                self.meta(&request, || format!("inode {inode}")).await?
+            }
+            grant => grant?,
+        };
         let handle = FileHandle::new(
             self.clone(),
             grant.attr,
             grant.handle_id,
-            session_id,
+            request.session_id,
             access,
         );
         if handle.attr().kind == FileKind::Directory && access.write {
@@ -598,23 +600,8 @@ async fn renew_session(shared: Weak<Shared>, lease_ms: u32) {
         match renewed {
             Ok(()) => {}
             Err(error) if is_session_unknown(&error) => {
-                let client_name = shared.config.client_name.clone();
-                match shared
-                    .pool
-                    .meta_call(&OpenSession { client_name }, || {
-                        "after the old one expired".to_string()
-                    })
-                    .await
-                {
-                    Ok(grant) => {
-                        tracing::warn!(
-                            old_session = session_id,
-                            new_session = grant.session_id,
-                            "the meta server forgot this client's session; handles open in it are lost"
-                        );
-                        shared.session_id.store(grant.session_id, Ordering::Release);
-                    }
-                    Err(error) => tracing::warn!(%error, "reopening the session failed"),
+                if let Err(error) = shared.reopen_session(session_id).await {
+                    tracing::warn!(%error, "reopening the session failed");
                 }
             }
             Err(error) => tracing::warn!(%error, "renewing the session failed; retrying"),

@@ -12,12 +12,23 @@
 //! could be overtaken by an earlier one. Reads wait for the handle's own writes in flight, so
 //! a handle always reads what it wrote.
 //!
-//! Size: the handle keeps the highest end it wrote and commits it to the meta server
-//! (`CommitSize`, monotonic there) on flush, fsync and close, and in the background when
-//! `size_commit_interval_ms` has passed since the last commit. `fsync` waits for every write
-//! in flight, makes every object written since the last sync durable (`SyncObjects` on each
-//! server, in parallel), and then commits the size: when it returns, the data and the size
-//! survive a crash of any server.
+//! Waiting: each `write_at` gets a sequence number. `flush`, `fsync` and a truncating
+//! `setattr` wait only for the writes that started before they did, so a writer that keeps
+//! the handle busy cannot hold them up forever; `close` waits for all (no write can start
+//! after it).
+//!
+//! Size: the handle keeps the highest end acknowledged by the servers and commits it to the
+//! meta server (`CommitSize`, a maximum there) on flush, fsync and close, and in the
+//! background when `size_commit_interval_ms` has passed since the last commit. A commit
+//! computed before a truncation must not land after it (it would grow the file back): a
+//! truncation first stops new commits, bumps the handle's truncate epoch and waits for the
+//! commits already sent; a reply to a commit of an older epoch is dropped.
+//!
+//! Durability: a stripe joins the handle's unsynced set when a write to it is acknowledged,
+//! never earlier; `fsync` takes the set under the same lock that sees its writes done, so
+//! every write acknowledged before its wait ended is in the set it syncs (`SyncObjects` on
+//! each server, in parallel), and then commits the size: when it returns, the data and the
+//! size survive a crash of any server.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -76,17 +87,35 @@ struct HandleState {
     written_end: u64,
     /// Highest end of any write acknowledged by its server.
     acknowledged_end: u64,
-    /// Count of `write_at` calls, and its value when a commit last covered all of them.
+    /// Count of `write_at` calls (the last write's sequence number), and its value when a
+    /// commit last covered all of them.
     writes_started: u64,
     writes_committed: u64,
     last_commit: Instant,
-    commit_running: bool,
+    /// Size commits sent and not answered yet (background, flush, fsync, close).
+    commits_running: u32,
+    /// Truncations by this client between their start and their reply: no commit starts
+    /// while one is pending.
+    truncates_pending: u32,
+    /// Bumped when a truncation starts; a commit reply of an older epoch is dropped.
+    truncate_epoch: u64,
     first_error: Option<ClientError>,
     /// Writes in flight: (stripe index, object offset) → object end. Overlapping entries never
     /// coexist, so the start is a unique key. Bounded by `dirty_bytes_max` / request size.
     in_flight: BTreeMap<(u32, u64), u64>,
-    /// Stripes written since the last successful sync.
+    /// Writes not finished: sequence number → its requests not finished yet. Bounded by the
+    /// writes in flight (each holds dirty bytes) plus the `write_at` calls running.
+    writes_outstanding: BTreeMap<u64, usize>,
+    /// Stripes with a write acknowledged since the last successful sync.
     unsynced_stripes: BTreeSet<u32>,
+}
+
+/// A size commit between its computation and its reply.
+struct CommitTicket {
+    size_bytes: u64,
+    /// `writes_started` it covers (all those writes were acknowledged when computed).
+    covers_writes: u64,
+    truncate_epoch: u64,
 }
 
 impl HandleState {
@@ -107,6 +136,121 @@ impl HandleState {
         self.known_size = self.known_size.max(attr.size_bytes);
         self.attr = attr;
     }
+
+    /// Whether every write with a sequence number up to `sequence` has finished.
+    fn writes_done_through(&self, sequence: u64) -> bool {
+        self.writes_outstanding.range(..=sequence).next().is_none()
+    }
+
+    fn finish_requests(&mut self, sequence: u64, count: usize) {
+        if let Some(remaining) = self.writes_outstanding.get_mut(&sequence) {
+            *remaining = remaining.saturating_sub(count);
+            if *remaining == 0 {
+                self.writes_outstanding.remove(&sequence);
+            }
+        }
+    }
+
+    fn earlier_write_error(&self, inode: InodeId) -> Option<ClientError> {
+        self.first_error
+            .as_ref()
+            .map(|error| ClientError::EarlierWrite {
+                inode,
+                source: Box::new(error.clone()),
+            })
+    }
+
+    /// Register a commit of the acknowledged size (the caller checked no truncation is
+    /// pending).
+    fn start_commit(&mut self, covers_writes: u64) -> CommitTicket {
+        self.commits_running += 1;
+        CommitTicket {
+            size_bytes: self.acknowledged_end,
+            covers_writes,
+            truncate_epoch: self.truncate_epoch,
+        }
+    }
+}
+
+/// The requests of one `write_at` not handed to a task yet; if the call is cancelled, they
+/// are marked finished so that nobody waits for them.
+struct UnsentRequests<'a> {
+    shared: &'a HandleShared,
+    sequence: u64,
+    count: usize,
+}
+
+impl Drop for UnsentRequests<'_> {
+    fn drop(&mut self) {
+        if self.count > 0 {
+            self.shared
+                .lock()
+                .finish_requests(self.sequence, self.count);
+            self.shared.notify();
+        }
+    }
+}
+
+/// A size change of a file by this client, holding back the size commits of its open
+/// handles (see the module doc). Dropped without [`Truncation::finish`] (an error or a
+/// cancelled call), it lets them go on without touching their sizes.
+pub(crate) struct Truncation {
+    handles: Vec<Arc<HandleShared>>,
+}
+
+impl Truncation {
+    /// Wait for the writes through `handles` that started before this call, stop new size
+    /// commits, and wait for those already sent.
+    pub(crate) async fn begin(handles: Vec<Arc<HandleShared>>) -> Truncation {
+        let snapshots: Vec<u64> = handles
+            .iter()
+            .map(|handle| handle.lock().writes_started)
+            .collect();
+        for (handle, &sequence) in handles.iter().zip(&snapshots) {
+            handle
+                .wait_then(|state| state.writes_done_through(sequence).then_some(()))
+                .await;
+        }
+        for handle in &handles {
+            let mut state = handle.lock();
+            state.truncates_pending += 1;
+            state.truncate_epoch += 1;
+        }
+        // Made before the next await, so a cancelled call still lets the commits go.
+        let truncation = Truncation { handles };
+        for handle in &truncation.handles {
+            handle
+                .wait_then(|state| (state.commits_running == 0).then_some(()))
+                .await;
+        }
+        truncation
+    }
+
+    /// The meta server set the size: the handles forget what they wrote beyond it, so a
+    /// later commit does not grow the file back.
+    pub(crate) fn finish(mut self, attr: &Attr) {
+        for handle in std::mem::take(&mut self.handles) {
+            {
+                let mut state = handle.lock();
+                state.truncates_pending -= 1;
+                let size = attr.size_bytes;
+                state.known_size = size;
+                state.written_end = state.written_end.min(size);
+                state.acknowledged_end = state.acknowledged_end.min(size);
+                state.attr = attr.clone();
+            }
+            handle.notify();
+        }
+    }
+}
+
+impl Drop for Truncation {
+    fn drop(&mut self) {
+        for handle in &self.handles {
+            handle.lock().truncates_pending -= 1;
+            handle.notify();
+        }
+    }
 }
 
 impl HandleShared {
@@ -126,13 +270,16 @@ impl HandleShared {
     }
 
     fn check_no_failed_write(&self) -> Result<(), ClientError> {
-        match &self.lock().first_error {
-            Some(error) => Err(ClientError::EarlierWrite {
-                inode: self.inode,
-                source: Box::new(error.clone()),
-            }),
+        match self.lock().earlier_write_error(self.inode) {
+            Some(error) => Err(error),
             None => Ok(()),
         }
+    }
+
+    /// Wake every task waiting on this handle's state.
+    fn notify(&self) {
+        self.completions
+            .send_modify(|count| *count = count.wrapping_add(1));
     }
 
     fn data_layout(&self) -> Result<&Layout, ClientError> {
@@ -157,15 +304,17 @@ impl HandleShared {
         }
     }
 
-    /// Wait until `done` holds for the state, re-checking after each write completes.
-    async fn wait_until(&self, done: impl Fn(&HandleState) -> bool) {
+    /// Wait until `ready` gives a value, re-checking after each change of the state (write
+    /// finished, commit answered, truncation over). `ready` runs under the state lock, so
+    /// what it takes is consistent with what it checked.
+    async fn wait_then<T>(&self, mut ready: impl FnMut(&mut HandleState) -> Option<T>) -> T {
         loop {
             let mut receiver = {
-                let state = self.lock();
-                if done(&state) {
-                    return;
+                let mut state = self.lock();
+                if let Some(value) = ready(&mut state) {
+                    return value;
                 }
-                // Subscribed under the lock: a completion after the check is seen.
+                // Subscribed under the lock: a change after the check is seen.
                 self.completions.subscribe()
             };
             // Fails only if the sender is gone, and `self` owns it.
@@ -173,8 +322,8 @@ impl HandleShared {
         }
     }
 
-    async fn wait_idle(&self) {
-        self.wait_until(|state| state.in_flight.is_empty()).await;
+    async fn wait_until(&self, done: impl Fn(&HandleState) -> bool) {
+        self.wait_then(|state| done(state).then_some(())).await;
     }
 
     /// Wait until no write in flight overlaps `request`, then register it as in flight.
@@ -187,7 +336,6 @@ impl HandleShared {
                         (request.stripe_index, request.object_offset),
                         request.object_end(),
                     );
-                    state.unsynced_stripes.insert(request.stripe_index);
                     return;
                 }
                 self.completions.subscribe()
@@ -196,11 +344,12 @@ impl HandleShared {
         }
     }
 
-    /// Send one write request and record how it ended.
+    /// Send one write request (part of write `sequence`) and record how it ended.
     async fn send_write(
         self: Arc<Self>,
         layout: Layout,
         request: ObjectRequest,
+        sequence: u64,
         payload: Bytes,
         permit: OwnedSemaphorePermit,
     ) {
@@ -230,8 +379,14 @@ impl HandleShared {
             state
                 .in_flight
                 .remove(&(request.stripe_index, request.object_offset));
+            state.finish_requests(sequence, 1);
             match result {
-                Ok(_) => state.acknowledged_end = state.acknowledged_end.max(request.file_end()),
+                Ok(_) => {
+                    state.acknowledged_end = state.acknowledged_end.max(request.file_end());
+                    // Only now: an fsync that took the set before this write landed must not
+                    // count it as synced.
+                    state.unsynced_stripes.insert(request.stripe_index);
+                }
                 Err(error) => {
                     if state.first_error.is_none() {
                         tracing::debug!(inode = self.inode, %error, "write failed; the handle reports it next");
@@ -240,8 +395,7 @@ impl HandleShared {
                 }
             }
         }
-        self.completions
-            .send_modify(|count| *count = count.wrapping_add(1));
+        self.notify();
     }
 
     async fn commit_size(&self, size_bytes: u64) -> Result<Attr, ClientError> {
@@ -258,69 +412,135 @@ impl HandleShared {
             .await
     }
 
+    /// Record the reply to a commit: absorbed only if no truncation started since it was
+    /// computed (its size may be from before the truncation).
+    fn finish_commit(&self, ticket: &CommitTicket, result: &Result<Attr, ClientError>) {
+        {
+            let mut state = self.lock();
+            state.commits_running -= 1;
+            state.last_commit = Instant::now();
+            match result {
+                Ok(attr) if ticket.truncate_epoch == state.truncate_epoch => {
+                    state.absorb_attr(attr.clone());
+                    state.writes_committed = state.writes_committed.max(ticket.covers_writes);
+                }
+                Ok(_) => tracing::debug!(
+                    inode = self.inode,
+                    size_bytes = ticket.size_bytes,
+                    "dropping the reply to a size commit computed before a truncation"
+                ),
+                Err(_) => {}
+            }
+        }
+        self.notify();
+    }
+
     /// Start a background size commit if the interval has passed since the last one.
     fn commit_if_due(self: &Arc<Self>) {
         let interval = Duration::from_millis(self.client.shared.config.size_commit_interval_ms);
-        {
+        let ticket = {
             let mut state = self.lock();
-            let due = !state.commit_running
+            let due = state.commits_running == 0
+                && state.truncates_pending == 0
                 && state.writes_started != state.writes_committed
                 && state.last_commit.elapsed() >= interval;
             if !due {
                 return;
             }
-            state.commit_running = true;
-        }
-        let handle = self.clone();
-        tokio::spawn(async move {
             // Only acknowledged bytes: readers elsewhere should not see a size that covers
-            // data still on its way.
-            let size = handle.lock().acknowledged_end;
-            let result = handle.commit_size(size).await;
-            let mut state = handle.lock();
-            state.commit_running = false;
-            state.last_commit = Instant::now();
-            match result {
-                Ok(attr) => state.absorb_attr(attr),
-                // Not fatal: the next flush, fsync or close commits again and reports.
-                Err(error) => {
-                    tracing::warn!(inode = handle.inode, %error, "background size commit failed")
-                }
+            // data still on its way. It covers no new writes: some may still be in flight.
+            let covers_writes = state.writes_committed;
+            state.start_commit(covers_writes)
+        };
+        let commit = self.spawn_commit(ticket);
+        let inode = self.inode;
+        tokio::spawn(async move {
+            // Not fatal: the next flush, fsync or close commits again and reports.
+            if let Ok(Err(error)) = commit.await {
+                tracing::warn!(inode, %error, "background size commit failed");
             }
         });
     }
 
-    /// Wait for the writes in flight, report a failed one, and commit the size if anything
-    /// was written since the last commit.
-    async fn flush(&self) -> Result<(), ClientError> {
-        if !self.access.write {
-            return Ok(());
-        }
-        self.wait_idle().await;
-        self.check_no_failed_write()?;
-        let (size, started) = {
-            let state = self.lock();
-            if state.writes_started == state.writes_committed {
-                return Ok(());
-            }
-            (state.written_end, state.writes_started)
-        };
-        let attr = self.commit_size(size).await?;
-        let mut state = self.lock();
-        state.absorb_attr(attr);
-        state.writes_committed = state.writes_committed.max(started);
-        state.last_commit = Instant::now();
-        Ok(())
+    /// Send a commit and record its reply on a task of its own: a caller that stops
+    /// waiting (a cancelled flush) must not leave it counted as running forever, nor
+    /// unrecorded while the request may still reach the meta server.
+    fn spawn_commit(
+        self: &Arc<Self>,
+        ticket: CommitTicket,
+    ) -> tokio::task::JoinHandle<Result<Attr, ClientError>> {
+        let handle = self.clone();
+        tokio::spawn(async move {
+            let result = handle.commit_size(ticket.size_bytes).await;
+            handle.finish_commit(&ticket, &result);
+            result
+        })
     }
 
-    async fn fsync(&self) -> Result<(), ClientError> {
+    /// The sequence number of the last write started: what a call that must see every
+    /// earlier write waits for.
+    fn writes_started(&self) -> u64 {
+        self.lock().writes_started
+    }
+
+    /// Wait for the writes up to sequence `through`, report a failed one, and commit the
+    /// size if anything was written since the last commit.
+    async fn flush_through(self: &Arc<Self>, through: u64) -> Result<(), ClientError> {
         if !self.access.write {
             return Ok(());
         }
-        self.wait_idle().await;
-        self.check_no_failed_write()?;
+        let ticket = self
+            .wait_then(|state| {
+                if !state.writes_done_through(through) || state.truncates_pending > 0 {
+                    return None;
+                }
+                if let Some(error) = state.earlier_write_error(self.inode) {
+                    return Some(Err(error));
+                }
+                let covers_writes = through.min(state.writes_started);
+                if state.writes_committed >= covers_writes {
+                    return Some(Ok(None));
+                }
+                Some(Ok(Some(state.start_commit(covers_writes))))
+            })
+            .await?;
+        let Some(ticket) = ticket else {
+            return Ok(());
+        };
+        match self.spawn_commit(ticket).await {
+            Ok(result) => result.map(|_| ()),
+            // Only if the runtime is shutting down.
+            Err(error) => Err(ClientError::inode(
+                self.inode,
+                ErrorCode::Io,
+                format!("the size commit task ended early: {error}"),
+            )),
+        }
+    }
+
+    async fn flush(self: &Arc<Self>) -> Result<(), ClientError> {
+        self.flush_through(self.writes_started()).await
+    }
+
+    async fn fsync(self: &Arc<Self>) -> Result<(), ClientError> {
+        if !self.access.write {
+            return Ok(());
+        }
+        let through = self.writes_started();
         let layout = self.data_layout()?.clone();
-        let stripes = std::mem::take(&mut self.lock().unsynced_stripes);
+        // Taken under the lock that sees the writes done: every write acknowledged by then
+        // is in the set.
+        let stripes = self
+            .wait_then(|state| {
+                if !state.writes_done_through(through) {
+                    return None;
+                }
+                if let Some(error) = state.earlier_write_error(self.inode) {
+                    return Some(Err(error));
+                }
+                Some(Ok(std::mem::take(&mut state.unsynced_stripes)))
+            })
+            .await?;
         let syncs = stripes.iter().map(|&stripe_index| {
             let server_id = layout.servers[stripe_index as usize];
             let request = SyncObjects {
@@ -349,7 +569,7 @@ impl HandleShared {
             }
             return Err(error);
         }
-        self.flush().await
+        self.flush_through(through).await
     }
 
     async fn read_piece(
@@ -394,23 +614,8 @@ impl HandleShared {
         Ok(payload)
     }
 
-    /// After a truncate of the file to `size_bytes`: forget what this handle wrote beyond it,
-    /// so a later commit does not grow the file back.
-    pub(crate) fn truncated(&self, attr: &Attr) {
-        let size = attr.size_bytes;
-        let mut state = self.lock();
-        state.known_size = size;
-        state.written_end = state.written_end.min(size);
-        state.acknowledged_end = state.acknowledged_end.min(size);
-        state.attr = attr.clone();
-    }
-
     pub(crate) fn inode(&self) -> InodeId {
         self.inode
-    }
-
-    pub(crate) async fn wait_for_writes(&self) {
-        self.wait_idle().await;
     }
 
     pub(crate) fn local_size(&self) -> u64 {
@@ -426,7 +631,8 @@ impl HandleShared {
                 "the handle is already closed",
             ));
         }
-        let flushed = self.flush().await;
+        // No write starts after `closed` is set, so waiting for all of them ends.
+        let flushed = self.flush_through(u64::MAX).await;
         let (session_id, handle_id) = (self.session_id, self.handle_id);
         let closed = self
             .client
@@ -442,8 +648,25 @@ impl HandleShared {
             .await;
         self.client.unregister_handle(self.inode, self);
         flushed?;
-        closed?;
-        Ok(())
+        match closed {
+            // The meta server forgot the session this handle was opened in (restart, lease
+            // lost) and the client has opened another: the handle is gone with it, which is
+            // what close wanted; the data was flushed above.
+            Err(error)
+                if error.code() == ErrorCode::BadHandle
+                    && session_id != self.client.session_id() =>
+            {
+                tracing::debug!(
+                    inode = self.inode,
+                    handle_id,
+                    session_id,
+                    %error,
+                    "closing a handle of a replaced session: already gone"
+                );
+                Ok(())
+            }
+            closed => closed,
+        }
     }
 }
 
@@ -471,9 +694,12 @@ impl FileHandle {
                 writes_started: 0,
                 writes_committed: 0,
                 last_commit: Instant::now(),
-                commit_running: false,
+                commits_running: 0,
+                truncates_pending: 0,
+                truncate_epoch: 0,
                 first_error: None,
                 in_flight: BTreeMap::new(),
+                writes_outstanding: BTreeMap::new(),
                 unsynced_stripes: BTreeSet::new(),
             }),
             completions,
@@ -613,14 +839,23 @@ impl FileHandle {
                 format!("a write of {length} bytes at {offset} ends beyond the largest file size {FILE_SIZE_MAX}"),
             )
         })?;
-        {
+        let requests = plan_requests(layout, offset, length, u64::from(IO_REQUEST_BYTES_MAX));
+        let sequence = {
             let mut state = shared.lock();
             state.known_size = state.known_size.max(end);
             state.written_end = state.written_end.max(end);
             state.writes_started += 1;
-        }
+            let sequence = state.writes_started;
+            state.writes_outstanding.insert(sequence, requests.len());
+            sequence
+        };
+        let mut unsent = UnsentRequests {
+            shared,
+            sequence,
+            count: requests.len(),
+        };
         let dirty = &shared.client.shared.dirty;
-        for request in plan_requests(layout, offset, length, u64::from(IO_REQUEST_BYTES_MAX)) {
+        for request in requests {
             let start = (request.file_offset - offset) as usize;
             let payload = data.slice(start..start + request.length as usize);
             // The semaphore is never closed; a request (≤ IO_REQUEST_BYTES_MAX) fits u32 and
@@ -631,12 +866,16 @@ impl FileHandle {
                 .await
                 .expect("dirty semaphore never closed");
             shared.begin_write(&request).await;
-            tokio::spawn(
-                shared
-                    .clone()
-                    .send_write(layout.clone(), request, payload, permit),
-            );
+            unsent.count -= 1;
+            tokio::spawn(shared.clone().send_write(
+                layout.clone(),
+                request,
+                sequence,
+                payload,
+                permit,
+            ));
         }
+        drop(unsent);
         shared.commit_if_due();
         Ok(())
     }

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use bytes::Bytes;
+use freeflow_proto::io::{ReadObject, SyncObjects};
 use freeflow_proto::meta::{ListServers, ServerRecord};
 use freeflow_proto::Request;
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RpcError};
@@ -195,9 +196,10 @@ impl Pool {
         Ok(connection)
     }
 
-    /// One request to I/O server `server_id`. Every I/O request is idempotent (writes carry
-    /// their offset, truncates their length), so a request whose connection broke is sent
-    /// once more on a new connection.
+    /// One request to I/O server `server_id`. A read or a sync whose connection broke is
+    /// sent once more on a new connection: it changes nothing, so a second copy is harmless.
+    /// A write or a truncate is never sent again (see [`resend_is_safe`]): the server may
+    /// still be running the first copy, which could land after a newer overlapping write.
     pub async fn io_call<R: Request>(
         &self,
         server_id: ServerId,
@@ -211,7 +213,9 @@ impl Pool {
             let connection = self.io_connection(server_id, inode).await?;
             match connection.call(request, payload.clone()).await {
                 Ok(reply) => return Ok(reply),
-                Err(RpcError::Disconnected { .. }) if !retried => retried = true,
+                Err(RpcError::Disconnected { .. }) if !retried && resend_is_safe(R::OPCODE) => {
+                    retried = true
+                }
                 Err(source) => {
                     let address = connection.address().to_string();
                     return Err(ClientError::Io {
@@ -224,5 +228,28 @@ impl Pool {
                 }
             }
         }
+    }
+}
+
+/// Whether an I/O request may be sent again after its connection broke (or it timed out)
+/// with no reply. Only requests that change nothing: reads, and syncs (which only wait for
+/// the disk). A write or truncate resent on a new connection can land after the server's
+/// first copy, which may itself land after a newer overlapping write of the same client:
+/// the older bytes would win. So those fail, and the failure sticks on the handle.
+pub(crate) fn resend_is_safe(opcode: u16) -> bool {
+    opcode == ReadObject::OPCODE || opcode == SyncObjects::OPCODE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use freeflow_proto::io::{TruncateObject, WriteObject};
+
+    #[test]
+    fn only_reads_and_syncs_are_resent() {
+        assert!(resend_is_safe(ReadObject::OPCODE));
+        assert!(resend_is_safe(SyncObjects::OPCODE));
+        assert!(!resend_is_safe(WriteObject::OPCODE));
+        assert!(!resend_is_safe(TruncateObject::OPCODE));
     }
 }
