@@ -42,6 +42,30 @@ pub enum Command {
         /// Disk engine of the I/O servers.
         #[arg(long, default_value = "uring", value_parser = ["uring", "threads"])]
         engine: String,
+        /// Also mount the cluster's file system on this directory (FUSE), unmounted at Ctrl-C.
+        #[arg(long, value_name = "MOUNTPOINT")]
+        mount: Option<PathBuf>,
+    },
+    /// Mount the cluster's file system on a directory with FUSE. Stays in the foreground
+    /// until Ctrl-C, SIGTERM or an external `umount`, then unmounts.
+    Mount {
+        /// The cluster file (client.toml) written by `freeflow up` or `freeflow init`.
+        #[arg(value_name = "CLUSTER")]
+        cluster_file: PathBuf,
+        /// An existing directory to mount on.
+        mountpoint: PathBuf,
+        /// Let users other than the one mounting use the mount.
+        #[arg(long)]
+        allow_other: bool,
+        /// Make every close durable (fsync at close).
+        #[arg(long)]
+        sync_on_close: bool,
+        /// How long a request to a server may take before the mount answers with an error.
+        #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+        call_timeout_ms: u64,
+        /// Kernel channels (threads reading requests).
+        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+        threads: u32,
     },
     /// Write the cluster key and one config file per server for a multi-host deployment.
     Init {
@@ -138,7 +162,7 @@ impl Command {
     pub fn is_server(&self) -> bool {
         matches!(
             self,
-            Command::Up { .. } | Command::Meta { .. } | Command::Io { .. }
+            Command::Up { .. } | Command::Meta { .. } | Command::Io { .. } | Command::Mount { .. }
         )
     }
 }

@@ -791,3 +791,199 @@ async fn a_mount_without_servers_fails_in_bounded_time_and_recovers() {
     let again = Mount::start(&cluster, "mnt2", &[]);
     assert_eq!(fs::read(again.path("after")).expect("read"), b"after");
 }
+
+/// Run a shell command as `uid:gid` (no supplementary groups) and return whether it
+/// succeeded, with its stderr.
+fn run_as(uid: u32, gid: u32, script: &str) -> (bool, String) {
+    let output = Command::new("setpriv")
+        .arg(format!("--reuid={uid}"))
+        .arg(format!("--regid={gid}"))
+        .arg("--clear-groups")
+        .arg("sh")
+        .arg("-c")
+        .arg(script)
+        .output()
+        .expect("run setpriv");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permissions_owners_sticky_and_setgid_directories() {
+    if !fuse_available() {
+        return;
+    }
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 || !Path::new("/usr/bin/setpriv").exists() {
+        eprintln!("skipping: needs root and setpriv to act as other users");
+        return;
+    }
+    let cluster = Cluster::start(1).await;
+    let mount = Mount::start(&cluster, "mnt", &["--allow-other"]);
+    let shared = mount.path("shared");
+    fs::create_dir(&shared).expect("mkdir");
+    fs::set_permissions(&shared, fs::Permissions::from_mode(0o1777)).expect("chmod 1777");
+    let mine = shared.join("mine");
+    let mine_text = mine.display().to_string();
+
+    // Files are created as the calling user, with the caller's umask.
+    let (created, stderr) = run_as(1000, 1000, &format!("umask 077 && echo x > {mine_text}"));
+    assert!(created, "{stderr}");
+    let metadata = fs::metadata(&mine).expect("stat");
+    assert_eq!((metadata.uid(), metadata.gid()), (1000, 1000));
+    assert_eq!(metadata.mode() & 0o777, 0o600);
+    fs::set_permissions(&mine, fs::Permissions::from_mode(0o644)).expect("chmod as root");
+
+    // Another user may read but not write it, nor remove it from a sticky directory.
+    let (read, stderr) = run_as(1001, 1001, &format!("cat {mine_text}"));
+    assert!(read, "{stderr}");
+    let (written, _) = run_as(1001, 1001, &format!("echo y >> {mine_text}"));
+    assert!(!written, "a 0644 file of another user is not writable");
+    let (removed, _) = run_as(1001, 1001, &format!("rm -f {mine_text}"));
+    assert!(!removed, "the sticky bit protects another user's file");
+    assert!(mine.exists());
+    let (chmodded, _) = run_as(1001, 1001, &format!("chmod 777 {mine_text}"));
+    assert!(!chmodded, "only the owner changes the mode");
+    let (removed, stderr) = run_as(1000, 1000, &format!("rm {mine_text}"));
+    assert!(removed, "the owner removes it: {stderr}");
+
+    // A private directory is closed to others.
+    let private = mount.path("private");
+    fs::create_dir(&private).expect("mkdir");
+    fs::set_permissions(&private, fs::Permissions::from_mode(0o700)).expect("chmod 700");
+    let (listed, _) = run_as(1000, 1000, &format!("ls {}", private.display()));
+    assert!(!listed, "a 0700 directory of root is not listable");
+    let (made, _) = run_as(1000, 1000, &format!("touch {}/x", private.display()));
+    assert!(!made);
+
+    // A setgid directory hands its group (and for directories, the bit) down.
+    let setgid = mount.path("setgid");
+    fs::create_dir(&setgid).expect("mkdir");
+    std::os::unix::fs::chown(&setgid, None, Some(4242)).expect("chgrp");
+    fs::set_permissions(&setgid, fs::Permissions::from_mode(0o2777)).expect("chmod 2777");
+    let (made, stderr) = run_as(
+        1000,
+        1000,
+        &format!("touch {0}/file && mkdir {0}/sub", setgid.display()),
+    );
+    assert!(made, "{stderr}");
+    assert_eq!(fs::metadata(setgid.join("file")).expect("stat").gid(), 4242);
+    let sub = fs::metadata(setgid.join("sub")).expect("stat");
+    assert_eq!(sub.gid(), 4242);
+    assert_ne!(sub.mode() & 0o2000, 0, "subdirectory inherits setgid");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn git_tar_rsync_and_sqlite_work_on_the_mount() {
+    if !fuse_available() {
+        return;
+    }
+    // CI installs every tool (.ci/run), so there a missing one is a failure, not a skip.
+    let have = |tool: &str| {
+        let found = Command::new("sh")
+            .arg("-c")
+            .arg(format!("command -v {tool}"))
+            .output()
+            .map(|output| output.status.success())
+            .unwrap_or(false);
+        assert!(
+            found || std::env::var_os("CI").is_none(),
+            "{tool} is missing in CI"
+        );
+        found
+    };
+    let cluster = Cluster::start(2).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let shell = |script: &str| {
+        let output = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .current_dir(&mount.mountpoint)
+            .output()
+            .expect("run sh");
+        assert!(
+            output.status.success(),
+            "{script}\nstdout: {}\nstderr: {}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    if have("git") {
+        shell(
+            "git init -q repo && cd repo && for i in $(seq 1 40); do echo line $i > f$i; done \
+             && git add . && git -c user.email=t@t -c user.name=t commit -qm one \
+             && echo change >> f1 && git -c user.email=t@t -c user.name=t commit -qam two \
+             && git fsck --strict",
+        );
+        shell("git clone -q repo clone");
+        let log = shell("cd clone && git log --oneline | wc -l");
+        assert_eq!(log.trim(), "2");
+        assert_eq!(
+            fs::read_to_string(mount.path("clone/f1")).expect("read"),
+            "line 1\nchange\n"
+        );
+    } else {
+        eprintln!("git missing: its part is skipped");
+    }
+    // A local tree of a thousand files for tar and rsync to carry onto the mount.
+    let tree = cluster.path().join("tree");
+    for directory in 0..10 {
+        fs::create_dir_all(tree.join(format!("d{directory}"))).expect("mkdir");
+        for file in 0..100 {
+            fs::write(
+                tree.join(format!("d{directory}/f{file}")),
+                format!("{directory}/{file}\n").repeat(file + 1),
+            )
+            .expect("write tree file");
+        }
+    }
+    if have("tar") {
+        // Archived on the mount and extracted there again.
+        shell(&format!(
+            "tar -C {} -cf tree.tar . && mkdir out && tar -C out -xf tree.tar && diff -r {} out",
+            tree.display(),
+            tree.display()
+        ));
+    } else {
+        eprintln!("tar missing: its part is skipped");
+    }
+    if have("rsync") {
+        // rsync -a keeps modes and times: a second pass with a checksum comparison finds
+        // nothing to transfer, and a plain pass (size and mtime) finds nothing either.
+        shell(&format!(
+            "rsync -a {}/ synced/ && diff -r {} synced",
+            tree.display(),
+            tree.display()
+        ));
+        let changes = shell(&format!(
+            "rsync -a --dry-run --itemize-changes {}/ synced/",
+            tree.display()
+        ));
+        assert_eq!(changes, "", "rsync found differences after a full copy");
+        let changes = shell(&format!(
+            "rsync -a --checksum --dry-run --itemize-changes {}/ synced/",
+            tree.display()
+        ));
+        assert_eq!(
+            changes, "",
+            "rsync --checksum found differences after a full copy"
+        );
+    } else {
+        eprintln!("rsync missing: its part is skipped");
+    }
+    if have("sqlite3") {
+        let result = shell(
+            "sqlite3 db.sqlite \"create table t(a integer primary key, b text); \
+             with recursive c(x) as (select 1 union all select x+1 from c where x<20000) \
+             insert into t(b) select hex(randomblob(60)) from c; \
+             delete from t where a % 3 = 0; update t set b = b || 'x' where a % 5 = 0; \
+             vacuum; pragma integrity_check; select count(*) from t;\"",
+        );
+        assert_eq!(result, "ok\n13334\n");
+    } else {
+        eprintln!("sqlite3 missing: its part is skipped");
+    }
+}

@@ -2,6 +2,7 @@
 
 mod copy;
 mod init;
+mod mount;
 mod namespace;
 mod servers;
 mod status;
@@ -18,7 +19,24 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
             io_servers,
             port,
             engine,
-        } => up::run(data, io_servers, port, &engine).await,
+            mount,
+        } => up::run(data, io_servers, port, &engine, mount).await,
+        Command::Mount {
+            cluster_file,
+            mountpoint,
+            allow_other,
+            sync_on_close,
+            call_timeout_ms,
+            threads,
+        } => {
+            let options = mount::Options {
+                allow_other,
+                sync_on_close,
+                call_timeout_ms,
+                threads,
+            };
+            mount::run(&cluster_file, &mountpoint, options).await
+        }
         Command::Init {
             out,
             meta_host,

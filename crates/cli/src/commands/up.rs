@@ -21,6 +21,7 @@ pub async fn run(
     io_server_count: u32,
     port: u16,
     engine: &str,
+    mountpoint: Option<PathBuf>,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(&data)
         .with_context(|| format!("cannot create data directory {}", data.display()))?;
@@ -93,10 +94,37 @@ pub async fn run(
     wait_for_registration(&client_file, io_server_count).await;
     println!("cluster file     {}", client_file.display());
     println!("try: freeflow --cluster {} status", client_file.display());
+    let mounted = match &mountpoint {
+        Some(mountpoint) => match super::mount::mount_cluster(
+            &client_file,
+            mountpoint,
+            super::mount::Options::default(),
+        )
+        .await
+        {
+            Ok(mounted) => {
+                println!("mounted on       {}", mountpoint.display());
+                Some(mounted)
+            }
+            Err(error) => {
+                for server in io_servers {
+                    server.shutdown().await;
+                }
+                meta.shutdown().await;
+                return Err(error);
+            }
+        },
+        None => None,
+    };
     println!("Freeflow is up. Press Ctrl-C to stop.");
 
     super::shutdown_signal().await?;
     println!("stopping");
+    if let Some(mounted) = mounted {
+        if let Err(error) = mounted.unmount().await {
+            eprintln!("freeflow: {error:#}");
+        }
+    }
     for server in io_servers {
         server.shutdown().await;
     }

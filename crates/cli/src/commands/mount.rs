@@ -1,0 +1,119 @@
+//! `freeflow mount CLUSTER MOUNTPOINT` (and `freeflow up --mount`): the FUSE mount of a
+//! cluster, served in this process until Ctrl-C, SIGTERM or an external unmount.
+//!
+//! The mount's client uses a shorter call timeout than the tools (10 s by default): a mount
+//! whose servers are gone answers system calls with an error in that time instead of
+//! hanging them, and works again when the servers return.
+
+use std::path::Path;
+
+use anyhow::Context;
+use freeflow_fuse::{MountHandle, MountOptions};
+
+use crate::cluster_file::{self, ClientFile};
+
+/// The mount command's options.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    pub allow_other: bool,
+    pub sync_on_close: bool,
+    pub call_timeout_ms: u64,
+    pub threads: u32,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            allow_other: false,
+            sync_on_close: false,
+            call_timeout_ms: 10_000,
+            threads: 4,
+        }
+    }
+}
+
+/// A mount and the client it serves from.
+pub struct Mounted {
+    handle: MountHandle,
+    client: freeflow_client::Client,
+}
+
+impl Mounted {
+    /// Unmount, then close the client's session.
+    pub async fn unmount(self) -> anyhow::Result<()> {
+        let mountpoint = self.handle.mountpoint().to_owned();
+        let result = self
+            .handle
+            .unmount()
+            .await
+            .with_context(|| format!("unmounting {}", mountpoint.display()));
+        self.client.shutdown().await;
+        result
+    }
+}
+
+pub async fn run(cluster_file: &Path, mountpoint: &Path, options: Options) -> anyhow::Result<()> {
+    let mounted = mount_cluster(cluster_file, mountpoint, options).await?;
+    println!(
+        "mounted {} on {}; Ctrl-C to unmount",
+        cluster_file.display(),
+        mounted.handle.mountpoint().display()
+    );
+    tokio::select! {
+        result = super::shutdown_signal() => result?,
+        () = mounted.handle.serving_ended() => println!("unmounted from outside"),
+    }
+    mounted.unmount().await
+}
+
+/// Connect to the cluster of `cluster_file` and mount it on `mountpoint`.
+pub async fn mount_cluster(
+    cluster_file: &Path,
+    mountpoint: &Path,
+    options: Options,
+) -> anyhow::Result<Mounted> {
+    let client = connect(cluster_file, options.call_timeout_ms).await?;
+    let mount_options = MountOptions {
+        allow_other: options.allow_other,
+        sync_on_close: options.sync_on_close,
+        threads: options.threads as usize,
+        ..MountOptions::default()
+    };
+    let mount_client = client.clone();
+    let mountpoint_owned = mountpoint.to_owned();
+    // Mounting blocks (the mount call, then the kernel's INIT): off the async threads.
+    let handle = tokio::task::spawn_blocking(move || {
+        freeflow_fuse::mount(mount_client, &mountpoint_owned, mount_options)
+    })
+    .await
+    .context("the mount task failed")?;
+    match handle {
+        Ok(handle) => Ok(Mounted { handle, client }),
+        Err(error) => {
+            client.shutdown().await;
+            Err(error).with_context(|| format!("cannot mount {}", mountpoint.display()))
+        }
+    }
+}
+
+/// Like `cluster_file::connect`, with the mount's own call timeout (the shorter of the
+/// file's and `call_timeout_ms`).
+async fn connect(
+    cluster_file: &Path,
+    call_timeout_ms: u64,
+) -> anyhow::Result<freeflow_client::Client> {
+    let file: ClientFile = cluster_file::read(cluster_file)?;
+    let key = cluster_file::load_key(cluster_file, &file.key_file)?;
+    let mut config = freeflow_client::ClientConfig::new(file.meta_address.clone(), key);
+    config.call_timeout_ms = file.call_timeout_ms.min(call_timeout_ms);
+    config.client_name = format!("freeflow-mount-{}", std::process::id());
+    freeflow_client::Client::connect(config)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the cluster of {} (metadata server {})",
+                cluster_file.display(),
+                file.meta_address
+            )
+        })
+}

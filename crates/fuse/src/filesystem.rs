@@ -1,0 +1,1023 @@
+//! The request handlers: one `fuser::Filesystem` method per kernel operation, each mapped
+//! onto the client library's inode API.
+//!
+//! A handler never waits for the cluster on the thread that read the request: it takes what
+//! it needs from the request (names, data, credentials), moves the reply object into a task
+//! on the tokio runtime and returns to read the next request. So one slow request (a read
+//! from a far server, an fsync) never holds up the others, and a sequential writer keeps
+//! several writes in flight. [`REQUESTS_IN_FLIGHT_MAX`] bounds the tasks: past it, the
+//! reading thread waits for one to finish.
+//!
+//! Inode numbers are Freeflow's inode ids (never reused, so the FUSE generation is 0; the
+//! `generation` of an `Attr` counts changes of the inode and is not a FUSE generation).
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::future::Future;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use freeflow_client::{
+    Attr, Client, ClientError, ErrorCode, FileKind, InodeId, RenameMode, SetAttr, XattrSetMode,
+};
+use fuser::{
+    AccessFlags, Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
+    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite,
+    ReplyXattr, Request, TimeOrNow, WriteFlags,
+};
+use tokio::sync::Semaphore;
+
+use crate::caller::GroupsCache;
+use crate::convert::{self, errno, file_attr, STATFS_BLOCK_BYTES};
+use crate::handles::{OpenDirectories, OpenFiles};
+use crate::session::{MountOptions, REQUESTS_IN_FLIGHT_MAX};
+
+/// Largest write the kernel sends in one request (and the read size it asks for): 1 MiB,
+/// one stripe unit by default (DESIGN.md §6.1).
+pub const MAX_WRITE_BYTES: u32 = 1 << 20;
+/// Read-ahead asked of the kernel at init (it caps this at its own offer; the mount raises
+/// the bdi's read-ahead after mounting).
+pub const MAX_READAHEAD_BYTES: u32 = 1 << 20;
+/// Background requests (read-ahead, async direct I/O) the kernel keeps in flight.
+pub const MAX_BACKGROUND_REQUESTS: u16 = 64;
+/// Free inodes reported by statfs: Freeflow has no inode table to run out of.
+pub const STATFS_FREE_INODES: u64 = 1 << 32;
+
+/// Everything the handlers share; the tasks hold it through an `Arc`.
+pub(crate) struct MountState {
+    /// Acting as root; per-request clients come from `with_caller`.
+    pub client: Client,
+    pub attr_ttl: Duration,
+    pub entry_ttl: Duration,
+    pub sync_on_close: bool,
+    pub files: OpenFiles,
+    pub directories: OpenDirectories,
+    groups: GroupsCache,
+    /// Lookup counts of the inodes the kernel holds (its inode cache bounds the table).
+    lookups: Mutex<HashMap<InodeId, u64>>,
+    runtime: tokio::runtime::Handle,
+    in_flight: Arc<Semaphore>,
+}
+
+impl MountState {
+    pub fn new(
+        client: Client,
+        options: &MountOptions,
+        runtime: tokio::runtime::Handle,
+    ) -> MountState {
+        MountState {
+            client: client.with_caller(freeflow_client::Caller::root()),
+            attr_ttl: Duration::from_millis(options.attr_timeout_ms),
+            entry_ttl: Duration::from_millis(options.entry_timeout_ms),
+            sync_on_close: options.sync_on_close,
+            files: OpenFiles::new(),
+            directories: OpenDirectories::new(),
+            groups: GroupsCache::new(),
+            lookups: Mutex::new(HashMap::new()),
+            runtime,
+            in_flight: Arc::new(Semaphore::new(REQUESTS_IN_FLIGHT_MAX)),
+        }
+    }
+
+    /// The size the kernel should see: the meta server's, or what this mount's writes in
+    /// flight reached if larger.
+    fn size_of(&self, attr: &Attr) -> u64 {
+        match self.files.get(attr.inode) {
+            Some(handle) if attr.kind == FileKind::Regular => attr.size_bytes.max(handle.size()),
+            _ => attr.size_bytes,
+        }
+    }
+
+    fn kernel_attr(&self, attr: &Attr) -> fuser::FileAttr {
+        file_attr(attr, self.size_of(attr))
+    }
+
+    fn remember(&self, inode: InodeId) {
+        let mut lookups = self.lookups.lock().expect("lookups not poisoned");
+        *lookups.entry(inode).or_insert(0) += 1;
+    }
+
+    fn forget(&self, inode: InodeId, count: u64) {
+        let mut lookups = self.lookups.lock().expect("lookups not poisoned");
+        if let Some(known) = lookups.get_mut(&inode) {
+            *known = known.saturating_sub(count);
+            if *known == 0 {
+                lookups.remove(&inode);
+            }
+        }
+    }
+
+    /// Reply with a new or found entry, counting the kernel's reference.
+    fn reply_entry(&self, reply: ReplyEntry, attr: &Attr) {
+        self.remember(attr.inode);
+        reply.entry_with_ttls(
+            &self.attr_ttl,
+            &self.entry_ttl,
+            &self.kernel_attr(attr),
+            Generation(0),
+        );
+    }
+}
+
+/// The `fuser` file system: a thin shell that hands each request to a task.
+pub(crate) struct FreeflowFs {
+    state: Arc<MountState>,
+}
+
+impl FreeflowFs {
+    pub fn new(state: Arc<MountState>) -> FreeflowFs {
+        FreeflowFs { state }
+    }
+
+    /// Run `task` on the runtime, waiting here first if too many are in flight.
+    fn spawn<F>(&self, task: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let semaphore = self.state.in_flight.clone();
+        let permit = match semaphore.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            // This is a fuser thread, not a runtime thread: blocking here is the back pressure.
+            Err(_) => self
+                .state
+                .runtime
+                .block_on(semaphore.acquire_owned())
+                .expect("the in-flight semaphore is never closed"),
+        };
+        self.state.runtime.spawn(async move {
+            task.await;
+            drop(permit);
+        });
+    }
+
+    /// The client acting for the process that made `request`.
+    fn caller(&self, request: &Request) -> Client {
+        let caller = self
+            .state
+            .groups
+            .caller(request.uid(), request.gid(), request.pid());
+        self.state.client.with_caller(caller)
+    }
+}
+
+fn rename_mode(flags: RenameFlags) -> Result<RenameMode, Errno> {
+    if flags.is_empty() {
+        Ok(RenameMode::Replace)
+    } else if flags == RenameFlags::RENAME_NOREPLACE {
+        Ok(RenameMode::NoReplace)
+    } else if flags == RenameFlags::RENAME_EXCHANGE {
+        Ok(RenameMode::Exchange)
+    } else {
+        Err(Errno::EINVAL)
+    }
+}
+
+fn kind_of_mode(mode: u32) -> Option<FileKind> {
+    FileKind::from_mode(mode)
+}
+
+/// An error for a file handle the mount does not know.
+fn bad_handle() -> Errno {
+    Errno::EBADF
+}
+
+impl fuser::Filesystem for FreeflowFs {
+    fn init(&mut self, _request: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        if let Err(nearest) = config.set_max_write(MAX_WRITE_BYTES) {
+            let _ = config.set_max_write(nearest);
+        }
+        if let Err(nearest) = config.set_max_readahead(MAX_READAHEAD_BYTES) {
+            let _ = config.set_max_readahead(nearest);
+        }
+        let _ = config.set_max_background(MAX_BACKGROUND_REQUESTS);
+        let _ = config.set_congestion_threshold(MAX_BACKGROUND_REQUESTS * 3 / 4);
+        // Each one alone, so a kernel without one still gets the others.
+        for wanted in [
+            InitFlags::FUSE_DO_READDIRPLUS,
+            InitFlags::FUSE_READDIRPLUS_AUTO,
+            InitFlags::FUSE_PARALLEL_DIROPS,
+            InitFlags::FUSE_ATOMIC_O_TRUNC,
+            InitFlags::FUSE_ASYNC_DIO,
+            InitFlags::FUSE_AUTO_INVAL_DATA,
+            InitFlags::FUSE_MAX_PAGES,
+            InitFlags::FUSE_BIG_WRITES,
+        ] {
+            if config.add_capabilities(wanted).is_err() {
+                tracing::debug!(?wanted, "the kernel lacks a FUSE capability");
+            }
+        }
+        Ok(())
+    }
+
+    fn lookup(&self, request: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let name = match convert::name(name) {
+            Ok(name) => name.to_owned(),
+            Err(error) => return reply.error(error),
+        };
+        let (client, state) = (self.caller(request), self.state.clone());
+        self.spawn(async move {
+            match client.lookup(parent.0, &name).await {
+                Ok(attr) => state.reply_entry(reply, &attr),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn forget(&self, _request: &Request, inode: INodeNo, count: u64) {
+        self.state.forget(inode.0, count);
+    }
+
+    fn getattr(
+        &self,
+        _request: &Request,
+        inode: INodeNo,
+        _handle: Option<FileHandle>,
+        reply: ReplyAttr,
+    ) {
+        let state = self.state.clone();
+        self.spawn(async move {
+            match state.client.getattr(inode.0).await {
+                Ok(attr) => reply.attr(&state.attr_ttl, &state.kernel_attr(&attr)),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn setattr(
+        &self,
+        request: &Request,
+        inode: INodeNo,
+        mode: Option<u32>,
+        user_id: Option<u32>,
+        group_id: Option<u32>,
+        size: Option<u64>,
+        access_time: Option<TimeOrNow>,
+        modify_time: Option<TimeOrNow>,
+        _change_time: Option<std::time::SystemTime>,
+        _handle: Option<FileHandle>,
+        _birth_time: Option<std::time::SystemTime>,
+        _change_time_macos: Option<std::time::SystemTime>,
+        _backup_time: Option<std::time::SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let changes = SetAttr {
+            permissions: mode.map(|mode| mode & 0o7777),
+            user_id,
+            group_id,
+            size_bytes: size,
+            access_time: access_time.map(convert::time_or_now),
+            modify_time: modify_time.map(convert::time_or_now),
+            change_time: None,
+        };
+        let (client, state) = (self.caller(request), self.state.clone());
+        self.spawn(async move {
+            let result = if changes == SetAttr::default() {
+                client.getattr(inode.0).await
+            } else {
+                client.setattr(inode.0, changes).await
+            };
+            match result {
+                Ok(attr) => reply.attr(&state.attr_ttl, &state.kernel_attr(&attr)),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn readlink(&self, _request: &Request, inode: INodeNo, reply: ReplyData) {
+        let state = self.state.clone();
+        self.spawn(async move {
+            match state.client.readlink(inode.0).await {
+                Ok(target) => reply.data(target.as_bytes()),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn mknod(
+        &self,
+        request: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        device: u32,
+        reply: ReplyEntry,
+    ) {
+        let name = match convert::name(name) {
+            Ok(name) => name.to_owned(),
+            Err(error) => return reply.error(error),
+        };
+        // The kernel applied the umask already (no FUSE_DONT_MASK).
+        let Some(kind) = kind_of_mode(mode) else {
+            return reply.error(Errno::EINVAL);
+        };
+        if kind == FileKind::Directory || kind == FileKind::Symlink {
+            return reply.error(Errno::EINVAL);
+        }
+        let (client, state) = (self.caller(request), self.state.clone());
+        self.spawn(async move {
+            let created = client
+                .create(
+                    parent.0,
+                    &name,
+                    kind,
+                    mode & 0o7777,
+                    u64::from(device),
+                    true,
+                )
+                .await;
+            match created {
+                Ok(attr) => state.reply_entry(reply, &attr),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn mkdir(
+        &self,
+        request: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let name = match convert::name(name) {
+            Ok(name) => name.to_owned(),
+            Err(error) => return reply.error(error),
+        };
+        let (client, state) = (self.caller(request), self.state.clone());
+        self.spawn(async move {
+            match client.mkdir(parent.0, &name, mode & 0o7777).await {
+                Ok(attr) => state.reply_entry(reply, &attr),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn unlink(&self, request: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = match convert::name(name) {
+            Ok(name) => name.to_owned(),
+            Err(error) => return reply.error(error),
+        };
+        let client = self.caller(request);
+        self.spawn(async move {
+            match client.unlink(parent.0, &name).await {
+                Ok(()) => reply.ok(),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn rmdir(&self, request: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = match convert::name(name) {
+            Ok(name) => name.to_owned(),
+            Err(error) => return reply.error(error),
+        };
+        let client = self.caller(request);
+        self.spawn(async move {
+            match client.rmdir(parent.0, &name).await {
+                Ok(()) => reply.ok(),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn symlink(
+        &self,
+        request: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let (name, target) = match (convert::name(link_name), target.to_str()) {
+            (Ok(name), Some(target)) => (name.to_owned(), target.to_owned()),
+            _ => return reply.error(Errno::EINVAL),
+        };
+        let (client, state) = (self.caller(request), self.state.clone());
+        self.spawn(async move {
+            match client.symlink(parent.0, &name, &target).await {
+                Ok(attr) => state.reply_entry(reply, &attr),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn rename(
+        &self,
+        request: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        new_parent: INodeNo,
+        new_name: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let (source, target) = match (convert::name(name), convert::name(new_name)) {
+            (Ok(source), Ok(target)) => (source.to_owned(), target.to_owned()),
+            _ => return reply.error(Errno::EINVAL),
+        };
+        let mode = match rename_mode(flags) {
+            Ok(mode) => mode,
+            Err(error) => return reply.error(error),
+        };
+        let client = self.caller(request);
+        self.spawn(async move {
+            match client
+                .rename(parent.0, &source, new_parent.0, &target, mode)
+                .await
+            {
+                Ok(()) => reply.ok(),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn link(
+        &self,
+        request: &Request,
+        inode: INodeNo,
+        new_parent: INodeNo,
+        new_name: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        let name = match convert::name(new_name) {
+            Ok(name) => name.to_owned(),
+            Err(error) => return reply.error(error),
+        };
+        let (client, state) = (self.caller(request), self.state.clone());
+        self.spawn(async move {
+            match client.link(inode.0, new_parent.0, &name).await {
+                Ok(attr) => state.reply_entry(reply, &attr),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn open(&self, request: &Request, inode: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let truncate = flags.0 & libc::O_TRUNC != 0;
+        let (client, state) = (self.caller(request), self.state.clone());
+        self.spawn(async move {
+            let handle = match state.files.acquire(&state.client, inode.0).await {
+                Ok(handle) => handle,
+                Err(error) => return reply.error(errno(&error)),
+            };
+            if truncate {
+                // FUSE_ATOMIC_O_TRUNC: the truncate comes with the open.
+                let changes = SetAttr {
+                    size_bytes: Some(0),
+                    ..SetAttr::default()
+                };
+                if let Err(error) = client.setattr(inode.0, changes).await {
+                    let _ = state.files.release(inode.0).await;
+                    return reply.error(errno(&error));
+                }
+            }
+            reply.opened(FileHandle(handle.inode()), FopenFlags::empty());
+        });
+    }
+
+    fn read(
+        &self,
+        _request: &Request,
+        inode: INodeNo,
+        _handle: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let Some(handle) = self.state.files.get(inode.0) else {
+            return reply.error(bad_handle());
+        };
+        self.spawn(async move {
+            match handle.read_at(offset, u64::from(size)).await {
+                Ok(data) => reply.data(&data),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn write(
+        &self,
+        _request: &Request,
+        inode: INodeNo,
+        _handle: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let Some(handle) = self.state.files.get(inode.0) else {
+            return reply.error(bad_handle());
+        };
+        // The request buffer is reused for the next request: the data is copied once here.
+        let data = Bytes::copy_from_slice(data);
+        let Ok(length) = u32::try_from(data.len()) else {
+            return reply.error(Errno::EINVAL);
+        };
+        self.spawn(async move {
+            match handle.write_at(offset, data).await {
+                Ok(()) => reply.written(length),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn flush(
+        &self,
+        _request: &Request,
+        inode: INodeNo,
+        _handle: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        let Some(handle) = self.state.files.get(inode.0) else {
+            return reply.ok();
+        };
+        let sync = self.state.sync_on_close;
+        self.spawn(async move {
+            let result = if sync {
+                handle.fsync().await
+            } else {
+                handle.flush().await
+            };
+            match result {
+                Ok(()) => reply.ok(),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn release(
+        &self,
+        _request: &Request,
+        inode: INodeNo,
+        _handle: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let state = self.state.clone();
+        self.spawn(async move {
+            match state.files.release(inode.0).await {
+                Ok(()) => reply.ok(),
+                Err(error) => {
+                    // close(2) has returned already; the error can only be logged.
+                    tracing::warn!(inode = inode.0, %error, "closing a file failed");
+                    reply.error(errno(&error))
+                }
+            }
+        });
+    }
+
+    fn fsync(
+        &self,
+        _request: &Request,
+        inode: INodeNo,
+        _handle: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        let Some(handle) = self.state.files.get(inode.0) else {
+            return reply.error(bad_handle());
+        };
+        self.spawn(async move {
+            match handle.fsync().await {
+                Ok(()) => reply.ok(),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn opendir(&self, _request: &Request, inode: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.state.directories.open(inode.0) {
+            Some(handle) => reply.opened(FileHandle(handle), FopenFlags::empty()),
+            None => reply.error(Errno::EMFILE),
+        }
+    }
+
+    fn readdir(
+        &self,
+        request: &Request,
+        inode: INodeNo,
+        handle: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let Some(listing) = self.state.directories.get(handle.0) else {
+            return reply.error(bad_handle());
+        };
+        let client = self.caller(request);
+        self.spawn(async move {
+            let mut listing = listing.lock().await;
+            let mut index = offset;
+            loop {
+                let full = match index {
+                    0 => reply.add(inode, 1, FileType::Directory, "."),
+                    1 => reply.add(inode, 2, FileType::Directory, ".."),
+                    _ => {
+                        let at = (index - 2) as usize;
+                        match listing.ensure(&client, at, false).await {
+                            Ok(true) => {}
+                            Ok(false) => break,
+                            Err(error) => return reply.error(errno(&error)),
+                        }
+                        let entry = &listing.entries[at];
+                        reply.add(
+                            INodeNo(entry.inode),
+                            index + 1,
+                            convert::file_type(entry.kind),
+                            &entry.name,
+                        )
+                    }
+                };
+                if full {
+                    break;
+                }
+                index += 1;
+            }
+            reply.ok();
+        });
+    }
+
+    fn readdirplus(
+        &self,
+        request: &Request,
+        inode: INodeNo,
+        handle: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let Some(listing) = self.state.directories.get(handle.0) else {
+            return reply.error(bad_handle());
+        };
+        let (client, state) = (self.caller(request), self.state.clone());
+        self.spawn(async move {
+            let mut listing = listing.lock().await;
+            // "." and ".." need attributes too (the kernel ignores them).
+            let directory = if offset < 2 {
+                match state.client.getattr(inode.0).await {
+                    Ok(attr) => Some(state.kernel_attr(&attr)),
+                    Err(error) => return reply.error(errno(&error)),
+                }
+            } else {
+                None
+            };
+            let ttl = state.attr_ttl.min(state.entry_ttl);
+            let mut index = offset;
+            loop {
+                let full = match (index, &directory) {
+                    (0, Some(attr)) => reply.add(inode, 1, ".", &ttl, attr, Generation(0)),
+                    (1, Some(attr)) => reply.add(inode, 2, "..", &ttl, attr, Generation(0)),
+                    _ => {
+                        let at = (index.saturating_sub(2)) as usize;
+                        match listing.ensure(&client, at, true).await {
+                            Ok(true) => {}
+                            Ok(false) => break,
+                            Err(error) => return reply.error(errno(&error)),
+                        }
+                        let entry = &listing.entries[at];
+                        let attr = match &entry.attr {
+                            Some(attr) => attr.clone(),
+                            None => match state.client.getattr(entry.inode).await {
+                                Ok(attr) => attr,
+                                Err(error) => return reply.error(errno(&error)),
+                            },
+                        };
+                        let full = reply.add(
+                            INodeNo(entry.inode),
+                            index + 1,
+                            &entry.name,
+                            &ttl,
+                            &state.kernel_attr(&attr),
+                            Generation(0),
+                        );
+                        if !full {
+                            // The kernel counts a lookup for each entry it takes.
+                            state.remember(entry.inode);
+                        }
+                        full
+                    }
+                };
+                if full {
+                    break;
+                }
+                index += 1;
+            }
+            reply.ok();
+        });
+    }
+
+    fn releasedir(
+        &self,
+        _request: &Request,
+        _inode: INodeNo,
+        handle: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.state.directories.close(handle.0);
+        reply.ok();
+    }
+
+    fn fsyncdir(
+        &self,
+        _request: &Request,
+        _inode: INodeNo,
+        _handle: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        // Every namespace change is durable at the meta server before it is answered.
+        reply.ok();
+    }
+
+    fn statfs(&self, _request: &Request, _inode: INodeNo, reply: ReplyStatfs) {
+        let state = self.state.clone();
+        self.spawn(async move {
+            match state.client.statfs().await {
+                Ok(stats) => {
+                    let block = u64::from(STATFS_BLOCK_BYTES);
+                    reply.statfs(
+                        stats.capacity_bytes / block,
+                        stats.free_bytes / block,
+                        stats.free_bytes / block,
+                        stats.inode_count.saturating_add(STATFS_FREE_INODES),
+                        STATFS_FREE_INODES,
+                        STATFS_BLOCK_BYTES,
+                        freeflow_types::limits::NAME_LENGTH_MAX as u32,
+                        STATFS_BLOCK_BYTES,
+                    )
+                }
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn setxattr(
+        &self,
+        request: &Request,
+        inode: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let name = match convert::name(name) {
+            Ok(name) => name.to_owned(),
+            Err(error) => return reply.error(error),
+        };
+        let mode = match flags {
+            0 => XattrSetMode::Any,
+            libc::XATTR_CREATE => XattrSetMode::CreateOnly,
+            libc::XATTR_REPLACE => XattrSetMode::ReplaceOnly,
+            _ => return reply.error(Errno::EINVAL),
+        };
+        let value = value.to_vec();
+        let client = self.caller(request);
+        self.spawn(async move {
+            match client.set_xattr(inode.0, &name, &value, mode).await {
+                Ok(()) => reply.ok(),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn getxattr(
+        &self,
+        request: &Request,
+        inode: INodeNo,
+        name: &OsStr,
+        size: u32,
+        reply: ReplyXattr,
+    ) {
+        let name = match convert::name(name) {
+            Ok(name) => name.to_owned(),
+            Err(error) => return reply.error(error),
+        };
+        let client = self.caller(request);
+        self.spawn(async move {
+            match client.get_xattr(inode.0, &name).await {
+                Ok(value) => reply_xattr(reply, &value, size),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn listxattr(&self, request: &Request, inode: INodeNo, size: u32, reply: ReplyXattr) {
+        let client = self.caller(request);
+        self.spawn(async move {
+            match client.list_xattr(inode.0).await {
+                Ok(names) => {
+                    let mut list = Vec::new();
+                    for name in names {
+                        list.extend_from_slice(name.as_bytes());
+                        list.push(0);
+                    }
+                    reply_xattr(reply, &list, size)
+                }
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn removexattr(&self, request: &Request, inode: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = match convert::name(name) {
+            Ok(name) => name.to_owned(),
+            Err(error) => return reply.error(error),
+        };
+        let client = self.caller(request);
+        self.spawn(async move {
+            match client.remove_xattr(inode.0, &name).await {
+                Ok(()) => reply.ok(),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn access(&self, _request: &Request, _inode: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+        // default_permissions: the kernel checks access itself and never asks.
+        reply.ok();
+    }
+
+    fn create(
+        &self,
+        request: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let name = match convert::name(name) {
+            Ok(name) => name.to_owned(),
+            Err(error) => return reply.error(error),
+        };
+        let exclusive = flags & libc::O_EXCL != 0;
+        let truncate = flags & libc::O_TRUNC != 0;
+        let (client, state) = (self.caller(request), self.state.clone());
+        self.spawn(async move {
+            match create_and_open(&state, &client, parent.0, &name, mode, exclusive, truncate).await
+            {
+                Ok(attr) => {
+                    state.remember(attr.inode);
+                    reply.created(
+                        &state.attr_ttl,
+                        &state.kernel_attr(&attr),
+                        Generation(0),
+                        FileHandle(attr.inode),
+                        FopenFlags::empty(),
+                    )
+                }
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn fallocate(
+        &self,
+        _request: &Request,
+        inode: INodeNo,
+        _handle: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        // Space is not reserved per file: preallocation is a size change at most.
+        if mode == libc::FALLOC_FL_KEEP_SIZE {
+            return reply.ok();
+        }
+        if mode != 0 {
+            return reply.error(Errno::EOPNOTSUPP);
+        }
+        let Some(end) = offset.checked_add(length) else {
+            return reply.error(Errno::EFBIG);
+        };
+        let Some(handle) = self.state.files.get(inode.0) else {
+            return reply.error(bad_handle());
+        };
+        let state = self.state.clone();
+        self.spawn(async move {
+            let size = match state.client.getattr(inode.0).await {
+                Ok(attr) => attr.size_bytes.max(handle.size()),
+                Err(error) => return reply.error(errno(&error)),
+            };
+            if end <= size {
+                return reply.ok();
+            }
+            let changes = SetAttr {
+                size_bytes: Some(end),
+                ..SetAttr::default()
+            };
+            match state.client.setattr(inode.0, changes).await {
+                Ok(_) => reply.ok(),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+}
+
+/// Reply to a getxattr or listxattr: the size for a size probe, ERANGE if the caller's
+/// buffer is too small, else the bytes.
+fn reply_xattr(reply: ReplyXattr, value: &[u8], size: u32) {
+    let Ok(length) = u32::try_from(value.len()) else {
+        return reply.error(Errno::E2BIG);
+    };
+    if size == 0 {
+        reply.size(length)
+    } else if length > size {
+        reply.error(Errno::ERANGE)
+    } else {
+        reply.data(value)
+    }
+}
+
+/// Create a file and open it for this mount. An existing file (when not `exclusive`) is
+/// opened instead, truncated if asked: the kernel checks the caller's access to it after.
+async fn create_and_open(
+    state: &MountState,
+    client: &Client,
+    parent: InodeId,
+    name: &str,
+    mode: u32,
+    exclusive: bool,
+    truncate: bool,
+) -> Result<Attr, ClientError> {
+    let access = freeflow_client::OpenAccess {
+        read: true,
+        write: true,
+    };
+    // Always exclusive at the server: an existing file is opened as root below, not with
+    // the caller's read+write (the caller may have asked for less).
+    match client
+        .create_open(parent, name, mode & 0o7777, true, access)
+        .await
+    {
+        Ok((handle, _created)) => {
+            let handle = state.files.adopt(Arc::new(handle)).await?;
+            Ok(handle.attr())
+        }
+        Err(error) if error.code() == ErrorCode::Exists && !exclusive => {
+            let attr = client.lookup(parent, name).await?;
+            if attr.kind == FileKind::Directory {
+                return Err(ClientError::Inode {
+                    inode: attr.inode,
+                    code: ErrorCode::IsDirectory,
+                    reason: format!("{name:?} is a directory"),
+                });
+            }
+            let handle = state.files.acquire(&state.client, attr.inode).await?;
+            if truncate {
+                let changes = SetAttr {
+                    size_bytes: Some(0),
+                    ..SetAttr::default()
+                };
+                if let Err(error) = client.setattr(attr.inode, changes).await {
+                    let _ = state.files.release(attr.inode).await;
+                    return Err(error);
+                }
+            }
+            Ok(handle.attr())
+        }
+        Err(error) => Err(error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rename_flags_map_to_modes() {
+        assert_eq!(rename_mode(RenameFlags::empty()), Ok(RenameMode::Replace));
+        assert_eq!(
+            rename_mode(RenameFlags::RENAME_NOREPLACE),
+            Ok(RenameMode::NoReplace)
+        );
+        assert_eq!(
+            rename_mode(RenameFlags::RENAME_EXCHANGE),
+            Ok(RenameMode::Exchange)
+        );
+        assert_eq!(
+            rename_mode(RenameFlags::RENAME_WHITEOUT),
+            Err(Errno::EINVAL)
+        );
+        assert_eq!(
+            rename_mode(RenameFlags::RENAME_NOREPLACE | RenameFlags::RENAME_EXCHANGE),
+            Err(Errno::EINVAL)
+        );
+    }
+}

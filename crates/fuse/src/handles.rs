@@ -1,0 +1,224 @@
+//! What the mount keeps open: one client file handle per open inode, shared by every kernel
+//! open of it on this mount, and one listing per open directory.
+//!
+//! Sharing one handle per inode means every descriptor on this mount reads what any other
+//! wrote (the handle orders its own writes and knows the size they reached), and a `stat`
+//! sees sizes that are still on their way to the meta server. The handle is opened for
+//! reading and writing as root: the kernel's `default_permissions` has already checked the
+//! caller's access and it enforces each descriptor's own mode.
+//!
+//! A directory listing is numbered as the kernel sees it: 0 is the start, then ".", "..",
+//! and the entries in name order; a kernel offset is the number of entries before the next
+//! one. Entries are fetched from the meta server a page at a time and kept for the life of
+//! the open directory, so `seekdir` back to any offset works.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use freeflow_client::{Client, ClientError, DirEntry, ErrorCode, FileHandle, InodeId, OpenAccess};
+
+/// Most inodes open at once on one mount (each holds a handle at the meta server).
+pub const OPEN_FILES_MAX: usize = 65_536;
+/// Most directories open at once on one mount.
+pub const OPEN_DIRECTORIES_MAX: usize = 16_384;
+/// Entries fetched from the meta server per page of a listing.
+pub const DIRECTORY_PAGE_ENTRIES: u32 = 1024;
+
+struct OpenFile {
+    handle: Arc<FileHandle>,
+    open_count: u64,
+}
+
+/// The open files of the mount, by inode.
+pub struct OpenFiles {
+    files: Mutex<HashMap<InodeId, OpenFile>>,
+}
+
+impl OpenFiles {
+    pub fn new() -> OpenFiles {
+        OpenFiles {
+            files: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The shared handle of `inode` if this mount has it open.
+    pub fn get(&self, inode: InodeId) -> Option<Arc<FileHandle>> {
+        let files = self.files.lock().expect("open files not poisoned");
+        files.get(&inode).map(|file| file.handle.clone())
+    }
+
+    /// Take one more reference to the handle of `inode`, opening it if needed. A handle
+    /// already open is refreshed from the meta server, so this open sees what other clients
+    /// closed before it (close-to-open).
+    pub async fn acquire(
+        &self,
+        root: &Client,
+        inode: InodeId,
+    ) -> Result<Arc<FileHandle>, ClientError> {
+        let existing = {
+            let mut files = self.files.lock().expect("open files not poisoned");
+            files.get_mut(&inode).map(|file| {
+                file.open_count += 1;
+                file.handle.clone()
+            })
+        };
+        if let Some(handle) = existing {
+            if let Err(error) = handle.refresh().await {
+                // Give the reference back; the open fails.
+                let _ = self.release(inode).await;
+                return Err(error);
+            }
+            return Ok(handle);
+        }
+        let access = OpenAccess {
+            read: true,
+            write: true,
+        };
+        let handle = Arc::new(root.open(inode, access).await?);
+        self.adopt(handle).await
+    }
+
+    /// Register a handle this mount just opened (by `open` or `create`) with one reference.
+    /// If another open of the same inode won the race, that one is used and this one closed.
+    pub async fn adopt(&self, handle: Arc<FileHandle>) -> Result<Arc<FileHandle>, ClientError> {
+        let inode = handle.inode();
+        let winner = {
+            let mut files = self.files.lock().expect("open files not poisoned");
+            if let Some(file) = files.get_mut(&inode) {
+                file.open_count += 1;
+                Some(file.handle.clone())
+            } else if files.len() >= OPEN_FILES_MAX {
+                None
+            } else {
+                files.insert(
+                    inode,
+                    OpenFile {
+                        handle: handle.clone(),
+                        open_count: 1,
+                    },
+                );
+                return Ok(handle);
+            }
+        };
+        // Either way this handle is not kept.
+        let _ = handle.close_shared().await;
+        match winner {
+            Some(existing) => {
+                existing.refresh().await?;
+                Ok(existing)
+            }
+            None => Err(ClientError::Inode {
+                inode,
+                code: ErrorCode::Busy,
+                reason: format!("this mount has {OPEN_FILES_MAX} files open already"),
+            }),
+        }
+    }
+
+    /// Drop one reference; the last one closes the handle (flush, then close at the meta
+    /// server) and reports how that went.
+    pub async fn release(&self, inode: InodeId) -> Result<(), ClientError> {
+        let last = {
+            let mut files = self.files.lock().expect("open files not poisoned");
+            let Some(file) = files.get_mut(&inode) else {
+                return Ok(());
+            };
+            file.open_count = file.open_count.saturating_sub(1);
+            if file.open_count == 0 {
+                files.remove(&inode).map(|file| file.handle)
+            } else {
+                None
+            }
+        };
+        match last {
+            Some(handle) => handle.close_shared().await,
+            None => Ok(()),
+        }
+    }
+
+    /// Every handle still open (for unmount).
+    pub fn drain(&self) -> Vec<Arc<FileHandle>> {
+        let mut files = self.files.lock().expect("open files not poisoned");
+        files.drain().map(|(_, file)| file.handle).collect()
+    }
+}
+
+/// One open directory: the entries fetched so far.
+pub struct DirectoryListing {
+    pub inode: InodeId,
+    pub entries: Vec<DirEntry>,
+    pub end: bool,
+}
+
+impl DirectoryListing {
+    /// Make sure entry `index` (0-based, after "." and "..") is fetched if it exists.
+    /// Returns false when the directory has fewer entries.
+    pub async fn ensure(
+        &mut self,
+        client: &Client,
+        index: usize,
+        with_attributes: bool,
+    ) -> Result<bool, ClientError> {
+        while index >= self.entries.len() {
+            if self.end {
+                return Ok(false);
+            }
+            let after = self.entries.last().map(|entry| entry.name.clone());
+            let page = client
+                .readdir(
+                    self.inode,
+                    after.as_deref(),
+                    DIRECTORY_PAGE_ENTRIES,
+                    with_attributes,
+                )
+                .await?;
+            self.end = page.end || page.entries.is_empty();
+            self.entries.extend(page.entries);
+        }
+        Ok(true)
+    }
+}
+
+/// The open directories of the mount, by kernel handle number.
+pub struct OpenDirectories {
+    listings: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirectoryListing>>>>,
+    next_handle: std::sync::atomic::AtomicU64,
+}
+
+impl OpenDirectories {
+    pub fn new() -> OpenDirectories {
+        OpenDirectories {
+            listings: Mutex::new(HashMap::new()),
+            next_handle: std::sync::atomic::AtomicU64::new(1),
+        }
+    }
+
+    pub fn open(&self, inode: InodeId) -> Option<u64> {
+        let mut listings = self.listings.lock().expect("directories not poisoned");
+        if listings.len() >= OPEN_DIRECTORIES_MAX {
+            return None;
+        }
+        let handle = self
+            .next_handle
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        listings.insert(
+            handle,
+            Arc::new(tokio::sync::Mutex::new(DirectoryListing {
+                inode,
+                entries: Vec::new(),
+                end: false,
+            })),
+        );
+        Some(handle)
+    }
+
+    pub fn get(&self, handle: u64) -> Option<Arc<tokio::sync::Mutex<DirectoryListing>>> {
+        let listings = self.listings.lock().expect("directories not poisoned");
+        listings.get(&handle).cloned()
+    }
+
+    pub fn close(&self, handle: u64) {
+        let mut listings = self.listings.lock().expect("directories not poisoned");
+        listings.remove(&handle);
+    }
+}

@@ -1,0 +1,26 @@
+//! Freeflow's FUSE mount (DESIGN.md §4-6): the kernel file system over the client library,
+//! so that any program can use a Freeflow cluster through ordinary system calls.
+//!
+//! - [`mount`] mounts a connected [`freeflow_client::Client`] on a directory and returns a
+//!   [`MountHandle`]; [`MountHandle::unmount`] (or dropping it) unmounts.
+//! - Requests are read from several kernel channels (`clone_fd` threads) and each one is
+//!   handed to a task on the caller's tokio runtime, so many are in flight at once; the
+//!   number in flight has a bound ([`REQUESTS_IN_FLIGHT_MAX`]).
+//! - Errors come from the client's one table ([`freeflow_client::ClientError::code`]):
+//!   the codes are Linux errno numbers, returned as they are.
+//!
+//! Consistency (DESIGN.md §4): directory entries are never cached by the kernel (entry
+//! timeout 0 by default), so a name removed or renamed on another client is gone here at once
+//! and a stale name is never opened. Attributes are cached for `attr_timeout_ms`, but every
+//! path lookup refreshes them and every open fetches fresh ones from the meta server, so data
+//! written and closed elsewhere is seen by the next open here (close-to-open). The kernel's
+//! writeback cache is off: under it the kernel treats its own file size as the truth and
+//! ignores sizes from the server, so writes from other clients would stay invisible.
+
+mod caller;
+mod convert;
+mod filesystem;
+mod handles;
+mod session;
+
+pub use session::{mount, FuseError, MountHandle, MountOptions, REQUESTS_IN_FLIGHT_MAX};

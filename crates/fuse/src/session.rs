@@ -1,0 +1,348 @@
+//! Mounting and unmounting: the fuser session on several kernel channels, the bdi's
+//! read-ahead, and a clean end.
+//!
+//! The mount is made with fuser's pure-Rust path (the `mount` system call; no libfuse, and
+//! `fusermount3` only as fuser's own fallback for unprivileged users). After mounting, the
+//! bdi read-ahead is raised (the kernel caps what FUSE_INIT may ask at its 128 KiB default).
+//! [`MountHandle::unmount`] detaches the mount, waits a bounded time for the kernel to end
+//! the connection, aborts the connection if requests are still held (e.g. by processes
+//! with files open), then closes what the mount still had open at the meta server.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use freeflow_client::Client;
+use fuser::{BackgroundSession, Config, MountOption, SessionACL};
+
+use crate::filesystem::{FreeflowFs, MountState};
+
+/// Most requests handled at once (tasks on the runtime); past it, the kernel channels wait.
+pub const REQUESTS_IN_FLIGHT_MAX: usize = 1024;
+/// Read-ahead set on the mount's bdi after mounting.
+pub const BDI_READAHEAD_KIB: u32 = 4096;
+/// How long [`MountHandle::unmount`] waits for the kernel to end the connection before it
+/// aborts it.
+pub const UNMOUNT_WAIT_MS: u64 = 5_000;
+
+/// How the mount behaves. [`MountOptions::default`] documents the defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MountOptions {
+    /// Let users other than the one mounting use the mount (FUSE `allow_other`).
+    pub allow_other: bool,
+    /// Make every close durable (fsync at close), as DESIGN.md §5 allows.
+    pub sync_on_close: bool,
+    /// How long the kernel may reuse attributes without asking (default 1000 ms). Every
+    /// path lookup and every open fetch fresh ones regardless.
+    pub attr_timeout_ms: u64,
+    /// How long the kernel may reuse a name → inode entry (default 0: never, so a name
+    /// removed by another client is never used here).
+    pub entry_timeout_ms: u64,
+    /// Kernel channels, one reading thread each (default 4; `clone_fd` when above 1).
+    pub threads: usize,
+    /// Name shown as the mount's source in /proc/mounts.
+    pub source_name: String,
+}
+
+impl Default for MountOptions {
+    fn default() -> MountOptions {
+        MountOptions {
+            allow_other: false,
+            sync_on_close: false,
+            attr_timeout_ms: 1_000,
+            entry_timeout_ms: 0,
+            threads: 4,
+            source_name: "freeflow".to_string(),
+        }
+    }
+}
+
+impl MountOptions {
+    pub fn validate(&self) -> Result<(), FuseError> {
+        let MountOptions {
+            allow_other: _,
+            sync_on_close: _,
+            attr_timeout_ms,
+            entry_timeout_ms,
+            threads,
+            source_name,
+        } = self;
+        if *threads == 0 || *threads > 64 {
+            return Err(FuseError::Options(format!(
+                "threads {threads} is not between 1 and 64"
+            )));
+        }
+        if *attr_timeout_ms > 3_600_000 || *entry_timeout_ms > 3_600_000 {
+            return Err(FuseError::Options(
+                "attr_timeout_ms and entry_timeout_ms must be at most one hour".into(),
+            ));
+        }
+        if source_name.is_empty() || source_name.contains([',', ' ', '\n']) {
+            return Err(FuseError::Options(format!(
+                "source name {source_name:?} must be non-empty without commas or spaces"
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FuseError {
+    #[error("invalid mount options: {0}")]
+    Options(String),
+    #[error("/dev/fuse is missing: load the fuse module (modprobe fuse)")]
+    NoFuseDevice,
+    #[error("mount needs a tokio runtime: call it from inside one")]
+    NoRuntime,
+    #[error("cannot mount on {mountpoint}: {source}")]
+    Mount {
+        mountpoint: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("unmounting {mountpoint} failed: {reason}")]
+    Unmount { mountpoint: PathBuf, reason: String },
+}
+
+/// A live mount. Dropping it detaches the mount (best effort, without waiting).
+pub struct MountHandle {
+    session: Option<BackgroundSession>,
+    state: Arc<MountState>,
+    mountpoint: PathBuf,
+    /// The mount's device (`major:minor`), naming its bdi and its FUSE connection.
+    device: Option<(u32, u32)>,
+}
+
+impl std::fmt::Debug for MountHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MountHandle")
+            .field("mountpoint", &self.mountpoint)
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Mount `client`'s file system on `mountpoint` (an existing directory). Must be called
+/// inside a tokio runtime: the requests run as tasks on it. Returns once the kernel has
+/// initialised the connection; requests are served until [`MountHandle::unmount`].
+pub fn mount(
+    client: Client,
+    mountpoint: &Path,
+    options: MountOptions,
+) -> Result<MountHandle, FuseError> {
+    options.validate()?;
+    if !Path::new("/dev/fuse").exists() {
+        return Err(FuseError::NoFuseDevice);
+    }
+    let runtime = tokio::runtime::Handle::try_current().map_err(|_| FuseError::NoRuntime)?;
+    let mount_error = |source: std::io::Error| FuseError::Mount {
+        mountpoint: mountpoint.to_owned(),
+        source,
+    };
+    let mountpoint = mountpoint.canonicalize().map_err(mount_error)?;
+    let state = Arc::new(MountState::new(client, &options, runtime));
+    let mut config = Config::default();
+    config.mount_options = vec![
+        MountOption::FSName(options.source_name.clone()),
+        MountOption::Subtype("freeflow".to_string()),
+        MountOption::DefaultPermissions,
+        MountOption::RW,
+        MountOption::Dev,
+        MountOption::Suid,
+        MountOption::Exec,
+    ];
+    config.acl = if options.allow_other {
+        SessionACL::All
+    } else {
+        SessionACL::Owner
+    };
+    config.n_threads = Some(options.threads);
+    config.clone_fd = options.threads > 1;
+    let session = fuser::Session::new(FreeflowFs::new(state.clone()), &mountpoint, &config)
+        .map_err(mount_error)?;
+    let device = mount_device(&mountpoint);
+    match device {
+        Some((major, minor)) => raise_readahead(major, minor),
+        None => {
+            tracing::warn!(mountpoint = %mountpoint.display(), "mount not found in /proc/self/mountinfo; read-ahead left as is")
+        }
+    }
+    let session = session.spawn().map_err(mount_error)?;
+    tracing::info!(mountpoint = %mountpoint.display(), threads = options.threads, "mounted");
+    Ok(MountHandle {
+        session: Some(session),
+        state,
+        mountpoint,
+        device,
+    })
+}
+
+impl MountHandle {
+    pub fn mountpoint(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// True while the kernel connection is being served (false after an external
+    /// `umount` or an abort).
+    pub fn is_serving(&self) -> bool {
+        self.session
+            .as_ref()
+            .is_some_and(|session| !session.guard.is_finished())
+    }
+
+    /// Wait until the mount ends by other means (`umount`, `fusermount -u`).
+    pub async fn serving_ended(&self) {
+        while self.is_serving() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Unmount: detach, wait for the connection to end (abort it after
+    /// [`UNMOUNT_WAIT_MS`]), then close the files the mount still had open.
+    pub async fn unmount(mut self) -> Result<(), FuseError> {
+        let result = self.finish().await;
+        // The session thread is joined; its Mount's drop finds nothing mounted.
+        drop(self.session.take());
+        result
+    }
+
+    async fn finish(&mut self) -> Result<(), FuseError> {
+        detach(&self.mountpoint);
+        let deadline = Instant::now() + Duration::from_millis(UNMOUNT_WAIT_MS);
+        let mut aborted = false;
+        while self.is_serving() {
+            if Instant::now() >= deadline && !aborted {
+                tracing::warn!(mountpoint = %self.mountpoint.display(), "files still open on the mount; aborting its connection");
+                self.abort_connection();
+                aborted = true;
+            }
+            if Instant::now() >= deadline + Duration::from_millis(UNMOUNT_WAIT_MS) {
+                return Err(FuseError::Unmount {
+                    mountpoint: self.mountpoint.clone(),
+                    reason: "the kernel connection did not end".into(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if let Some(session) = self.session.take() {
+            if let Err(error) = session
+                .guard
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("a FUSE session thread panicked")))
+            {
+                tracing::warn!(%error, "the FUSE session ended with an error");
+            }
+        }
+        for handle in self.state.files.drain() {
+            if let Err(error) = handle.close_shared().await {
+                tracing::warn!(inode = handle.inode(), %error, "closing a file at unmount failed");
+            }
+        }
+        tracing::info!(mountpoint = %self.mountpoint.display(), "unmounted");
+        Ok(())
+    }
+
+    fn abort_connection(&self) {
+        let Some((_, minor)) = self.device else {
+            return;
+        };
+        let path = format!("/sys/fs/fuse/connections/{minor}/abort");
+        if let Err(error) = std::fs::write(&path, "1") {
+            tracing::warn!(%path, %error, "cannot abort the FUSE connection");
+        }
+    }
+}
+
+impl Drop for MountHandle {
+    fn drop(&mut self) {
+        if self.session.is_some() {
+            detach(&self.mountpoint);
+        }
+    }
+}
+
+/// Lazy unmount: the name goes now, the file system when nothing uses it.
+fn detach(mountpoint: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(path) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else {
+        return;
+    };
+    // SAFETY: a valid NUL-terminated path; umount2 has no other preconditions.
+    let result = unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
+    if result != 0 {
+        let error = std::io::Error::last_os_error();
+        tracing::debug!(mountpoint = %mountpoint.display(), %error, "detaching the mount");
+    }
+}
+
+/// The device of the FUSE mount at `mountpoint`, from /proc/self/mountinfo (without
+/// touching the mount itself, which may not be served yet).
+fn mount_device(mountpoint: &Path) -> Option<(u32, u32)> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let wanted = mountpoint.to_str()?;
+    // The last matching line is the topmost mount.
+    mountinfo.lines().rev().find_map(|line| {
+        let mut fields = line.split(' ');
+        let device = fields.nth(2)?;
+        let point = fields.nth(1)?;
+        let fs_type = line.split(" - ").nth(1)?.split(' ').next()?;
+        if unescape_mountinfo(point) != wanted || !fs_type.starts_with("fuse") {
+            return None;
+        }
+        let (major, minor) = device.split_once(':')?;
+        Some((major.parse().ok()?, minor.parse().ok()?))
+    })
+}
+
+/// Mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_mountinfo(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut index = 0;
+    while index < bytes.len() {
+        if bytes[index] == b'\\' && index + 4 <= bytes.len() {
+            if let Ok(value) = u8::from_str_radix(&field[index + 1..index + 4], 8) {
+                out.push(value);
+                index += 4;
+                continue;
+            }
+        }
+        out.push(bytes[index]);
+        index += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn raise_readahead(major: u32, minor: u32) {
+    let path = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
+    match std::fs::write(&path, BDI_READAHEAD_KIB.to_string()) {
+        Ok(()) => tracing::debug!(%path, kib = BDI_READAHEAD_KIB, "read-ahead raised"),
+        Err(error) => tracing::warn!(%path, %error, "cannot raise the mount's read-ahead"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_escapes_are_undone() {
+        assert_eq!(unescape_mountinfo("/tmp/a\\040b"), "/tmp/a b");
+        assert_eq!(unescape_mountinfo("/plain"), "/plain");
+        assert_eq!(unescape_mountinfo("/end\\"), "/end\\");
+    }
+
+    #[test]
+    fn options_are_validated() {
+        assert!(MountOptions::default().validate().is_ok());
+        let zero_threads = MountOptions {
+            threads: 0,
+            ..MountOptions::default()
+        };
+        assert!(zero_threads.validate().is_err());
+        let bad_name = MountOptions {
+            source_name: "a,b".into(),
+            ..MountOptions::default()
+        };
+        assert!(bad_name.validate().is_err());
+    }
+}
