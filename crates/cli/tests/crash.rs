@@ -376,9 +376,8 @@ async fn killing_the_meta_server_keeps_every_returned_operation() {
         .mkdir(ROOT_INODE, "old-client-after-crash", 0o755)
         .await
         .expect("the old client reconnects");
-    // Opens need a session; the old one died with the server. The client's renewer opens a
-    // new one within a third of the lease (opens right after the restart fail until then:
-    // see `an_open_right_after_a_meta_restart_works`).
+    // Opens need a session; the old one died with the server. The client opens a new one
+    // on the first open that finds it gone (see `an_open_right_after_a_meta_restart_works`).
     let reopened = poll_until(u64::from(common::TEST_LEASE_MS) + 10_000, || async {
         let handle = client
             .open_path(
@@ -396,13 +395,11 @@ async fn killing_the_meta_server_keeps_every_returned_operation() {
     );
 }
 
-/// Bug pin: after a restart of the meta server, a connected client's opens fail with
+/// Regression: after a restart of the meta server, a connected client's opens failed with
 /// `BadHandle` ("session ... does not exist or its lease expired") until its background
-/// renewer notices and opens a new session, up to a third of the lease later (10 s with the
-/// default 30 s lease). `open`/`create_open` should reopen the session on that error and
-/// retry once, as the renewer does.
+/// renewer noticed and opened a new session, up to a third of the lease later (10 s with
+/// the default 30 s lease). `open`/`create_open` now reopen the session and retry once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "bug: crates/client opens fail with BadHandle after a meta restart until the renewer runs"]
 async fn an_open_right_after_a_meta_restart_works() {
     let mut cluster = Cluster::start(1).await;
     let client = cluster.client().await;
