@@ -36,7 +36,9 @@ pub enum Command {
         /// How many I/O servers to start.
         #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
         io_servers: u32,
-        /// Port of the metadata server; I/O server i listens on PORT + 10 + i.
+        /// Port of the metadata server; I/O server i listens on PORT + 10 + i. Metrics
+        /// endpoints: the metadata server on PORT + 1, the mount on PORT + 2, I/O server i
+        /// on PORT + 100 + i.
         #[arg(long, default_value_t = 7700)]
         port: u16,
         /// Disk engine of the I/O servers.
@@ -66,6 +68,9 @@ pub enum Command {
         /// Kernel channels (threads reading requests).
         #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
         threads: u32,
+        /// Serve the mount's metrics (Prometheus text, `GET /metrics`) on this `host:port`.
+        #[arg(long, value_name = "HOST:PORT")]
+        metrics_address: Option<String>,
     },
     /// Write the cluster key and one config file per server for a multi-host deployment.
     Init {
@@ -140,6 +145,22 @@ pub enum Command {
     /// Show or change striping.
     #[command(subcommand)]
     Stripe(StripeCommand),
+    /// Run the seeds' workloads side by side on several directories (the Freeflow mount,
+    /// the local disk, peer file systems), interleaved; print a table, save JSON and SVG.
+    Bench(Box<BenchArgs>),
+    /// A live panel of the cluster's servers from their metrics endpoints: MB/s, IOPS,
+    /// queue depth and latency per I/O server, the meta server's ops/s. `q` quits.
+    Top {
+        /// Print one snapshot (two scrapes one interval apart) and exit.
+        #[arg(long)]
+        once: bool,
+        /// Print JSON (one object per interval) instead of the panel.
+        #[arg(long)]
+        json: bool,
+        /// Time between scrapes.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..=60_000))]
+        interval_ms: u64,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -165,4 +186,81 @@ impl Command {
             Command::Up { .. } | Command::Meta { .. } | Command::Io { .. } | Command::Mount { .. }
         )
     }
+}
+
+/// `freeflow bench` options (docs/BENCHMARKS.md).
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// A directory to run on, as NAME:PATH; repeat for several. The first is the reference
+    /// of every ratio. Default: local:<a fresh directory under --scratch>.
+    #[arg(long = "target", value_name = "NAME:PATH")]
+    pub targets: Vec<String>,
+    /// A scenario to run; repeat for several (default: all). One of seq, chunk,
+    /// concurrent-writers, random, metadata, startup, incast, striping.
+    #[arg(long = "scenario", value_name = "S")]
+    pub scenarios: Vec<String>,
+    /// Runs of each scenario on each target, interleaved (A B A B ...).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: u32,
+    /// Save the report as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Draw the report as an SVG bar chart to this file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// Preset of every size below; `tiny` is the smoke test, `default` takes minutes.
+    #[arg(long, default_value = "default", value_parser = ["tiny", "small", "default", "large"])]
+    pub size: String,
+    /// Where scratch data (clusters the bench starts, the default target) goes; must be
+    /// on the local disk.
+    #[arg(long, default_value = "/var/tmp", value_name = "DIR")]
+    pub scratch: PathBuf,
+    /// No progress display.
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// seq: MiB of the file written and read at each block size.
+    #[arg(long, value_name = "MIB")]
+    pub seq_mib: Option<u64>,
+    /// chunk: MiB of the one large file.
+    #[arg(long, value_name = "MIB")]
+    pub chunk_mib: Option<u64>,
+    /// concurrent-writers: MiB of the shared file.
+    #[arg(long, value_name = "MIB")]
+    pub concurrent_mib: Option<u64>,
+    /// concurrent-writers: number of writers (at least 2).
+    #[arg(long, value_name = "N")]
+    pub writers: Option<u32>,
+    /// random: MiB of the file.
+    #[arg(long, value_name = "MIB")]
+    pub random_mib: Option<u64>,
+    /// random: milliseconds of each phase.
+    #[arg(long, value_name = "MS")]
+    pub random_ms: Option<u64>,
+    /// random: thread counts, comma separated.
+    #[arg(long, value_delimiter = ',', value_name = "N,N")]
+    pub random_threads: Option<Vec<u32>>,
+    /// metadata: files per phase.
+    #[arg(long, value_name = "N")]
+    pub metadata_files: Option<u64>,
+    /// metadata: worker counts, comma separated.
+    #[arg(long, value_delimiter = ',', value_name = "N,N")]
+    pub metadata_workers: Option<Vec<u32>>,
+    /// startup: file counts, comma separated.
+    #[arg(long, value_delimiter = ',', value_name = "N,N")]
+    pub startup_files: Option<Vec<u64>>,
+    /// incast: clients writing at once.
+    #[arg(long, value_name = "N")]
+    pub incast_clients: Option<u32>,
+    /// incast: MiB each client writes.
+    #[arg(long, value_name = "MIB")]
+    pub incast_mib: Option<u64>,
+    /// striping: I/O server counts, comma separated.
+    #[arg(long, value_delimiter = ',', value_name = "N,N")]
+    pub striping_servers: Option<Vec<u32>>,
+    /// striping: MiB of the file.
+    #[arg(long, value_name = "MIB")]
+    pub striping_mib: Option<u64>,
+    /// striping: rate of each server's link in Mbit/s.
+    #[arg(long, value_name = "MBIT")]
+    pub striping_rate_mbit: Option<u32>,
 }

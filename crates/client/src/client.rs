@@ -29,6 +29,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
 use crate::file::{FileHandle, HandleShared, Truncation};
+use crate::metrics::ClientMetrics;
 use crate::pool::Pool;
 use crate::{ClientConfig, ClientError};
 
@@ -46,6 +47,8 @@ pub(crate) struct Shared {
     /// Held while a new session is opened, so callers that found the session gone at the
     /// same time make one new session between them.
     reopening: tokio::sync::Mutex<()>,
+    /// This client's metrics; see [`crate::metrics`].
+    metrics: Arc<freeflow_metrics::Registry>,
 }
 
 /// A connected client. Clones share the session and the connections.
@@ -118,7 +121,14 @@ impl Client {
             connect_timeout_ms: config.connect_timeout_ms,
             ..ConnectOptions::default()
         };
-        let pool = Pool::new(config.meta_address.clone(), config.key.clone(), options);
+        let metrics = Arc::new(freeflow_metrics::Registry::new());
+        let client_metrics = ClientMetrics::new(&metrics);
+        let pool = Pool::new(
+            config.meta_address.clone(),
+            config.key.clone(),
+            options,
+            client_metrics.clone(),
+        );
         let client_name = config.client_name.clone();
         let grant = pool
             .meta_call(
@@ -139,6 +149,15 @@ impl Client {
             handles: Mutex::new(HashMap::new()),
             renewer: Mutex::new(None),
             reopening: tokio::sync::Mutex::new(()),
+            metrics,
+        });
+        let dirty_source = Arc::downgrade(&shared);
+        shared.metrics.on_render(move || {
+            if let Some(shared) = dirty_source.upgrade() {
+                let free_bytes = shared.dirty.available_permits() as u64;
+                client_metrics
+                    .set_dirty_bytes(shared.config.dirty_bytes_max.saturating_sub(free_bytes));
+            }
         });
         let renewer = tokio::spawn(renew_session(Arc::downgrade(&shared), grant.lease_ms));
         *shared.renewer.lock().expect("not poisoned") = Some(renewer);
@@ -159,6 +178,11 @@ impl Client {
 
     pub fn config(&self) -> &ClientConfig {
         &self.shared.config
+    }
+
+    /// This client's metrics (the mount serves them with `--metrics-address`).
+    pub fn metrics(&self) -> &Arc<freeflow_metrics::Registry> {
+        &self.shared.metrics
     }
 
     pub fn session_id(&self) -> u64 {

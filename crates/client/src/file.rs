@@ -860,11 +860,17 @@ impl FileHandle {
             let payload = data.slice(start..start + request.length as usize);
             // The semaphore is never closed; a request (≤ IO_REQUEST_BYTES_MAX) fits u32 and
             // config validation keeps dirty_bytes_max at least that large.
-            let permit = dirty
-                .clone()
-                .acquire_many_owned(request.length as u32)
-                .await
-                .expect("dirty semaphore never closed");
+            let permit = match dirty.clone().try_acquire_many_owned(request.length as u32) {
+                Ok(permit) => permit,
+                Err(_) => {
+                    let _throttled = shared.client.shared.pool.metrics.throttled();
+                    dirty
+                        .clone()
+                        .acquire_many_owned(request.length as u32)
+                        .await
+                        .expect("dirty semaphore never closed")
+                }
+            };
             shared.begin_write(&request).await;
             unsent.count -= 1;
             tokio::spawn(shared.clone().send_write(

@@ -13,6 +13,7 @@ mod client;
 mod config;
 mod error;
 mod file;
+mod metrics;
 mod path;
 mod paths;
 mod plan;

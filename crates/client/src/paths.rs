@@ -483,6 +483,7 @@ impl Client {
                         free_bytes: 0,
                         object_count: 0,
                         last_seen_ms: None,
+                        metrics_address: None,
                     });
                 (
                     stripe_index,

@@ -11,12 +11,13 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use bytes::Bytes;
-use freeflow_proto::io::{ReadObject, SyncObjects};
+use freeflow_proto::io::{ReadObject, SyncObjects, WriteObject};
 use freeflow_proto::meta::{ListServers, ServerRecord};
 use freeflow_proto::Request;
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RpcError};
 use freeflow_types::{InodeId, ServerId};
 
+use crate::metrics::ClientMetrics;
 use crate::ClientError;
 
 /// A connection slot for one server address, connected on first use.
@@ -85,11 +86,18 @@ pub(crate) struct Pool {
     io: Mutex<HashMap<ServerId, std::sync::Arc<Endpoint>>>,
     /// Serialises `ListServers` refreshes.
     refreshing: tokio::sync::Mutex<()>,
+    pub(crate) metrics: ClientMetrics,
 }
 
 impl Pool {
-    pub fn new(meta_address: String, key: ClusterKey, options: ConnectOptions) -> Pool {
+    pub fn new(
+        meta_address: String,
+        key: ClusterKey,
+        options: ConnectOptions,
+        metrics: ClientMetrics,
+    ) -> Pool {
         Pool {
+            metrics,
             key,
             options,
             meta: Endpoint::new(meta_address, "meta".to_string()),
@@ -104,10 +112,13 @@ impl Pool {
         request: &R,
         target: impl FnOnce() -> String,
     ) -> Result<R::Reply, ClientError> {
+        let started = std::time::Instant::now();
         let result = match self.meta.get(&self.key, &self.options).await {
             Ok(connection) => connection.call(request, Bytes::new()).await,
             Err(error) => Err(error),
         };
+        self.metrics
+            .request_done(R::OPCODE, started, result.is_ok());
         result
             .map(|(reply, _payload)| reply)
             .map_err(|source| ClientError::Meta {
@@ -208,6 +219,31 @@ impl Pool {
         payload: Bytes,
         target: impl Fn() -> String,
     ) -> Result<(R::Reply, Bytes), ClientError> {
+        let started = std::time::Instant::now();
+        let payload_bytes = payload.len() as u64;
+        let result = self
+            .io_call_unmetered(server_id, inode, request, payload, target)
+            .await;
+        self.metrics
+            .request_done(R::OPCODE, started, result.is_ok());
+        if let Ok((_, reply_payload)) = &result {
+            if R::OPCODE == WriteObject::OPCODE {
+                self.metrics.written(payload_bytes);
+            } else if R::OPCODE == ReadObject::OPCODE {
+                self.metrics.read(reply_payload.len() as u64);
+            }
+        }
+        result
+    }
+
+    async fn io_call_unmetered<R: Request>(
+        &self,
+        server_id: ServerId,
+        inode: InodeId,
+        request: &R,
+        payload: Bytes,
+        target: impl Fn() -> String,
+    ) -> Result<(R::Reply, Bytes), ClientError> {
         let mut retried = false;
         loop {
             let connection = self.io_connection(server_id, inode).await?;
@@ -243,7 +279,7 @@ pub(crate) fn resend_is_safe(opcode: u16) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use freeflow_proto::io::{TruncateObject, WriteObject};
+    use freeflow_proto::io::TruncateObject;
 
     #[test]
     fn only_reads_and_syncs_are_resent() {

@@ -603,6 +603,7 @@ impl Cluster {
                 free_bytes: 1 << 40,
                 object_count: 0,
                 last_seen_ms: Some(0),
+                metrics_address: None,
             });
             io.push((server_id, fake, task));
         }

@@ -25,6 +25,8 @@ pub struct BufferPool {
     state: Mutex<PoolState>,
     /// How many acquires had to wait for a buffer (a metric: the pool was the bottleneck).
     waits: AtomicU64,
+    /// Microseconds those acquires spent waiting, in total (a metric).
+    wait_time_us: AtomicU64,
 }
 
 struct PoolState {
@@ -66,6 +68,7 @@ impl BufferPool {
                 waiters: VecDeque::new(),
             }),
             waits: AtomicU64::new(0),
+            wait_time_us: AtomicU64::new(0),
         })
     }
 
@@ -86,6 +89,16 @@ impl BufferPool {
     /// How many acquires so far found no free buffer and had to queue.
     pub fn wait_count(&self) -> u64 {
         self.waits.load(Ordering::Relaxed)
+    }
+
+    /// Microseconds acquires have spent waiting for a buffer, in total.
+    pub fn wait_time_us(&self) -> u64 {
+        self.wait_time_us.load(Ordering::Relaxed)
+    }
+
+    /// Acquires queued for a buffer right now (including any cancelled but not yet skipped).
+    pub fn waiter_count(&self) -> usize {
+        self.lock().waiters.len()
     }
 
     /// Buffers free right now (for tests and metrics).
@@ -118,6 +131,7 @@ impl BufferPool {
             receiver
         };
         self.waits.fetch_add(1, Ordering::Relaxed);
+        let waiting_since = std::time::Instant::now();
         // Lease must exist before awaiting: if this future is dropped after a release
         // handed us an index, the index would be lost. `GrantGuard` returns it instead.
         let mut guard = GrantGuard {
@@ -125,6 +139,8 @@ impl BufferPool {
             receiver: Some(receiver),
         };
         let index = guard.wait().await;
+        let waited_us = u64::try_from(waiting_since.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.wait_time_us.fetch_add(waited_us, Ordering::Relaxed);
         BufferLease {
             pool: Arc::clone(self),
             index,

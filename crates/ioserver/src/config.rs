@@ -61,6 +61,9 @@ pub struct IoConfig {
     pub meta_call_timeout_ms: u64,
     /// Longest wait between registration attempts while the meta server is away. Default 5000 ms.
     pub register_backoff_max_ms: u64,
+    /// Where to serve Prometheus metrics over HTTP (`GET /metrics`), `host:port`; port 0
+    /// picks a free port. Default: none (no endpoint; the counters still run).
+    pub metrics_address: Option<String>,
 }
 
 impl Default for IoConfig {
@@ -83,6 +86,7 @@ impl Default for IoConfig {
             meta_connect_timeout_ms: 2000,
             meta_call_timeout_ms: 5000,
             register_backoff_max_ms: 5000,
+            metrics_address: None,
         }
     }
 }
@@ -108,12 +112,16 @@ impl IoConfig {
             meta_connect_timeout_ms,
             meta_call_timeout_ms,
             register_backoff_max_ms,
+            metrics_address,
         } = self;
         check_address("listen_address", listen_address, true)?;
         if let Some(advertise_address) = advertise_address {
             check_address("advertise_address", advertise_address, false)?;
         }
         check_address("meta_address", meta_address, false)?;
+        if let Some(metrics_address) = metrics_address {
+            check_address("metrics_address", metrics_address, true)?;
+        }
         if data_dir.as_os_str().is_empty() {
             return invalid("data_dir is empty".to_owned());
         }

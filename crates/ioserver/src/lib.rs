@@ -9,6 +9,7 @@
 //! - [`store`]: the object store (paths, lazy creation, truncate, sync, remove, counts).
 //! - [`identity`]: the data directory's `server-id` file.
 //! - [`service`]: the RPC service; [`register`]: heartbeats to the meta server.
+//! - [`metrics`]: what the server counts, served over HTTP when `metrics_address` is set.
 //! - [`config`]: [`IoConfig`] and its validation; [`start`] composes everything.
 
 pub mod buffer_pool;
@@ -17,6 +18,7 @@ pub mod engine;
 pub mod error;
 pub mod fd_cache;
 pub mod identity;
+pub mod metrics;
 pub mod register;
 pub mod service;
 pub mod store;
@@ -26,7 +28,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use freeflow_rpc::{ClusterKey, ServerOptions};
+use freeflow_metrics::Registry;
+use freeflow_rpc::{ClusterKey, ServerMetrics, ServerOptions};
 use freeflow_types::limits;
 use tokio::task::JoinHandle;
 
@@ -73,6 +76,9 @@ pub struct RunningIo {
     registered: Arc<AtomicBool>,
     serve: JoinHandle<std::io::Result<()>>,
     registration: JoinHandle<()>,
+    metrics: Arc<Registry>,
+    metrics_address: Option<SocketAddr>,
+    metrics_task: Option<JoinHandle<std::io::Result<()>>>,
 }
 
 /// Starts an I/O server: checks the config and the data directory's identity, starts the disk
@@ -83,7 +89,11 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
     let started = Instant::now();
     config.validate()?;
     identity::claim_data_dir(&config.data_dir, config.server_id)?;
-    let engine = build_engine(&config)?;
+    let registry = Arc::new(Registry::new());
+    let engine: Arc<dyn DiskEngine> = Arc::new(metrics::MeteredEngine::new(
+        build_engine(&config)?,
+        metrics::DiskMetrics::new(&registry),
+    ));
     let engine_name = engine.name();
     let store = ObjectStore::open(
         config.server_id,
@@ -122,7 +132,13 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         }
     };
 
+    // Bound before serving, so a taken metrics port fails the start, not a later scrape.
+    let metrics_listener = match &config.metrics_address {
+        Some(address) => Some(bind_metrics(address).await?),
+        None => None,
+    };
     let options = ServerOptions {
+        metrics: Some(ServerMetrics::new(&registry, freeflow_proto::io::OPCODES)),
         window_bytes: config.window_bytes,
         payload_length_max: limits::IO_REQUEST_BYTES_MAX,
         requests_in_flight_max: config.requests_in_flight_max,
@@ -131,13 +147,25 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
     let service = Arc::new(service::IoService::new(Arc::clone(&store)));
     let serve = tokio::spawn(freeflow_rpc::serve(listener, key.clone(), options, service));
 
+    let (metrics_address, metrics_task) = match metrics_listener {
+        Some((listener, address)) => (
+            Some(address),
+            Some(tokio::spawn(freeflow_metrics::serve_http(
+                listener,
+                Arc::clone(&registry),
+            ))),
+        ),
+        None => (None, None),
+    };
+    let ready_ms = started.elapsed().as_millis() as u64;
+    metrics::register_store_gauges(&registry, &store, ready_ms);
     tracing::info!(
         server_id = config.server_id,
         address = %listen_address,
         data_dir = %config.data_dir.display(),
         engine = engine_name,
-        "ready in {} ms",
-        started.elapsed().as_millis()
+        metrics_address = metrics_address.map(|address| address.to_string()).unwrap_or_else(|| "off".to_owned()),
+        "ready in {ready_ms} ms"
     );
 
     // The object count, after ready (see the `store` module doc).
@@ -158,6 +186,9 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
             connect_timeout_ms: config.meta_connect_timeout_ms,
             call_timeout_ms: config.meta_call_timeout_ms,
             retry_backoff_max_ms: config.register_backoff_max_ms,
+            metrics_address: metrics_address.map(|address| {
+                advertised_metrics_address(address, config.advertise_address.as_deref())
+            }),
         },
         Arc::clone(&registered),
     ));
@@ -169,7 +200,33 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         registered,
         serve,
         registration,
+        metrics: registry,
+        metrics_address,
+        metrics_task,
     })
+}
+
+async fn bind_metrics(
+    address: &str,
+) -> Result<(tokio::net::TcpListener, SocketAddr), IoServerError> {
+    let bind_error = |source| IoServerError::Bind {
+        address: format!("{address} (metrics)"),
+        source,
+    };
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .map_err(bind_error)?;
+    let bound = listener.local_addr().map_err(bind_error)?;
+    Ok((listener, bound))
+}
+
+/// The metrics address other hosts should scrape: the bound one, with the advertised
+/// host instead when it is bound to all interfaces.
+fn advertised_metrics_address(bound: SocketAddr, advertise_address: Option<&str>) -> String {
+    match advertise_address.and_then(|address| address.rsplit_once(':')) {
+        Some((host, _)) if bound.ip().is_unspecified() => format!("{host}:{}", bound.port()),
+        _ => bound.to_string(),
+    }
 }
 
 impl RunningIo {
@@ -196,11 +253,24 @@ impl RunningIo {
         self.store.engine().stats()
     }
 
+    /// This server's metrics (also served over HTTP when `metrics_address` is set).
+    pub fn metrics(&self) -> &Arc<Registry> {
+        &self.metrics
+    }
+
+    /// The bound metrics endpoint, if `metrics_address` was set.
+    pub fn metrics_address(&self) -> Option<SocketAddr> {
+        self.metrics_address
+    }
+
     /// Stops accepting connections and stops registering. Connections already open are
     /// served by their own tasks until their peers close them.
     pub async fn shutdown(self) {
         self.serve.abort();
         self.registration.abort();
+        if let Some(task) = &self.metrics_task {
+            task.abort();
+        }
         let _ = self.serve.await;
         let _ = self.registration.await;
     }
@@ -209,6 +279,9 @@ impl RunningIo {
     pub async fn wait(self) -> Result<(), IoServerError> {
         let outcome = self.serve.await;
         self.registration.abort();
+        if let Some(task) = &self.metrics_task {
+            task.abort();
+        }
         match outcome {
             Ok(Ok(())) => Ok(()),
             Ok(Err(error)) => Err(IoServerError::Serve(error)),

@@ -33,6 +33,8 @@ pub struct RegistrationOptions {
     pub connect_timeout_ms: u64,
     pub call_timeout_ms: u64,
     pub retry_backoff_max_ms: u64,
+    /// The metrics endpoint to announce, for `freeflow top`; None when metrics are off.
+    pub metrics_address: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,6 +126,7 @@ async fn register_once(
         capacity_bytes: stats.capacity_bytes,
         free_bytes: stats.free_bytes,
         object_count: stats.object_count,
+        metrics_address: options.metrics_address.clone(),
     };
     let (reply, _) = link.call(&request, Bytes::new()).await.map_err(|error| {
         if error.is_connection_failure() {

@@ -58,6 +58,7 @@ async fn a_create_open_handle_is_counted_before_the_commit_that_orphans_the_file
         capacity_bytes: 1 << 30,
         free_bytes: 1 << 30,
         object_count: 0,
+        metrics_address: None,
     };
     connection.call(&register, Bytes::new()).await.unwrap();
     let (session, _) = connection

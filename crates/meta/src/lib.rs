@@ -9,6 +9,7 @@
 
 pub mod cutter;
 pub mod io_peers;
+pub mod metrics;
 pub mod ops;
 pub mod reaper;
 pub mod records;
@@ -29,6 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use freeflow_metrics::Registry as MetricsRegistry;
 use freeflow_rpc::{ClusterKey, ServerOptions};
 use freeflow_types::limits::{STRIPE_COUNT_MAX, STRIPE_UNIT_BYTES_DEFAULT};
 use freeflow_types::Layout;
@@ -81,6 +83,9 @@ pub struct MetaConfig {
     pub reap_concurrency_max: usize,
     /// Memory redb may use to cache pages. Default 256 MiB.
     pub store_cache_bytes: usize,
+    /// Where to serve Prometheus metrics over HTTP (`GET /metrics`), `host:port`; port 0
+    /// picks a free port. Default: none (no endpoint; the counters still run).
+    pub metrics_address: Option<String>,
 }
 
 impl Default for MetaConfig {
@@ -101,6 +106,7 @@ impl Default for MetaConfig {
             handles_max: 1 << 20,
             reap_concurrency_max: 32,
             store_cache_bytes: 256 << 20,
+            metrics_address: None,
         }
     }
 }
@@ -152,6 +158,7 @@ impl MetaConfig {
             handles_max,
             reap_concurrency_max,
             store_cache_bytes,
+            metrics_address,
         } = self;
         if listen_address.is_empty() || !listen_address.contains(':') {
             return Err(invalid(
@@ -206,6 +213,14 @@ impl MetaConfig {
                 format!("{window_bytes} is below 64 KiB"),
             ));
         }
+        if let Some(metrics_address) = metrics_address {
+            if metrics_address.is_empty() || !metrics_address.contains(':') {
+                return Err(invalid(
+                    "metrics_address",
+                    format!("{metrics_address:?} is not host:port"),
+                ));
+            }
+        }
         if *store_cache_bytes < 1 << 20 {
             return Err(invalid(
                 "store_cache_bytes",
@@ -219,6 +234,7 @@ impl MetaConfig {
 /// A running metadata server.
 pub struct RunningMeta {
     shared: Arc<Shared>,
+    metrics: Arc<MetricsRegistry>,
     listen_address: SocketAddr,
     serve_task: JoinHandle<std::io::Result<()>>,
     background_tasks: Vec<JoinHandle<()>>,
@@ -264,6 +280,24 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         source,
     })?;
 
+    // Bound before serving, so a taken metrics port fails the start, not a later scrape.
+    let metrics_listener = match &config.metrics_address {
+        Some(address) => {
+            let bind_error = |source| MetaError::Bind {
+                address: format!("{address} (metrics)"),
+                source,
+            };
+            let listener = tokio::net::TcpListener::bind(address)
+                .await
+                .map_err(bind_error)?;
+            let bound = listener.local_addr().map_err(bind_error)?;
+            Some((listener, bound))
+        }
+        None => None,
+    };
+    let registry = Arc::new(MetricsRegistry::new());
+
+    let state_inode_count = state.inode_count;
     let (writer_sender, writer_receiver) = mpsc::channel(config.commit_queue_max);
     let shared = Arc::new(Shared {
         sessions: Mutex::new(Sessions::new(SessionLimits {
@@ -277,7 +311,7 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         )),
         store: RwLock::new(Some(Arc::new(store))),
         writer: writer_sender,
-        inode_count: AtomicU64::new(state.inode_count),
+        inode_count: AtomicU64::new(state_inode_count),
         orphan_count: AtomicU64::new(state.orphan_count),
         commit_count: AtomicU64::new(0),
         boot_epoch: state.boot_epoch,
@@ -287,6 +321,10 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         closing: AtomicBool::new(false),
         io: IoConnections::new(key.clone()),
         cut_gates: Mutex::new(HashMap::new()),
+        metrics: metrics::MetaMetrics::new(&registry),
+        metrics_address: metrics_listener
+            .as_ref()
+            .map(|(_, bound)| bound.to_string()),
         config,
     });
     let writer_thread = spawn_writer(shared.clone(), writer_receiver, state)?;
@@ -294,14 +332,27 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
     let mut options = ServerOptions::new("meta");
     options.window_bytes = shared.config.window_bytes;
     options.requests_in_flight_max = shared.config.requests_in_flight_max;
+    options.metrics = Some(freeflow_rpc::ServerMetrics::new(
+        &registry,
+        freeflow_proto::meta::OPCODES,
+    ));
     let service = Arc::new(MetaService {
         shared: shared.clone(),
     });
     let serve_task = tokio::spawn(freeflow_rpc::serve(listener, key.clone(), options, service));
-    let background_tasks = vec![
+    let mut background_tasks = vec![
         tokio::spawn(reaper::run(shared.clone())),
         tokio::spawn(expire_sessions(shared.clone())),
     ];
+    metrics::register_state_gauges(&registry, &shared, state_inode_count);
+    if let Some((listener, _)) = metrics_listener {
+        let serving = freeflow_metrics::serve_http(listener, Arc::clone(&registry));
+        background_tasks.push(tokio::spawn(async move {
+            if let Err(error) = serving.await {
+                tracing::error!(%error, "metrics endpoint stopped");
+            }
+        }));
+    }
 
     let ready_ms = started.elapsed().as_millis() as u64;
     shared.ready_ms.store(ready_ms, Ordering::Relaxed);
@@ -309,10 +360,12 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         inode_count = shared.inode_count.load(Ordering::Relaxed),
         listen_address = %listen_address,
         data_dir = %shared.config.data_dir.display(),
+        metrics_address = shared.metrics_address.as_deref().unwrap_or("off"),
         "ready in {ready_ms} ms"
     );
     Ok(RunningMeta {
         shared,
+        metrics: registry,
         listen_address,
         serve_task,
         background_tasks,
@@ -360,6 +413,16 @@ impl RunningMeta {
 
     pub fn orphan_count(&self) -> u64 {
         self.shared.orphan_count.load(Ordering::Relaxed)
+    }
+
+    /// This server's metrics (also served over HTTP when `metrics_address` is set).
+    pub fn metrics(&self) -> &Arc<MetricsRegistry> {
+        &self.metrics
+    }
+
+    /// The bound metrics endpoint, if `metrics_address` was set.
+    pub fn metrics_address(&self) -> Option<&str> {
+        self.shared.metrics_address.as_deref()
     }
 
     /// Write transactions committed since start (each one fsync, covering a batch).

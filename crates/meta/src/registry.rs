@@ -17,6 +17,8 @@ use crate::records::ServerEntry;
 struct ServerState {
     entry: ServerEntry,
     last_seen: Option<Instant>,
+    /// From the last heartbeat; in memory only.
+    metrics_address: Option<String>,
 }
 
 #[derive(Debug)]
@@ -44,6 +46,7 @@ impl Registry {
                     ServerState {
                         entry,
                         last_seen: None,
+                        metrics_address: None,
                     },
                 )
             })
@@ -74,14 +77,26 @@ impl Registry {
     /// for it (pending cuts, orphans) can be retried now.
     pub fn heartbeat(&mut self, server: ServerId, entry: ServerEntry, now: Instant) -> bool {
         let came_up = !self.server_is_up(server, now);
+        let metrics_address = self
+            .servers
+            .get(&server)
+            .and_then(|state| state.metrics_address.clone());
         self.servers.insert(
             server,
             ServerState {
                 entry,
                 last_seen: Some(now),
+                metrics_address,
             },
         );
         came_up
+    }
+
+    /// Record where a registered server serves its metrics (from its heartbeat).
+    pub fn set_metrics_address(&mut self, server: ServerId, metrics_address: Option<String>) {
+        if let Some(state) = self.servers.get_mut(&server) {
+            state.metrics_address = metrics_address;
+        }
     }
 
     /// Registered and heard from within `server_down_after_ms`.
@@ -132,6 +147,7 @@ impl Registry {
                 last_seen_ms: state
                     .last_seen
                     .map(|seen| now.saturating_duration_since(seen).as_millis() as u64),
+                metrics_address: state.metrics_address.clone(),
             })
             .collect()
     }

@@ -337,6 +337,7 @@ fn cluster_status(shared: &Shared) -> ClusterReport {
         orphan_count: shared.orphan_count.load(Ordering::Relaxed),
         ready_ms: shared.ready_ms.load(Ordering::Relaxed),
         uptime_ms: shared.started.elapsed().as_millis() as u64,
+        meta_metrics_address: shared.metrics_address.clone(),
     }
 }
 
@@ -349,6 +350,14 @@ async fn register_server(
             ErrorCode::InvalidArgument,
             format!("server address must be 1..={SERVER_ADDRESS_LENGTH_MAX} bytes"),
         ));
+    }
+    if let Some(metrics_address) = &request.metrics_address {
+        if metrics_address.is_empty() || metrics_address.len() > SERVER_ADDRESS_LENGTH_MAX {
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                format!("metrics address must be 1..={SERVER_ADDRESS_LENGTH_MAX} bytes"),
+            ));
+        }
     }
     let entry = ServerEntry {
         address: request.address.clone(),
@@ -380,9 +389,12 @@ async fn register_server(
             .await?;
         tracing::info!(server_id, address = %request.address, "I/O server registered");
     }
-    let came_up = shared
-        .registry()
-        .heartbeat(request.server_id, entry, Instant::now());
+    let came_up = {
+        let mut registry = shared.registry();
+        let came_up = registry.heartbeat(request.server_id, entry, Instant::now());
+        registry.set_metrics_address(request.server_id, request.metrics_address);
+        came_up
+    };
     if came_up {
         // Cuts and orphans waiting for this server are retried at once.
         shared.reaper_wake.notify_one();

@@ -231,6 +231,11 @@ impl Sessions {
     pub fn session_count(&self) -> usize {
         self.sessions.len()
     }
+
+    /// Handles open (or reserved by a create in flight), over all sessions.
+    pub fn handle_count(&self) -> usize {
+        self.handles.len()
+    }
 }
 
 #[cfg(test)]

@@ -40,6 +40,10 @@ pub struct Shared {
     /// Inodes whose objects may be being cut, see [`CutPin`]. One entry per set-attributes
     /// with a size in flight, plus the reaper's one: bounded by the requests in flight.
     pub cut_gates: Mutex<HashMap<InodeId, CutGate>>,
+    /// Counted by the writer; the rest of the metrics are read at each scrape.
+    pub metrics: crate::metrics::MetaMetrics,
+    /// The metrics endpoint, for `ClusterStatus` (None: off).
+    pub metrics_address: Option<String>,
 }
 
 /// Per inode: how many pins are held, and the lock that lets one pin-holder at a time send

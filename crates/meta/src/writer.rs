@@ -132,6 +132,7 @@ pub fn run(
 }
 
 fn run_batch(shared: &Shared, state: &mut WriterState, mut batch: Vec<Box<dyn BatchJob>>) {
+    let started = std::time::Instant::now();
     let saved = state.clone();
     let orphans_before = saved.orphan_count;
     let placement = shared.placement();
@@ -169,6 +170,9 @@ fn run_batch(shared: &Shared, state: &mut WriterState, mut batch: Vec<Box<dyn Ba
             ))
         }
     };
+    shared
+        .metrics
+        .batch_done(batch.len(), started, outcome.is_ok());
     for job in batch {
         job.finish(&outcome);
     }

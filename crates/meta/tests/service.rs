@@ -170,6 +170,7 @@ async fn reaper_removes_data_after_the_last_close_and_restart_keeps_the_namespac
         capacity_bytes: 1 << 30,
         free_bytes: 1 << 29,
         object_count: 0,
+        metrics_address: None,
     };
     connection.call(&register, Bytes::new()).await.unwrap();
     let (session, _) = connection
@@ -281,6 +282,7 @@ async fn orphans_survive_a_restart_and_wait_one_lease_before_reaping() {
         capacity_bytes: 1 << 30,
         free_bytes: 1 << 29,
         object_count: 0,
+        metrics_address: None,
     };
     connection
         .call(&register(dead_address), Bytes::new())
@@ -350,6 +352,7 @@ fn register(server_id: u32, address: String) -> RegisterServer {
         capacity_bytes: 1 << 30,
         free_bytes: 1 << 29,
         object_count: 0,
+        metrics_address: None,
     }
 }
 

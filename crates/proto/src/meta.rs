@@ -104,6 +104,8 @@ pub struct ServerRecord {
     pub object_count: u64,
     /// Milliseconds since the last heartbeat; None if never seen since the meta server started.
     pub last_seen_ms: Option<u64>,
+    /// `host:port` of the server's metrics endpoint, as in its last heartbeat (None: off).
+    pub metrics_address: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,6 +122,8 @@ pub struct ClusterReport {
     pub orphan_count: u64,
     pub ready_ms: u64,
     pub uptime_ms: u64,
+    /// `host:port` of the meta server's metrics endpoint (None: off).
+    pub meta_metrics_address: Option<String>,
 }
 
 requests! {
@@ -180,6 +184,14 @@ requests! {
     SetDirLayout = 130 => Attr { caller: Caller, inode: InodeId, stripe_unit_bytes: Option<u32>, stripe_count: Option<u32> }
     ListServers = 131 => Vec<ServerRecord> {}
     /// Sent by an I/O server at start and then as its heartbeat.
-    RegisterServer = 132 => RegisterReply { server_id: ServerId, address: String, capacity_bytes: u64, free_bytes: u64, object_count: u64 }
+    RegisterServer = 132 => RegisterReply {
+        server_id: ServerId,
+        address: String,
+        capacity_bytes: u64,
+        free_bytes: u64,
+        object_count: u64,
+        /// `host:port` of the server's metrics endpoint for `freeflow top` (None: off).
+        metrics_address: Option<String>,
+    }
     ClusterStatus = 133 => ClusterReport {}
 }

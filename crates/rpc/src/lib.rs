@@ -11,6 +11,7 @@ mod client;
 mod codec;
 mod error;
 mod key;
+mod metrics;
 mod server;
 mod transport;
 
@@ -21,6 +22,7 @@ pub use codec::{
 };
 pub use error::RpcError;
 pub use key::{ClusterKey, KeyError};
+pub use metrics::ServerMetrics;
 pub use server::{handle, serve, serve_connection, Frame, PeerInfo, Reply, ServerOptions, Service};
 pub use transport::{ReadHalf, Tcp, Transport, WriteHalf};
 

@@ -23,6 +23,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Notify, Semaphore};
 
 use crate::codec::{read_fixed_header, read_frame_body, write_frame, FrameLimits, FrameReadError};
+use crate::metrics::ServerMetrics;
 use crate::transport::{ReadHalf, WriteHalf};
 use crate::ClusterKey;
 
@@ -108,6 +109,8 @@ pub struct ServerOptions {
     pub handshake_timeout_ms: u64,
     /// Time a frame has to arrive completely once its first byte is here.
     pub frame_timeout_ms: u64,
+    /// Where to count requests, bytes, service times and connections; None counts nothing.
+    pub metrics: Option<ServerMetrics>,
 }
 
 impl ServerOptions {
@@ -122,6 +125,7 @@ impl ServerOptions {
             handshakes_max: 128,
             handshake_timeout_ms: 5000,
             frame_timeout_ms: 30_000,
+            metrics: None,
         }
     }
 }
@@ -174,6 +178,9 @@ pub async fn serve<S: Service>(
         while connections.try_join_next().is_some() {}
         if connections.len() >= connections_max {
             tracing::warn!(peer = %address, limit = connections_max, "refusing connection: too many connections");
+            if let Some(metrics) = &shared.options.metrics {
+                metrics.connection_refused();
+            }
             continue;
         }
         let _ = stream.set_nodelay(true);
@@ -218,10 +225,14 @@ async fn run_connection<S: Service>(
     service: Arc<S>,
 ) {
     let options = &shared.options;
+    let metrics = options.metrics.clone();
     let mut reader = BufReader::with_capacity(64 << 10, read);
     let mut writer = BufWriter::with_capacity(64 << 10, write);
     let Ok(handshake_slot) = shared.handshakes.try_acquire() else {
         tracing::warn!(peer = %address, limit = options.handshakes_max, "closing connection: too many connections authenticating");
+        if let Some(metrics) = &metrics {
+            metrics.connection_refused();
+        }
         return;
     };
     let timeout = Duration::from_millis(options.handshake_timeout_ms);
@@ -234,14 +245,21 @@ async fn run_connection<S: Service>(
         Ok(Ok(name)) => name,
         Ok(Err(reason)) => {
             tracing::warn!(peer = %address, "closing connection during handshake: {reason}");
+            if let Some(metrics) = &metrics {
+                metrics.handshake_failed();
+            }
             return;
         }
         Err(_) => {
             tracing::warn!(peer = %address, "closing connection: no handshake within {} ms", options.handshake_timeout_ms);
+            if let Some(metrics) = &metrics {
+                metrics.handshake_failed();
+            }
             return;
         }
     };
     drop(handshake_slot);
+    let _open = metrics.clone().map(OpenConnection::new);
     let peer = Arc::new(PeerInfo {
         address,
         client_name,
@@ -266,9 +284,17 @@ async fn run_connection<S: Service>(
 
     let reason = loop {
         while requests.try_join_next().is_some() {}
-        let permit = tokio::select! {
-            permit = in_flight.clone().acquire_owned() => permit.expect("semaphore never closed"),
-            () = close.notified() => break take_reason(),
+        let permit = match in_flight.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                if let Some(metrics) = &metrics {
+                    metrics.credit_wait();
+                }
+                tokio::select! {
+                    permit = in_flight.clone().acquire_owned() => permit.expect("semaphore never closed"),
+                    () = close.notified() => break take_reason(),
+                }
+            }
         };
         // An idle connection may wait for its next request as long as it likes.
         let fixed = tokio::select! {
@@ -291,9 +317,21 @@ async fn run_connection<S: Service>(
             break Some("handshake frame after the handshake".to_string());
         }
         // Room for the payload in the server-wide budget before reading it.
-        let payload_permit = tokio::select! {
-            permit = shared.payload_bytes.clone().acquire_many_owned(header.payload_length) => permit.expect("semaphore never closed"),
-            () = close.notified() => break take_reason(),
+        let payload_permit = match shared
+            .payload_bytes
+            .clone()
+            .try_acquire_many_owned(header.payload_length)
+        {
+            Ok(permit) => permit,
+            Err(_) => {
+                if let Some(metrics) = &metrics {
+                    metrics.budget_wait();
+                }
+                tokio::select! {
+                    permit = shared.payload_bytes.clone().acquire_many_owned(header.payload_length) => permit.expect("semaphore never closed"),
+                    () = close.notified() => break take_reason(),
+                }
+            }
         };
         // Once a frame has begun, all of it must come within the frame timeout.
         let frame =
@@ -315,10 +353,17 @@ async fn run_connection<S: Service>(
         };
         let (service, peer, sender) = (service.clone(), peer.clone(), reply_sender.clone());
         let (close, close_reason) = (close.clone(), close_reason.clone());
+        let mut timer = metrics
+            .as_ref()
+            .map(|metrics| metrics.request_started(header.opcode, request.payload.len() as u64));
         requests.spawn(async move {
             let (opcode, request_id) = (request.opcode, request.request_id);
             let outcome = service.call(request, &peer).await;
             drop(payload_permit);
+            if let (Some(timer), Ok(reply)) = (&mut timer, &outcome) {
+                timer.replied(reply.payload.len() as u64);
+            }
+            drop(timer);
             match outcome {
                 Ok(reply) => {
                     let _ = sender.send((opcode, request_id, reply)).await;
@@ -340,6 +385,22 @@ async fn run_connection<S: Service>(
     drop(requests);
     drop(reply_sender);
     let _ = (&mut writer_task.0).await;
+}
+
+/// Counts an authenticated connection as open until dropped.
+struct OpenConnection(ServerMetrics);
+
+impl OpenConnection {
+    fn new(metrics: ServerMetrics) -> OpenConnection {
+        metrics.connection_opened();
+        OpenConnection(metrics)
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.connection_closed();
+    }
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);

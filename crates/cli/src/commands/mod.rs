@@ -1,5 +1,6 @@
 //! One module per group of subcommands; `run` dispatches.
 
+mod bench;
 mod copy;
 mod init;
 mod mount;
@@ -7,6 +8,7 @@ mod namespace;
 mod servers;
 mod status;
 mod stripe;
+mod top;
 mod up;
 
 use crate::args::{Cli, Command, StripeCommand};
@@ -28,12 +30,14 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
             sync_on_close,
             call_timeout_ms,
             threads,
+            metrics_address,
         } => {
             let options = mount::Options {
                 allow_other,
                 sync_on_close,
                 call_timeout_ms,
                 threads,
+                metrics_address,
             };
             mount::run(&cluster_file, &mountpoint, options).await
         }
@@ -59,9 +63,22 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
             sync,
             quiet,
         } => copy::run(cluster, &source, &target, sync, quiet).await,
+        Command::Bench(arguments) => bench::run(*arguments).await,
         Command::Stripe(StripeCommand::Get { path }) => stripe::get(cluster, &path).await,
         Command::Stripe(StripeCommand::Set { path, unit, count }) => {
             stripe::set(cluster, &path, unit, count).await
+        }
+        Command::Top {
+            once,
+            json,
+            interval_ms,
+        } => {
+            let options = top::Options {
+                once,
+                json,
+                interval_ms,
+            };
+            top::run(cluster, options).await
         }
     }
 }

@@ -13,12 +13,14 @@ use freeflow_fuse::{MountHandle, MountOptions};
 use crate::cluster_file::{self, ClientFile};
 
 /// The mount command's options.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Options {
     pub allow_other: bool,
     pub sync_on_close: bool,
     pub call_timeout_ms: u64,
     pub threads: u32,
+    /// Serve the client's metrics on this `host:port` (None: no endpoint).
+    pub metrics_address: Option<String>,
 }
 
 impl Default for Options {
@@ -28,6 +30,7 @@ impl Default for Options {
             sync_on_close: false,
             call_timeout_ms: 10_000,
             threads: 4,
+            metrics_address: None,
         }
     }
 }
@@ -36,11 +39,21 @@ impl Default for Options {
 pub struct Mounted {
     handle: MountHandle,
     client: freeflow_client::Client,
+    metrics_task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    metrics_address: Option<std::net::SocketAddr>,
 }
 
 impl Mounted {
+    /// Where the mount's metrics are served, if they are.
+    pub fn metrics_address(&self) -> Option<std::net::SocketAddr> {
+        self.metrics_address
+    }
+
     /// Unmount, then close the client's session.
     pub async fn unmount(self) -> anyhow::Result<()> {
+        if let Some(task) = &self.metrics_task {
+            task.abort();
+        }
         let mountpoint = self.handle.mountpoint().to_owned();
         let result = self
             .handle
@@ -59,6 +72,9 @@ pub async fn run(cluster_file: &Path, mountpoint: &Path, options: Options) -> an
         cluster_file.display(),
         mounted.handle.mountpoint().display()
     );
+    if let Some(address) = mounted.metrics_address() {
+        println!("mount metrics at http://{address}/metrics");
+    }
     tokio::select! {
         result = super::shutdown_signal() => result?,
         () = mounted.handle.serving_ended() => println!("unmounted from outside"),
@@ -73,6 +89,17 @@ pub async fn mount_cluster(
     options: Options,
 ) -> anyhow::Result<Mounted> {
     let client = connect(cluster_file, options.call_timeout_ms).await?;
+    let metrics_listener = match &options.metrics_address {
+        Some(address) => match tokio::net::TcpListener::bind(address).await {
+            Ok(listener) => Some(listener),
+            Err(error) => {
+                client.shutdown().await;
+                return Err(error)
+                    .with_context(|| format!("cannot serve mount metrics on {address}"));
+            }
+        },
+        None => None,
+    };
     let mount_options = MountOptions {
         allow_other: options.allow_other,
         sync_on_close: options.sync_on_close,
@@ -88,7 +115,23 @@ pub async fn mount_cluster(
     .await
     .context("the mount task failed")?;
     match handle {
-        Ok(handle) => Ok(Mounted { handle, client }),
+        Ok(handle) => {
+            let metrics_address = metrics_listener
+                .as_ref()
+                .and_then(|listener| listener.local_addr().ok());
+            let metrics_task = metrics_listener.map(|listener| {
+                tokio::spawn(freeflow_metrics::serve_http(
+                    listener,
+                    std::sync::Arc::clone(client.metrics()),
+                ))
+            });
+            Ok(Mounted {
+                handle,
+                client,
+                metrics_task,
+                metrics_address,
+            })
+        }
         Err(error) => {
             client.shutdown().await;
             Err(error).with_context(|| format!("cannot mount {}", mountpoint.display()))

@@ -2,6 +2,11 @@
 //! Data, key and configs live under one directory and are reused on the next start; the
 //! configs written there also run the same cluster as separate processes
 //! (`freeflow meta --config DIR/meta.toml`, `freeflow io --config DIR/io-0.toml`, ...).
+//!
+//! Every server gets a metrics endpoint (docs/metrics.md), printed at start: the meta
+//! server on PORT + [`META_METRICS_PORT_OFFSET`], the mount on PORT +
+//! [`MOUNT_METRICS_PORT_OFFSET`], I/O server i on PORT + [`IO_METRICS_PORT_OFFSET`] + i
+//! (I/O servers themselves listen on PORT + 10 + i, up to 64 of them).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -15,6 +20,21 @@ use crate::cluster_file::{self, ClientFile, IoFile, MetaFile};
 
 /// How long `up` waits for every I/O server to register before reporting ready anyway.
 const REGISTRATION_WAIT_MS: u64 = 10_000;
+
+/// Metrics ports, as offsets from `--port`.
+pub const META_METRICS_PORT_OFFSET: u32 = 1;
+pub const MOUNT_METRICS_PORT_OFFSET: u32 = 2;
+pub const IO_METRICS_PORT_OFFSET: u32 = 100;
+
+/// `127.0.0.1:(port + offset)`, refusing ports past 65535.
+fn loopback_port(port: u16, offset: u32) -> anyhow::Result<String> {
+    let chosen = u32::from(port) + offset;
+    anyhow::ensure!(
+        chosen <= u32::from(u16::MAX),
+        "--port {port} is too high: port {chosen} (PORT + {offset}) does not exist"
+    );
+    Ok(format!("127.0.0.1:{chosen}"))
+}
 
 pub async fn run(
     data: PathBuf,
@@ -38,19 +58,23 @@ pub async fn run(
     let meta_config = MetaConfig {
         listen_address: meta_address.clone(),
         data_dir: data.join("meta"),
+        metrics_address: Some(loopback_port(port, META_METRICS_PORT_OFFSET)?),
         ..MetaConfig::default()
     };
-    let io_configs: Vec<IoConfig> = (0..io_server_count)
-        .map(|server_id| IoConfig {
-            server_id,
-            listen_address: format!("127.0.0.1:{}", u32::from(port) + 10 + server_id),
-            advertise_address: None,
-            data_dir: data.join(format!("io-{server_id}")),
-            meta_address: meta_address.clone(),
-            engine,
-            ..IoConfig::default()
+    let io_configs = (0..io_server_count)
+        .map(|server_id| {
+            Ok(IoConfig {
+                server_id,
+                listen_address: loopback_port(port, 10 + server_id)?,
+                advertise_address: None,
+                data_dir: data.join(format!("io-{server_id}")),
+                meta_address: meta_address.clone(),
+                engine,
+                metrics_address: Some(loopback_port(port, IO_METRICS_PORT_OFFSET + server_id)?),
+                ..IoConfig::default()
+            })
         })
-        .collect();
+        .collect::<anyhow::Result<Vec<IoConfig>>>()?;
     write_configs(&data, &meta_config, &io_configs, &meta_address)?;
 
     let meta = freeflow_meta::start(meta_config, key.clone())
@@ -63,6 +87,9 @@ pub async fn run(
         meta.inode_count(),
         data.join("meta").display()
     );
+    if let Some(address) = meta.metrics_address() {
+        println!("  metrics        http://{address}/metrics");
+    }
     let mut io_servers = Vec::new();
     for config in io_configs {
         let (server_id, listen, directory) = (
@@ -88,22 +115,32 @@ pub async fn run(
             server.engine_name(),
             directory.display()
         );
+        if let Some(address) = server.metrics_address() {
+            println!("  metrics        http://{address}/metrics");
+        }
         io_servers.push(server);
     }
     let client_file = data.join("client.toml");
     wait_for_registration(&client_file, io_server_count).await;
     println!("cluster file     {}", client_file.display());
     println!("try: freeflow --cluster {} status", client_file.display());
+    println!("     freeflow --cluster {} top", client_file.display());
     let mounted = match &mountpoint {
         Some(mountpoint) => match super::mount::mount_cluster(
             &client_file,
             mountpoint,
-            super::mount::Options::default(),
+            super::mount::Options {
+                metrics_address: Some(loopback_port(port, MOUNT_METRICS_PORT_OFFSET)?),
+                ..super::mount::Options::default()
+            },
         )
         .await
         {
             Ok(mounted) => {
                 println!("mounted on       {}", mountpoint.display());
+                if let Some(address) = mounted.metrics_address() {
+                    println!("  metrics        http://{address}/metrics");
+                }
                 Some(mounted)
             }
             Err(error) => {

@@ -202,6 +202,8 @@ pub struct ClusterOptions {
     pub engine: EngineKind,
     /// Stripe unit of new files (the meta server's default).
     pub stripe_unit_bytes: u32,
+    /// Give every server a metrics endpoint on a free loopback port.
+    pub metrics: bool,
 }
 
 impl ClusterOptions {
@@ -210,6 +212,7 @@ impl ClusterOptions {
             io_count,
             engine: EngineKind::Uring,
             stripe_unit_bytes: 64 << 10,
+            metrics: false,
         }
     }
 }
@@ -221,6 +224,7 @@ struct IoServer {
     log_path: PathBuf,
     data_dir: PathBuf,
     child: Option<Child>,
+    metrics_address: Option<String>,
 }
 
 /// A running cluster of child processes. Dropping it kills them all.
@@ -233,6 +237,12 @@ pub struct Cluster {
     meta_log_path: PathBuf,
     meta: Option<Child>,
     io: Vec<IoServer>,
+    meta_metrics_address: Option<String>,
+}
+
+/// A fresh loopback metrics address when `enabled`.
+fn metrics_address(enabled: bool) -> Option<String> {
+    enabled.then(|| format!("127.0.0.1:{}", free_port()))
 }
 
 fn spawn_server(role: &str, config: &Path, log: &Path) -> Child {
@@ -282,6 +292,7 @@ impl Cluster {
                 data_dir: dir.path().join(format!("io-{server_id}")),
                 config_path: dir.path().join(format!("io-{server_id}.toml")),
                 child: None,
+                metrics_address: metrics_address(options.metrics),
             })
             .collect();
         let mut cluster = Cluster {
@@ -290,6 +301,7 @@ impl Cluster {
             dir,
             key,
             meta_address: format!("127.0.0.1:{}", free_port()),
+            meta_metrics_address: metrics_address(options.metrics),
             options,
             meta: None,
             io,
@@ -305,6 +317,7 @@ impl Cluster {
             }
             assert!(attempt + 1 < PORT_ATTEMPTS, "meta server: no free port");
             cluster.meta_address = format!("127.0.0.1:{}", free_port());
+            cluster.meta_metrics_address = metrics_address(cluster.options.metrics);
         }
         for index in 0..cluster.io.len() {
             for attempt in 0..PORT_ATTEMPTS {
@@ -319,6 +332,7 @@ impl Cluster {
                     "I/O server {index}: no free port"
                 );
                 cluster.io[index].address = format!("127.0.0.1:{}", free_port());
+                cluster.io[index].metrics_address = metrics_address(cluster.options.metrics);
             }
         }
         cluster.wait_all_io_up().await;
@@ -335,6 +349,7 @@ impl Cluster {
             server_down_after_ms: 3_000,
             heartbeat_interval_ms: 500,
             store_cache_bytes: 16 << 20,
+            metrics_address: self.meta_metrics_address.clone(),
             ..MetaConfig::default()
         };
         let file = MetaFile {
@@ -356,6 +371,7 @@ impl Cluster {
             buffer_count: 16,
             worker_threads: 4,
             register_backoff_max_ms: 500,
+            metrics_address: server.metrics_address.clone(),
             ..IoConfig::default()
         };
         let file = IoFile {
@@ -375,6 +391,16 @@ impl Cluster {
 
     pub fn io_address(&self, index: usize) -> &str {
         &self.io[index].address
+    }
+
+    /// The metrics endpoint of I/O server `index` (with `ClusterOptions::metrics`).
+    pub fn io_metrics_address(&self, index: usize) -> Option<&str> {
+        self.io[index].metrics_address.as_deref()
+    }
+
+    /// The meta server's metrics endpoint (with `ClusterOptions::metrics`).
+    pub fn meta_metrics_address(&self) -> Option<&str> {
+        self.meta_metrics_address.as_deref()
     }
 
     pub fn io_data_dir(&self, index: usize) -> &Path {

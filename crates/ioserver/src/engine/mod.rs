@@ -38,6 +38,13 @@ pub struct EngineStats {
     /// Times a request found no free buffer and queued for one (io_uring engine; the thread
     /// engine has no pool and reports 0).
     pub buffer_waits: u64,
+    /// Disk operations handed to the kernel (io_uring: entries pushed, resubmissions of
+    /// short transfers included) or to a worker thread.
+    pub submissions: u64,
+    /// Total time requests spent waiting for a free buffer, in microseconds.
+    pub buffer_wait_time_us: u64,
+    /// Requests waiting for a buffer right now.
+    pub buffer_waiters: u64,
 }
 
 /// Positional I/O on open object files.

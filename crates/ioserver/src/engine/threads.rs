@@ -42,6 +42,7 @@ enum Job {
 pub struct ThreadEngine {
     queue: mpsc::Sender<Job>,
     completions: Arc<AtomicU64>,
+    submissions: AtomicU64,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -66,6 +67,7 @@ impl ThreadEngine {
         Ok(ThreadEngine {
             queue,
             completions,
+            submissions: AtomicU64::new(0),
             workers,
         })
     }
@@ -74,6 +76,7 @@ impl ThreadEngine {
         if self.queue.send(job).await.is_err() {
             return Err(engine_stopped());
         }
+        self.submissions.fetch_add(1, Ordering::Relaxed);
         reply.await.unwrap_or_else(|_| Err(engine_stopped()))
     }
 }
@@ -188,6 +191,9 @@ impl DiskEngine for ThreadEngine {
             completions: self.completions.load(Ordering::Relaxed),
             out_of_order_completions: 0,
             buffer_waits: 0,
+            submissions: self.submissions.load(Ordering::Relaxed),
+            buffer_wait_time_us: 0,
+            buffer_waiters: 0,
         }
     }
 }

@@ -132,6 +132,7 @@ impl Wake {
 struct Counters {
     completions: AtomicU64,
     out_of_order_completions: AtomicU64,
+    submissions: AtomicU64,
 }
 
 pub struct UringEngine {
@@ -181,6 +182,7 @@ impl UringEngine {
         let counters = Arc::new(Counters {
             completions: AtomicU64::new(0),
             out_of_order_completions: AtomicU64::new(0),
+            submissions: AtomicU64::new(0),
         });
         let (submissions, receiver) = mpsc::channel(queue_depth_max);
         let ring_thread = RingThread {
@@ -341,6 +343,9 @@ impl DiskEngine for UringEngine {
                 .out_of_order_completions
                 .load(Ordering::Relaxed),
             buffer_waits: self.pool.wait_count(),
+            submissions: self.counters.submissions.load(Ordering::Relaxed),
+            buffer_wait_time_us: self.pool.wait_time_us(),
+            buffer_waiters: self.pool.waiter_count() as u64,
         }
     }
 }
@@ -529,6 +534,7 @@ impl RingThread {
                 .build(),
         };
         self.push(&entry.user_data(slot as u64));
+        self.counters.submissions.fetch_add(1, Ordering::Relaxed);
     }
 
     fn push(&mut self, entry: &squeue::Entry) {

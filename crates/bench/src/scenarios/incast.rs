@@ -1,0 +1,244 @@
+//! `incast`: many clients writing to one I/O server at once, the many-to-one pattern that
+//! fills a server's queues and memory. A cluster with a single I/O server is started; each
+//! subject is a number of clients (1, then N), each client with its own `Client` (its own
+//! session and connections) in this process, all released together to write and fsync a
+//! file of their own. Reported: aggregate and per-client throughput, Jain's fairness index
+//! of the per-client throughputs, and the I/O server's peak resident memory (VmHWM, reset
+//! before each run where the kernel allows it).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use freeflow_client::{Client, OpenAccess};
+
+use super::{parameter, Env, Scenario, Subject};
+use crate::cluster::{Cluster, Placement};
+use crate::error::{SetupError, StepContext, StepError};
+use crate::json::Value;
+use crate::model::{jain_index, median, Better, Measurement, MetricSpec, Target};
+use crate::sizes::Sizes;
+use crate::system::{fresh_name, megabytes_per_second, peak_rss_kib, reset_peak_rss, Xorshift};
+
+/// Bytes per write call of each client.
+const WRITE_BYTES: usize = 1 << 20;
+
+pub struct Incast {
+    clients: u32,
+    client_bytes: u64,
+    peak_reset_refused: bool,
+}
+
+impl Incast {
+    pub fn new(sizes: &Sizes) -> Incast {
+        Incast {
+            clients: sizes.incast_clients,
+            client_bytes: sizes.incast_client_bytes,
+            peak_reset_refused: false,
+        }
+    }
+}
+
+impl Scenario for Incast {
+    fn name(&self) -> &'static str {
+        "incast"
+    }
+
+    fn parameters(&self) -> Vec<(String, Value)> {
+        vec![
+            parameter("clients", u64::from(self.clients)),
+            parameter("client_bytes", self.client_bytes),
+            parameter("write_bytes", WRITE_BYTES as u64),
+            parameter("io_servers", 1),
+        ]
+    }
+
+    fn metrics(&self) -> Vec<MetricSpec> {
+        vec![
+            MetricSpec::new("aggregate", "MB/s", Better::Higher),
+            MetricSpec::new("per_client_min", "MB/s", Better::Higher),
+            MetricSpec::new("per_client_median", "MB/s", Better::Higher),
+            MetricSpec::new("jain_index", "index", Better::Higher),
+            MetricSpec::new("io_peak_rss", "MiB", Better::Lower),
+        ]
+    }
+
+    fn subjects(
+        &mut self,
+        _targets: &[Target],
+        env: &Env,
+    ) -> Result<Vec<Box<dyn Subject>>, SetupError> {
+        env.step("start a cluster with one I/O server");
+        let cluster = Cluster::start(
+            env.scratch().join(fresh_name("incast")),
+            1,
+            Placement::Loopback,
+            &env.freeflow_exe,
+            &env.runtime,
+        )
+        .map_err(|error| SetupError::Failed {
+            subject: "cluster".into(),
+            error,
+        })?;
+        let io_pid = cluster.io[0].pid().unwrap_or(0);
+        if !reset_peak_rss(io_pid) {
+            self.peak_reset_refused = true;
+        }
+        let cluster = Arc::new(cluster);
+        let mut data = vec![0u8; WRITE_BYTES];
+        Xorshift::new(8).fill(&mut data);
+        let data = Bytes::from(data);
+        let mut counts = vec![1, self.clients];
+        counts.dedup();
+        let mut subjects: Vec<Box<dyn Subject>> = Vec::new();
+        for count in counts {
+            let name = format!("{count} client{}", if count == 1 { "" } else { "s" });
+            let clients = (0..count)
+                .map(|index| cluster.client(&format!("incast-{index}")))
+                .collect::<Result<Vec<Client>, StepError>>()
+                .map_err(|error| SetupError::Failed {
+                    subject: name.clone(),
+                    error,
+                })?;
+            subjects.push(Box::new(IncastSubject {
+                name,
+                cluster: Arc::clone(&cluster),
+                clients,
+                client_bytes: self.client_bytes,
+                data: data.clone(),
+                io_pid,
+            }));
+        }
+        Ok(subjects)
+    }
+
+    fn notes(&self) -> Vec<String> {
+        let mut notes = vec![
+            "clients are separate Client instances (sessions, connections) in one process".into(),
+        ];
+        if self.peak_reset_refused {
+            notes.push(
+                "the kernel refused to reset VmHWM (clear_refs), so io_peak_rss is the I/O \
+                 server's peak since it started"
+                    .into(),
+            );
+        }
+        notes
+    }
+}
+
+struct IncastSubject {
+    name: String,
+    cluster: Arc<Cluster>,
+    clients: Vec<Client>,
+    client_bytes: u64,
+    data: Bytes,
+    io_pid: u32,
+}
+
+/// Write `bytes` to a new file `path` through `client`, fsync, close; seconds taken.
+async fn write_one(
+    client: Client,
+    path: String,
+    bytes: u64,
+    data: Bytes,
+    started: Instant,
+) -> Result<f64, StepError> {
+    let (parent, name) = path.rsplit_once('/').unwrap_or(("", &path));
+    let parent = client
+        .resolve(if parent.is_empty() { "/" } else { parent })
+        .await
+        .step(format!("resolve the parent of {path}"))?;
+    let access = OpenAccess {
+        read: false,
+        write: true,
+    };
+    let (handle, _) = client
+        .create_open(parent.inode, name, 0o644, true, access)
+        .await
+        .step(format!("create {path}"))?;
+    let mut offset = 0u64;
+    while offset < bytes {
+        let length = (bytes - offset).min(data.len() as u64) as usize;
+        handle
+            .write_at(offset, data.slice(..length))
+            .await
+            .step(format!("write {path} at {offset}"))?;
+        offset += length as u64;
+    }
+    handle.fsync().await.step(format!("fsync {path}"))?;
+    handle.close().await.step(format!("close {path}"))?;
+    Ok(started.elapsed().as_secs_f64())
+}
+
+impl Subject for IncastSubject {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn run_once(&mut self, _repeat: u32, env: &Env) -> Result<Vec<Measurement>, StepError> {
+        let directory = format!("/{}", fresh_name("incast"));
+        let first = &self.clients[0];
+        env.runtime
+            .block_on(first.mkdir_path(&directory, 0o755))
+            .step(format!("mkdir {directory}"))?;
+        reset_peak_rss(self.io_pid);
+        env.step(&format!("{} writing", self.name));
+        let started = Instant::now();
+        let seconds = env.runtime.block_on(async {
+            let tasks: Vec<_> = self
+                .clients
+                .iter()
+                .enumerate()
+                .map(|(index, client)| {
+                    tokio::spawn(write_one(
+                        client.clone(),
+                        format!("{directory}/c{index}"),
+                        self.client_bytes,
+                        self.data.clone(),
+                        started,
+                    ))
+                })
+                .collect();
+            let mut seconds = Vec::new();
+            for task in tasks {
+                seconds.push(task.await.step("incast writer task")??);
+            }
+            Ok::<Vec<f64>, StepError>(seconds)
+        })?;
+        let peak_kib = peak_rss_kib(self.io_pid).ok_or_else(|| {
+            StepError::new(
+                "read the I/O server's VmHWM",
+                format!("/proc/{}/status unreadable", self.io_pid),
+            )
+        })?;
+        env.step("remove the files");
+        env.runtime
+            .block_on(first.remove_all(&directory))
+            .step(format!("remove {directory}"))?;
+        let per_client: Vec<f64> = seconds
+            .iter()
+            .map(|&s| megabytes_per_second(self.client_bytes, s))
+            .collect();
+        let slowest = seconds.iter().copied().fold(0.0, f64::max);
+        let total = self.client_bytes * self.clients.len() as u64;
+        Ok(vec![
+            Measurement::new("aggregate", megabytes_per_second(total, slowest)),
+            Measurement::new(
+                "per_client_min",
+                per_client.iter().copied().fold(f64::INFINITY, f64::min),
+            ),
+            Measurement::new("per_client_median", median(&per_client)),
+            Measurement::new("jain_index", jain_index(&per_client)),
+            Measurement::new("io_peak_rss", peak_kib as f64 / 1024.0),
+        ])
+    }
+}
+
+impl Drop for IncastSubject {
+    fn drop(&mut self) {
+        for client in self.clients.drain(..) {
+            self.cluster.shutdown_client(client);
+        }
+    }
+}

@@ -1,0 +1,248 @@
+//! What the I/O server counts (docs/metrics.md lists every name): bytes and operations
+//! through the disk engine, disk and fsync time, operations in the engine (queue depth),
+//! and, copied at each scrape, the engine's own counters (submissions, completions, out of
+//! order completions, buffer waits), open descriptors and the object count.
+//!
+//! The disk side is measured by [`MeteredEngine`], a [`DiskEngine`] that wraps the real one,
+//! so the store and the engines stay unaware of metrics. RPC requests per opcode are counted
+//! by the RPC layer into the same registry.
+
+use std::fs::File;
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use bytes::Bytes;
+use freeflow_metrics::{Counter, Gauge, Histogram, Registry, LATENCY_BUCKETS_US};
+
+use crate::engine::{DiskEngine, EngineFuture, EngineStats};
+use crate::store::ObjectStore;
+
+/// Handles of the disk-side metrics.
+#[derive(Clone)]
+pub struct DiskMetrics {
+    read_bytes: Counter,
+    written_bytes: Counter,
+    reads: Counter,
+    writes: Counter,
+    syncs: Counter,
+    errors: Counter,
+    read_time: Histogram,
+    write_time: Histogram,
+    fsync_time: Histogram,
+    in_flight: Gauge,
+}
+
+impl DiskMetrics {
+    pub fn new(registry: &Registry) -> DiskMetrics {
+        let operations = |op| {
+            registry.counter(
+                "freeflow_io_disk_operations_total",
+                "Operations through the disk engine, by kind (read, write, sync).",
+                &[("op", op)],
+            )
+        };
+        let time = |op| {
+            registry.histogram(
+                "freeflow_io_disk_time_microseconds",
+                "Time of one read or write request in the disk engine (all its pieces, buffer waits included).",
+                &[("op", op)],
+                LATENCY_BUCKETS_US,
+            )
+        };
+        DiskMetrics {
+            read_bytes: registry.counter(
+                "freeflow_io_read_bytes_total",
+                "Bytes read from objects.",
+                &[],
+            ),
+            written_bytes: registry.counter(
+                "freeflow_io_written_bytes_total",
+                "Bytes written to objects.",
+                &[],
+            ),
+            reads: operations("read"),
+            writes: operations("write"),
+            syncs: operations("sync"),
+            errors: registry.counter(
+                "freeflow_io_disk_errors_total",
+                "Disk engine operations that failed.",
+                &[],
+            ),
+            read_time: time("read"),
+            write_time: time("write"),
+            fsync_time: registry.histogram(
+                "freeflow_io_fsync_time_microseconds",
+                "Time of one object fdatasync in the disk engine.",
+                &[],
+                LATENCY_BUCKETS_US,
+            ),
+            in_flight: registry.gauge(
+                "freeflow_io_disk_operations_in_flight",
+                "Operations in the disk engine now (waiting for a buffer, queued or in the kernel): the queue depth.",
+                &[],
+            ),
+        }
+    }
+}
+
+/// Counts every operation of the engine it wraps.
+pub struct MeteredEngine {
+    inner: Arc<dyn DiskEngine>,
+    metrics: DiskMetrics,
+}
+
+impl MeteredEngine {
+    pub fn new(inner: Arc<dyn DiskEngine>, metrics: DiskMetrics) -> MeteredEngine {
+        MeteredEngine { inner, metrics }
+    }
+}
+
+/// Keeps an operation in the in-flight gauge until dropped (also when cancelled).
+struct InFlight<'a>(&'a Gauge);
+
+impl<'a> InFlight<'a> {
+    fn new(gauge: &'a Gauge) -> InFlight<'a> {
+        gauge.add(1);
+        InFlight(gauge)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.subtract(1);
+    }
+}
+
+impl DiskEngine for MeteredEngine {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn write_at(&self, file: Arc<File>, offset: u64, data: Bytes) -> EngineFuture<'_, ()> {
+        Box::pin(async move {
+            let metrics = &self.metrics;
+            let _in_flight = InFlight::new(&metrics.in_flight);
+            let length_bytes = data.len() as u64;
+            let started = Instant::now();
+            let result = self.inner.write_at(file, offset, data).await;
+            metrics.write_time.observe_duration(started.elapsed());
+            metrics.writes.increment();
+            match &result {
+                Ok(()) => metrics.written_bytes.add(length_bytes),
+                Err(_) => metrics.errors.increment(),
+            }
+            result
+        })
+    }
+
+    fn read_at(
+        &self,
+        file: Arc<File>,
+        offset: u64,
+        length_bytes: usize,
+    ) -> EngineFuture<'_, Bytes> {
+        Box::pin(async move {
+            let metrics = &self.metrics;
+            let _in_flight = InFlight::new(&metrics.in_flight);
+            let started = Instant::now();
+            let result = self.inner.read_at(file, offset, length_bytes).await;
+            metrics.read_time.observe_duration(started.elapsed());
+            metrics.reads.increment();
+            match &result {
+                Ok(data) => metrics.read_bytes.add(data.len() as u64),
+                Err(_) => metrics.errors.increment(),
+            }
+            result
+        })
+    }
+
+    fn sync_data(&self, file: Arc<File>) -> EngineFuture<'_, ()> {
+        Box::pin(async move {
+            let metrics = &self.metrics;
+            let _in_flight = InFlight::new(&metrics.in_flight);
+            let started = Instant::now();
+            let result = self.inner.sync_data(file).await;
+            metrics.fsync_time.observe_duration(started.elapsed());
+            metrics.syncs.increment();
+            if result.is_err() {
+                metrics.errors.increment();
+            }
+            result
+        })
+    }
+
+    fn stats(&self) -> EngineStats {
+        self.inner.stats()
+    }
+}
+
+/// Registers the metrics read from the store and engine at each scrape: engine counters,
+/// open descriptors, objects. Holds the store weakly, so a stopped server is freed.
+pub fn register_store_gauges(registry: &Registry, store: &Arc<ObjectStore>, ready_ms: u64) {
+    let submissions = registry.counter(
+        "freeflow_io_engine_submissions_total",
+        "Disk operations handed to the kernel (io_uring entries, resubmissions included) or to a worker thread.",
+        &[],
+    );
+    let completions = registry.counter(
+        "freeflow_io_engine_completions_total",
+        "Disk operations completed by the engine.",
+        &[],
+    );
+    let out_of_order = registry.counter(
+        "freeflow_io_engine_out_of_order_completions_total",
+        "Completions that arrived while an operation submitted earlier was still in flight (io_uring).",
+        &[],
+    );
+    let buffer_waits = registry.counter(
+        "freeflow_io_buffer_waits_total",
+        "Requests that found no free I/O buffer and queued for one.",
+        &[],
+    );
+    let buffer_wait_time = registry.counter(
+        "freeflow_io_buffer_wait_time_microseconds_total",
+        "Total time requests waited for an I/O buffer.",
+        &[],
+    );
+    let buffer_waiters = registry.gauge(
+        "freeflow_io_buffer_waiters",
+        "Requests waiting for an I/O buffer now.",
+        &[],
+    );
+    let open_files = registry.gauge(
+        "freeflow_io_open_files",
+        "Object descriptors held open by the descriptor cache.",
+        &[],
+    );
+    let open_files_max = registry.gauge(
+        "freeflow_io_open_files_max",
+        "Bound of the descriptor cache (open_files_max).",
+        &[],
+    );
+    let objects = registry.gauge(
+        "freeflow_io_objects",
+        "Objects stored (exact once the background count at start-up is complete).",
+        &[],
+    );
+    registry
+        .gauge(
+            "freeflow_io_ready_milliseconds",
+            "Time the server took from start to serving.",
+            &[],
+        )
+        .set(ready_ms);
+    let store: Weak<ObjectStore> = Arc::downgrade(store);
+    registry.on_render(move || {
+        let Some(store) = store.upgrade() else { return };
+        let stats = store.engine().stats();
+        submissions.set_from_source(stats.submissions);
+        completions.set_from_source(stats.completions);
+        out_of_order.set_from_source(stats.out_of_order_completions);
+        buffer_waits.set_from_source(stats.buffer_waits);
+        buffer_wait_time.set_from_source(stats.buffer_wait_time_us);
+        buffer_waiters.set(stats.buffer_waiters);
+        open_files.set(store.fd_cache().len() as u64);
+        open_files_max.set(store.fd_cache().open_files_max() as u64);
+        objects.set(store.object_count().objects);
+    });
+}

@@ -1,0 +1,122 @@
+//! What the metadata server counts (docs/metrics.md lists every name): group commits, their
+//! batch sizes and times, and, read at each scrape, inodes, orphans, sessions, open handles,
+//! servers, the writer's queue and the start-up figures. Requests per operation are counted
+//! by the RPC layer into the same registry.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use freeflow_metrics::{Counter, Histogram, Registry, COUNT_BUCKETS, LATENCY_BUCKETS_US};
+
+use crate::shared::Shared;
+
+/// Handles the writer thread updates.
+pub struct MetaMetrics {
+    commits: Counter,
+    commit_failures: Counter,
+    batch_operations: Histogram,
+    commit_time: Histogram,
+}
+
+impl MetaMetrics {
+    pub fn new(registry: &Registry) -> MetaMetrics {
+        MetaMetrics {
+            commits: registry.counter(
+                "freeflow_meta_commits_total",
+                "Write transactions committed by the group-commit writer (one fsync each).",
+                &[],
+            ),
+            commit_failures: registry.counter(
+                "freeflow_meta_commit_failures_total",
+                "Batches aborted because the store failed.",
+                &[],
+            ),
+            batch_operations: registry.histogram(
+                "freeflow_meta_commit_batch_operations",
+                "Mutations applied per group commit.",
+                &[],
+                COUNT_BUCKETS,
+            ),
+            commit_time: registry.histogram(
+                "freeflow_meta_commit_time_microseconds",
+                "Time of one group commit: applying its mutations, then the commit and its fsync.",
+                &[],
+                LATENCY_BUCKETS_US,
+            ),
+        }
+    }
+
+    /// A batch of `operations` ended (committed or aborted) after starting at `started`.
+    pub fn batch_done(&self, operations: usize, started: Instant, committed: bool) {
+        if committed {
+            self.commits.increment();
+        } else {
+            self.commit_failures.increment();
+        }
+        self.batch_operations.observe(operations as u64);
+        self.commit_time.observe_duration(started.elapsed());
+    }
+}
+
+/// Registers the gauges read from the server's state at each scrape. Holds it weakly, so a
+/// stopped server is freed.
+pub fn register_state_gauges(registry: &Registry, shared: &Arc<Shared>, inode_count_at_start: u64) {
+    let inodes = registry.gauge("freeflow_meta_inodes", "Inodes in use.", &[]);
+    let orphans = registry.gauge(
+        "freeflow_meta_orphans",
+        "Unlinked inodes whose data is still to be removed.",
+        &[],
+    );
+    let sessions = registry.gauge("freeflow_meta_sessions", "Client sessions open.", &[]);
+    let handles = registry.gauge(
+        "freeflow_meta_open_handles",
+        "File handles open, over all sessions.",
+        &[],
+    );
+    let servers_up = registry.gauge(
+        "freeflow_meta_io_servers_up",
+        "I/O servers heard from within server_down_after_ms.",
+        &[],
+    );
+    let servers_total = registry.gauge("freeflow_meta_io_servers", "I/O servers registered.", &[]);
+    let writer_queue = registry.gauge(
+        "freeflow_meta_writer_queue_depth",
+        "Mutations queued for the group-commit writer.",
+        &[],
+    );
+    let ready = registry.gauge(
+        "freeflow_meta_ready_milliseconds",
+        "Time the server took from start to serving.",
+        &[],
+    );
+    registry
+        .gauge(
+            "freeflow_meta_start_inodes",
+            "Inodes in use when the server started (read from the counters, not counted).",
+            &[],
+        )
+        .set(inode_count_at_start);
+    let shared: Weak<Shared> = Arc::downgrade(shared);
+    registry.on_render(move || {
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        inodes.set(shared.inode_count.load(Ordering::Relaxed));
+        orphans.set(shared.orphan_count.load(Ordering::Relaxed));
+        ready.set(shared.ready_ms.load(Ordering::Relaxed));
+        {
+            let sessions_now = shared.sessions();
+            sessions.set(sessions_now.session_count() as u64);
+            handles.set(sessions_now.handle_count() as u64);
+        }
+        let totals = shared.registry().totals(Instant::now());
+        servers_up.set(u64::from(totals.servers_up));
+        servers_total.set(u64::from(totals.servers_total));
+        let queued = shared
+            .config
+            .commit_queue_max
+            .saturating_sub(shared.writer.capacity());
+        writer_queue.set(queued as u64);
+    });
+}
