@@ -873,6 +873,41 @@ async fn permissions_owners_sticky_and_setgid_directories() {
     let sub = fs::metadata(setgid.join("sub")).expect("stat");
     assert_eq!(sub.gid(), 4242);
     assert_ne!(sub.mode() & 0o2000, 0, "subdirectory inherits setgid");
+
+    // Writing or truncating a setuid file as another user drops the set-id bits, as on a
+    // local file system; root's writes keep them. (The mount clears them itself: with
+    // FUSE_HANDLE_KILLPRIV_V2 the kernel no longer asks for security.capability per write.)
+    let set_id = mount.path("set-id");
+    fs::write(&set_id, b"abc").expect("write");
+    fs::set_permissions(&set_id, fs::Permissions::from_mode(0o4777)).expect("chmod 4777");
+    let (written, stderr) = run_as(1000, 1000, &format!("echo more >> {}", set_id.display()));
+    assert!(written, "{stderr}");
+    assert_eq!(
+        fs::metadata(&set_id).expect("stat").mode() & 0o7777,
+        0o777,
+        "a write drops setuid"
+    );
+    fs::set_permissions(&set_id, fs::Permissions::from_mode(0o6777)).expect("chmod 6777");
+    let (cut, stderr) = run_as(1000, 1000, &format!("truncate -s 1 {}", set_id.display()));
+    assert!(cut, "{stderr}");
+    let metadata = fs::metadata(&set_id).expect("stat");
+    assert_eq!(
+        (metadata.mode() & 0o7777, metadata.len()),
+        (0o777, 1),
+        "a truncate drops both"
+    );
+    fs::set_permissions(&set_id, fs::Permissions::from_mode(0o4755)).expect("chmod 4755");
+    fs::OpenOptions::new()
+        .append(true)
+        .open(&set_id)
+        .expect("open")
+        .write_all(b"root")
+        .expect("append");
+    assert_eq!(
+        fs::metadata(&set_id).expect("stat").mode() & 0o7777,
+        0o4755,
+        "root keeps them"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

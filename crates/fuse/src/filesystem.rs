@@ -179,6 +179,24 @@ fn kind_of_mode(mode: u32) -> Option<FileKind> {
     FileKind::from_mode(mode)
 }
 
+/// Clear setuid, and setgid when group-executable, as a write by an unprivileged caller
+/// does on Linux.
+async fn kill_set_id_bits(client: &Client, inode: u64) -> Result<(), freeflow_client::ClientError> {
+    let attr = client.getattr(inode).await?;
+    let mut permissions = attr.permissions & !0o4000;
+    if permissions & 0o010 != 0 {
+        permissions &= !0o2000;
+    }
+    if permissions != attr.permissions {
+        let changes = freeflow_client::SetAttr {
+            permissions: Some(permissions),
+            ..Default::default()
+        };
+        client.setattr(inode, changes).await?;
+    }
+    Ok(())
+}
+
 /// An error for a file handle the mount does not know.
 fn bad_handle() -> Errno {
     Errno::EBADF
@@ -204,6 +222,10 @@ impl fuser::Filesystem for FreeflowFs {
             InitFlags::FUSE_AUTO_INVAL_DATA,
             InitFlags::FUSE_MAX_PAGES,
             InitFlags::FUSE_BIG_WRITES,
+            // We clear setuid/setgid ourselves (write flag below; the meta server on truncate
+            // and chown). Without this the kernel asks for security.capability before every
+            // write: one metadata round trip per write request.
+            InitFlags::FUSE_HANDLE_KILLPRIV_V2,
         ] {
             if config.add_capabilities(wanted).is_err() {
                 tracing::debug!(?wanted, "the kernel lacks a FUSE capability");
@@ -511,7 +533,7 @@ impl fuser::Filesystem for FreeflowFs {
         _handle: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
@@ -519,12 +541,27 @@ impl fuser::Filesystem for FreeflowFs {
         let Some(handle) = self.state.files.get(inode.0) else {
             return reply.error(bad_handle());
         };
+        // The kernel asks us to drop setuid/setgid (a write by a caller without CAP_FSETID
+        // to such a file): do it before the data lands, as a local file system would. The
+        // kernel has made the decision, so it is carried out as root: a writer who is not
+        // the owner could not chmod the file itself.
+        let kill_privileges = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        let privileged_client = kill_privileges.then(|| {
+            self.state
+                .client
+                .with_caller(freeflow_client::Caller::root())
+        });
         // The request buffer is reused for the next request: the data is copied once here.
         let data = Bytes::copy_from_slice(data);
         let Ok(length) = u32::try_from(data.len()) else {
             return reply.error(Errno::EINVAL);
         };
         self.spawn(async move {
+            if let Some(client) = privileged_client {
+                if let Err(error) = kill_set_id_bits(&client, inode.0).await {
+                    return reply.error(errno(&error));
+                }
+            }
             match handle.write_at(offset, data).await {
                 Ok(()) => reply.written(length),
                 Err(error) => reply.error(errno(&error)),

@@ -6,6 +6,8 @@
 //!   A change of owner or group clears setuid (and setgid if group-executable) on files.
 //! - size: regular files only, needs write permission; a change sets mtime. A shrink also
 //!   records the cuts the I/O servers must make, in the same transaction (`truncate.rs`).
+//!   A caller that is not root loses the file's setuid bit (and setgid if group-executable),
+//!   as Linux does on truncate, unless the same request sets the permissions.
 //! - atime/mtime: the owner, root, or a caller with write permission.
 //! - ctime is set to now on every change (or to the explicit value, owner or root only).
 
@@ -162,6 +164,12 @@ pub fn set_attributes<W: StoreWrite>(
         if size != attr.size_bytes {
             attr.size_bytes = size;
             attr.modify_time = now;
+        }
+        if !is_root && changes.permissions.is_none() {
+            attr.permissions &= !MODE_SET_USER_ID;
+            if attr.permissions & 0o010 != 0 {
+                attr.permissions &= !MODE_SET_GROUP_ID;
+            }
         }
     }
     if let Some(time) = changes.access_time {
