@@ -122,8 +122,20 @@ pub async fn read_frame_body<R: AsyncRead + Unpin + ?Sized>(
 ) -> Result<RawFrame, FrameReadError> {
     let header_length = fixed.header.header_length as usize;
     let total = header_length + fixed.header.payload_length as usize;
-    let mut body = BytesMut::zeroed(total);
-    reader.read_exact(&mut body).await.map_err(read_error)?;
+    // Read into spare capacity (no zero-filling of a buffer about to be overwritten);
+    // `take` bounds each read so nothing of the next frame is consumed.
+    let mut body = BytesMut::with_capacity(total);
+    while body.len() < total {
+        let remaining = (total - body.len()) as u64;
+        let read = (&mut *reader)
+            .take(remaining)
+            .read_buf(&mut body)
+            .await
+            .map_err(FrameReadError::Io)?;
+        if read == 0 {
+            return Err(FrameReadError::Truncated);
+        }
+    }
     let actual = checksum(&fixed.bytes, &body[..header_length], &body[header_length..]);
     if actual != fixed.header.checksum {
         return Err(FrameError::BadChecksum {
