@@ -47,6 +47,9 @@ pub enum Command {
         /// Also mount the cluster's file system on this directory (FUSE), unmounted at Ctrl-C.
         #[arg(long, value_name = "MOUNTPOINT")]
         mount: Option<PathBuf>,
+        /// Serve no metrics endpoints (the counters are kept all the same).
+        #[arg(long)]
+        no_metrics: bool,
     },
     /// Mount the cluster's file system on a directory with FUSE. Stays in the foreground
     /// until Ctrl-C, SIGTERM or an external `umount`, then unmounts.

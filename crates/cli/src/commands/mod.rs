@@ -22,7 +22,18 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
             port,
             engine,
             mount,
-        } => up::run(data, io_servers, port, &engine, mount).await,
+            no_metrics,
+        } => {
+            let options = up::Options {
+                data,
+                io_server_count: io_servers,
+                port,
+                engine,
+                mountpoint: mount,
+                metrics: !no_metrics,
+            };
+            up::run(options).await
+        }
         Command::Mount {
             cluster_file,
             mountpoint,

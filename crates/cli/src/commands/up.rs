@@ -36,13 +36,35 @@ fn loopback_port(port: u16, offset: u32) -> anyhow::Result<String> {
     Ok(format!("127.0.0.1:{chosen}"))
 }
 
-pub async fn run(
-    data: PathBuf,
-    io_server_count: u32,
-    port: u16,
-    engine: &str,
-    mountpoint: Option<PathBuf>,
-) -> anyhow::Result<()> {
+/// What `freeflow up` was asked for.
+pub struct Options {
+    pub data: PathBuf,
+    pub io_server_count: u32,
+    pub port: u16,
+    pub engine: String,
+    pub mountpoint: Option<PathBuf>,
+    /// Serve a metrics endpoint for every server and the mount.
+    pub metrics: bool,
+}
+
+pub async fn run(options: Options) -> anyhow::Result<()> {
+    let Options {
+        data,
+        io_server_count,
+        port,
+        engine,
+        mountpoint,
+        metrics,
+    } = options;
+    let engine = engine.as_str();
+    // The address of a metrics endpoint at `port + offset`, or none with --no-metrics.
+    let metrics_at = |offset: u32| -> anyhow::Result<Option<String>> {
+        if metrics {
+            Ok(Some(loopback_port(port, offset)?))
+        } else {
+            Ok(None)
+        }
+    };
     std::fs::create_dir_all(&data)
         .with_context(|| format!("cannot create data directory {}", data.display()))?;
     let data = data
@@ -58,7 +80,7 @@ pub async fn run(
     let meta_config = MetaConfig {
         listen_address: meta_address.clone(),
         data_dir: data.join("meta"),
-        metrics_address: Some(loopback_port(port, META_METRICS_PORT_OFFSET)?),
+        metrics_address: metrics_at(META_METRICS_PORT_OFFSET)?,
         ..MetaConfig::default()
     };
     let io_configs = (0..io_server_count)
@@ -70,7 +92,7 @@ pub async fn run(
                 data_dir: data.join(format!("io-{server_id}")),
                 meta_address: meta_address.clone(),
                 engine,
-                metrics_address: Some(loopback_port(port, IO_METRICS_PORT_OFFSET + server_id)?),
+                metrics_address: metrics_at(IO_METRICS_PORT_OFFSET + server_id)?,
                 ..IoConfig::default()
             })
         })
@@ -130,7 +152,7 @@ pub async fn run(
             &client_file,
             mountpoint,
             super::mount::Options {
-                metrics_address: Some(loopback_port(port, MOUNT_METRICS_PORT_OFFSET)?),
+                metrics_address: metrics_at(MOUNT_METRICS_PORT_OFFSET)?,
                 ..super::mount::Options::default()
             },
         )
