@@ -581,3 +581,47 @@ async fn a_sync_of_too_many_objects_is_refused() {
     assert_eq!(error.code(), ErrorCode::InvalidArgument, "{error}");
     store.sync(&objects[..10]).await.unwrap();
 }
+
+/// A read that fits one buffer is replied to from the registered buffer itself (no copy):
+/// the buffer stays out of the pool while the reply lives and comes back when it is
+/// dropped. When buffers are scarce (a quarter or less free) reads copy and let go at once,
+/// so replies waiting on a slow peer can never hold the whole pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_buffer_read_lends_its_buffer_until_the_reply_is_dropped() {
+    let engine = UringEngine::new(UringOptions {
+        ring_entries: 16,
+        buffer_count: 4,
+        buffer_bytes: 64 << 10,
+        queue_depth_max: 8,
+    })
+    .expect("io_uring is available on the test machines");
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("object");
+    let data: Vec<u8> = (0..(48u32 << 10))
+        .map(|index| (index % 251) as u8)
+        .collect();
+    std::fs::write(&path, &data).unwrap();
+    let file = Arc::new(std::fs::File::open(&path).unwrap());
+    let pool = engine.pool().clone();
+
+    let mut replies = Vec::new();
+    for expected_free in [3, 2, 1] {
+        let reply = engine
+            .read_at(Arc::clone(&file), 0, 48 << 10)
+            .await
+            .unwrap();
+        assert_eq!(&reply[..], &data[..]);
+        assert_eq!(
+            pool.free_count(),
+            expected_free,
+            "the reply holds its buffer"
+        );
+        replies.push(reply);
+    }
+    // One buffer of four left: this read copies and returns its buffer at once.
+    let copied = engine.read_at(Arc::clone(&file), 1000, 5000).await.unwrap();
+    assert_eq!(&copied[..], &data[1000..6000]);
+    assert_eq!(pool.free_count(), 1);
+    drop(replies);
+    assert_eq!(pool.free_count(), 4, "dropped replies return their buffers");
+}

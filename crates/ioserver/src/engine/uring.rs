@@ -29,7 +29,10 @@
 //! (~0.3 ms per MiB here) for nothing. The write still holds a pool buffer as its credit, so
 //! the pool bounds writes in flight and its completion wakes the next waiter. Reads land in
 //! a pool buffer (`ReadFixed`); the ring thread hands the buffer back to the task, which
-//! copies the bytes into the reply's `Bytes` and drops the lease. Syncs are `Fsync` with
+//! passes the buffer itself on as the reply's payload (`Bytes::from_owner`): no copy, and
+//! the buffer returns to the pool once the reply is on the socket, so the pool also bounds
+//! the memory of replies waiting to be sent. A read longer than one buffer is done in
+//! buffer-sized pieces copied into one reply. Syncs are `Fsync` with
 //! `DATASYNC`. (O_DIRECT, when it comes, needs aligned memory: such writes will go through
 //! the registered buffers again.)
 //!
@@ -264,13 +267,14 @@ impl UringEngine {
     }
 
     /// Reads one piece into `output`; returns the bytes read (fewer at end of file).
-    async fn read_piece(
+    /// Reads one piece into a pool buffer with `ReadFixed`; returns the bytes read (fewer at
+    /// end of file) and the buffer holding them.
+    async fn read_into_lease(
         &self,
         file: &Arc<File>,
         offset: u64,
         length_bytes: usize,
-        output: &mut BytesMut,
-    ) -> io::Result<usize> {
+    ) -> io::Result<(usize, BufferLease)> {
         let lease = self.pool.acquire().await;
         let (reply, receiver) = oneshot::channel();
         let operation = Operation::Read {
@@ -285,10 +289,34 @@ impl UringEngine {
         })
         .await?;
         let (result, lease) = receiver.await.map_err(|_| engine_stopped())?;
-        let read_bytes = result?;
+        Ok((result?, lease))
+    }
+
+    /// Reads one piece and appends it to `output` (the path for reads longer than a buffer).
+    async fn read_piece(
+        &self,
+        file: &Arc<File>,
+        offset: u64,
+        length_bytes: usize,
+        output: &mut BytesMut,
+    ) -> io::Result<usize> {
+        let (read_bytes, lease) = self.read_into_lease(file, offset, length_bytes).await?;
         output.extend_from_slice(&lease.as_slice()[..read_bytes]);
-        drop(lease);
         Ok(read_bytes)
+    }
+}
+
+/// The bytes a read left in a pool buffer, handed on as a reply payload without a copy:
+/// the buffer goes back to the pool when the last `Bytes` of it is dropped, which is after
+/// the reply has been written to the socket.
+struct LeasedBytes {
+    lease: BufferLease,
+    length_bytes: usize,
+}
+
+impl AsRef<[u8]> for LeasedBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.lease.as_slice()[..self.length_bytes]
     }
 }
 
@@ -322,6 +350,18 @@ impl DiskEngine for UringEngine {
         length_bytes: usize,
     ) -> EngineFuture<'_, Bytes> {
         Box::pin(async move {
+            // One buffer holds it: reply straight from the registered buffer, unless buffers
+            // are scarce. A reply keeps its buffer until it is on the socket, so a peer that
+            // stops reading its replies would hold them: a quarter of the pool is kept for
+            // requests that copy and let go at once, so progress never depends on such a peer.
+            let plentiful = self.pool.free_count() > self.pool.buffer_count() / 4;
+            if length_bytes <= self.pool.buffer_bytes() && plentiful {
+                let (read_bytes, lease) = self.read_into_lease(&file, offset, length_bytes).await?;
+                return Ok(Bytes::from_owner(LeasedBytes {
+                    lease,
+                    length_bytes: read_bytes,
+                }));
+            }
             let mut output = BytesMut::with_capacity(length_bytes);
             while output.len() < length_bytes {
                 let piece_bytes = (length_bytes - output.len()).min(self.pool.buffer_bytes());
