@@ -213,85 +213,54 @@ fn collect_range<T: ReadableTable<&'static [u8], &'static [u8]>>(
     Ok(pairs)
 }
 
-impl StoreRead for RedbRead {
-    fn get(&self, table: TableId, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        let opened = self
-            .transaction
-            .open_table(table.definition())
-            .map_err(StoreError::backend)?;
-        let value = opened.get(key).map_err(StoreError::backend)?;
-        Ok(value.map(|guard| guard.value().to_vec()))
-    }
+/// Reads are the same through a read transaction (MVCC snapshot) and a write transaction
+/// (its own uncommitted changes): both open redb tables that implement `ReadableTable`.
+macro_rules! store_read_for {
+    ($transaction:ty) => {
+        impl StoreRead for $transaction {
+            fn get(&self, table: TableId, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+                let opened = self
+                    .transaction
+                    .open_table(table.definition())
+                    .map_err(StoreError::backend)?;
+                let value = opened.get(key).map_err(StoreError::backend)?;
+                Ok(value.map(|guard| guard.value().to_vec()))
+            }
 
-    fn range(
-        &self,
-        table: TableId,
-        start: Bound<&[u8]>,
-        end: Bound<&[u8]>,
-        limit: usize,
-    ) -> Result<Vec<Pair>, StoreError> {
-        let opened = self
-            .transaction
-            .open_table(table.definition())
-            .map_err(StoreError::backend)?;
-        collect_range(&opened, start, end, limit, true)
-    }
+            fn range(
+                &self,
+                table: TableId,
+                start: Bound<&[u8]>,
+                end: Bound<&[u8]>,
+                limit: usize,
+            ) -> Result<Vec<Pair>, StoreError> {
+                let opened = self
+                    .transaction
+                    .open_table(table.definition())
+                    .map_err(StoreError::backend)?;
+                collect_range(&opened, start, end, limit, true)
+            }
 
-    fn range_keys(
-        &self,
-        table: TableId,
-        start: Bound<&[u8]>,
-        end: Bound<&[u8]>,
-        limit: usize,
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
-        let opened = self
-            .transaction
-            .open_table(table.definition())
-            .map_err(StoreError::backend)?;
-        let pairs = collect_range(&opened, start, end, limit, false)?;
-        Ok(pairs.into_iter().map(|(key, _)| key).collect())
-    }
+            fn range_keys(
+                &self,
+                table: TableId,
+                start: Bound<&[u8]>,
+                end: Bound<&[u8]>,
+                limit: usize,
+            ) -> Result<Vec<Vec<u8>>, StoreError> {
+                let opened = self
+                    .transaction
+                    .open_table(table.definition())
+                    .map_err(StoreError::backend)?;
+                let pairs = collect_range(&opened, start, end, limit, false)?;
+                Ok(pairs.into_iter().map(|(key, _)| key).collect())
+            }
+        }
+    };
 }
 
-impl StoreRead for RedbWrite {
-    fn get(&self, table: TableId, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        let opened = self
-            .transaction
-            .open_table(table.definition())
-            .map_err(StoreError::backend)?;
-        let value = opened.get(key).map_err(StoreError::backend)?;
-        Ok(value.map(|guard| guard.value().to_vec()))
-    }
-
-    fn range(
-        &self,
-        table: TableId,
-        start: Bound<&[u8]>,
-        end: Bound<&[u8]>,
-        limit: usize,
-    ) -> Result<Vec<Pair>, StoreError> {
-        let opened = self
-            .transaction
-            .open_table(table.definition())
-            .map_err(StoreError::backend)?;
-        collect_range(&opened, start, end, limit, true)
-    }
-
-    fn range_keys(
-        &self,
-        table: TableId,
-        start: Bound<&[u8]>,
-        end: Bound<&[u8]>,
-        limit: usize,
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
-        let opened = self
-            .transaction
-            .open_table(table.definition())
-            .map_err(StoreError::backend)?;
-        let pairs = collect_range(&opened, start, end, limit, false)?;
-        Ok(pairs.into_iter().map(|(key, _)| key).collect())
-    }
-}
+store_read_for!(RedbRead);
+store_read_for!(RedbWrite);
 
 impl StoreWrite for RedbWrite {
     fn put(&mut self, table: TableId, key: &[u8], value: &[u8]) -> Result<(), StoreError> {

@@ -415,23 +415,11 @@ async fn writer_loop<W: AsyncWrite + Unpin>(
     mut writer: BufWriter<W>,
     mut replies: mpsc::Receiver<(u16, u64, Reply)>,
 ) {
-    while let Some((opcode, request_id, reply)) = replies.recv().await {
-        if write_frame(
-            &mut writer,
-            FLAG_REPLY,
-            opcode,
-            request_id,
-            &reply.header,
-            &reply.payload,
-        )
-        .await
-        .is_err()
-        {
-            return;
-        }
-        // Flush only when no other reply is ready: replies that finish together share a write.
-        while let Ok((opcode, request_id, reply)) = replies.try_recv() {
-            if write_frame(
+    while let Some(first) = replies.recv().await {
+        // Replies that finish together share one flush: write every one that is ready.
+        let mut next = Some(first);
+        while let Some((opcode, request_id, reply)) = next {
+            let written = write_frame(
                 &mut writer,
                 FLAG_REPLY,
                 opcode,
@@ -439,11 +427,11 @@ async fn writer_loop<W: AsyncWrite + Unpin>(
                 &reply.header,
                 &reply.payload,
             )
-            .await
-            .is_err()
-            {
+            .await;
+            if written.is_err() {
                 return;
             }
+            next = replies.try_recv().ok();
         }
         if writer.flush().await.is_err() {
             return;
