@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use bytes::Bytes;
-use freeflow_client::{Client, OpenOptions};
+use freeflow_client::{Client, FileHandle, OpenOptions};
 use freeflow_types::FileKind;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -143,6 +143,14 @@ async fn into_cluster(
         bar.set_position(offset);
     }
     let _ = reader.join();
+    finish_target(handle, &to, sync).await?;
+    bar.finish();
+    Ok(offset)
+}
+
+/// Make a copy's cluster target durable if asked (`--sync`), then close it: a failed
+/// write-behind surfaces here and names the file.
+async fn finish_target(handle: FileHandle, to: &str, sync: bool) -> anyhow::Result<()> {
     if sync {
         handle
             .fsync()
@@ -152,9 +160,7 @@ async fn into_cluster(
     handle
         .close()
         .await
-        .with_context(|| format!("cannot close ff:{to}"))?;
-    bar.finish();
-    Ok(offset)
+        .with_context(|| format!("cannot close ff:{to}"))
 }
 
 fn read_chunks(
@@ -317,16 +323,7 @@ async fn within_cluster(
         offset += length;
         bar.set_position(offset);
     }
-    if sync {
-        target
-            .fsync()
-            .await
-            .with_context(|| format!("cannot sync ff:{to}"))?;
-    }
-    target
-        .close()
-        .await
-        .with_context(|| format!("cannot close ff:{to}"))?;
+    finish_target(target, &to, sync).await?;
     source
         .close()
         .await
