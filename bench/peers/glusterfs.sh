@@ -27,6 +27,9 @@ readonly VOLUME="freeflow"
 readonly GLUSTERD_PORT=24007
 readonly NBRICKS=3
 readonly WAIT_SECS=${PEER_WAIT_SECS:-30}   # upper bound for every wait below
+readonly STOP_GRACE_SECS=10
+# shellcheck source=lib.sh
+source "$(dirname "$0")/lib.sh"
 
 BASE=/tmp/freeflow-peers/glusterfs
 
@@ -38,50 +41,12 @@ usage() {
 # ---------------------------------------------------------------------------------------------
 # Small helpers
 
-say() { echo "$ME: $*" >&2; }
-
-die() {
-    echo "$ME: error: $*" >&2
-    exit 1
-}
-
-# Show the end of a log file to explain a failure.
-log_tail() {
-    local file=$1
-    if [[ -s $file ]]; then
-        echo "---- last lines of $file ----" >&2
-        tail -n 25 "$file" >&2
-        echo "----" >&2
-    else
-        echo "($file is empty or missing)" >&2
-    fi
-}
-
-# wait_until SECONDS COMMAND...: run COMMAND every 0.2 s until it succeeds; fail after SECONDS.
-wait_until() {
-    local limit=$1
-    shift
-    local deadline=$((SECONDS + limit))
-    until "$@"; do
-        ((SECONDS < deadline)) || return 1
-        sleep 0.2
-    done
-}
-
 # The gluster CLI, talking to glusterd over its local socket, with a time limit so that a wedged
 # glusterd cannot hang us.
 gcli() {
     timeout "$WAIT_SECS" gluster --mode=script --glusterd-sock="$SOCK" \
         --log-file="$LOGDIR/cli.log" "$@"
 }
-
-port_in_use() { [[ -n $(ss -Hltn "sport = :$1") ]]; }
-
-# findmnt reads the mount table only, so this never touches (nor hangs on) the mount itself.
-is_mounted() { findmnt -rn -M "$MNT" >/dev/null 2>&1; }
-
-# The mount answers a statfs within 5 s (a client whose bricks are gone may not).
-mount_answers() { timeout -s KILL 5 stat -f "$MNT" >/dev/null 2>&1; }
 
 glusterd_pid() {
     local pid
@@ -105,21 +70,6 @@ our_pids() {
             fi
         done
     done
-}
-
-# Stop the given pids: SIGTERM, a bounded wait, then SIGKILL.
-stop_pids() {
-    local pids=("$@") pid alive
-    ((${#pids[@]})) || return 0
-    kill -TERM "${pids[@]}" 2>/dev/null || true
-    for _ in $(seq 1 50); do
-        alive=0
-        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-        ((alive)) || return 0
-        sleep 0.2
-    done
-    say "processes ${pids[*]} ignored SIGTERM for 10 s, sending SIGKILL"
-    kill -KILL "${pids[@]}" 2>/dev/null || true
 }
 
 # gluster refuses "localhost" and "127.0.0.1" as brick hosts, even with force. We need a name

@@ -36,6 +36,9 @@ readonly MASTER_CS_PORT=9420
 readonly MASTER_CL_PORT=9421
 readonly CS_PORTS=(9422 9423 9424)
 readonly WAIT_SECS=${PEER_WAIT_SECS:-30}   # upper bound for every wait below
+readonly STOP_GRACE_SECS=15
+# shellcheck source=lib.sh
+source "$(dirname "$0")/lib.sh"
 
 BASE=/tmp/freeflow-peers/moosefs
 
@@ -46,44 +49,6 @@ usage() {
 
 # ---------------------------------------------------------------------------------------------
 # Small helpers
-
-say() { echo "$ME: $*" >&2; }
-
-die() {
-    echo "$ME: error: $*" >&2
-    exit 1
-}
-
-log_tail() {
-    local file=$1
-    if [[ -s $file ]]; then
-        echo "---- last lines of $file ----" >&2
-        tail -n 25 "$file" >&2
-        echo "----" >&2
-    else
-        echo "($file is empty or missing)" >&2
-    fi
-}
-
-# wait_until SECONDS COMMAND...: run COMMAND every 0.2 s until it succeeds; fail after SECONDS.
-wait_until() {
-    local limit=$1
-    shift
-    local deadline=$((SECONDS + limit))
-    until "$@"; do
-        ((SECONDS < deadline)) || return 1
-        sleep 0.2
-    done
-}
-
-port_in_use() { [[ -n $(ss -Hltn "sport = :$1") ]]; }
-
-# findmnt reads the mount table only, so this never touches (nor hangs on) the mount itself.
-is_mounted() { findmnt -rn -M "$MNT" >/dev/null 2>&1; }
-
-# The mount answers a statfs within 5 s. A client whose master is gone blocks every request on
-# the mount (even mkdir -p of the mount point) while it retries, for minutes.
-mount_answers() { timeout -s KILL 5 stat -f "$MNT" >/dev/null 2>&1; }
 
 # Detach the mount and stop its client (used when the mount is stale).
 drop_mount() {
@@ -115,21 +80,6 @@ our_pids() {
             fi
         done
     done
-}
-
-# Stop the given pids: SIGTERM, a bounded wait, then SIGKILL.
-stop_pids() {
-    local pids=("$@") pid alive
-    ((${#pids[@]})) || return 0
-    kill -TERM "${pids[@]}" 2>/dev/null || true
-    for _ in $(seq 1 75); do
-        alive=0
-        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-        ((alive)) || return 0
-        sleep 0.2
-    done
-    say "processes ${pids[*]} ignored SIGTERM for 15 s, sending SIGKILL"
-    kill -KILL "${pids[@]}" 2>/dev/null || true
 }
 
 # Refuse to start a daemon on a port someone else holds, naming the port and its owner.

@@ -1,0 +1,57 @@
+# Helpers shared by the peer scripts (glusterfs.sh, moosefs.sh); sourced, not run.
+# The sourcing script sets ME (its name, for messages), MNT (its mount point) and
+# STOP_GRACE_SECS (how long a daemon gets between SIGTERM and SIGKILL).
+
+say() { echo "$ME: $*" >&2; }
+
+die() {
+    echo "$ME: error: $*" >&2
+    exit 1
+}
+
+# Show the end of a log file to explain a failure.
+log_tail() {
+    local file=$1
+    if [[ -s $file ]]; then
+        echo "---- last lines of $file ----" >&2
+        tail -n 25 "$file" >&2
+        echo "----" >&2
+    else
+        echo "($file is empty or missing)" >&2
+    fi
+}
+
+# wait_until SECONDS COMMAND...: run COMMAND every 0.2 s until it succeeds; fail after SECONDS.
+wait_until() {
+    local limit=$1
+    shift
+    local deadline=$((SECONDS + limit))
+    until "$@"; do
+        ((SECONDS < deadline)) || return 1
+        sleep 0.2
+    done
+}
+
+port_in_use() { [[ -n $(ss -Hltn "sport = :$1") ]]; }
+
+# findmnt reads the mount table only, so this never touches (nor hangs on) the mount itself.
+is_mounted() { findmnt -rn -M "$MNT" >/dev/null 2>&1; }
+
+# The mount answers a statfs within 5 s. A client whose servers are gone may block every
+# request on the mount (MooseFS's retries for minutes).
+mount_answers() { timeout -s KILL 5 stat -f "$MNT" >/dev/null 2>&1; }
+
+# Stop the given pids: SIGTERM, up to STOP_GRACE_SECS, then SIGKILL.
+stop_pids() {
+    local pids=("$@") pid alive
+    ((${#pids[@]})) || return 0
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 1 $((STOP_GRACE_SECS * 5))); do
+        alive=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        ((alive)) || return 0
+        sleep 0.2
+    done
+    say "processes ${pids[*]} ignored SIGTERM for $STOP_GRACE_SECS s, sending SIGKILL"
+    kill -KILL "${pids[@]}" 2>/dev/null || true
+}
