@@ -2,7 +2,29 @@
 
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+
+/// How a mount behaves: the same flags for `freeflow mount` and `freeflow up --mount`.
+#[derive(Args, Clone, Debug)]
+pub struct MountFlags {
+    /// Let every user of this host use the mount (FUSE `allow_other`; the kernel still
+    /// checks each user's permissions). The default when mounting as root; a user other
+    /// than root needs `user_allow_other` in /etc/fuse.conf.
+    #[arg(long, conflicts_with = "private")]
+    pub allow_other: bool,
+    /// Only the user who mounts may use the mount (the default for users other than root).
+    #[arg(long)]
+    pub private: bool,
+    /// Make every close durable (fsync at close).
+    #[arg(long)]
+    pub sync_on_close: bool,
+    /// How long a request to a server may take before the mount answers with an error.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub call_timeout_ms: u64,
+    /// Kernel channels (threads reading requests).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub threads: u32,
+}
 
 #[derive(Parser, Debug)]
 #[command(
@@ -50,6 +72,8 @@ pub enum Command {
         /// Serve no metrics endpoints (the counters are kept all the same).
         #[arg(long)]
         no_metrics: bool,
+        #[command(flatten)]
+        mount_flags: MountFlags,
     },
     /// Mount the cluster's file system on a directory with FUSE. Stays in the foreground
     /// until Ctrl-C, SIGTERM or an external `umount`, then unmounts.
@@ -59,18 +83,8 @@ pub enum Command {
         cluster_file: PathBuf,
         /// An existing directory to mount on.
         mountpoint: PathBuf,
-        /// Let users other than the one mounting use the mount.
-        #[arg(long)]
-        allow_other: bool,
-        /// Make every close durable (fsync at close).
-        #[arg(long)]
-        sync_on_close: bool,
-        /// How long a request to a server may take before the mount answers with an error.
-        #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
-        call_timeout_ms: u64,
-        /// Kernel channels (threads reading requests).
-        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
-        threads: u32,
+        #[command(flatten)]
+        mount_flags: MountFlags,
         /// Serve the mount's metrics (Prometheus text, `GET /metrics`) on this `host:port`.
         #[arg(long, value_name = "HOST:PORT")]
         metrics_address: Option<String>,
@@ -151,6 +165,44 @@ pub enum Command {
     /// Run the seeds' workloads side by side on several directories (the Freeflow mount,
     /// the local disk, peer file systems), interleaved; print a table, save JSON and SVG.
     Bench(Box<BenchArgs>),
+    /// Change one file by a seeded random mix of reads, writes, mapped I/O, truncations,
+    /// fallocate, copy_file_range, fsync and reopens, checking every read against a model
+    /// (an fsx-style exerciser). PATH is a file on any mounted file system, or `ff:/path`
+    /// to go through the client library; give two paths of one cluster (two mounts, or
+    /// `ff:` twice for two clients) to alternate between them with a close and an open.
+    Exercise {
+        /// The file (created if missing, truncated at the start); a second path is the same
+        /// file seen elsewhere.
+        #[arg(required = true, num_args = 1..=4, value_name = "PATH")]
+        paths: Vec<String>,
+        /// Operations to run.
+        #[arg(long, default_value_t = 10_000)]
+        ops: u64,
+        /// Seed of the run: the same seed runs the same operations.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Largest file size aimed at, in bytes (suffixes K and M allowed).
+        #[arg(long, default_value = "1M")]
+        size_max: String,
+        /// Longest read, write or copy, in bytes (suffixes K and M allowed).
+        #[arg(long, default_value = "128K")]
+        length_max: String,
+        /// No mapped reads and writes.
+        #[arg(long)]
+        no_mmap: bool,
+        /// No fallocate.
+        #[arg(long)]
+        no_fallocate: bool,
+        /// No copy_file_range.
+        #[arg(long)]
+        no_copy_range: bool,
+        /// Print progress every N operations (0: never).
+        #[arg(long, default_value_t = 10_000)]
+        progress: u64,
+        /// Print every operation as it is run.
+        #[arg(long)]
+        trace: bool,
+    },
     /// A live panel of the cluster's servers from their metrics endpoints: MB/s, IOPS,
     /// queue depth and latency per I/O server, the meta server's ops/s. `q` quits.
     Top {

@@ -48,6 +48,12 @@ pub fn exit_status(error: &anyhow::Error) -> u8 {
         if cause.downcast_ref::<ConfigError>().is_some() {
             return EXIT_CONFIG;
         }
+        if cause
+            .downcast_ref::<crate::commands::ExerciseFailed>()
+            .is_some()
+        {
+            return EXIT_DATA;
+        }
         if let Some(client) = cause.downcast_ref::<freeflow_client::ClientError>() {
             return status_for_code(client.code());
         }

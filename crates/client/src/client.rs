@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use freeflow_proto::meta::{
     Caller, CloseSession, ClusterReport, ClusterStatus, Create, DirPage, FsStats, GetAttr,
-    GetXattr, Link, ListXattr, Lookup, Mkdir, Open, OpenAccess, OpenSession, ReadDir, ReadLink,
-    RemoveXattr, Rename, RenameMode, RenewSession, Rmdir, ServerRecord, SetAttributes,
+    GetXattr, HandleRef, Link, ListXattr, Lookup, Mkdir, Open, OpenAccess, OpenSession, ReadDir,
+    ReadLink, RemoveXattr, Rename, RenameMode, RenewSession, Rmdir, ServerRecord, SetAttributes,
     SetDirLayout, SetXattr, StatFs, Symlink, Unlink, XattrSetMode,
 };
 use freeflow_proto::ErrorCode;
@@ -267,10 +267,22 @@ impl Client {
     /// objects on the I/O servers itself, before it replies: bytes beyond a shrink never
     /// reappear after a later extension.
     pub async fn setattr(&self, inode: InodeId, changes: SetAttr) -> Result<Attr, ClientError> {
+        self.setattr_through(inode, changes, None).await
+    }
+
+    /// [`Client::setattr`] through an open handle of this client: a size change is then
+    /// authorised by the handle's write access (`ftruncate`, see `HandleRef`).
+    pub async fn setattr_through(
+        &self,
+        inode: InodeId,
+        changes: SetAttr,
+        through_handle: Option<HandleRef>,
+    ) -> Result<Attr, ClientError> {
         let request = SetAttributes {
             caller: self.caller.clone(),
             inode,
             changes,
+            through_handle,
         };
         let Some(new_size) = request.changes.size_bytes else {
             return self.meta(&request, || format!("inode {inode}")).await;

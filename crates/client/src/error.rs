@@ -78,6 +78,27 @@ impl ClientError {
         }
     }
 
+    /// The I/O server this error failed to reach (refused connection, broken connection,
+    /// timeout, or not registered), if that is what it is: its data is unavailable for now.
+    pub fn unreachable_io_server(&self) -> Option<ServerId> {
+        match self {
+            ClientError::Io {
+                server_id,
+                source:
+                    RpcError::Connect { .. }
+                    | RpcError::Disconnected { .. }
+                    | RpcError::Handshake { .. }
+                    | RpcError::TimedOut { .. },
+                ..
+            } => Some(*server_id),
+            ClientError::ServerUnknown { server_id, .. } => Some(*server_id),
+            ClientError::AtPath { source, .. } | ClientError::EarlierWrite { source, .. } => {
+                source.unreachable_io_server()
+            }
+            _ => None,
+        }
+    }
+
     /// Wrap this error with the path it happened on, unless it already names one.
     pub fn at_path(self, path: &str) -> ClientError {
         match self {

@@ -36,11 +36,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::{Bytes, BytesMut};
-use freeflow_proto::io::{ReadObject, SyncObjects, WriteObject};
-use freeflow_proto::meta::{Close, CommitSize, GetAttr, OpenAccess};
+use freeflow_proto::io::{
+    AllocateMode, AllocateObject, CopyObjectRange, ObjectSpace, ReadObject, SyncObjects,
+    WriteObject,
+};
+use freeflow_proto::meta::{Close, CommitSize, GetAttr, HandleRef, OpenAccess, StripeSpace};
 use freeflow_proto::ErrorCode;
-use freeflow_types::limits::{FILE_SIZE_MAX, IO_REQUEST_BYTES_MAX};
-use freeflow_types::{Attr, FileKind, InodeId, Layout, ObjectId, TimeSpec};
+use freeflow_types::limits::{ALLOCATE_BYTES_MAX, FILE_SIZE_MAX, IO_REQUEST_BYTES_MAX};
+use freeflow_types::{Attr, FileKind, InodeId, Layout, ObjectId, SetAttr, TimeSpec};
+use futures::StreamExt;
 use tokio::sync::{watch, OwnedSemaphorePermit};
 
 use crate::plan::{plan_requests, ObjectRequest};
@@ -49,6 +53,81 @@ use crate::{Client, ClientError};
 /// Largest single `read_at`, after clamping to the file size: the bound on the buffer one
 /// read allocates.
 pub const READ_LENGTH_MAX: u64 = 256 << 20;
+
+/// Most bytes one `copy_range_from` copies; callers loop, as with `copy_file_range(2)`.
+pub const COPY_LENGTH_MAX: u64 = 1 << 30;
+
+/// Pieces of one copy in flight at once (each at most one request long).
+const COPY_PIECES_IN_FLIGHT_MAX: usize = 16;
+
+/// How [`FileHandle::allocate`] changes a range (the `fallocate(2)` modes Freeflow keeps).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Allocation {
+    /// Reserve blocks (mode 0; `FALLOC_FL_KEEP_SIZE` with `keep_size`).
+    Allocate { keep_size: bool },
+    /// Free the range's blocks; it reads as zeros, and the size never changes
+    /// (`FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE`).
+    PunchHole,
+    /// Make the range read as zeros (`FALLOC_FL_ZERO_RANGE`).
+    ZeroRange { keep_size: bool },
+}
+
+/// One piece of a copy: the same bytes as a request on the source and on the target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct CopyPiece {
+    source: ObjectRequest,
+    target: ObjectRequest,
+}
+
+/// Cut a copy into pieces that each lie inside one object of the source and one of the
+/// target, merging neighbours that are contiguous in both objects (up to one request).
+fn plan_copy(
+    source_layout: &Layout,
+    source_offset: u64,
+    target_layout: &Layout,
+    target_offset: u64,
+    length: u64,
+) -> Vec<CopyPiece> {
+    let mut pieces: Vec<CopyPiece> = Vec::new();
+    let mut done = 0u64;
+    while done < length {
+        let (source_stripe, source_object) = source_layout.locate(source_offset + done);
+        let (target_stripe, target_object) = target_layout.locate(target_offset + done);
+        let source_unit = u64::from(source_layout.stripe_unit_bytes);
+        let target_unit = u64::from(target_layout.stripe_unit_bytes);
+        let piece = (length - done)
+            .min(source_unit - source_object % source_unit)
+            .min(target_unit - target_object % target_unit);
+        let source = ObjectRequest {
+            stripe_index: source_stripe,
+            object_offset: source_object,
+            file_offset: source_offset + done,
+            length: piece,
+        };
+        let target = ObjectRequest {
+            stripe_index: target_stripe,
+            object_offset: target_object,
+            file_offset: target_offset + done,
+            length: piece,
+        };
+        match pieces.last_mut() {
+            Some(last)
+                if last.source.stripe_index == source_stripe
+                    && last.target.stripe_index == target_stripe
+                    && last.source.object_end() == source_object
+                    && last.target.object_end() == target_object
+                    && last.source.file_end() == source.file_offset
+                    && last.source.length + piece <= u64::from(IO_REQUEST_BYTES_MAX) =>
+            {
+                last.source.length += piece;
+                last.target.length += piece;
+            }
+            _ => pieces.push(CopyPiece { source, target }),
+        }
+        done += piece;
+    }
+    pieces
+}
 
 /// The wall clock as a `TimeSpec` (mtime of writes).
 pub(crate) fn now() -> TimeSpec {
@@ -108,6 +187,10 @@ struct HandleState {
     writes_outstanding: BTreeMap<u64, usize>,
     /// Stripes with a write acknowledged since the last successful sync.
     unsynced_stripes: BTreeSet<u32>,
+    /// The newest space report of each stripe this handle changed (stripe → report), sent
+    /// with every size commit so `st_blocks` follows what the servers store. Bounded by the
+    /// stripe count.
+    stripe_space: BTreeMap<u32, ObjectSpace>,
 }
 
 /// A size commit between its computation and its reply.
@@ -130,6 +213,21 @@ impl HandleState {
                 (request.stripe_index, lowest_start)..(request.stripe_index, request.object_end()),
             )
             .any(|(_, &end)| end > request.object_offset)
+    }
+
+    /// Keep `space` as stripe `stripe_index`'s report if it is newer than the one kept.
+    fn note_space(&mut self, stripe_index: u32, space: ObjectSpace) {
+        let kept = self.stripe_space.entry(stripe_index).or_default();
+        if space.stamp > kept.stamp {
+            *kept = space;
+        }
+    }
+
+    /// What this handle knows of the file's allocated bytes: the meta server's figure, or
+    /// its own reports where they are newer (a lower bound until the next commit).
+    fn allocated_bytes(&self) -> u64 {
+        let reported: u64 = self.stripe_space.values().map(|s| s.allocated_bytes).sum();
+        self.attr.allocated_bytes.max(reported)
     }
 
     fn absorb_attr(&mut self, attr: Attr) {
@@ -237,6 +335,8 @@ impl Truncation {
                 state.known_size = size;
                 state.written_end = state.written_end.min(size);
                 state.acknowledged_end = state.acknowledged_end.min(size);
+                // Reports from before the cut are stale; the meta server has the cut's own.
+                state.stripe_space.clear();
                 state.attr = attr.clone();
             }
             handle.notify();
@@ -267,6 +367,33 @@ impl HandleShared {
             ));
         }
         Ok(())
+    }
+
+    fn require_write(&self) -> Result<(), ClientError> {
+        if !self.access.write {
+            return Err(ClientError::inode(
+                self.inode,
+                ErrorCode::BadHandle,
+                "the handle is not open for writing",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `offset + length`, if it stays within the largest file size.
+    fn checked_end(&self, offset: u64, length: u64) -> Result<u64, ClientError> {
+        offset
+            .checked_add(length)
+            .filter(|end| *end <= FILE_SIZE_MAX)
+            .ok_or_else(|| {
+                ClientError::inode(
+                    self.inode,
+                    ErrorCode::FileTooBig,
+                    format!(
+                        "{length} bytes at {offset} end beyond the largest file size {FILE_SIZE_MAX}"
+                    ),
+                )
+            })
     }
 
     fn check_no_failed_write(&self) -> Result<(), ClientError> {
@@ -381,7 +508,8 @@ impl HandleShared {
                 .remove(&(request.stripe_index, request.object_offset));
             state.finish_requests(sequence, 1);
             match result {
-                Ok(_) => {
+                Ok((space, _)) => {
+                    state.note_space(request.stripe_index, space);
                     state.acknowledged_end = state.acknowledged_end.max(request.file_end());
                     // Only now: an fsync that took the set before this write landed must not
                     // count it as synced.
@@ -400,10 +528,21 @@ impl HandleShared {
 
     async fn commit_size(&self, size_bytes: u64) -> Result<Attr, ClientError> {
         let inode = self.inode;
+        let space = self
+            .lock()
+            .stripe_space
+            .iter()
+            .map(|(&stripe_index, space)| StripeSpace {
+                stripe_index,
+                allocated_bytes: space.allocated_bytes,
+                stamp: space.stamp,
+            })
+            .collect();
         let request = CommitSize {
             inode,
             size_bytes,
             modify_time: now(),
+            space,
         };
         self.client
             .shared
@@ -701,6 +840,7 @@ impl FileHandle {
                 in_flight: BTreeMap::new(),
                 writes_outstanding: BTreeMap::new(),
                 unsynced_stripes: BTreeSet::new(),
+                stripe_space: BTreeMap::new(),
             }),
             completions,
             closed: AtomicBool::new(false),
@@ -723,13 +863,50 @@ impl FileHandle {
         self.shared.access
     }
 
-    /// The attributes as last seen, with the size this handle knows (including its own
-    /// writes not yet committed).
+    /// The attributes as last seen, with the size and allocated bytes this handle knows
+    /// (including its own writes not yet committed).
     pub fn attr(&self) -> Attr {
         let state = self.shared.lock();
         let mut attr = state.attr.clone();
         attr.size_bytes = state.known_size;
+        attr.allocated_bytes = state.allocated_bytes();
         attr
+    }
+
+    /// The allocated bytes this handle knows of (see [`FileHandle::attr`]).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.shared.lock().allocated_bytes()
+    }
+
+    /// This open as the meta server knows it, for requests that act through it.
+    pub fn handle_ref(&self) -> HandleRef {
+        HandleRef {
+            session_id: self.shared.session_id,
+            handle_id: self.shared.handle_id,
+        }
+    }
+
+    /// Change attributes through this open (`ftruncate`, `futimens`): a size change is
+    /// authorised by the handle's write access, not by the file's mode bits, and is
+    /// ordered after every write made through this client before the call (see
+    /// [`Client::setattr`]).
+    pub async fn set_attributes(&self, changes: SetAttr) -> Result<Attr, ClientError> {
+        self.shared.check_open()?;
+        let through =
+            (changes.size_bytes.is_some() && self.shared.access.write).then(|| self.handle_ref());
+        self.shared
+            .client
+            .setattr_through(self.shared.inode, changes, through)
+            .await
+    }
+
+    /// Set the size through this open (`ftruncate`).
+    pub async fn set_size(&self, size_bytes: u64) -> Result<Attr, ClientError> {
+        self.set_attributes(SetAttr {
+            size_bytes: Some(size_bytes),
+            ..SetAttr::default()
+        })
+        .await
     }
 
     /// The size this handle knows, including its own writes not yet committed.
@@ -884,6 +1061,225 @@ impl FileHandle {
         drop(unsent);
         shared.commit_if_due();
         Ok(())
+    }
+
+    /// Change the storage of a range without writing through it: preallocate, punch a
+    /// hole, or zero it (`fallocate(2)`). Ordered after every write started on this handle
+    /// before the call. Without `keep_size`, allocating or zeroing past the end grows the
+    /// file as a write would (committed at the next flush, fsync or close).
+    pub async fn allocate(
+        &self,
+        offset: u64,
+        length: u64,
+        how: Allocation,
+    ) -> Result<(), ClientError> {
+        let shared = &self.shared;
+        shared.check_open()?;
+        shared.require_write()?;
+        shared.check_no_failed_write()?;
+        let layout = shared.data_layout()?.clone();
+        if length == 0 {
+            return Err(ClientError::inode(
+                shared.inode,
+                ErrorCode::InvalidArgument,
+                "an allocation of 0 bytes",
+            ));
+        }
+        let end = shared.checked_end(offset, length)?;
+        let (mode, grows) = match how {
+            Allocation::Allocate { keep_size } => (AllocateMode::Allocate, !keep_size),
+            Allocation::PunchHole => (AllocateMode::PunchHole, false),
+            Allocation::ZeroRange { keep_size } => (AllocateMode::ZeroRange, !keep_size),
+        };
+        let through = shared.writes_started();
+        shared
+            .wait_until(|state| state.writes_done_through(through))
+            .await;
+        // Each stripe's share of a file range is one contiguous range of its object, sent
+        // in pieces of at most ALLOCATE_BYTES_MAX (the servers' bound per request).
+        let mut requests: Vec<(u32, AllocateObject)> = Vec::new();
+        for stripe_index in 0..layout.stripe_count() {
+            let mut start = layout.object_length(offset, stripe_index);
+            let stop = layout.object_length(end, stripe_index);
+            while start < stop {
+                let length = (stop - start).min(ALLOCATE_BYTES_MAX);
+                requests.push((
+                    stripe_index,
+                    AllocateObject {
+                        object: ObjectId {
+                            inode: shared.inode,
+                            stripe_index,
+                        },
+                        offset: start,
+                        length,
+                        mode,
+                    },
+                ));
+                start += length;
+            }
+        }
+        let calls = requests.iter().map(|(stripe_index, request)| {
+            let server_id = layout.servers[*stripe_index as usize];
+            async move {
+                let (space, _) = shared
+                    .client
+                    .shared
+                    .pool
+                    .io_call(server_id, shared.inode, request, Bytes::new(), || {
+                        format!(
+                            "{mode:?} of {} bytes at inode {} stripe {stripe_index} offset {}",
+                            request.length, shared.inode, request.offset
+                        )
+                    })
+                    .await?;
+                Ok::<_, ClientError>((*stripe_index, space))
+            }
+        });
+        let spaces = futures::future::try_join_all(calls).await?;
+        {
+            let mut state = shared.lock();
+            for (stripe_index, space) in spaces {
+                state.note_space(stripe_index, space);
+                state.unsynced_stripes.insert(stripe_index);
+            }
+            if grows {
+                state.known_size = state.known_size.max(end);
+                state.written_end = state.written_end.max(end);
+                state.acknowledged_end = state.acknowledged_end.max(end);
+            }
+            // A change like a write: the next flush commits the size and the space.
+            state.writes_started += 1;
+        }
+        shared.notify();
+        Ok(())
+    }
+
+    /// Copy `length` bytes at `source_offset` of `source` to `target_offset` of this file
+    /// (`copy_file_range(2)`); returns the bytes copied, fewer only when the source ends
+    /// first. Pieces whose source and target objects are on one I/O server are copied
+    /// there (`CopyObjectRange`: the data never leaves it); the others are read and written
+    /// through this client. Ordered after every write started on either handle before the
+    /// call; the copy is written like a write (durable at fsync, errors reported by then
+    /// at the latest).
+    pub async fn copy_range_from(
+        &self,
+        source: &FileHandle,
+        source_offset: u64,
+        target_offset: u64,
+        length: u64,
+    ) -> Result<u64, ClientError> {
+        let target = &self.shared;
+        let origin = &source.shared;
+        target.check_open()?;
+        origin.check_open()?;
+        target.require_write()?;
+        if !origin.access.read {
+            return Err(ClientError::inode(
+                origin.inode,
+                ErrorCode::BadHandle,
+                "the source handle is not open for reading",
+            ));
+        }
+        target.check_no_failed_write()?;
+        let target_layout = target.data_layout()?.clone();
+        let source_layout = origin.data_layout()?.clone();
+        let length = length.min(COPY_LENGTH_MAX);
+        for shared in [origin, target] {
+            let through = shared.writes_started();
+            shared
+                .wait_until(|state| state.writes_done_through(through))
+                .await;
+        }
+        let source_size = origin.local_size();
+        if length == 0 || source_offset >= source_size {
+            return Ok(0);
+        }
+        let length = length.min(source_size - source_offset);
+        target.checked_end(target_offset, length)?;
+        if origin.inode == target.inode
+            && source_offset < target_offset + length
+            && target_offset < source_offset + length
+        {
+            return Err(ClientError::inode(
+                target.inode,
+                ErrorCode::InvalidArgument,
+                "the source and target ranges of a copy within one file overlap",
+            ));
+        }
+        let pieces = plan_copy(
+            &source_layout,
+            source_offset,
+            &target_layout,
+            target_offset,
+            length,
+        );
+        let copies = pieces.into_iter().map(|piece| {
+            let (source_layout, target_layout) = (&source_layout, &target_layout);
+            async move {
+                let source_server = source_layout.servers[piece.source.stripe_index as usize];
+                let target_server = target_layout.servers[piece.target.stripe_index as usize];
+                if source_server == target_server {
+                    let request = CopyObjectRange {
+                        source: ObjectId {
+                            inode: origin.inode,
+                            stripe_index: piece.source.stripe_index,
+                        },
+                        source_offset: piece.source.object_offset,
+                        target: ObjectId {
+                            inode: target.inode,
+                            stripe_index: piece.target.stripe_index,
+                        },
+                        target_offset: piece.target.object_offset,
+                        // A piece is at most IO_REQUEST_BYTES_MAX, which fits u32.
+                        length: piece.source.length as u32,
+                    };
+                    let (space, _) = target
+                        .client
+                        .shared
+                        .pool
+                        .io_call(target_server, target.inode, &request, Bytes::new(), || {
+                            format!(
+                                "of {} bytes from inode {} to inode {} on one server",
+                                piece.source.length, origin.inode, target.inode
+                            )
+                        })
+                        .await?;
+                    Ok::<_, ClientError>(Some((piece.target.stripe_index, space)))
+                } else {
+                    let data = origin.read_piece(source_layout, &piece.source).await?;
+                    let data = if data.len() as u64 == piece.source.length {
+                        data
+                    } else {
+                        // Past the source object's end it reads as zeros.
+                        let mut filled = BytesMut::zeroed(piece.source.length as usize);
+                        filled[..data.len()].copy_from_slice(&data);
+                        filled.freeze()
+                    };
+                    self.write_at(piece.target.file_offset, data).await?;
+                    Ok(None)
+                }
+            }
+        });
+        let done: Vec<Option<(u32, ObjectSpace)>> = futures::stream::iter(copies)
+            .buffer_unordered(COPY_PIECES_IN_FLIGHT_MAX)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()?;
+        let end = target_offset + length;
+        {
+            let mut state = target.lock();
+            for (stripe_index, space) in done.into_iter().flatten() {
+                state.note_space(stripe_index, space);
+                state.unsynced_stripes.insert(stripe_index);
+            }
+            state.known_size = state.known_size.max(end);
+            state.written_end = state.written_end.max(end);
+            state.acknowledged_end = state.acknowledged_end.max(end);
+            state.writes_started += 1;
+        }
+        target.notify();
+        Ok(length)
     }
 
     /// Write `data` at the end of the file as this handle knows it; returns the offset used.

@@ -25,14 +25,14 @@ pub use config::{
     READAHEAD_BYTES_DEFAULT, SIZE_COMMIT_INTERVAL_MS_DEFAULT,
 };
 pub use error::ClientError;
-pub use file::{FileHandle, READ_LENGTH_MAX};
+pub use file::{Allocation, FileHandle, COPY_LENGTH_MAX, READ_LENGTH_MAX};
 pub use path::{join, normalize};
 pub use paths::{OpenOptions, StripePlacement};
 
 // The request and reply types of the API, so users need not name the proto crate.
 pub use freeflow_proto::meta::{
-    Caller, ClusterReport, DirEntry, DirPage, FsStats, OpenAccess, RenameMode, ServerRecord,
-    XattrSetMode,
+    Caller, ClusterReport, DirEntry, DirPage, FsStats, HandleRef, OpenAccess, RenameMode,
+    ServerRecord, XattrSetMode,
 };
 pub use freeflow_proto::ErrorCode;
 pub use freeflow_rpc::ClusterKey;

@@ -221,6 +221,7 @@ mod tests {
             device: 0,
             layout: None,
             generation: 1,
+            allocated_bytes: 0,
         }
     }
 

@@ -374,12 +374,11 @@ impl Client {
                 .await
                 .map_err(|error| error.at_path(path))?
         };
-        if options.truncate && handle.size() > 0 {
-            let changes = SetAttr {
-                size_bytes: Some(0),
-                ..SetAttr::default()
-            };
-            self.setattr(handle.inode(), changes)
+        if options.truncate {
+            // Always, even at size 0 here: another client's writes not committed yet may
+            // lie beyond the size this client knows; the cut removes them.
+            handle
+                .set_size(0)
                 .await
                 .map_err(|error| error.at_path(path))?;
         }

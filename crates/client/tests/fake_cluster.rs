@@ -18,7 +18,7 @@ use freeflow_client::{
     OpenOptions, SetAttr, TimeSpec, ROOT_INODE,
 };
 use freeflow_proto::io::{
-    ReadObject, ReadReply, RemoveObjects, SyncObjects, TruncateObject, WriteObject,
+    ObjectSpace, ReadObject, ReadReply, RemoveObjects, SyncObjects, TruncateObject, WriteObject,
 };
 use freeflow_proto::meta::*;
 use freeflow_proto::{Request, WireError};
@@ -85,6 +85,7 @@ fn new_attr(inode: InodeId, kind: FileKind, permissions: u32, layout: Option<Lay
         device: 0,
         layout,
         generation: 1,
+        allocated_bytes: 0,
     }
 }
 
@@ -506,7 +507,7 @@ impl FakeIo {
                 }
                 self.unsynced.lock().unwrap().insert(request.object);
                 self.in_flight_bytes.fetch_sub(length, Ordering::AcqRel);
-                typed::<WriteObject>(frame, |_, _| Ok(((), none()))).await
+                typed::<WriteObject>(frame, |_, _| Ok((ObjectSpace::default(), none()))).await
             }
             ReadObject::OPCODE => {
                 self.reads_received.fetch_add(1, Ordering::AcqRel);
@@ -528,14 +529,12 @@ impl FakeIo {
             TruncateObject::OPCODE => {
                 self.truncates_received.fetch_add(1, Ordering::AcqRel);
                 typed::<TruncateObject>(frame, |r, _| {
+                    // Cut only, as the real server: never extend or create an object.
                     let mut objects = self.objects.lock().unwrap();
-                    if r.length > 0 || objects.contains_key(&r.object) {
-                        objects
-                            .entry(r.object)
-                            .or_default()
-                            .resize(r.length as usize, 0);
+                    if let Some(object) = objects.get_mut(&r.object) {
+                        object.truncate(r.length as usize);
                     }
-                    Ok(((), none()))
+                    Ok((ObjectSpace::default(), none()))
                 })
                 .await
             }

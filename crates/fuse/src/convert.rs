@@ -14,8 +14,15 @@ pub const STATFS_BLOCK_BYTES: u32 = 4096;
 /// Preferred I/O size reported by `stat` when a file has no layout: one FUSE request.
 pub const IO_BLOCK_BYTES_DEFAULT: u32 = 1 << 20;
 
-/// The errno for a client error: the client's one table, as it is.
+/// The errno for a client error: the client's one table, except that an I/O server that
+/// cannot be reached is `EIO` (the data is unavailable; `ENOTCONN` would read as "the
+/// mount is gone"). Such a failure is logged with the server named, since `EIO` alone does
+/// not say which.
 pub fn errno(error: &ClientError) -> Errno {
+    if let Some(server_id) = error.unreachable_io_server() {
+        tracing::warn!(server_id, %error, "an I/O server is unreachable: EIO");
+        return Errno::EIO;
+    }
     Errno::from_i32(error.code().errno())
 }
 
@@ -66,7 +73,8 @@ pub fn time_or_now(time: TimeOrNow) -> TimeSpec {
 }
 
 /// The kernel's attributes for a Freeflow inode; `size_bytes` may be larger than the meta
-/// server's when this mount has writes in flight.
+/// server's when this mount has writes in flight. `st_blocks` counts what the I/O servers
+/// store (`Attr::allocated_bytes`), so sparse files and holes show as they are.
 pub fn file_attr(attr: &Attr, size_bytes: u64) -> FileAttr {
     let block_bytes = attr
         .layout
@@ -76,7 +84,7 @@ pub fn file_attr(attr: &Attr, size_bytes: u64) -> FileAttr {
     FileAttr {
         ino: INodeNo(attr.inode),
         size: size_bytes,
-        blocks: size_bytes.div_ceil(512),
+        blocks: attr.allocated_bytes.div_ceil(512),
         atime: system_time(attr.access_time),
         mtime: system_time(attr.modify_time),
         ctime: system_time(attr.change_time),

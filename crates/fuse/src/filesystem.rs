@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use freeflow_client::{
-    Attr, Client, ClientError, ErrorCode, FileKind, InodeId, RenameMode, SetAttr, XattrSetMode,
+    Allocation, Attr, Client, ClientError, ErrorCode, FileKind, InodeId, RenameMode, SetAttr,
+    XattrSetMode,
 };
 use fuser::{
     AccessFlags, Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
@@ -82,17 +83,15 @@ impl MountState {
         }
     }
 
-    /// The size the kernel should see: the meta server's, or what this mount's writes in
-    /// flight reached if larger.
-    fn size_of(&self, attr: &Attr) -> u64 {
-        match self.files.get(attr.inode) {
-            Some(handle) if attr.kind == FileKind::Regular => attr.size_bytes.max(handle.size()),
-            _ => attr.size_bytes,
-        }
-    }
-
     fn kernel_attr(&self, attr: &Attr) -> fuser::FileAttr {
-        file_attr(attr, self.size_of(attr))
+        match self.files.get(attr.inode) {
+            Some(handle) if attr.kind == FileKind::Regular => {
+                let mut attr = attr.clone();
+                attr.allocated_bytes = attr.allocated_bytes.max(handle.allocated_bytes());
+                file_attr(&attr, attr.size_bytes.max(handle.size()))
+            }
+            _ => file_attr(attr, attr.size_bytes),
+        }
     }
 
     fn remember(&self, inode: InodeId) {
@@ -279,7 +278,7 @@ impl fuser::Filesystem for FreeflowFs {
         access_time: Option<TimeOrNow>,
         modify_time: Option<TimeOrNow>,
         _change_time: Option<std::time::SystemTime>,
-        _handle: Option<FileHandle>,
+        handle: Option<FileHandle>,
         _birth_time: Option<std::time::SystemTime>,
         _change_time_macos: Option<std::time::SystemTime>,
         _backup_time: Option<std::time::SystemTime>,
@@ -295,10 +294,21 @@ impl fuser::Filesystem for FreeflowFs {
             modify_time: modify_time.map(convert::time_or_now),
             change_time: None,
         };
+        // A size change through a descriptor (ftruncate) is authorised by the descriptor,
+        // which the kernel opened for writing, not by the mode bits (a file created with
+        // mode 0 can be truncated through the descriptor that created it).
+        let through = match (handle, size) {
+            (Some(_), Some(_)) => self.state.files.get(inode.0),
+            _ => None,
+        };
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             let result = if changes == SetAttr::default() {
                 client.getattr(inode.0).await
+            } else if let Some(open) = through {
+                client
+                    .setattr_through(inode.0, changes, Some(open.handle_ref()))
+                    .await
             } else {
                 client.setattr(inode.0, changes).await
             };
@@ -490,12 +500,14 @@ impl fuser::Filesystem for FreeflowFs {
                 Err(error) => return reply.error(errno(&error)),
             };
             if truncate {
-                // FUSE_ATOMIC_O_TRUNC: the truncate comes with the open.
+                // FUSE_ATOMIC_O_TRUNC: the truncate comes with the open, which the kernel
+                // has checked for write access: authorised by the handle.
                 let changes = SetAttr {
                     size_bytes: Some(0),
                     ..SetAttr::default()
                 };
-                if let Err(error) = client.setattr(inode.0, changes).await {
+                let through = Some(handle.handle_ref());
+                if let Err(error) = client.setattr_through(inode.0, changes, through).await {
                     let _ = state.files.release(inode.0).await;
                     return reply.error(errno(&error));
                 }
@@ -910,8 +922,12 @@ impl fuser::Filesystem for FreeflowFs {
             {
                 Ok(attr) => {
                     state.remember(attr.inode);
+                    // One time-out covers both the entry and the attributes here: the
+                    // shorter, so the new name is revalidated like any other (with the
+                    // attribute time-out, another mount's later changes to this file
+                    // would go unseen by an open through the cached name).
                     reply.created(
-                        &state.attr_ttl,
+                        &state.attr_ttl.min(state.entry_ttl),
                         &state.kernel_attr(&attr),
                         Generation(0),
                         FileHandle(attr.inode),
@@ -933,37 +949,72 @@ impl fuser::Filesystem for FreeflowFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        // Space is not reserved per file: preallocation is a size change at most.
-        if mode == libc::FALLOC_FL_KEEP_SIZE {
-            return reply.ok();
-        }
-        if mode != 0 {
-            return reply.error(Errno::EOPNOTSUPP);
-        }
-        let Some(end) = offset.checked_add(length) else {
-            return reply.error(Errno::EFBIG);
+        let how = match allocation_of_mode(mode) {
+            Ok(how) => how,
+            Err(error) => return reply.error(error),
         };
         let Some(handle) = self.state.files.get(inode.0) else {
             return reply.error(bad_handle());
         };
-        let state = self.state.clone();
         self.spawn(async move {
-            let size = match state.client.getattr(inode.0).await {
-                Ok(attr) => attr.size_bytes.max(handle.size()),
-                Err(error) => return reply.error(errno(&error)),
-            };
-            if end <= size {
-                return reply.ok();
-            }
-            let changes = SetAttr {
-                size_bytes: Some(end),
-                ..SetAttr::default()
-            };
-            match state.client.setattr(inode.0, changes).await {
-                Ok(_) => reply.ok(),
+            match handle.allocate(offset, length, how).await {
+                Ok(()) => reply.ok(),
                 Err(error) => reply.error(errno(&error)),
             }
         });
+    }
+
+    fn copy_file_range(
+        &self,
+        _request: &Request,
+        source_inode: INodeNo,
+        _source_handle: FileHandle,
+        source_offset: u64,
+        target_inode: INodeNo,
+        _target_handle: FileHandle,
+        target_offset: u64,
+        length: u64,
+        flags: fuser::CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        if !flags.is_empty() {
+            return reply.error(Errno::EINVAL);
+        }
+        let (Some(source), Some(target)) = (
+            self.state.files.get(source_inode.0),
+            self.state.files.get(target_inode.0),
+        ) else {
+            return reply.error(bad_handle());
+        };
+        // The reply counts bytes in 32 bits.
+        let length = length.min(u64::from(!0xfff_u32));
+        self.spawn(async move {
+            match target
+                .copy_range_from(&source, source_offset, target_offset, length)
+                .await
+            {
+                // At most `length`, which fits u32.
+                Ok(copied) => reply.written(copied as u32),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+}
+
+/// The `fallocate(2)` modes the mount keeps, or `EOPNOTSUPP`.
+fn allocation_of_mode(mode: i32) -> Result<Allocation, Errno> {
+    const KEEP_SIZE: i32 = libc::FALLOC_FL_KEEP_SIZE;
+    const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE;
+    const ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE;
+    match mode {
+        0 => Ok(Allocation::Allocate { keep_size: false }),
+        KEEP_SIZE => Ok(Allocation::Allocate { keep_size: true }),
+        mode if mode == PUNCH_HOLE | KEEP_SIZE => Ok(Allocation::PunchHole),
+        // Linux refuses a hole punched without KEEP_SIZE.
+        PUNCH_HOLE => Err(Errno::EOPNOTSUPP),
+        ZERO_RANGE => Ok(Allocation::ZeroRange { keep_size: false }),
+        mode if mode == ZERO_RANGE | KEEP_SIZE => Ok(Allocation::ZeroRange { keep_size: true }),
+        _ => Err(Errno::EOPNOTSUPP),
     }
 }
 
@@ -1022,7 +1073,8 @@ async fn create_and_open(
                     size_bytes: Some(0),
                     ..SetAttr::default()
                 };
-                if let Err(error) = client.setattr(attr.inode, changes).await {
+                let through = Some(handle.handle_ref());
+                if let Err(error) = client.setattr_through(attr.inode, changes, through).await {
                     let _ = state.files.release(attr.inode).await;
                     return Err(error);
                 }
@@ -1056,5 +1108,37 @@ mod tests {
             rename_mode(RenameFlags::RENAME_NOREPLACE | RenameFlags::RENAME_EXCHANGE),
             Err(Errno::EINVAL)
         );
+    }
+
+    #[test]
+    fn fallocate_modes_map_to_allocations() {
+        use libc::{FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE};
+        assert_eq!(
+            allocation_of_mode(0),
+            Ok(Allocation::Allocate { keep_size: false })
+        );
+        assert_eq!(
+            allocation_of_mode(FALLOC_FL_KEEP_SIZE),
+            Ok(Allocation::Allocate { keep_size: true })
+        );
+        assert_eq!(
+            allocation_of_mode(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE),
+            Ok(Allocation::PunchHole)
+        );
+        assert_eq!(
+            allocation_of_mode(FALLOC_FL_PUNCH_HOLE),
+            Err(Errno::EOPNOTSUPP)
+        );
+        assert_eq!(
+            allocation_of_mode(FALLOC_FL_ZERO_RANGE),
+            Ok(Allocation::ZeroRange { keep_size: false })
+        );
+        assert_eq!(
+            allocation_of_mode(FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE),
+            Ok(Allocation::ZeroRange { keep_size: true })
+        );
+        // Collapse, insert and unshare are not kept.
+        assert_eq!(allocation_of_mode(0x08), Err(Errno::EOPNOTSUPP));
+        assert_eq!(allocation_of_mode(0x20), Err(Errno::EOPNOTSUPP));
     }
 }

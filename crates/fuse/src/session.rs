@@ -4,16 +4,18 @@
 //! The mount is made with fuser's pure-Rust path (the `mount` system call; no libfuse, and
 //! `fusermount3` only as fuser's own fallback for unprivileged users). After mounting, the
 //! bdi read-ahead is raised (the kernel caps what FUSE_INIT may ask at its 128 KiB default).
-//! [`MountHandle::unmount`] detaches the mount, waits a bounded time for the kernel to end
-//! the connection, aborts the connection if requests are still held (e.g. by processes
-//! with files open), then closes what the mount still had open at the meta server.
+//! [`MountHandle::unmount`] unmounts through fuser's own handle of the mount (so fuser never
+//! tries a second unmount of its own, which would fail and warn), falls back to a lazy
+//! detach when the mount is busy, waits a bounded time for the kernel to end the
+//! connection, aborts the connection if requests are still held (e.g. by processes with
+//! files open), then closes what the mount still had open at the meta server.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use freeflow_client::Client;
-use fuser::{BackgroundSession, Config, MountOption, SessionACL};
+use fuser::{Config, MountOption, SessionACL, SessionUnmounter};
 
 use crate::filesystem::{FreeflowFs, MountState};
 
@@ -105,7 +107,10 @@ pub enum FuseError {
 
 /// A live mount. Dropping it detaches the mount (best effort, without waiting).
 pub struct MountHandle {
-    session: Option<BackgroundSession>,
+    /// The thread running the session's loop (it starts the kernel channels' threads).
+    session: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+    /// fuser's handle of the mount: unmounting through it leaves fuser nothing to unmount.
+    unmounter: Option<SessionUnmounter>,
     state: Arc<MountState>,
     mountpoint: PathBuf,
     /// The mount's device (`major:minor`), naming its bdi and its FUSE connection.
@@ -157,8 +162,9 @@ pub fn mount(
     };
     config.n_threads = Some(options.threads);
     config.clone_fd = options.threads > 1;
-    let session = fuser::Session::new(FreeflowFs::new(state.clone()), &mountpoint, &config)
+    let mut session = fuser::Session::new(FreeflowFs::new(state.clone()), &mountpoint, &config)
         .map_err(mount_error)?;
+    let unmounter = session.unmount_callable();
     let device = mount_device(&mountpoint);
     match device {
         Some((major, minor)) => raise_readahead(major, minor),
@@ -166,10 +172,14 @@ pub fn mount(
             tracing::warn!(mountpoint = %mountpoint.display(), "mount not found in /proc/self/mountinfo; read-ahead left as is")
         }
     }
-    let session = session.spawn().map_err(mount_error)?;
+    let session = std::thread::Builder::new()
+        .name("fuse-session".to_string())
+        .spawn(move || session.run())
+        .map_err(mount_error)?;
     tracing::info!(mountpoint = %mountpoint.display(), threads = options.threads, "mounted");
     Ok(MountHandle {
         session: Some(session),
+        unmounter: Some(unmounter),
         state,
         mountpoint,
         device,
@@ -186,7 +196,7 @@ impl MountHandle {
     pub fn is_serving(&self) -> bool {
         self.session
             .as_ref()
-            .is_some_and(|session| !session.guard.is_finished())
+            .is_some_and(|session| !session.is_finished())
     }
 
     /// Wait until the mount ends by other means (`umount`, `fusermount -u`).
@@ -206,7 +216,17 @@ impl MountHandle {
     }
 
     async fn finish(&mut self) -> Result<(), FuseError> {
-        detach(&self.mountpoint);
+        if let Some(mut unmounter) = self.unmounter.take() {
+            // A plain unmount; busy (files open), it fails and the mount is detached
+            // lazily instead. Either way fuser's handle of it is used up.
+            let unmounted = tokio::task::spawn_blocking(move || unmounter.unmount()).await;
+            if !matches!(unmounted, Ok(Ok(()))) {
+                tracing::debug!(mountpoint = %self.mountpoint.display(), "the mount is busy; detaching it");
+                detach(&self.mountpoint);
+            }
+        } else {
+            detach(&self.mountpoint);
+        }
         let deadline = Instant::now() + Duration::from_millis(UNMOUNT_WAIT_MS);
         let mut aborted = false;
         while self.is_serving() {
@@ -225,7 +245,6 @@ impl MountHandle {
         }
         if let Some(session) = self.session.take() {
             if let Err(error) = session
-                .guard
                 .join()
                 .unwrap_or_else(|_| Err(std::io::Error::other("a FUSE session thread panicked")))
             {

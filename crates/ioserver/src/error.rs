@@ -26,6 +26,11 @@ pub enum StoreError {
         limits::IO_REQUEST_BYTES_MAX
     )]
     RequestTooLong { length_bytes: u64 },
+    #[error(
+        "an allocation of {length_bytes} bytes exceeds the bound of {} bytes per request",
+        limits::ALLOCATE_BYTES_MAX
+    )]
+    AllocationTooLong { length_bytes: u64 },
     #[error("{count} objects in one request exceed the bound of {max}")]
     TooManyObjects { count: usize, max: usize },
     #[error("object {}: its file was deleted; the write is refused", object_name(*object))]
@@ -63,9 +68,9 @@ impl StoreError {
     pub fn code(&self) -> ErrorCode {
         match self {
             StoreError::FileTooBig { .. } => ErrorCode::FileTooBig,
-            StoreError::RequestTooLong { .. } | StoreError::TooManyObjects { .. } => {
-                ErrorCode::InvalidArgument
-            }
+            StoreError::RequestTooLong { .. }
+            | StoreError::AllocationTooLong { .. }
+            | StoreError::TooManyObjects { .. } => ErrorCode::InvalidArgument,
             StoreError::Removed { .. } => ErrorCode::Stale,
             StoreError::NoSpace { .. } => ErrorCode::NoSpace,
             StoreError::Io { source, .. } => source

@@ -103,4 +103,27 @@ mod tests {
             "{error}"
         );
     }
+
+    /// Issue 8: whatever a `server-id` file holds, starting on it gives a clear error or
+    /// goes on, never a panic, and never serves a directory claimed by another id.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+            #[test]
+            fn any_server_id_file_is_read_or_refused(contents in prop::collection::vec(any::<u8>(), 0..24)) {
+                let directory = tempfile::tempdir().unwrap();
+                fs::write(directory.path().join(SERVER_ID_FILE), &contents).unwrap();
+                if claim_data_dir(directory.path(), 12).is_ok() {
+                    let text = std::str::from_utf8(&contents).expect("accepted text is UTF-8");
+                    prop_assert_eq!(text.trim_end_matches('\n').parse::<u32>(), Ok(12));
+                }
+                // The id as written is always accepted.
+                fs::write(directory.path().join(SERVER_ID_FILE), b"12\n").unwrap();
+                prop_assert!(claim_data_dir(directory.path(), 12).is_ok());
+            }
+        }
+    }
 }

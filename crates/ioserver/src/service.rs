@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use freeflow_proto::io::{
-    IoStats, ReadObject, ReadReply, RemoveObjects, ServerStats, SyncObjects, TruncateObject,
-    WriteObject,
+    AllocateObject, CopyObjectRange, IoStats, ReadObject, ReadReply, RemoveObjects, ServerStats,
+    SyncObjects, TruncateObject, WriteObject,
 };
 use freeflow_proto::{Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
@@ -44,8 +44,8 @@ impl Service for IoService {
         match frame.opcode {
             WriteObject::OPCODE => {
                 handle(frame, |request: WriteObject, payload| async move {
-                    store.write(request.object, request.offset, payload).await?;
-                    Ok(((), Bytes::new()))
+                    let space = store.write(request.object, request.offset, payload).await?;
+                    Ok((space, Bytes::new()))
                 })
                 .await
             }
@@ -64,8 +64,32 @@ impl Service for IoService {
             }
             TruncateObject::OPCODE => {
                 handle(frame, |request: TruncateObject, _| async move {
-                    store.truncate(request.object, request.length).await?;
-                    Ok(((), Bytes::new()))
+                    let space = store.truncate(request.object, request.length).await?;
+                    Ok((space, Bytes::new()))
+                })
+                .await
+            }
+            AllocateObject::OPCODE => {
+                handle(frame, |request: AllocateObject, _| async move {
+                    let space = store
+                        .allocate(request.object, request.offset, request.length, request.mode)
+                        .await?;
+                    Ok((space, Bytes::new()))
+                })
+                .await
+            }
+            CopyObjectRange::OPCODE => {
+                handle(frame, |request: CopyObjectRange, _| async move {
+                    let space = store
+                        .copy_range(
+                            request.source,
+                            request.source_offset,
+                            request.target,
+                            request.target_offset,
+                            request.length,
+                        )
+                        .await?;
+                    Ok((space, Bytes::new()))
                 })
                 .await
             }

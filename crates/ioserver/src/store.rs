@@ -30,11 +30,12 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use bytes::Bytes;
+use freeflow_proto::io::{AllocateMode, ObjectSpace};
 use freeflow_types::{limits, InodeId, ObjectId, ServerId};
 
 use crate::engine::DiskEngine;
@@ -112,6 +113,8 @@ pub struct ObjectStore {
     /// is made durable by the next sync that names them.
     created_unsynced: Mutex<HashSet<ObjectId>>,
     removed: Mutex<RemovedInodes>,
+    /// The last stamp given to an [`ObjectSpace`] report (see [`ObjectStore::next_stamp`]).
+    last_stamp: AtomicU64,
 }
 
 impl ObjectStore {
@@ -140,6 +143,7 @@ impl ObjectStore {
             count_complete: AtomicBool::new(false),
             created_unsynced: Mutex::default(),
             removed: Mutex::default(),
+            last_stamp: AtomicU64::new(0),
         })
     }
 
@@ -166,23 +170,66 @@ impl ObjectStore {
             .join(object_name(object))
     }
 
-    /// Writes `data` at `offset`, creating the object if it does not exist.
+    /// A stamp for a space report: strictly larger than every stamp this server gave
+    /// before, and at least the wall clock in nanoseconds, so reports made after a restart
+    /// still order after those from before it (unless the clock went back by more than
+    /// the time between them).
+    pub fn next_stamp(&self) -> u64 {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|since| since.as_nanos() as u64)
+            .unwrap_or(0);
+        let previous = self
+            .last_stamp
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |last| {
+                Some(now.max(last + 1))
+            })
+            .unwrap_or_else(|last| last);
+        now.max(previous + 1)
+    }
+
+    /// The space `file` (the object) occupies now, stamped. `fstat` only: no disk I/O.
+    fn space_of(&self, object: ObjectId, file: &File) -> Result<ObjectSpace, StoreError> {
+        use std::os::unix::fs::MetadataExt;
+        let metadata = file
+            .metadata()
+            .map_err(|error| self.error("stat", object, error))?;
+        Ok(ObjectSpace {
+            allocated_bytes: metadata.blocks().saturating_mul(512),
+            stamp: self.next_stamp(),
+        })
+    }
+
+    /// The space of an object that may not exist (an absent one holds nothing).
+    async fn space_of_existing(&self, object: ObjectId) -> Result<ObjectSpace, StoreError> {
+        match self.open_existing(object).await? {
+            Some(file) => self.space_of(object, &file),
+            None => Ok(ObjectSpace {
+                allocated_bytes: 0,
+                stamp: self.next_stamp(),
+            }),
+        }
+    }
+
+    /// Writes `data` at `offset`, creating the object if it does not exist. Returns the
+    /// space the object holds after the write.
     pub async fn write(
         &self,
         object: ObjectId,
         offset: u64,
         data: Bytes,
-    ) -> Result<(), StoreError> {
+    ) -> Result<ObjectSpace, StoreError> {
         check_range(object, offset, data.len() as u64)?;
         self.check_not_removed(object)?;
         if data.is_empty() {
-            return Ok(());
+            return self.space_of_existing(object).await;
         }
         let file = self.open_or_create(object).await?;
         self.engine
-            .write_at(file, offset, data)
+            .write_at(Arc::clone(&file), offset, data)
             .await
-            .map_err(|error| self.error("write", object, error))
+            .map_err(|error| self.error("write", object, error))?;
+        self.space_of(object, &file)
     }
 
     /// Reads up to `length_bytes` at `offset`: fewer when the object ends first, none when
@@ -206,8 +253,14 @@ impl ObjectStore {
             .map_err(|error| self.error("read", object, error))
     }
 
-    /// Cuts or extends the object to `length_bytes`; creates it only if `length_bytes > 0`.
-    pub async fn truncate(&self, object: ObjectId, length_bytes: u64) -> Result<(), StoreError> {
+    /// Cuts the object to `length_bytes` if it is longer; never extends or creates one (a
+    /// file's size is the meta server's; past an object's end the file reads zeros).
+    /// Returns the space the object holds after the cut.
+    pub async fn truncate(
+        &self,
+        object: ObjectId,
+        length_bytes: u64,
+    ) -> Result<ObjectSpace, StoreError> {
         if length_bytes > limits::FILE_SIZE_MAX {
             return Err(StoreError::FileTooBig {
                 object,
@@ -217,19 +270,120 @@ impl ObjectStore {
         }
         if self.check_not_removed(object).is_err() {
             // The file is gone: there is nothing to cut, and nothing must be recreated.
-            return Ok(());
+            return Ok(ObjectSpace {
+                allocated_bytes: 0,
+                stamp: self.next_stamp(),
+            });
         }
-        let file = if length_bytes == 0 {
-            match self.open_existing(object).await? {
-                Some(file) => file,
-                None => return Ok(()),
-            }
-        } else {
-            self.open_or_create(object).await?
+        let Some(file) = self.open_existing(object).await? else {
+            return self.space_of_existing(object).await;
         };
-        blocking(move || file.set_len(length_bytes))
-            .await
-            .map_err(|error| self.error("truncate", object, error))
+        let cut = Arc::clone(&file);
+        blocking(move || {
+            if cut.metadata()?.len() > length_bytes {
+                cut.set_len(length_bytes)?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|error| self.error("truncate", object, error))?;
+        self.space_of(object, &file)
+    }
+
+    /// `fallocate` on the object's range, always keeping the object's length (see
+    /// [`AllocateMode`]). Allocating creates a missing object; punching or zeroing one
+    /// that does not exist does nothing (it reads as zeros already). Where the local file
+    /// system lacks a mode, the same result is made another way: zeroing as a punch and an
+    /// allocation, punching as writing zeros.
+    pub async fn allocate(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        length_bytes: u64,
+        mode: AllocateMode,
+    ) -> Result<ObjectSpace, StoreError> {
+        match offset.checked_add(length_bytes) {
+            Some(end) if end <= limits::FILE_SIZE_MAX => {}
+            _ => {
+                return Err(StoreError::FileTooBig {
+                    object,
+                    offset,
+                    length_bytes,
+                })
+            }
+        }
+        self.check_not_removed(object)?;
+        if mode == AllocateMode::Allocate {
+            if length_bytes > limits::ALLOCATE_BYTES_MAX {
+                return Err(StoreError::AllocationTooLong { length_bytes });
+            }
+            // Refused whole rather than filling the disk and failing part way.
+            let space = self.space()?;
+            if length_bytes > space.free_bytes {
+                return Err(StoreError::NoSpace {
+                    server_id: self.server_id,
+                    path: self.object_path(object),
+                });
+            }
+        }
+        let file = match mode {
+            AllocateMode::Allocate => self.open_or_create(object).await?,
+            AllocateMode::PunchHole | AllocateMode::ZeroRange => {
+                match self.open_existing(object).await? {
+                    Some(file) => file,
+                    None => return self.space_of_existing(object).await,
+                }
+            }
+        };
+        if length_bytes > 0 {
+            let target = Arc::clone(&file);
+            blocking(move || allocate_range(&target, offset, length_bytes, mode))
+                .await
+                .map_err(|error| self.error("fallocate", object, error))?;
+        }
+        self.space_of(object, &file)
+    }
+
+    /// Make `length_bytes` at `target_offset` of `target` what `source` holds at
+    /// `source_offset` (zeros past its end), inside this server: `copy_file_range(2)`, or
+    /// a read then a write where the kernel cannot (the same object with overlapping
+    /// ranges). Returns the target's space.
+    pub async fn copy_range(
+        &self,
+        source: ObjectId,
+        source_offset: u64,
+        target: ObjectId,
+        target_offset: u64,
+        length_bytes: u32,
+    ) -> Result<ObjectSpace, StoreError> {
+        check_range(source, source_offset, u64::from(length_bytes))?;
+        check_range(target, target_offset, u64::from(length_bytes))?;
+        self.check_not_removed(target)?;
+        let source_file = self.open_existing(source).await?;
+        if length_bytes == 0 {
+            return self.space_of_existing(target).await;
+        }
+        let target_file = match &source_file {
+            Some(_) => self.open_or_create(target).await?,
+            // The source is all hole: the target range becomes one.
+            None => match self.open_existing(target).await? {
+                Some(file) => file,
+                None => return self.space_of_existing(target).await,
+            },
+        };
+        let writer = Arc::clone(&target_file);
+        blocking(move || {
+            copy_object_range(
+                source_file.as_deref(),
+                source_offset,
+                &writer,
+                target_offset,
+                u64::from(length_bytes),
+            )
+        })
+        .await
+        .map_err(|error| self.error("copy", target, error))?;
+        self.space_of(target, &target_file)
     }
 
     /// `fdatasync` of every listed object (up to [`SYNC_CONCURRENCY_MAX`] at once), then of
@@ -523,6 +677,152 @@ fn remove_object(shard: &Mutex<ShardCount>, path: &Path) -> io::Result<()> {
         Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
         Err(error) => Err(error),
     }
+}
+
+/// `fallocate(2)` with `FALLOC_FL_KEEP_SIZE`, with the fallbacks described at
+/// [`ObjectStore::allocate`].
+fn allocate_range(file: &File, offset: u64, length: u64, mode: AllocateMode) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fallocate = |flags: libc::c_int| -> io::Result<()> {
+        // Offsets are at most FILE_SIZE_MAX (checked by the caller), well inside off_t.
+        // SAFETY: a plain syscall on a descriptor this function borrows.
+        let result = unsafe {
+            libc::fallocate(
+                file.as_raw_fd(),
+                flags | libc::FALLOC_FL_KEEP_SIZE,
+                offset as libc::off_t,
+                length as libc::off_t,
+            )
+        };
+        if result == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    };
+    let unsupported =
+        |error: &io::Error| matches!(error.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS));
+    match mode {
+        AllocateMode::Allocate => fallocate(0),
+        AllocateMode::PunchHole => match fallocate(libc::FALLOC_FL_PUNCH_HOLE) {
+            Err(error) if unsupported(&error) => write_zeros(file, offset, length),
+            other => other,
+        },
+        AllocateMode::ZeroRange => match fallocate(libc::FALLOC_FL_ZERO_RANGE) {
+            Err(error) if unsupported(&error) => {
+                allocate_range(file, offset, length, AllocateMode::PunchHole)?;
+                match fallocate(0) {
+                    Err(error) if unsupported(&error) => Ok(()),
+                    other => other,
+                }
+            }
+            other => other,
+        },
+    }
+}
+
+/// Bytes of zeros written at a time where a hole cannot be punched.
+const ZERO_CHUNK_BYTES: usize = 1 << 20;
+
+/// Write zeros over a range, but only up to the object's end: a hole past it reads as
+/// zeros already, and the object must not grow.
+fn write_zeros(file: &File, offset: u64, length: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let end = offset.saturating_add(length).min(file.metadata()?.len());
+    let zeros = vec![0u8; ZERO_CHUNK_BYTES];
+    let mut at = offset;
+    while at < end {
+        let piece = (end - at).min(ZERO_CHUNK_BYTES as u64) as usize;
+        file.write_all_at(&zeros[..piece], at)?;
+        at += piece as u64;
+    }
+    Ok(())
+}
+
+/// The copy behind [`ObjectStore::copy_range`]; `source` None is an object that does not
+/// exist (all zeros).
+fn copy_object_range(
+    source: Option<&File>,
+    source_offset: u64,
+    target: &File,
+    target_offset: u64,
+    length: u64,
+) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let mut copied = 0u64;
+    if let Some(source) = source {
+        let same_file = source.metadata()?.ino() == target.metadata()?.ino();
+        let overlapping = same_file
+            && source_offset < target_offset + length
+            && target_offset < source_offset + length;
+        if overlapping {
+            // The kernel refuses overlapping ranges of one file: read all, then write.
+            // `length` is one request's (at most IO_REQUEST_BYTES_MAX).
+            let mut buffer = vec![0u8; length as usize];
+            let mut filled = 0usize;
+            while filled < buffer.len() {
+                match source.read_at(&mut buffer[filled..], source_offset + filled as u64)? {
+                    0 => break,
+                    read => filled += read,
+                }
+            }
+            target.write_all_at(&buffer[..filled], target_offset)?;
+            copied = filled as u64;
+        } else {
+            while copied < length {
+                let mut from = (source_offset + copied) as libc::loff_t;
+                let mut to = (target_offset + copied) as libc::loff_t;
+                // SAFETY: both descriptors are borrowed for the call; the offsets are ours.
+                let result = unsafe {
+                    libc::copy_file_range(
+                        source.as_raw_fd(),
+                        &mut from,
+                        target.as_raw_fd(),
+                        &mut to,
+                        (length - copied) as usize,
+                        0,
+                    )
+                };
+                match result {
+                    0 => break, // the source ended
+                    count if count > 0 => copied += count as u64,
+                    _ => {
+                        let error = io::Error::last_os_error();
+                        if !matches!(
+                            error.raw_os_error(),
+                            Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS)
+                        ) {
+                            return Err(error);
+                        }
+                        // Not through the kernel here: copy through memory, a piece at a time.
+                        let mut buffer = vec![0u8; ZERO_CHUNK_BYTES];
+                        while copied < length {
+                            let want = (length - copied).min(ZERO_CHUNK_BYTES as u64) as usize;
+                            let read =
+                                source.read_at(&mut buffer[..want], source_offset + copied)?;
+                            if read == 0 {
+                                break;
+                            }
+                            target.write_all_at(&buffer[..read], target_offset + copied)?;
+                            copied += read as u64;
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    if copied < length {
+        // Past the source's end it reads as zeros: so must the target.
+        allocate_range(
+            target,
+            target_offset + copied,
+            length - copied,
+            AllocateMode::PunchHole,
+        )?;
+    }
+    Ok(())
 }
 
 /// Runs blocking file-system work (open, unlink, ftruncate) off the async threads.

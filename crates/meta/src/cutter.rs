@@ -17,10 +17,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use freeflow_proto::io::TruncateObject;
+use freeflow_proto::meta::StripeSpace;
 use freeflow_proto::{ErrorCode, WireError};
 use freeflow_types::{InodeId, ObjectId, ServerId};
 use tokio::task::JoinSet;
 
+use crate::ops::size::absorb_stripe_space;
 use crate::ops::truncate::settle_truncation;
 use crate::records::TruncationRecord;
 use crate::shared::Shared;
@@ -75,6 +77,8 @@ pub async fn carry_out(
     let now = Instant::now();
     let mut by_server: BTreeMap<ServerId, ServerCuts> = BTreeMap::new();
     let mut done_stripes = Vec::new();
+    // The space of each stripe cut, as its server reported it after the cut.
+    let mut spaces: Vec<StripeSpace> = Vec::new();
     let mut failures: Vec<(ServerId, String)> = Vec::new();
     for (stripe, size_bytes) in &record.cuts {
         let Some(server) = record.layout.servers.get(*stripe as usize) else {
@@ -104,7 +108,8 @@ pub async fn carry_out(
     while let Some(joined) = tasks.join_next().await {
         match joined {
             Ok((server, done, failure)) => {
-                done_stripes.extend(done);
+                done_stripes.extend(done.iter().map(|space| space.stripe_index));
+                spaces.extend(done);
                 if let Some(reason) = failure {
                     failures.push((server, reason));
                 }
@@ -122,6 +127,7 @@ pub async fn carry_out(
         let generation = record.generation;
         let settled = shared
             .write(move |write, _context| {
+                absorb_stripe_space(write, inode, &spaces)?;
                 settle_truncation(write, inode, generation, &done_stripes)
             })
             .await;
@@ -152,13 +158,13 @@ pub async fn carry_out(
 }
 
 /// Cut the stripes of one server in order; stops at the first failure. Returns the stripes
-/// cut and the failure.
+/// cut, with the space each object holds after its cut, and the failure.
 async fn cut_on_server(
     shared: &Shared,
     inode: InodeId,
     server: ServerId,
     cuts: &[(u32, u64)],
-) -> (Vec<u32>, Option<String>) {
+) -> (Vec<StripeSpace>, Option<String>) {
     let mut done = Vec::with_capacity(cuts.len());
     let Some(address) = shared.registry().address(server) else {
         return (done, Some("server is not registered".into()));
@@ -175,10 +181,14 @@ async fn cut_on_server(
             },
             length: *length,
         };
-        if let Err(error) = connection.call(&request, bytes::Bytes::new()).await {
-            return (done, Some(error.to_string()));
+        match connection.call(&request, bytes::Bytes::new()).await {
+            Ok((space, _)) => done.push(StripeSpace {
+                stripe_index: *stripe_index,
+                allocated_bytes: space.allocated_bytes,
+                stamp: space.stamp,
+            }),
+            Err(error) => return (done, Some(error.to_string())),
         }
-        done.push(*stripe_index);
     }
     (done, None)
 }

@@ -2,7 +2,7 @@
 //!
 //! | table       | key                         | value                                       |
 //! |-------------|-----------------------------|---------------------------------------------|
-//! | inodes      | inode u64 BE                | version 1 byte + postcard(InodeRecord)      |
+//! | inodes      | inode u64 BE                | version 2 byte + postcard(InodeRecord); version 1 (no space fields) is still read |
 //! | dirents     | parent u64 BE ++ name bytes | child u64 BE ++ kind 1 byte                 |
 //! | symlinks    | inode u64 BE                | target bytes (UTF-8)                        |
 //! | xattrs      | inode u64 BE ++ name bytes  | value bytes                                 |
@@ -31,6 +31,9 @@ pub const COUNTER_ORPHAN_COUNT: &[u8] = b"orphan_count";
 /// that do not know the server restarted, so they wait one lease before being reaped.
 pub const COUNTER_BOOT_EPOCH: &[u8] = b"boot_epoch";
 
+/// Version of the `inodes` records written now (2: with the space of each stripe).
+pub const INODE_RECORD_VERSION: u8 = 2;
+
 /// One inode: its attributes and, for a directory, its parent (to refuse moving a
 /// directory into its own subtree without scanning).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,6 +41,117 @@ pub struct InodeRecord {
     pub attr: Attr,
     /// The parent directory of a directory (the root is its own parent); 0 for other kinds.
     pub parent: InodeId,
+    /// Per stripe of a regular file: (allocated bytes, stamp of that report), as the
+    /// stripe's I/O server last reported it (`proto::io::ObjectSpace`). Empty until a
+    /// stripe is reported; `attr.allocated_bytes` is the sum.
+    pub stripe_space: Vec<(u64, u64)>,
+}
+
+impl InodeRecord {
+    /// Take a report of the space of one stripe if it is newer than the one kept, and keep
+    /// `attr.allocated_bytes` the sum. A stripe outside the layout is ignored.
+    pub fn absorb_space(&mut self, stripe_index: u32, allocated_bytes: u64, stamp: u64) {
+        let stripe_count = self
+            .attr
+            .layout
+            .as_ref()
+            .map_or(0, |layout| layout.stripe_count()) as usize;
+        let index = stripe_index as usize;
+        if index >= stripe_count {
+            return;
+        }
+        if self.stripe_space.len() < stripe_count {
+            self.stripe_space.resize(stripe_count, (0, 0));
+        }
+        let kept = &mut self.stripe_space[index];
+        if stamp > kept.1 {
+            *kept = (allocated_bytes, stamp);
+            self.attr.allocated_bytes = self
+                .stripe_space
+                .iter()
+                .fold(0u64, |sum, (bytes, _)| sum.saturating_add(*bytes));
+        }
+    }
+}
+
+/// `Attr` as records of version 1 stored it (before `allocated_bytes`).
+#[derive(Deserialize)]
+struct AttrV1 {
+    inode: InodeId,
+    kind: FileKind,
+    permissions: u32,
+    link_count: u32,
+    user_id: u32,
+    group_id: u32,
+    size_bytes: u64,
+    access_time: freeflow_types::TimeSpec,
+    modify_time: freeflow_types::TimeSpec,
+    change_time: freeflow_types::TimeSpec,
+    birth_time: freeflow_types::TimeSpec,
+    device: u64,
+    layout: Option<Layout>,
+    generation: u64,
+}
+
+#[derive(Deserialize)]
+struct InodeRecordV1 {
+    attr: AttrV1,
+    parent: InodeId,
+}
+
+impl From<InodeRecordV1> for InodeRecord {
+    /// Version 1 knew nothing of stored space: a regular file is taken as fully allocated
+    /// up to its size (what `st_blocks` showed then) until its servers report.
+    fn from(old: InodeRecordV1) -> InodeRecord {
+        let a = old.attr;
+        let allocated_bytes = if a.kind == FileKind::Regular {
+            a.size_bytes
+        } else {
+            0
+        };
+        InodeRecord {
+            attr: Attr {
+                inode: a.inode,
+                kind: a.kind,
+                permissions: a.permissions,
+                link_count: a.link_count,
+                user_id: a.user_id,
+                group_id: a.group_id,
+                size_bytes: a.size_bytes,
+                access_time: a.access_time,
+                modify_time: a.modify_time,
+                change_time: a.change_time,
+                birth_time: a.birth_time,
+                device: a.device,
+                layout: a.layout,
+                generation: a.generation,
+                allocated_bytes,
+            },
+            parent: old.parent,
+            stripe_space: Vec::new(),
+        }
+    }
+}
+
+pub fn encode_inode(record: &InodeRecord) -> Vec<u8> {
+    let mut bytes = vec![INODE_RECORD_VERSION];
+    bytes.extend(postcard::to_stdvec(record).expect("metadata records always encode"));
+    bytes
+}
+
+/// Decode an `inodes` value of either version. Bytes from the disk: never panics.
+pub fn decode_inode(bytes: &[u8]) -> Result<InodeRecord, StoreError> {
+    let table = TableId::Inodes;
+    match bytes.split_first() {
+        Some((&INODE_RECORD_VERSION, rest)) => {
+            postcard::from_bytes(rest).map_err(|e| corrupt(table, e))
+        }
+        Some((1, rest)) => postcard::from_bytes::<InodeRecordV1>(rest)
+            .map(InodeRecord::from)
+            .map_err(|e| corrupt(table, e)),
+        Some((version, _)) => Err(corrupt(table, format!("unknown record version {version}"))),
+        None => Err(corrupt(table, "empty record")),
+    }
 }
 
 /// An unlinked regular file whose data is still on the I/O servers.
@@ -211,6 +325,182 @@ mod tests {
         bytes[0] = 9;
         assert!(decode_versioned::<ServerEntry>(TableId::Servers, &bytes).is_err());
         assert!(decode_versioned::<ServerEntry>(TableId::Servers, &[]).is_err());
+    }
+
+    fn sample_attr() -> Attr {
+        let time = freeflow_types::TimeSpec::new(1_700_000_000, 5);
+        Attr {
+            inode: 77,
+            kind: FileKind::Regular,
+            permissions: 0o640,
+            link_count: 1,
+            user_id: 1000,
+            group_id: 100,
+            size_bytes: 3 << 20,
+            access_time: time,
+            modify_time: time,
+            change_time: time,
+            birth_time: time,
+            device: 0,
+            layout: Some(Layout::new(1 << 20, vec![1, 2, 3]).unwrap()),
+            generation: 4,
+            allocated_bytes: 0,
+        }
+    }
+
+    /// Attributes as version 1's code wrote them: the same fields, in order, without
+    /// `allocated_bytes`.
+    #[derive(Serialize)]
+    struct AttrWrittenV1 {
+        inode: InodeId,
+        kind: FileKind,
+        permissions: u32,
+        link_count: u32,
+        user_id: u32,
+        group_id: u32,
+        size_bytes: u64,
+        access_time: freeflow_types::TimeSpec,
+        modify_time: freeflow_types::TimeSpec,
+        change_time: freeflow_types::TimeSpec,
+        birth_time: freeflow_types::TimeSpec,
+        device: u64,
+        layout: Option<Layout>,
+        generation: u64,
+    }
+
+    #[derive(Serialize)]
+    struct WrittenV1 {
+        attr: AttrWrittenV1,
+        parent: InodeId,
+    }
+
+    #[test]
+    fn inode_records_of_version_1_are_still_read() {
+        let a = sample_attr();
+        let old = WrittenV1 {
+            attr: AttrWrittenV1 {
+                inode: a.inode,
+                kind: a.kind,
+                permissions: a.permissions,
+                link_count: a.link_count,
+                user_id: a.user_id,
+                group_id: a.group_id,
+                size_bytes: a.size_bytes,
+                access_time: a.access_time,
+                modify_time: a.modify_time,
+                change_time: a.change_time,
+                birth_time: a.birth_time,
+                device: a.device,
+                layout: a.layout.clone(),
+                generation: a.generation,
+            },
+            parent: 0,
+        };
+        let mut bytes = vec![1u8];
+        bytes.extend(postcard::to_stdvec(&old).unwrap());
+        let record = decode_inode(&bytes).unwrap();
+        assert_eq!(record.attr.size_bytes, a.size_bytes);
+        assert_eq!(record.attr.layout, a.layout);
+        assert_eq!(record.attr.allocated_bytes, a.size_bytes);
+        assert!(record.stripe_space.is_empty());
+        // Written back, it is version 2 and reads the same.
+        let again = decode_inode(&encode_inode(&record)).unwrap();
+        assert_eq!(again, record);
+        assert_eq!(encode_inode(&record)[0], INODE_RECORD_VERSION);
+        assert!(decode_inode(&[]).is_err());
+        assert!(decode_inode(&[3, 0, 0]).is_err());
+        assert!(decode_inode(&bytes[..bytes.len() / 2]).is_err());
+    }
+
+    #[test]
+    fn stripe_space_keeps_the_newest_report_per_stripe_and_sums_them() {
+        let mut record = InodeRecord {
+            attr: sample_attr(),
+            parent: 0,
+            stripe_space: Vec::new(),
+        };
+        record.absorb_space(0, 4096, 10);
+        record.absorb_space(2, 8192, 11);
+        assert_eq!(record.attr.allocated_bytes, 12288);
+        // An older report of stripe 0 (a slow writer's) does not undo the newer one.
+        record.absorb_space(0, 1 << 20, 9);
+        assert_eq!(record.attr.allocated_bytes, 12288);
+        record.absorb_space(0, 0, 12);
+        assert_eq!(record.attr.allocated_bytes, 8192);
+        // Outside the layout: ignored.
+        record.absorb_space(3, 1 << 30, 99);
+        assert_eq!(record.attr.allocated_bytes, 8192);
+        assert_eq!(record.stripe_space.len(), 3);
+    }
+
+    /// Issue 8: no bytes read from the store panic a decoder. Arbitrary values and
+    /// mutations of valid ones go through every decoder of a table value or key; a long
+    /// run on demand: `PROPTEST_CASES=200000 cargo test -p freeflow-meta records::`.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn every_decoder(bytes: &[u8]) {
+            let _ = decode_inode(bytes);
+            let _ = decode_versioned::<OrphanRecord>(TableId::Orphans, bytes);
+            let _ = decode_versioned::<TruncationRecord>(TableId::Truncations, bytes);
+            let _ = decode_versioned::<ServerEntry>(TableId::Servers, bytes);
+            let _ = decode_dirent(bytes);
+            let _ = decode_counter(bytes);
+            let _ = decode_inode_key(TableId::Inodes, bytes);
+            let _ = decode_server_key(bytes);
+            let _ = name_of_key(TableId::Dirents, bytes);
+            if let Ok(record) = decode_inode(bytes) {
+                assert_eq!(decode_inode(&encode_inode(&record)).unwrap(), record);
+            }
+        }
+
+        fn samples() -> Vec<Vec<u8>> {
+            let layout = Layout::new(1 << 20, vec![1, 2, 3]).unwrap();
+            let mut record = InodeRecord {
+                attr: sample_attr(),
+                parent: 0,
+                stripe_space: Vec::new(),
+            };
+            record.absorb_space(1, 4096, 5);
+            vec![
+                encode_inode(&record),
+                encode_versioned(&TruncationRecord {
+                    layout: layout.clone(),
+                    generation: 3,
+                    cuts: vec![(0, 10), (2, 20)],
+                }),
+                encode_versioned(&OrphanRecord {
+                    layout,
+                    boot_epoch: 4,
+                }),
+                encode_dirent(9, FileKind::Symlink).to_vec(),
+                named_key(7, b"name"),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn arbitrary_values_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..300)) {
+                every_decoder(&bytes);
+            }
+
+            #[test]
+            fn mutated_values_never_panic(
+                which in any::<prop::sample::Index>(),
+                writes in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+                keep in any::<prop::sample::Index>(),
+            ) {
+                let samples = samples();
+                let mut bytes = samples[which.index(samples.len())].clone();
+                for (at, value) in writes {
+                    let at = at.index(bytes.len());
+                    bytes[at] = value;
+                }
+                bytes.truncate(keep.index(bytes.len() + 1).max(1));
+                every_decoder(&bytes);
+            }
+        }
     }
 
     #[test]

@@ -248,12 +248,24 @@ async fn set_attributes(shared: &Arc<Shared>, request: SetAttributes) -> Result<
     // Pinned before the job is queued (see `CutPin`): an unlink in the same batch cannot
     // have the reaper remove the objects while this cuts them.
     let pin = request.changes.size_bytes.map(|_| shared.pin_cuts(inode));
+    // Checked now, not in the job: a handle closed meanwhile was open when asked.
+    let through_handle_writable =
+        match request.through_handle {
+            Some(handle) if request.changes.size_bytes.is_some() => shared
+                .sessions()
+                .handle_writes(handle.session_id, handle.handle_id, inode),
+            _ => false,
+        };
     let sessions_of = shared.clone();
     let outcome = shared
         .write(move |write, context| {
-            ops::setattr::set_attributes_recording_cuts(write, context, &request, |inode| {
-                sessions_of.sessions().is_open(inode)
-            })
+            ops::setattr::set_attributes_recording_cuts(
+                write,
+                context,
+                &request,
+                |inode| sessions_of.sessions().is_open(inode),
+                through_handle_writable,
+            )
         })
         .await?;
     if let (Some(record), Some(pin)) = (&outcome.truncation, &pin) {
@@ -262,6 +274,10 @@ async fn set_attributes(shared: &Arc<Shared>, request: SetAttributes) -> Result<
             tracing::warn!(inode, %error, "truncate: cuts pending");
             shared.reaper_wake.notify_one();
             return Err(error.to_wire());
+        }
+        // The cuts changed the space the file holds: answer with the settled record.
+        if let Ok(Some(found)) = shared.read(|read| Ok(ops::try_load_inode(read, inode)?)) {
+            return Ok(found.attr);
         }
     }
     Ok(outcome.attr)

@@ -33,6 +33,7 @@ struct Handle {
     session_id: u64,
     /// None while reserved by a create-and-open whose inode is not chosen yet.
     inode: Option<InodeId>,
+    access: OpenAccess,
 }
 
 #[derive(Debug)]
@@ -106,9 +107,9 @@ impl Sessions {
         &mut self,
         session_id: u64,
         inode: InodeId,
-        _access: OpenAccess,
+        access: OpenAccess,
     ) -> Result<u64, WireError> {
-        let handle_id = self.insert_handle(session_id, Some(inode))?;
+        let handle_id = self.insert_handle(session_id, Some(inode), access)?;
         *self.open_counts.entry(inode).or_default() += 1;
         Ok(handle_id)
     }
@@ -120,9 +121,17 @@ impl Sessions {
     pub fn reserve_handle(
         &mut self,
         session_id: u64,
-        _access: OpenAccess,
+        access: OpenAccess,
     ) -> Result<u64, WireError> {
-        self.insert_handle(session_id, None)
+        self.insert_handle(session_id, None, access)
+    }
+
+    /// Whether `handle_id` is open in `session_id` on `inode` with write access: what lets
+    /// a size change through that handle go ahead whatever the file's mode bits say.
+    pub fn handle_writes(&self, session_id: u64, handle_id: u64, inode: InodeId) -> bool {
+        self.handles.get(&handle_id).is_some_and(|handle| {
+            handle.session_id == session_id && handle.inode == Some(inode) && handle.access.write
+        })
     }
 
     /// Bind a reserved handle to its inode. Err if the handle is gone (its session ended)
@@ -141,7 +150,12 @@ impl Sessions {
         }
     }
 
-    fn insert_handle(&mut self, session_id: u64, inode: Option<InodeId>) -> Result<u64, WireError> {
+    fn insert_handle(
+        &mut self,
+        session_id: u64,
+        inode: Option<InodeId>,
+        access: OpenAccess,
+    ) -> Result<u64, WireError> {
         if self.handles.len() >= self.limits.handles_max {
             return Err(WireError::new(
                 ErrorCode::Busy,
@@ -155,7 +169,14 @@ impl Sessions {
         self.next_handle_id += 1;
         let handle_id = self.next_handle_id;
         session.handles.insert(handle_id);
-        self.handles.insert(handle_id, Handle { session_id, inode });
+        self.handles.insert(
+            handle_id,
+            Handle {
+                session_id,
+                inode,
+                access,
+            },
+        );
         Ok(handle_id)
     }
 

@@ -62,7 +62,7 @@ impl Service for FakeIo {
                 handle(frame, |request: TruncateObject, _| async move {
                     self.cuts.lock().unwrap().push(request);
                     tokio::time::sleep(self.cut_delay).await;
-                    Ok(((), Bytes::new()))
+                    Ok((freeflow_proto::io::ObjectSpace::default(), Bytes::new()))
                 })
                 .await
             }
@@ -377,6 +377,7 @@ fn set_size(caller: Caller, inode: InodeId, size_bytes: u64) -> SetAttributes {
             size_bytes: Some(size_bytes),
             ..SetAttr::default()
         },
+        through_handle: None,
     }
 }
 

@@ -22,17 +22,55 @@ pub struct IoStats {
     pub engine: String,
 }
 
+/// What an object occupies on its server's disk after a change, with a stamp that orders
+/// the reports of one server: of two reports about one object, the one with the larger
+/// stamp is the newer. Stamps are strictly increasing per server (nanoseconds of the wall
+/// clock, bumped past the last one given), so they also order reports across restarts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectSpace {
+    /// `st_blocks × 512` of the object: data and preallocated blocks, holes excluded.
+    pub allocated_bytes: u64,
+    pub stamp: u64,
+}
+
+/// What an `AllocateObject` does to the range (Linux `fallocate(2)` modes, always with
+/// `FALLOC_FL_KEEP_SIZE` on the object: an object's length is not the file's size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AllocateMode {
+    /// Reserve blocks for the range; data already there is kept.
+    Allocate,
+    /// Free the blocks of the range: it reads as zeros.
+    PunchHole,
+    /// Make the range read as zeros, keeping blocks allocated.
+    ZeroRange,
+}
+
 requests! {
     /// Write the payload at `offset` of the object, creating the object if needed.
-    WriteObject = 200 => () { object: ObjectId, offset: u64 }
+    WriteObject = 200 => ObjectSpace { object: ObjectId, offset: u64 }
     /// Read up to `length` bytes at `offset`; the data comes back in the reply payload.
     ReadObject = 201 => ReadReply { object: ObjectId, offset: u64, length: u32 }
-    /// Cut or extend the object to `length` bytes (creating it if it does not exist and
-    /// `length` > 0).
-    TruncateObject = 202 => () { object: ObjectId, length: u64 }
+    /// Cut the object to `length` bytes if it is longer. Never extends an object and never
+    /// creates one: a file's size lives at the meta server, and bytes past an object's end
+    /// read as zeros.
+    TruncateObject = 202 => ObjectSpace { object: ObjectId, length: u64 }
     /// Make every byte written to these objects durable (fdatasync).
     SyncObjects = 203 => () { objects: Vec<ObjectId> }
     /// Remove the objects of these stripes of an inode; missing objects are not an error.
     RemoveObjects = 204 => () { inode: InodeId, stripes: Vec<u32> }
     ServerStats = 205 => IoStats {}
+    /// `fallocate` of `length` bytes at `offset` of the object (see [`AllocateMode`]).
+    /// Allocating creates the object; punching or zeroing a missing object does nothing.
+    AllocateObject = 206 => ObjectSpace { object: ObjectId, offset: u64, length: u64, mode: AllocateMode }
+    /// Make `length` bytes at `target_offset` of `target` equal those at `source_offset` of
+    /// `source` (both objects on this server), without the data leaving the server. Bytes
+    /// past the end of the source read as zeros, so they become zeros (a hole) in the
+    /// target. The space reported is the target's.
+    CopyObjectRange = 207 => ObjectSpace {
+        source: ObjectId,
+        source_offset: u64,
+        target: ObjectId,
+        target_offset: u64,
+        length: u32,
+    }
 }

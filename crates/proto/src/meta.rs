@@ -126,6 +126,24 @@ pub struct ClusterReport {
     pub meta_metrics_address: Option<String>,
 }
 
+/// The space one stripe object of a file occupies, as its I/O server last reported it
+/// (see `io::ObjectSpace`); writers send what they learnt with their size commits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StripeSpace {
+    pub stripe_index: u32,
+    pub allocated_bytes: u64,
+    pub stamp: u64,
+}
+
+/// An open handle of the requesting client, named in a set-attributes that changes the
+/// size through it (`ftruncate`): the change is authorised by the handle's write access
+/// instead of the caller's permission bits, as POSIX does for a descriptor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandleRef {
+    pub session_id: u64,
+    pub handle_id: u64,
+}
+
 requests! {
     /// Start a client session; open handles belong to it and end with it.
     OpenSession = 100 => SessionGrant { client_name: String }
@@ -133,7 +151,13 @@ requests! {
     CloseSession = 102 => () { session_id: u64 }
     Lookup = 110 => Attr { caller: Caller, parent: InodeId, name: String }
     GetAttr = 111 => Attr { inode: InodeId }
-    SetAttributes = 112 => Attr { caller: Caller, inode: InodeId, changes: SetAttr }
+    SetAttributes = 112 => Attr {
+        caller: Caller,
+        inode: InodeId,
+        changes: SetAttr,
+        /// Set when the size is changed through this open handle (see [`HandleRef`]).
+        through_handle: Option<HandleRef>,
+    }
     /// Create a regular file, fifo, socket or device node. Not for directories or symlinks.
     Create = 113 => CreateReply {
         caller: Caller,
@@ -178,8 +202,10 @@ requests! {
     Open = 127 => OpenGrant { caller: Caller, session_id: u64, inode: InodeId, access: OpenAccess }
     Close = 128 => () { session_id: u64, handle_id: u64 }
     /// Grow the size to at least `size_bytes` (never shrinks) and set the mtime: how
-    /// writers commit what they wrote.
-    CommitSize = 129 => Attr { inode: InodeId, size_bytes: u64, modify_time: TimeSpec }
+    /// writers commit what they wrote. `space` carries the stripes' allocation as the
+    /// writer's I/O servers reported it; a report older (by stamp) than the one kept is
+    /// ignored.
+    CommitSize = 129 => Attr { inode: InodeId, size_bytes: u64, modify_time: TimeSpec, space: Vec<StripeSpace> }
     /// Set the layout new files in a directory inherit.
     SetDirLayout = 130 => Attr { caller: Caller, inode: InodeId, stripe_unit_bytes: Option<u32>, stripe_count: Option<u32> }
     ListServers = 131 => Vec<ServerRecord> {}

@@ -85,6 +85,10 @@ pub struct Attr {
     pub layout: Option<Layout>,
     /// Bumped on every change of this inode; lets clients tell a cached copy is stale.
     pub generation: u64,
+    /// Bytes the I/O servers hold for this file: the sum of its objects' allocated blocks
+    /// as last reported by their servers (holes and never-written ranges count nothing).
+    /// What `st_blocks` shows, kept by the meta server from writers' commits and cuts.
+    pub allocated_bytes: u64,
 }
 
 impl Attr {

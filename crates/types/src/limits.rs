@@ -32,5 +32,9 @@ pub const READDIR_ENTRIES_MAX: u32 = 4096;
 /// Largest single read or write request to an I/O server (payload bytes).
 pub const IO_REQUEST_BYTES_MAX: u32 = 8 << 20;
 
+/// Most bytes one `AllocateObject` may reserve on an I/O server; clients split larger
+/// ranges, so a request of a few bytes never makes a server allocate without bound.
+pub const ALLOCATE_BYTES_MAX: u64 = 1 << 30;
+
 /// Deepest symlink chain followed while resolving a path (Linux's `MAXSYMLINKS`).
 pub const SYMLINK_FOLLOW_MAX: u32 = 40;

@@ -2,6 +2,7 @@
 
 mod bench;
 mod copy;
+mod exercise;
 mod init;
 mod mount;
 mod namespace;
@@ -10,6 +11,8 @@ mod status;
 mod stripe;
 mod top;
 mod up;
+
+pub use exercise::ExerciseFailed;
 
 use crate::args::{Cli, Command, StripeCommand};
 
@@ -23,6 +26,7 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
             engine,
             mount,
             no_metrics,
+            mount_flags,
         } => {
             let options = up::Options {
                 data,
@@ -30,6 +34,7 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
                 port,
                 engine,
                 mountpoint: mount,
+                mount_options: mount::Options::from_flags(&mount_flags, None),
                 metrics: !no_metrics,
             };
             up::run(options).await
@@ -37,19 +42,10 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
         Command::Mount {
             cluster_file,
             mountpoint,
-            allow_other,
-            sync_on_close,
-            call_timeout_ms,
-            threads,
+            mount_flags,
             metrics_address,
         } => {
-            let options = mount::Options {
-                allow_other,
-                sync_on_close,
-                call_timeout_ms,
-                threads,
-                metrics_address,
-            };
+            let options = mount::Options::from_flags(&mount_flags, metrics_address);
             mount::run(&cluster_file, &mountpoint, options).await
         }
         Command::Init {
@@ -75,6 +71,32 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
             quiet,
         } => copy::run(cluster, &source, &target, sync, quiet).await,
         Command::Bench(arguments) => bench::run(*arguments).await,
+        Command::Exercise {
+            paths,
+            ops,
+            seed,
+            size_max,
+            length_max,
+            no_mmap,
+            no_fallocate,
+            no_copy_range,
+            progress,
+            trace,
+        } => {
+            let options = exercise::Arguments {
+                trace,
+                paths,
+                operations: ops,
+                seed,
+                size_max,
+                length_max,
+                mmap: !no_mmap,
+                fallocate: !no_fallocate,
+                copy_range: !no_copy_range,
+                progress_every: progress,
+            };
+            exercise::run(cluster, options).await
+        }
         Command::Stripe(StripeCommand::Get { path }) => stripe::get(cluster, &path).await,
         Command::Stripe(StripeCommand::Set { path, unit, count }) => {
             stripe::set(cluster, &path, unit, count).await

@@ -23,6 +23,23 @@ pub struct Options {
     pub metrics_address: Option<String>,
 }
 
+impl Options {
+    /// The options the command-line flags ask for. `allow_other` is on when mounting as
+    /// root unless `--private` (a cluster file system is for every user of a host; the
+    /// kernel's `default_permissions` still checks each one).
+    pub fn from_flags(flags: &crate::args::MountFlags, metrics_address: Option<String>) -> Options {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        Options {
+            allow_other: flags.allow_other || (root && !flags.private),
+            sync_on_close: flags.sync_on_close,
+            call_timeout_ms: flags.call_timeout_ms,
+            threads: flags.threads,
+            metrics_address,
+        }
+    }
+}
+
 impl Default for Options {
     fn default() -> Options {
         Options {

@@ -286,6 +286,7 @@ mod tests {
             device: 0,
             layout: None,
             generation: 1,
+            allocated_bytes: 0,
         };
         assert_eq!(mode_string(&attr), "drwxrwxrwt");
         let file = Attr {

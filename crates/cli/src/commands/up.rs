@@ -43,6 +43,8 @@ pub struct Options {
     pub port: u16,
     pub engine: String,
     pub mountpoint: Option<PathBuf>,
+    /// How the mount behaves (its metrics address is set here from the port).
+    pub mount_options: super::mount::Options,
     /// Serve a metrics endpoint for every server and the mount.
     pub metrics: bool,
 }
@@ -54,6 +56,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         port,
         engine,
         mountpoint,
+        mount_options,
         metrics,
     } = options;
     let engine = engine.as_str();
@@ -153,7 +156,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
             mountpoint,
             super::mount::Options {
                 metrics_address: metrics_at(MOUNT_METRICS_PORT_OFFSET)?,
-                ..super::mount::Options::default()
+                ..mount_options
             },
         )
         .await

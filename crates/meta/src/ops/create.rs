@@ -99,6 +99,7 @@ fn new_attr(
         device: 0,
         layout: None,
         generation: 1,
+        allocated_bytes: 0,
     }
 }
 
@@ -185,6 +186,7 @@ pub fn create<W: StoreWrite>(
         &InodeRecord {
             attr: attr.clone(),
             parent: 0,
+            stripe_space: Vec::new(),
         },
     )?;
     put_entry(write, request.parent, &request.name, inode, request.kind)?;
@@ -232,6 +234,7 @@ pub fn mkdir<W: StoreWrite>(
         &InodeRecord {
             attr: attr.clone(),
             parent: request.parent,
+            stripe_space: Vec::new(),
         },
     )?;
     put_entry(
@@ -292,6 +295,7 @@ pub fn symlink<W: StoreWrite>(
         &InodeRecord {
             attr: attr.clone(),
             parent: 0,
+            stripe_space: Vec::new(),
         },
     )?;
     write.put(

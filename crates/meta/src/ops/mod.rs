@@ -30,8 +30,8 @@ use freeflow_types::limits::NAME_LENGTH_MAX;
 use freeflow_types::{FileKind, InodeId, ServerId, TimeSpec};
 
 use crate::records::{
-    decode_counter, decode_dirent, decode_versioned, encode_dirent, encode_versioned, inode_key,
-    named_key, InodeRecord, OrphanRecord, COUNTER_BOOT_EPOCH, COUNTER_INODE_COUNT,
+    decode_counter, decode_dirent, decode_inode, encode_dirent, encode_inode, encode_versioned,
+    inode_key, named_key, InodeRecord, OrphanRecord, COUNTER_BOOT_EPOCH, COUNTER_INODE_COUNT,
     COUNTER_INODE_HIGH_WATER, COUNTER_ORPHAN_COUNT,
 };
 use crate::store::{StoreError, StoreRead, StoreWrite, TableId};
@@ -192,8 +192,10 @@ pub fn initialise<W: StoreWrite>(write: &mut W, now: TimeSpec) -> Result<WriterS
                     device: 0,
                     layout: None,
                     generation: 1,
+                    allocated_bytes: 0,
                 },
                 parent: freeflow_types::ROOT_INODE,
+                stripe_space: Vec::new(),
             };
             save_inode(write, &root)?;
             let high_water = freeflow_types::ROOT_INODE + 1;
@@ -271,7 +273,7 @@ pub fn try_load_inode<R: StoreRead>(
     inode: InodeId,
 ) -> Result<Option<InodeRecord>, StoreError> {
     match read.get(TableId::Inodes, &inode_key(inode))? {
-        Some(bytes) => Ok(Some(decode_versioned(TableId::Inodes, &bytes)?)),
+        Some(bytes) => Ok(Some(decode_inode(&bytes)?)),
         None => Ok(None),
     }
 }
@@ -297,7 +299,7 @@ pub fn save_inode<W: StoreWrite>(write: &mut W, record: &InodeRecord) -> Result<
     write.put(
         TableId::Inodes,
         &inode_key(record.attr.inode),
-        &encode_versioned(record),
+        &encode_inode(record),
     )
 }
 

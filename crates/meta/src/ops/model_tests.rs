@@ -409,9 +409,10 @@ fn real_apply(harness: &mut Harness, step: &Step) -> Outcome {
                     size_bytes: Some(*size),
                     ..SetAttr::default()
                 },
+                through_handle: None,
             };
-            let result =
-                harness.write(|write, context| setattr::set_attributes(write, context, &request));
+            let result = harness
+                .write(|write, context| setattr::set_attributes(write, context, &request, false));
             code(result.map(drop))
         }
         Step::Rename(p, n, q, m, mode) => {

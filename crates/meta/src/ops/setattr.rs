@@ -4,8 +4,10 @@
 //!   group loses the setgid bit.
 //! - chown: only root changes the user; the owner may change the group to one of its own.
 //!   A change of owner or group clears setuid (and setgid if group-executable) on files.
-//! - size: regular files only, needs write permission; a change sets mtime. A shrink also
-//!   records the cuts the I/O servers must make, in the same transaction (`truncate.rs`).
+//! - size: regular files only, needs write permission (or a handle open for writing named
+//!   by the request: `ftruncate`); a change sets mtime. A shrink, and any size change of
+//!   an open file, also records the cuts the I/O servers must make, in the same
+//!   transaction (`truncate.rs`).
 //!   A caller that is not root loses the file's setuid bit (and setgid if group-executable),
 //!   as Linux does on truncate, unless the same request sets the permissions.
 //! - atime/mtime: the owner, root, or a caller with write permission.
@@ -33,37 +35,53 @@ pub struct SetAttrOutcome {
     pub truncation: Option<TruncationRecord>,
 }
 
-/// [`set_attributes`], and for a shrink of a regular file the record of its cuts, in the
-/// same transaction (`truncate.rs`). Growing or keeping the size records nothing.
+/// [`set_attributes`], and for a size change of a regular file the record of its cuts, in
+/// the same transaction (`truncate.rs`).
+///
+/// Which size changes cut: every shrink, and while the file is open anywhere, every size
+/// change at all. The meta server knows only the sizes writers have committed; a writer's
+/// bytes acknowledged by the I/O servers but not committed yet lie beyond the size it
+/// knows. A "grow" from the committed size may so really be a shrink, and without the cut
+/// those bytes would reappear inside the new size. With no handle open, every writer has
+/// closed, and closing commits the size, so the size is exact and a grow needs no cut.
 ///
 /// `is_open` says whether the file has open handles. An unlinked file without any is left
 /// to the reaper: it removes the objects whole, and a cut racing that removal could
-/// re-create an object nobody would ever remove.
+/// re-create an object nobody would ever remove. `through_handle_writable` says the size
+/// change comes through an open handle with write access (see [`set_attributes`]).
 pub fn set_attributes_recording_cuts<W: StoreWrite>(
     write: &mut W,
     context: &mut OpContext<'_>,
     request: &SetAttributes,
     is_open: impl FnOnce(freeflow_types::InodeId) -> bool,
+    through_handle_writable: bool,
 ) -> OpResult<SetAttrOutcome> {
     let size_before_bytes = load_inode(write, request.inode)?.attr.size_bytes;
-    let attr = set_attributes(write, context, request)?;
-    let truncation = match &attr.layout {
-        Some(layout)
-            if attr.kind == FileKind::Regular
-                && attr.size_bytes < size_before_bytes
-                && (attr.link_count > 0 || is_open(attr.inode)) =>
-        {
-            Some(record_truncation(write, &attr, layout, attr.size_bytes)?)
+    let attr = set_attributes(write, context, request, through_handle_writable)?;
+    let truncation = match (&attr.layout, request.changes.size_bytes) {
+        (Some(layout), Some(size_bytes)) if attr.kind == FileKind::Regular => {
+            let open = is_open(attr.inode);
+            let may_hide_bytes = size_bytes < size_before_bytes || open;
+            if may_hide_bytes && (attr.link_count > 0 || open) {
+                Some(record_truncation(write, &attr, layout, size_bytes)?)
+            } else {
+                None
+            }
         }
         _ => None,
     };
     Ok(SetAttrOutcome { attr, truncation })
 }
 
+/// Apply the changes after the POSIX checks. A size change needs write permission on the
+/// file, unless `through_handle_writable`: the caller changes the size through a descriptor
+/// it opened for writing (`ftruncate`), which POSIX authorises by the descriptor, whatever
+/// the mode bits say now.
 pub fn set_attributes<W: StoreWrite>(
     write: &mut W,
     context: &mut OpContext<'_>,
     request: &SetAttributes,
+    through_handle_writable: bool,
 ) -> OpResult<Attr> {
     let caller = &request.caller;
     let changes = &request.changes;
@@ -121,7 +139,9 @@ pub fn set_attributes<W: StoreWrite>(
                 format!("size {size} is larger than the limit {FILE_SIZE_MAX}"),
             ));
         }
-        require_access(attr, caller, ACCESS_WRITE)?;
+        if !through_handle_writable {
+            require_access(attr, caller, ACCESS_WRITE)?;
+        }
     }
     if (changes.access_time.is_some() || changes.modify_time.is_some())
         && !is_owner

@@ -1,9 +1,12 @@
 //! Size commits from writers and directory layout templates.
 //!
 //! Size only grows through `CommitSize` (monotonic max), so writes that land out of order
-//! never shrink a file; only an explicit set-attributes truncate makes it smaller.
+//! never shrink a file; only an explicit set-attributes truncate makes it smaller. A commit
+//! also carries the space of the stripes the writer touched, as their servers reported it;
+//! the newest report per stripe (by its server's stamp) is kept, so commits arriving out of
+//! order never undo a newer figure.
 
-use freeflow_proto::meta::{CommitSize, SetDirLayout};
+use freeflow_proto::meta::{CommitSize, SetDirLayout, StripeSpace};
 use freeflow_proto::ErrorCode;
 use freeflow_types::limits::{FILE_SIZE_MAX, STRIPE_COUNT_MAX};
 use freeflow_types::{Attr, FileKind, Layout};
@@ -33,11 +36,38 @@ pub fn commit_size<W: StoreWrite>(
         ));
     }
     // Validated: write.
+    for space in &request.space {
+        record.absorb_space(space.stripe_index, space.allocated_bytes, space.stamp);
+    }
     record.attr.size_bytes = record.attr.size_bytes.max(request.size_bytes);
     record.attr.modify_time = record.attr.modify_time.max(request.modify_time);
     touch_change(&mut record, context.now);
     save_inode(write, &record)?;
     Ok(record.attr)
+}
+
+/// Take the space of some stripes of `inode` as their I/O servers reported it after a cut
+/// (newest report per stripe wins, see `InodeRecord::absorb_space`). A missing inode is not
+/// an error: it was removed since, and its space with it. Only store failures.
+pub fn absorb_stripe_space<W: StoreWrite>(
+    write: &mut W,
+    inode: freeflow_types::InodeId,
+    spaces: &[StripeSpace],
+) -> Result<(), crate::store::StoreError> {
+    if spaces.is_empty() {
+        return Ok(());
+    }
+    let Some(mut record) = super::try_load_inode(write, inode)? else {
+        return Ok(());
+    };
+    let before = record.attr.allocated_bytes;
+    for space in spaces {
+        record.absorb_space(space.stripe_index, space.allocated_bytes, space.stamp);
+    }
+    if record.attr.allocated_bytes != before {
+        save_inode(write, &record)?;
+    }
+    Ok(())
 }
 
 /// Set (or, with neither field, clear) the layout template of a directory. The template is

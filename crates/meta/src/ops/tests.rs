@@ -310,9 +310,10 @@ fn permissions_and_sticky_directories() {
             permissions: Some(0o1777),
             ..SetAttr::default()
         },
+        through_handle: None,
     };
     harness
-        .write(|write, context| setattr::set_attributes(write, context, &chmod))
+        .write(|write, context| setattr::set_attributes(write, context, &chmod, false))
         .unwrap();
     harness
         .create_as(alice.clone(), shared, "mine", 0o644)
@@ -364,9 +365,10 @@ fn setattr_follows_posix_ownership_rules() {
             permissions: Some(0o777),
             ..SetAttr::default()
         },
+        through_handle: None,
     };
     harness
-        .write(|write, context| setattr::set_attributes(write, context, &chmod))
+        .write(|write, context| setattr::set_attributes(write, context, &chmod, false))
         .unwrap();
     let file = harness
         .create_as(alice.clone(), directory, "f", 0o644)
@@ -376,9 +378,10 @@ fn setattr_follows_posix_ownership_rules() {
         caller,
         inode: file.inode,
         changes,
+        through_handle: None,
     };
     let mut apply = |request: SetAttributes| {
-        harness.write(|write, context| setattr::set_attributes(write, context, &request))
+        harness.write(|write, context| setattr::set_attributes(write, context, &request, false))
     };
     // Another user may not chmod; the owner may not give the file away.
     let chmod_other = set(
@@ -464,9 +467,10 @@ fn setgid_directories_pass_their_group_on() {
             group_id: Some(300),
             ..SetAttr::default()
         },
+        through_handle: None,
     };
     harness
-        .write(|write, context| setattr::set_attributes(write, context, &chmod))
+        .write(|write, context| setattr::set_attributes(write, context, &chmod, false))
         .unwrap();
     let file = harness
         .create_as(user(1000, 1000), directory, "f", 0o644)
@@ -616,9 +620,10 @@ fn resize(
             size_bytes: Some(size_bytes),
             ..SetAttr::default()
         },
+        through_handle: None,
     };
     harness.write(|write, context| {
-        setattr::set_attributes_recording_cuts(write, context, &request, |_| open)
+        setattr::set_attributes_recording_cuts(write, context, &request, |_| open, false)
     })
 }
 
