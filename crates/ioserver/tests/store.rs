@@ -79,12 +79,13 @@ impl Model {
             .collect()
     }
 
+    /// A cut: never creates the object and never makes it longer.
     fn truncate(&mut self, length_bytes: u64) {
-        if self.length_bytes.is_none() && length_bytes == 0 {
+        let Some(length) = self.length_bytes else {
             return;
-        }
+        };
         self.bytes.retain(|&at, _| at < length_bytes);
-        self.length_bytes = Some(length_bytes);
+        self.length_bytes = Some(length.min(length_bytes));
     }
 
     fn remove(&mut self) {
@@ -417,9 +418,11 @@ async fn objects_are_created_lazily_and_counted_exactly() {
     }
     assert!(!store.object_count().complete);
     assert_eq!(store.count_objects().unwrap(), 5);
+    // A cut never creates an object.
     store.truncate(object(6), 4096).await.unwrap();
+    assert!(!store.object_path(object(6)).exists());
     store
-        .write(object(6), 0, Bytes::from_static(b"again"))
+        .write(object(6), 4091, Bytes::from_static(b"again"))
         .await
         .unwrap();
     assert_eq!(store.object_count().objects, 6);
@@ -624,4 +627,138 @@ async fn a_one_buffer_read_lends_its_buffer_until_the_reply_is_dropped() {
     assert_eq!(pool.free_count(), 1);
     drop(replies);
     assert_eq!(pool.free_count(), 4, "dropped replies return their buffers");
+}
+
+fn object(inode: u64, stripe_index: u32) -> ObjectId {
+    ObjectId {
+        inode,
+        stripe_index,
+    }
+}
+
+/// Every change reports the space the object holds, with stamps that only go up, so the
+/// meta server can keep the newest report per object whatever order they reach it in.
+#[tokio::test]
+async fn changes_report_the_space_held_with_rising_stamps() {
+    let directory = tempfile::tempdir().unwrap();
+    let store = store(Kind::Uring, &directory, 16);
+    let first = store
+        .write(object(5, 0), 0, Bytes::from(vec![7u8; 100]))
+        .await
+        .unwrap();
+    assert!(first.allocated_bytes >= 100, "{first:?}");
+    let far = store
+        .write(object(5, 0), 1 << 20, Bytes::from(vec![7u8; 65536]))
+        .await
+        .unwrap();
+    assert!(far.stamp > first.stamp);
+    assert!(far.allocated_bytes >= first.allocated_bytes + 65536);
+    // Sparse: 1 MiB of hole between the two writes holds nothing.
+    assert!(far.allocated_bytes < 1 << 20, "{far:?}");
+    let cut = store.truncate(object(5, 0), 4096).await.unwrap();
+    assert!(cut.stamp > far.stamp);
+    assert!(cut.allocated_bytes <= 4096, "{cut:?}");
+    // A missing object holds nothing, and asking creates nothing.
+    let missing = store.truncate(object(6, 0), 0).await.unwrap();
+    assert_eq!(missing.allocated_bytes, 0);
+    assert!(!store.object_path(object(6, 0)).exists());
+}
+
+#[tokio::test]
+async fn allocate_punch_and_zero_ranges_of_an_object() {
+    use freeflow_proto::io::AllocateMode;
+    let directory = tempfile::tempdir().unwrap();
+    let store = store(Kind::Threads, &directory, 16);
+    let data = Bytes::from(vec![0xabu8; 256 << 10]);
+    let written = store.write(object(8, 1), 0, data.clone()).await.unwrap();
+
+    let punched = store
+        .allocate(object(8, 1), 64 << 10, 64 << 10, AllocateMode::PunchHole)
+        .await
+        .unwrap();
+    assert!(punched.allocated_bytes < written.allocated_bytes);
+    let read = store.read(object(8, 1), 0, 256 << 10).await.unwrap();
+    assert_eq!(read.len(), 256 << 10, "the object keeps its length");
+    assert!(read[..64 << 10].iter().all(|&byte| byte == 0xab));
+    assert!(read[64 << 10..128 << 10].iter().all(|&byte| byte == 0));
+    assert!(read[128 << 10..].iter().all(|&byte| byte == 0xab));
+
+    store
+        .allocate(object(8, 1), 200 << 10, 100, AllocateMode::ZeroRange)
+        .await
+        .unwrap();
+    let read = store.read(object(8, 1), 0, 300 << 10).await.unwrap();
+    assert_eq!(read.len(), 256 << 10);
+    assert!(read[200 << 10..(200 << 10) + 100]
+        .iter()
+        .all(|&byte| byte == 0));
+    assert_eq!(read[(200 << 10) + 100], 0xab);
+
+    // Allocating creates the object and reserves blocks without changing its length.
+    let reserved = store
+        .allocate(object(9, 0), 0, 1 << 20, AllocateMode::Allocate)
+        .await
+        .unwrap();
+    assert!(reserved.allocated_bytes >= 1 << 20, "{reserved:?}");
+    assert!(store.read(object(9, 0), 0, 10).await.unwrap().is_empty());
+    // Punching or zeroing a missing object creates nothing.
+    for mode in [AllocateMode::PunchHole, AllocateMode::ZeroRange] {
+        store.allocate(object(10, 0), 0, 4096, mode).await.unwrap();
+        assert!(!store.object_path(object(10, 0)).exists());
+    }
+    // After a removal, an allocation is refused like a write.
+    store.remove(9, &[0]).await.unwrap();
+    let refused = store
+        .allocate(object(9, 0), 0, 4096, AllocateMode::Allocate)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), ErrorCode::Stale);
+}
+
+#[tokio::test]
+async fn copies_between_objects_zero_past_the_source_end_and_handle_overlap() {
+    let directory = tempfile::tempdir().unwrap();
+    let store = store(Kind::Uring, &directory, 16);
+    let source: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8 + 1).collect();
+    store
+        .write(object(20, 0), 0, Bytes::from(source.clone()))
+        .await
+        .unwrap();
+    // The target holds other bytes where the copy goes, past the source's end too.
+    store
+        .write(object(21, 2), 0, Bytes::from(vec![0xeeu8; 200_000]))
+        .await
+        .unwrap();
+    store
+        .copy_range(object(20, 0), 50_000, object(21, 2), 1000, 80_000)
+        .await
+        .unwrap();
+    let read = store.read(object(21, 2), 0, 200_000).await.unwrap();
+    assert!(read[..1000].iter().all(|&byte| byte == 0xee));
+    assert_eq!(&read[1000..51_000], &source[50_000..]);
+    // The source ended 30,000 bytes into the copy: those read as zeros now.
+    assert!(read[51_000..81_000].iter().all(|&byte| byte == 0));
+    assert!(read[81_000..].iter().all(|&byte| byte == 0xee));
+
+    // Within one object, overlapping: as if read first, then written.
+    store
+        .copy_range(object(20, 0), 0, object(20, 0), 10, 1000)
+        .await
+        .unwrap();
+    let read = store.read(object(20, 0), 0, 1010).await.unwrap();
+    assert_eq!(&read[10..1010], &source[..1000]);
+
+    // A missing source is all zeros; a missing target stays missing.
+    store
+        .copy_range(object(30, 0), 0, object(31, 0), 0, 4096)
+        .await
+        .unwrap();
+    assert!(!store.object_path(object(31, 0)).exists());
+    store
+        .copy_range(object(30, 0), 0, object(21, 2), 0, 500)
+        .await
+        .unwrap();
+    let read = store.read(object(21, 2), 0, 600).await.unwrap();
+    assert!(read[..500].iter().all(|&byte| byte == 0));
+    assert_eq!(read[500], 0xee);
 }

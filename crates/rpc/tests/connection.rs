@@ -28,7 +28,7 @@ impl Service for Echo {
                     if request.object.inode == 0 {
                         return Err(WireError::new(ErrorCode::NotFound, "inode 0"));
                     }
-                    Ok(((), payload))
+                    Ok((freeflow_proto::io::ObjectSpace::default(), payload))
                 })
                 .await
             }

@@ -24,7 +24,7 @@ impl Service for Sink {
             WriteObject::OPCODE => {
                 handle(frame, |_: WriteObject, _| async move {
                     tokio::time::sleep(Duration::from_millis(2)).await;
-                    Ok(((), Bytes::new()))
+                    Ok((freeflow_proto::io::ObjectSpace::default(), Bytes::new()))
                 })
                 .await
             }

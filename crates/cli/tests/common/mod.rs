@@ -7,6 +7,9 @@
 
 #![allow(dead_code)]
 
+pub mod mount;
+pub mod raw;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -439,7 +442,7 @@ impl Cluster {
     }
 
     /// Panic with every log if a child has exited on its own.
-    fn check_children_alive(&mut self) {
+    pub fn check_children_alive(&mut self) {
         let mut dead = Vec::new();
         if let Some(child) = &mut self.meta {
             if let Ok(Some(status)) = child.try_wait() {

@@ -1,0 +1,740 @@
+//! Nothing read back that was not written (issue 8): the truncate bug and its variants as
+//! regression tests, the random-operation exerciser on real mounts and on the library,
+//! size changes authorised by descriptors, `st_blocks` against ext4, copy_file_range,
+//! fallocate's modes, an unreachable I/O server as EIO, and a clean SIGINT unmount.
+//!
+//! Real servers and real `freeflow mount` processes (see `common`); every test skips with a
+//! message when /dev/fuse is missing.
+
+mod common;
+
+use std::ffi::CString;
+use std::fs::{self, File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::mount::{errno_of, fuse_available, Mount};
+use common::{assert_bytes_eq, Cluster, ClusterOptions, Xorshift};
+use freeflow_client::OpenOptions as ClusterOpen;
+use freeflow_exercise::library::LibraryTarget;
+use freeflow_exercise::posix::PosixTarget;
+
+const A_BYTES: usize = 8192;
+
+/// A change made to a file through its descriptor and its path.
+type SizeChange = dyn Fn(&File, &Path);
+
+fn c_path(path: &Path) -> CString {
+    CString::new(path.as_os_str().as_bytes()).expect("no NUL in paths")
+}
+
+fn open_rw(path: &Path) -> File {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o644)
+        .open(path)
+        .unwrap_or_else(|error| panic!("open {}: {error}", path.display()))
+}
+
+fn read_at(file: &File, offset: u64, length: usize) -> Vec<u8> {
+    let mut buffer = vec![0u8; length];
+    let read = file.read_at(&mut buffer, offset).expect("pread");
+    buffer.truncate(read);
+    buffer
+}
+
+fn copy_file_range(
+    source: &File,
+    source_offset: u64,
+    target: &File,
+    target_offset: u64,
+    length: usize,
+) -> isize {
+    let mut from = source_offset as libc::loff_t;
+    let mut to = target_offset as libc::loff_t;
+    // SAFETY: two open descriptors; the offsets are ours.
+    unsafe {
+        libc::copy_file_range(
+            source.as_raw_fd(),
+            &mut from,
+            target.as_raw_fd(),
+            &mut to,
+            length,
+            0,
+        )
+    }
+}
+
+fn fallocate(file: &File, mode: libc::c_int, offset: u64, length: u64) -> std::io::Result<()> {
+    // SAFETY: a plain syscall on an open descriptor.
+    let result = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            mode,
+            offset as libc::off_t,
+            length as libc::off_t,
+        )
+    };
+    if result == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The minimal case of issue 8 and every variant it lists. Bug: a size change reached the
+/// meta server before the size of acknowledged writes was committed; the meta server saw
+/// no shrink (0 → 0) and cut nothing, so the bytes came back when the file grew again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_written_before_a_truncate_never_come_back() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(3).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let zeros = vec![0u8; A_BYTES];
+    let variants: [(&str, &SizeChange); 5] = [
+        ("ftruncate 0 then pwrite past the end", &|file, _| {
+            file.set_len(0).expect("ftruncate 0");
+            file.write_all_at(b"x", 16384).expect("pwrite at 16384");
+        }),
+        ("ftruncate 0 then ftruncate up", &|file, _| {
+            file.set_len(0).expect("ftruncate 0");
+            file.set_len(A_BYTES as u64).expect("ftruncate up");
+        }),
+        ("truncate(path) 0 then ftruncate up", &|file, path| {
+            // SAFETY: a valid NUL-terminated path.
+            let cut = unsafe { libc::truncate(c_path(path).as_ptr(), 0) };
+            assert_eq!(
+                cut,
+                0,
+                "truncate(path): {}",
+                std::io::Error::last_os_error()
+            );
+            file.set_len(A_BYTES as u64).expect("ftruncate up");
+        }),
+        (
+            "O_TRUNC open on a second descriptor then ftruncate up",
+            &|file, path| {
+                drop(
+                    OpenOptions::new()
+                        .write(true)
+                        .truncate(true)
+                        .open(path)
+                        .expect("O_TRUNC open"),
+                );
+                file.set_len(A_BYTES as u64).expect("ftruncate up");
+            },
+        ),
+        (
+            "ftruncate 0 then copy_file_range past the end",
+            &|file, path| {
+                let source_path = path.with_extension("source");
+                fs::write(&source_path, b"y").expect("write the source");
+                let source = File::open(&source_path).expect("open the source");
+                file.set_len(0).expect("ftruncate 0");
+                assert_eq!(copy_file_range(&source, 0, file, 16384, 1), 1);
+            },
+        ),
+    ];
+    for (index, (name, change)) in variants.iter().enumerate() {
+        let path = mount.path(&format!("case-{index}"));
+        let file = open_rw(&path);
+        file.write_all_at(&[b'A'; A_BYTES], 0)
+            .expect("pwrite 8 KiB of A");
+        change(&file, &path);
+        assert_eq!(
+            read_at(&file, 0, A_BYTES),
+            zeros,
+            "{name}: read through the descriptor"
+        );
+        drop(file);
+        // After close, a new open (and so the I/O servers) shows the same.
+        let again = File::open(&path).expect("reopen");
+        assert_eq!(
+            read_at(&again, 0, A_BYTES),
+            zeros,
+            "{name}: read after close"
+        );
+    }
+    // And through the library, with no kernel in between.
+    let client = cluster.client().await;
+    let data = client
+        .open_path("/case-0", &ClusterOpen::new().read(true))
+        .await
+        .expect("open through the library");
+    assert_eq!(
+        data.read_at(0, A_BYTES as u64).await.expect("read"),
+        Bytes::from(zeros)
+    );
+    data.close().await.expect("close");
+}
+
+/// The same through the client library: a size change by handle, by path, and an O_TRUNC
+/// open by another client are each ordered after the writes made before them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn library_size_changes_are_ordered_after_earlier_writes() {
+    let cluster = Cluster::start(3).await;
+    let client = cluster.client().await;
+    let other = cluster.client().await;
+    let zeros = Bytes::from(vec![0u8; A_BYTES]);
+    let options = ClusterOpen::new().read(true).write(true).create(true);
+    for case in 0..3 {
+        let path = format!("/library-{case}");
+        let file = client.open_path(&path, &options).await.expect("create");
+        file.write_at(0, Bytes::from(vec![b'A'; A_BYTES]))
+            .await
+            .expect("write");
+        match case {
+            0 => {
+                file.set_size(0).await.expect("set_size 0");
+            }
+            1 => {
+                client.truncate_path(&path, 0).await.expect("truncate_path");
+            }
+            _ => {
+                let truncating = other
+                    .open_path(&path, &ClusterOpen::new().write(true).truncate(true))
+                    .await
+                    .expect("O_TRUNC open by another client");
+                truncating.close().await.expect("close");
+                // This handle learns the new size at its next refresh (close-to-open).
+                file.refresh().await.expect("refresh");
+            }
+        }
+        file.write_at(16384, Bytes::from_static(b"x"))
+            .await
+            .expect("write past the end");
+        assert_eq!(
+            file.read_at(0, A_BYTES as u64).await.expect("read"),
+            zeros,
+            "case {case}"
+        );
+        file.close().await.expect("close");
+    }
+}
+
+/// POSIX judges a size change through a descriptor by the descriptor: a user who creates a
+/// file with mode 0 may still truncate it through the descriptor the create gave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_size_change_through_a_descriptor_is_authorised_by_the_descriptor() {
+    if !fuse_available() {
+        return;
+    }
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 {
+        eprintln!("skipping: needs root to act as another user");
+        return;
+    }
+    let cluster = Cluster::start(1).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let shared = mount.path("shared");
+    fs::create_dir(&shared).expect("mkdir");
+    fs::set_permissions(&shared, fs::Permissions::from_mode(0o777)).expect("chmod 777");
+    let path = c_path(&shared.join("mode-zero"));
+    // The child only makes system calls between fork and _exit.
+    // SAFETY: fork in a test process; the child calls async-signal-safe functions only.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork");
+    if child == 0 {
+        // SAFETY: plain system calls in the forked child, then _exit.
+        unsafe {
+            let fail = |step: i32| libc::_exit(10 + step);
+            if libc::setresgid(1000, 1000, 1000) != 0 || libc::setresuid(1000, 1000, 1000) != 0 {
+                fail(0);
+            }
+            let fd = libc::open(path.as_ptr(), libc::O_CREAT | libc::O_RDWR, 0);
+            if fd < 0 {
+                fail(1);
+            }
+            if libc::ftruncate(fd, 0) != 0 {
+                fail(2);
+            }
+            if libc::write(fd, b"data".as_ptr().cast(), 4) != 4 {
+                fail(3);
+            }
+            if libc::ftruncate(fd, 2) != 0 {
+                fail(4);
+            }
+            // By path, the mode bits decide: mode 0 refuses.
+            if libc::truncate(path.as_ptr(), 0) == 0 {
+                fail(5);
+            }
+            if *libc::__errno_location() != libc::EACCES {
+                fail(6);
+            }
+            libc::close(fd);
+            libc::_exit(0);
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+    assert!(libc::WIFEXITED(status), "the child did not exit");
+    let code = libc::WEXITSTATUS(status);
+    let steps = [
+        "setresuid",
+        "open(O_CREAT|O_RDWR, 0)",
+        "ftruncate(fd, 0)",
+        "write",
+        "ftruncate(fd, 2)",
+        "truncate(path) by a user without write permission succeeded",
+        "truncate(path) failed with another errno than EACCES",
+    ];
+    assert_eq!(
+        code,
+        0,
+        "failed at {}:\n{}",
+        steps[(code as usize).saturating_sub(10).min(6)],
+        mount.log_text()
+    );
+    assert_eq!(
+        fs::read(shared.join("mode-zero")).expect("read as root"),
+        b"da"
+    );
+}
+
+fn blocks_bytes(path: &Path) -> u64 {
+    fs::metadata(path).expect("stat").blocks() * 512
+}
+
+/// `st_blocks` counts what the I/O servers store: a sparse file is small, a tree of small
+/// files costs what it does on ext4 (the objects live on ext4), within 10%.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn st_blocks_counts_what_the_servers_store() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(3).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let local = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("local dir");
+
+    // A file made long by truncate holds nothing.
+    let sparse = mount.path("sparse");
+    File::create(&sparse)
+        .expect("create")
+        .set_len(10 << 30)
+        .expect("truncate -s 10G");
+    assert_eq!(fs::metadata(&sparse).expect("stat").len(), 10 << 30);
+    assert_eq!(blocks_bytes(&sparse), 0);
+
+    // Two 1 MiB islands in 100 MiB, here and on ext4.
+    let mut random = Xorshift::new(5);
+    let island = random.bytes(1 << 20);
+    for directory in [mount.path(""), local.path().to_path_buf()] {
+        let file = File::create(directory.join("islands")).expect("create");
+        file.write_all_at(&island, 0).expect("write");
+        file.write_all_at(&island, 100 << 20).expect("write");
+    }
+    let ours = blocks_bytes(&mount.path("islands"));
+    let theirs = blocks_bytes(&local.path().join("islands"));
+    let ratio = ours as f64 / theirs as f64;
+    assert!(
+        (0.9..=1.1).contains(&ratio),
+        "islands: {ours} vs ext4 {theirs}"
+    );
+
+    // A tree of small files.
+    let (mut ours, mut theirs) = (0u64, 0u64);
+    for directory in [mount.path("tree"), local.path().join("tree")] {
+        fs::create_dir(&directory).expect("mkdir");
+    }
+    for index in 0..150 {
+        let length = 1 + random.below(40_000) as usize;
+        let data = random.bytes(length);
+        fs::write(mount.path(&format!("tree/{index}")), &data).expect("write on the mount");
+        fs::write(local.path().join(format!("tree/{index}")), &data).expect("write locally");
+    }
+    for index in 0..150 {
+        ours += blocks_bytes(&mount.path(&format!("tree/{index}")));
+        theirs += blocks_bytes(&local.path().join(format!("tree/{index}")));
+    }
+    let ratio = ours as f64 / theirs as f64;
+    assert!(
+        (0.9..=1.1).contains(&ratio),
+        "tree: {ours} vs ext4 {theirs}"
+    );
+
+    // A punched hole gives its blocks back; a shrink too.
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(mount.path("islands"))
+        .expect("open");
+    fallocate(
+        &file,
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+        0,
+        1 << 20,
+    )
+    .expect("punch");
+    drop(file);
+    let punched = blocks_bytes(&mount.path("islands"));
+    assert!(
+        punched <= (1 << 20) + (64 << 10),
+        "after the punch: {punched}"
+    );
+    File::options()
+        .write(true)
+        .open(mount.path("islands"))
+        .expect("open")
+        .set_len(4096)
+        .expect("shrink");
+    assert!(blocks_bytes(&mount.path("islands")) <= 4096 * 3);
+}
+
+/// fallocate's modes on the mount: allocate (with and without KEEP_SIZE), punch a hole,
+/// zero a range; the data around them stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallocate_allocates_punches_and_zeroes() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(3).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let path = mount.path("f");
+    let file = open_rw(&path);
+    let data = Xorshift::new(3).bytes(512 << 10);
+    file.write_all_at(&data, 0).expect("write");
+
+    fallocate(
+        &file,
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+        100_000,
+        200_000,
+    )
+    .expect("punch");
+    fallocate(
+        &file,
+        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+        400_000,
+        1000,
+    )
+    .expect("zero");
+    let mut expected = data.clone();
+    expected[100_000..300_000].fill(0);
+    expected[400_000..401_000].fill(0);
+    assert_bytes_eq(
+        &read_at(&file, 0, 1 << 20),
+        &expected,
+        "after punch and zero",
+    );
+    assert_eq!(file.metadata().expect("fstat").len(), 512 << 10);
+
+    fallocate(&file, libc::FALLOC_FL_KEEP_SIZE, 0, 2 << 20).expect("allocate, keep size");
+    assert_eq!(file.metadata().expect("fstat").len(), 512 << 10);
+    fallocate(&file, 0, 1 << 20, 1 << 20).expect("allocate and grow");
+    assert_eq!(file.metadata().expect("fstat").len(), 2 << 20);
+    fallocate(&file, libc::FALLOC_FL_ZERO_RANGE, 3 << 20, 4096).expect("zero and grow");
+    assert_eq!(file.metadata().expect("fstat").len(), (3 << 20) + 4096);
+    expected.resize((3 << 20) + 4096, 0);
+    assert_bytes_eq(
+        &read_at(&file, 0, 4 << 20),
+        &expected,
+        "after the allocations",
+    );
+    // A punch without KEEP_SIZE is refused, as Linux does.
+    assert_eq!(
+        errno_of(fallocate(&file, libc::FALLOC_FL_PUNCH_HOLE, 0, 4096)),
+        Some(libc::EOPNOTSUPP)
+    );
+    drop(file);
+    assert_bytes_eq(
+        &fs::read(&path).expect("read after close"),
+        &expected,
+        "after close",
+    );
+}
+
+/// copy_file_range is served by the mount (never the kernel's page-by-page fallback): on
+/// the I/O servers where both pieces live on one server, through the client otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_file_range_copies_on_the_servers_and_through_the_client() {
+    if !fuse_available() {
+        return;
+    }
+    let mut options = ClusterOptions::new(3);
+    options.metrics = true;
+    let cluster = Cluster::start_with(options).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let client = cluster.client().await;
+    // Another layout: 1 MiB units, so its pieces and the 64 KiB ones rarely share a server.
+    fs::create_dir(mount.path("wide")).expect("mkdir");
+    client
+        .set_dir_layout_path("/wide", Some(1 << 20), None)
+        .await
+        .expect("stripe set");
+    let data = Xorshift::new(8).bytes((10 << 20) + 12345);
+    fs::write(mount.path("source"), &data).expect("write the source");
+    let mut expected_server_copies = 0u64;
+    for (target, offset) in [("same-layout", 0u64), ("wide/other-layout", 4096 + 17)] {
+        let source = File::open(mount.path("source")).expect("open source");
+        let target_file = open_rw(&mount.path(target));
+        let mut copied = 0usize;
+        while copied < data.len() {
+            let count = copy_file_range(
+                &source,
+                copied as u64,
+                &target_file,
+                offset + copied as u64,
+                data.len() - copied,
+            );
+            assert!(
+                count > 0,
+                "copy_file_range: {}",
+                std::io::Error::last_os_error()
+            );
+            copied += count as usize;
+        }
+        drop(target_file);
+        let read = fs::read(mount.path(target)).expect("read the copy");
+        assert_eq!(read.len() as u64, offset + data.len() as u64);
+        assert!(read[..offset as usize].iter().all(|&byte| byte == 0));
+        assert_bytes_eq(&read[offset as usize..], &data, target);
+        // The pieces whose source and target objects share a server are copied there.
+        let layout_of = |path: String| {
+            let client = &client;
+            async move {
+                client
+                    .stat(&path)
+                    .await
+                    .expect("stat")
+                    .layout
+                    .expect("layout")
+            }
+        };
+        let source_layout = layout_of("/source".into()).await;
+        let target_layout = layout_of(format!("/{target}")).await;
+        let mut at = 0u64;
+        while at < data.len() as u64 {
+            let (source_stripe, source_object) = source_layout.locate(at);
+            let (target_stripe, target_object) = target_layout.locate(offset + at);
+            let source_unit = u64::from(source_layout.stripe_unit_bytes);
+            let target_unit = u64::from(target_layout.stripe_unit_bytes);
+            let piece = (data.len() as u64 - at)
+                .min(source_unit - source_object % source_unit)
+                .min(target_unit - target_object % target_unit);
+            if source_layout.servers[source_stripe as usize]
+                == target_layout.servers[target_stripe as usize]
+            {
+                expected_server_copies += 1;
+            }
+            at += piece;
+        }
+    }
+    let mut copies = 0.0;
+    for index in 0..3 {
+        let address = cluster
+            .io_metrics_address(index)
+            .expect("metrics on")
+            .to_string();
+        let text = freeflow_metrics::scrape(&address, Duration::from_secs(10))
+            .await
+            .expect("scrape");
+        copies += freeflow_metrics::text::Snapshot::parse(&text)
+            .sum("freeflow_rpc_requests_total", &[("op", "CopyObjectRange")]);
+    }
+    assert!(
+        expected_server_copies > 0,
+        "no piece shares a server: change the sizes"
+    );
+    assert_eq!(copies as u64, expected_server_copies, "server-side copies");
+    let log = mount.log_text();
+    assert!(!log.contains("Not Implemented"), "{log}");
+}
+
+/// Issue 8's random-operation exerciser on real mounts, on two mounts alternating, and on
+/// the library: several seeds, every read checked against the model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exerciser_finds_nothing_on_mounts_and_on_the_library() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(3).await;
+    let left = Mount::start(&cluster, "left", &[]);
+    let right = Mount::start(&cluster, "right", &[]);
+    let operations = std::env::var("FREEFLOW_EXERCISE_OPS")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(4_000u64);
+    let options = |seed| freeflow_exercise::Options {
+        operations,
+        seed,
+        size_max: 1 << 20,
+        length_max: 128 << 10,
+        ..freeflow_exercise::Options::default()
+    };
+    let mut runs: Vec<(String, Box<dyn freeflow_exercise::Target + Send>, u64)> = Vec::new();
+    for seed in 1..=3 {
+        let target = PosixTarget::open(vec![left.path(&format!("one-{seed}"))]).expect("open");
+        runs.push((format!("mount, seed {seed}"), Box::new(target), seed));
+    }
+    let target = PosixTarget::open(vec![left.path("two"), right.path("two")]).expect("open");
+    runs.push(("two mounts, seed 4".into(), Box::new(target), 4));
+    let runtime = tokio::runtime::Handle::current();
+    for seed in 5..=6 {
+        let clients = vec![cluster.client().await, cluster.client().await];
+        let path = format!("/library-{seed}");
+        let handle = runtime.clone();
+        let target =
+            tokio::task::spawn_blocking(move || LibraryTarget::open(clients, &path, handle))
+                .await
+                .expect("open task")
+                .expect("open through the library");
+        runs.push((
+            format!("library, two clients, seed {seed}"),
+            Box::new(target),
+            seed,
+        ));
+    }
+    for (name, mut target, seed) in runs {
+        let options = options(seed);
+        let outcome = tokio::task::spawn_blocking(move || {
+            freeflow_exercise::run(target.as_mut(), &options, 0, |_| {})
+        })
+        .await
+        .expect("exerciser task");
+        match outcome {
+            Ok(report) => {
+                assert_eq!(report.operations, operations);
+                eprintln!("{name}: {report}");
+            }
+            Err(failure) => panic!("{name}: {failure}\n{}", left.log_text()),
+        }
+    }
+}
+
+/// `freeflow exercise` as a user runs it: the report on success, and exit status 65 (data
+/// error) with the seed on a mismatch, here forced by a second writer changing the file
+/// behind the exerciser's back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exercise_command_reports_its_run() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(2).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let output = std::process::Command::new(common::FREEFLOW)
+        .args(["exercise", "--ops", "500", "--seed", "9", "--progress", "0"])
+        .arg(mount.path("cmd"))
+        .output()
+        .expect("run freeflow exercise");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        stdout.contains("500 operations") && stdout.contains("all reads matched"),
+        "{stdout}"
+    );
+
+    let output = std::process::Command::new(common::FREEFLOW)
+        .arg("--cluster")
+        .arg(cluster.client_toml())
+        .args([
+            "exercise",
+            "--ops",
+            "300",
+            "--seed",
+            "2",
+            "--progress",
+            "0",
+            "ff:/cmd-library",
+        ])
+        .output()
+        .expect("run freeflow exercise through the library");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    // A disturbance the model cannot know of: another process scribbles over the file.
+    let path = mount.path("disturbed");
+    let mut child = std::process::Command::new(common::FREEFLOW)
+        .args([
+            "exercise",
+            "--ops",
+            "200000",
+            "--seed",
+            "3",
+            "--progress",
+            "0",
+            "--no-mmap",
+        ])
+        .arg(&path)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start freeflow exercise");
+    std::thread::sleep(Duration::from_millis(1500));
+    for _ in 0..200 {
+        if let Ok(file) = OpenOptions::new().write(true).open(&path) {
+            let _ = file.write_all_at(&[0xee; 1 << 20], 0);
+        }
+        if child.try_wait().expect("poll").is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let output = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(65), "{stderr}");
+    assert!(stderr.contains("seed 3, operation #"), "{stderr}");
+}
+
+/// An I/O server that is down makes reads of its stripes fail with EIO (not ENOTCONN,
+/// which reads as "the mount is gone"), and the mount's log names the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_down_io_server_gives_eio_and_is_named_in_the_log() {
+    if !fuse_available() {
+        return;
+    }
+    let mut cluster = Cluster::start(2).await;
+    let mount = Mount::start(&cluster, "mnt", &["--call-timeout-ms", "3000"]);
+    // 1 MiB over 64 KiB units: stripes on both servers.
+    fs::write(mount.path("f"), vec![1u8; 1 << 20]).expect("write");
+    cluster.kill_io(1);
+    let path = mount.path("f");
+    let outcome = tokio::task::spawn_blocking(move || fs::read(path))
+        .await
+        .expect("read task");
+    assert_eq!(errno_of(outcome), Some(libc::EIO));
+    let log = mount.log_text();
+    assert!(
+        log.contains("I/O server is unreachable") && log.contains("server_id=1"),
+        "{log}"
+    );
+    cluster.restart_io(1).await;
+}
+
+/// Ctrl-C on `freeflow mount` unmounts cleanly and logs no warning (fuser used to try a
+/// second unmount of its own after ours and warn "Unmount failed: Invalid argument").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_unmounts_cleanly_without_a_warning() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(1).await;
+    let mut mount = Mount::start(&cluster, "mnt", &[]);
+    fs::write(mount.path("f"), b"x").expect("write");
+    mount.signal(libc::SIGINT);
+    let child = mount.child.as_mut().expect("running");
+    let status = common::poll_sync(20_000, || child.try_wait().ok().flatten().is_some());
+    assert!(status, "the mount did not exit after SIGINT");
+    mount.child = None;
+    assert!(!common::mount::is_mounted(&mount.mountpoint));
+    let log = mount.log_text();
+    assert!(log.contains("unmounted"), "{log}");
+    assert!(!log.contains("WARN"), "{log}");
+}
