@@ -6,6 +6,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
@@ -114,6 +115,11 @@ impl Up {
     /// Start `up` and wait for its ready line; None if it exited because a port it wanted
     /// was taken meanwhile (the caller picks other ports).
     fn try_start(data: &Path, port: u16, stderr_path: &Path) -> Option<Up> {
+        Up::try_start_with(data, port, stderr_path, &[])
+    }
+
+    /// [`Up::try_start`] with more arguments for `up`.
+    fn try_start_with(data: &Path, port: u16, stderr_path: &Path, extra: &[&str]) -> Option<Up> {
         let log_offset = std::fs::metadata(stderr_path).map(|m| m.len()).unwrap_or(0);
         let stderr = std::fs::OpenOptions::new()
             .create(true)
@@ -125,6 +131,7 @@ impl Up {
             .arg("--data")
             .arg(data)
             .args(["--io-servers", "4", "--port", &port.to_string()])
+            .args(extra)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
@@ -492,4 +499,69 @@ async fn status_reports_a_killed_io_server_as_down() {
         status.stdout.contains("2 of 2 I/O servers up"),
         "after restart: {status:?}"
     );
+}
+
+/// `freeflow up --mount DIR`, exactly as the README gives it, run as root: every user of
+/// the host can use the mount (allow_other), with the kernel checking their permissions;
+/// and Ctrl-C unmounts without a warning. (Issue 8: a POSIX suite run by users other than
+/// root got EACCES on every step.)
+#[test]
+fn up_with_a_mount_serves_every_user_of_the_host() {
+    // SAFETY: geteuid has no preconditions.
+    if !Path::new("/dev/fuse").exists() || unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: needs /dev/fuse and root");
+        return;
+    }
+    let scratch = tempfile::Builder::new()
+        .prefix("freeflow-cli-test-")
+        .tempdir()
+        .expect("temporary directory");
+    let data = scratch.path().join("data");
+    let mountpoint = scratch.path().join("mnt");
+    std::fs::create_dir(&mountpoint).expect("make the mount point");
+    // Every user must be able to reach the mount point itself.
+    std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755))
+        .expect("chmod the scratch directory");
+    let up_log = scratch.path().join("up.log");
+    let mount_argument = mountpoint.to_str().expect("utf-8 path").to_string();
+    let up = (0..5)
+        .find_map(|_| {
+            let port = free_port_range(&[0, 1, 2, 10, 11, 12, 13, 100, 101, 102, 103]);
+            Up::try_start_with(&data, port, &up_log, &["--mount", &mount_argument])
+        })
+        .expect("freeflow up found free ports within 5 tries");
+    let shared = mountpoint.join("shared");
+    std::fs::create_dir(&shared).expect("mkdir as root");
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).expect("chmod 1777");
+    let script = format!(
+        "ls {mnt} >/dev/null && echo hello > {dir}/mine && cat {dir}/mine && ! touch {mnt}/not-mine",
+        mnt = mountpoint.display(),
+        dir = shared.display()
+    );
+    let output = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .output()
+        .expect("run setpriv");
+    assert!(
+        output.status.success(),
+        "as user 65534: {}\n{}",
+        String::from_utf8_lossy(&output.stderr),
+        up.output()
+    );
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "hello\n");
+    assert_eq!(
+        std::fs::metadata(shared.join("mine")).expect("stat").uid(),
+        65534,
+        "the file belongs to the user who made it"
+    );
+    let (status, output) = up.interrupt();
+    assert!(status.success(), "{output}");
+    assert!(!output.contains("WARN"), "{output}");
 }
