@@ -10,101 +10,17 @@
 
 mod common;
 
-use std::ffi::CString;
-use std::fs::{self, File};
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
 
+use common::mount::Mount;
 use common::{Cluster, FREEFLOW};
 use freeflow_bench::json::{self, Value};
 
-/// How long a mount gets to appear in /proc/mounts.
-const MOUNT_WAIT_MS: u64 = 30_000;
 /// Runs of each scenario on each subject.
 const REPEAT: usize = 2;
-
-fn is_mounted(mountpoint: &Path) -> bool {
-    let Ok(mounts) = fs::read_to_string("/proc/self/mounts") else {
-        return false;
-    };
-    let wanted = mountpoint.to_string_lossy();
-    mounts
-        .lines()
-        .any(|line| line.split(' ').nth(1) == Some(&*wanted))
-}
-
-/// A `freeflow mount` child process; dropping it stops it and clears the mount.
-struct Mount {
-    child: Option<Child>,
-    mountpoint: PathBuf,
-}
-
-impl Mount {
-    fn start(cluster: &Cluster) -> Mount {
-        let mountpoint = cluster.path().join("mnt");
-        fs::create_dir_all(&mountpoint).expect("make the mount point");
-        let mountpoint = mountpoint.canonicalize().expect("canonical mount point");
-        let log = cluster.path().join("mount.log");
-        let log_file = File::create(&log).expect("create the mount log");
-        let child = Command::new(FREEFLOW)
-            .arg("mount")
-            .arg(cluster.client_toml())
-            .arg(&mountpoint)
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log_file.try_clone().expect("clone log")))
-            .stderr(Stdio::from(log_file))
-            .spawn()
-            .expect("start freeflow mount");
-        let mut mount = Mount {
-            child: Some(child),
-            mountpoint,
-        };
-        let deadline = Instant::now() + Duration::from_millis(MOUNT_WAIT_MS);
-        while !is_mounted(&mount.mountpoint) {
-            if let Some(status) = mount
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                panic!(
-                    "freeflow mount exited with {status}:\n{}",
-                    common::read_log(&log)
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "not mounted within {MOUNT_WAIT_MS} ms:\n{}",
-                common::read_log(&log)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        mount
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            // SAFETY: signalling our own child process.
-            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while !matches!(child.try_wait(), Ok(Some(_))) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        if is_mounted(&self.mountpoint) {
-            let path = CString::new(self.mountpoint.as_os_str().as_bytes()).expect("path");
-            // SAFETY: valid path; MNT_DETACH has no other preconditions.
-            unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
-        }
-    }
-}
 
 fn field<'a>(value: &'a Value, key: &str, context: &str) -> &'a Value {
     value
@@ -258,7 +174,7 @@ async fn every_scenario_runs_at_tiny_size_on_a_local_directory_and_a_freeflow_mo
     if !fuse {
         eprintln!("note: /dev/fuse is missing, so the Freeflow mount target is left out");
     }
-    let mount = fuse.then(|| Mount::start(&cluster));
+    let mount = fuse.then(|| Mount::start(&cluster, "mnt", &[]));
     let local = cluster.path().join("local");
     fs::create_dir(&local).expect("make the local target");
     let report_path = cluster.path().join("report.json");

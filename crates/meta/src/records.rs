@@ -76,6 +76,7 @@ impl InodeRecord {
 
 /// `Attr` as records of version 1 stored it (before `allocated_bytes`).
 #[derive(Deserialize)]
+#[cfg_attr(test, derive(Serialize))]
 struct AttrV1 {
     inode: InodeId,
     kind: FileKind,
@@ -94,6 +95,7 @@ struct AttrV1 {
 }
 
 #[derive(Deserialize)]
+#[cfg_attr(test, derive(Serialize))]
 struct InodeRecordV1 {
     attr: AttrV1,
     parent: InodeId,
@@ -348,37 +350,11 @@ mod tests {
         }
     }
 
-    /// Attributes as version 1's code wrote them: the same fields, in order, without
-    /// `allocated_bytes`.
-    #[derive(Serialize)]
-    struct AttrWrittenV1 {
-        inode: InodeId,
-        kind: FileKind,
-        permissions: u32,
-        link_count: u32,
-        user_id: u32,
-        group_id: u32,
-        size_bytes: u64,
-        access_time: freeflow_types::TimeSpec,
-        modify_time: freeflow_types::TimeSpec,
-        change_time: freeflow_types::TimeSpec,
-        birth_time: freeflow_types::TimeSpec,
-        device: u64,
-        layout: Option<Layout>,
-        generation: u64,
-    }
-
-    #[derive(Serialize)]
-    struct WrittenV1 {
-        attr: AttrWrittenV1,
-        parent: InodeId,
-    }
-
     #[test]
     fn inode_records_of_version_1_are_still_read() {
         let a = sample_attr();
-        let old = WrittenV1 {
-            attr: AttrWrittenV1 {
+        let old = InodeRecordV1 {
+            attr: AttrV1 {
                 inode: a.inode,
                 kind: a.kind,
                 permissions: a.permissions,
