@@ -349,7 +349,9 @@ async fn killing_the_meta_server_keeps_every_returned_operation() {
         }
     }
 
-    // The restarted server says it is ready, with the inodes it serves.
+    // The restarted server says it is ready with the inodes durable at the kill; the
+    // client that was answered earlier replayed the rest (issue 10), so every acknowledged
+    // operation is there now.
     let log = cluster.meta_log();
     let starts = log.lines().filter(|line| line.contains("ready in")).count();
     assert_eq!(starts, 2, "one ready line per start:\n{log}");
@@ -357,14 +359,12 @@ async fn killing_the_meta_server_keeps_every_returned_operation() {
         .unwrap_or_else(|| panic!("no inode_count on the last ready line:\n{log}"));
     // Root, every acknowledged directory and file; an op in flight at the kill may add one.
     let acknowledged = 1 + directories + files;
-    assert!(
-        logged >= acknowledged && logged <= acknowledged + 2,
-        "inode count {logged} after restart, {acknowledged} acknowledged"
-    );
+    assert!(logged <= acknowledged + 2, "inode count {logged} after restart, {acknowledged} acknowledged");
     let status = reader.cluster_status().await.expect("status");
-    assert_eq!(
-        status.inode_count, logged,
-        "the status and the ready line agree"
+    assert!(
+        status.inode_count >= acknowledged && status.inode_count <= acknowledged + 2,
+        "inode count {} after replay, {acknowledged} acknowledged",
+        status.inode_count
     );
     // And the namespace keeps working after the crash, also for the client that was
     // connected when the server died (it reconnects and gets a new session).

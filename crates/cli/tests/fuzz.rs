@@ -105,6 +105,7 @@ fn meta_samples() -> Vec<(u16, Vec<u8>)> {
                 size_bytes: 10,
                 modify_time: TimeSpec::new(1, 1),
                 space: vec![],
+                durable: true,
             }),
         ),
     ]

@@ -115,10 +115,16 @@ impl Client {
     /// Connect to the meta server and open a session, renewed in the background.
     pub async fn connect(config: ClientConfig) -> Result<Client, ClientError> {
         config.validate()?;
+        // Random per client: the meta server applies each mutation once per (client id,
+        // request id), and waits for this client to replay after a restart.
+        let client_id = freeflow_rpc::random_client_id().map_err(|error| {
+            ClientError::Config(format!("no randomness for a client id: {error}"))
+        })?;
         let options = ConnectOptions {
             client_name: config.client_name.clone(),
             call_timeout_ms: config.call_timeout_ms,
             connect_timeout_ms: config.connect_timeout_ms,
+            client_id,
             ..ConnectOptions::default()
         };
         let metrics = Arc::new(freeflow_metrics::Registry::new());
@@ -187,6 +193,19 @@ impl Client {
 
     pub fn session_id(&self) -> u64 {
         self.shared.session_id.load(Ordering::Acquire)
+    }
+
+    /// Make every metadata change this client was answered durable at the meta server
+    /// (`fsync` of a directory, `syncfs`). Changes are answered before they are durable;
+    /// without this they are within `commit_interval_ms` (docs/consistency.md).
+    pub async fn sync(&self) -> Result<(), ClientError> {
+        self.shared.pool.sync_meta().await
+    }
+
+    /// Mutations answered by the meta server and not known durable yet: what this client
+    /// would replay if the meta server restarted now.
+    pub fn kept_mutations(&self) -> usize {
+        self.shared.pool.kept_mutations()
     }
 
     /// Close the session at the meta server (best effort) and stop renewing it.

@@ -196,6 +196,8 @@ struct HandleState {
 /// A size commit between its computation and its reply.
 struct CommitTicket {
     size_bytes: u64,
+    /// Answered only once durable at the meta server (the commit ending an fsync).
+    durable: bool,
     /// `writes_started` it covers (all those writes were acknowledged when computed).
     covers_writes: u64,
     truncate_epoch: u64,
@@ -260,10 +262,11 @@ impl HandleState {
 
     /// Register a commit of the acknowledged size (the caller checked no truncation is
     /// pending).
-    fn start_commit(&mut self, covers_writes: u64) -> CommitTicket {
+    fn start_commit(&mut self, covers_writes: u64, durable: bool) -> CommitTicket {
         self.commits_running += 1;
         CommitTicket {
             size_bytes: self.acknowledged_end,
+            durable,
             covers_writes,
             truncate_epoch: self.truncate_epoch,
         }
@@ -526,7 +529,7 @@ impl HandleShared {
         self.notify();
     }
 
-    async fn commit_size(&self, size_bytes: u64) -> Result<Attr, ClientError> {
+    async fn commit_size(&self, size_bytes: u64, durable: bool) -> Result<Attr, ClientError> {
         let inode = self.inode;
         let space = self
             .lock()
@@ -543,6 +546,7 @@ impl HandleShared {
             size_bytes,
             modify_time: now(),
             space,
+            durable,
         };
         self.client
             .shared
@@ -589,7 +593,7 @@ impl HandleShared {
             // Only acknowledged bytes: readers elsewhere should not see a size that covers
             // data still on its way. It covers no new writes: some may still be in flight.
             let covers_writes = state.writes_committed;
-            state.start_commit(covers_writes)
+            state.start_commit(covers_writes, false)
         };
         let commit = self.spawn_commit(ticket);
         let inode = self.inode;
@@ -610,7 +614,7 @@ impl HandleShared {
     ) -> tokio::task::JoinHandle<Result<Attr, ClientError>> {
         let handle = self.clone();
         tokio::spawn(async move {
-            let result = handle.commit_size(ticket.size_bytes).await;
+            let result = handle.commit_size(ticket.size_bytes, ticket.durable).await;
             handle.finish_commit(&ticket, &result);
             result
         })
@@ -623,9 +627,18 @@ impl HandleShared {
     }
 
     /// Wait for the writes up to sequence `through`, report a failed one, and commit the
-    /// size if anything was written since the last commit.
-    async fn flush_through(self: &Arc<Self>, through: u64) -> Result<(), ClientError> {
+    /// size if anything was written since the last commit. With `durable`, the metadata is
+    /// durable at the meta server when this returns (the commit is made durable, or, with
+    /// nothing to commit, everything answered so far is: the file's create too).
+    async fn flush_through(
+        self: &Arc<Self>,
+        through: u64,
+        durable: bool,
+    ) -> Result<(), ClientError> {
         if !self.access.write {
+            if durable {
+                self.client.shared.pool.sync_meta().await?;
+            }
             return Ok(());
         }
         let ticket = self
@@ -640,10 +653,13 @@ impl HandleShared {
                 if state.writes_committed >= covers_writes {
                     return Some(Ok(None));
                 }
-                Some(Ok(Some(state.start_commit(covers_writes))))
+                Some(Ok(Some(state.start_commit(covers_writes, durable))))
             })
             .await?;
         let Some(ticket) = ticket else {
+            if durable {
+                self.client.shared.pool.sync_meta().await?;
+            }
             return Ok(());
         };
         match self.spawn_commit(ticket).await {
@@ -658,12 +674,13 @@ impl HandleShared {
     }
 
     async fn flush(self: &Arc<Self>) -> Result<(), ClientError> {
-        self.flush_through(self.writes_started()).await
+        self.flush_through(self.writes_started(), false).await
     }
 
     async fn fsync(self: &Arc<Self>) -> Result<(), ClientError> {
         if !self.access.write {
-            return Ok(());
+            // Nothing of this handle's to sync; the file's own metadata still must be.
+            return self.client.shared.pool.sync_meta().await;
         }
         let through = self.writes_started();
         let layout = self.data_layout()?.clone();
@@ -708,7 +725,7 @@ impl HandleShared {
             }
             return Err(error);
         }
-        self.flush_through(through).await
+        self.flush_through(through, true).await
     }
 
     async fn read_piece(
@@ -771,7 +788,7 @@ impl HandleShared {
             ));
         }
         // No write starts after `closed` is set, so waiting for all of them ends.
-        let flushed = self.flush_through(u64::MAX).await;
+        let flushed = self.flush_through(u64::MAX, false).await;
         let (session_id, handle_id) = (self.session_id, self.handle_id);
         let closed = self
             .client

@@ -18,6 +18,7 @@ mod path;
 mod paths;
 mod plan;
 mod pool;
+mod replay;
 
 pub use client::Client;
 pub use config::{

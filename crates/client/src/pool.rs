@@ -8,17 +8,26 @@
 //! a server that is down gives an error naming it, never a hang.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::io::{ReadObject, SyncObjects, WriteObject};
-use freeflow_proto::meta::{ListServers, ServerRecord};
-use freeflow_proto::Request;
-use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RpcError};
+use freeflow_proto::meta::{
+    is_mutation, ListServers, ReplayDone, ReplayOf, ReplyStamp, ServerRecord, Sync,
+};
+use freeflow_proto::{decode, encode, Request, WireError};
+use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RawFrame, RpcError};
 use freeflow_types::{InodeId, ServerId};
 
 use crate::metrics::ClientMetrics;
+use crate::replay::{Kept, KeptLog};
 use crate::ClientError;
+
+/// Pause before a request whose connection broke is sent again.
+const RESEND_PAUSE_MS: u64 = 100;
 
 /// A connection slot for one server address, connected on first use.
 struct Endpoint {
@@ -87,6 +96,14 @@ pub(crate) struct Pool {
     /// Serialises `ListServers` refreshes.
     refreshing: tokio::sync::Mutex<()>,
     pub(crate) metrics: ClientMetrics,
+    /// Request ids of meta calls, unique over this client's meta connections, so a request
+    /// sent again on a new connection keeps its id (the server applies a mutation once per
+    /// client id and request id).
+    next_meta_request: AtomicU64,
+    /// Mutations answered but not known durable (see `replay.rs`).
+    kept: Mutex<KeptLog>,
+    /// Held while kept mutations are replayed to a restarted meta server.
+    replaying: tokio::sync::Mutex<()>,
 }
 
 impl Pool {
@@ -103,30 +120,218 @@ impl Pool {
             meta: Endpoint::new(meta_address, "meta".to_string()),
             io: Mutex::new(HashMap::new()),
             refreshing: tokio::sync::Mutex::new(()),
+            next_meta_request: AtomicU64::new(1),
+            kept: Mutex::new(KeptLog::default()),
+            replaying: tokio::sync::Mutex::new(()),
         }
     }
 
+    fn kept(&self) -> MutexGuard<'_, KeptLog> {
+        self.kept.lock().expect("kept log not poisoned")
+    }
+
+    /// Mutations answered and not known durable (for tests and metrics).
+    pub fn kept_mutations(&self) -> usize {
+        self.kept().len()
+    }
+
     /// One request to the meta server. `target` names what it is about, for the error.
+    ///
+    /// A request whose connection broke is sent again, under the same request id, until
+    /// the call timeout: a mutation the server applied is answered from its record, never
+    /// applied twice. A mutation answered before it was durable is kept until a reply shows
+    /// it durable, and replayed if the server restarts first (`replay.rs`).
     pub async fn meta_call<R: Request>(
         &self,
         request: &R,
         target: impl FnOnce() -> String,
     ) -> Result<R::Reply, ClientError> {
-        let started = std::time::Instant::now();
-        let result = match self.meta.get(&self.key, &self.options).await {
-            Ok(connection) => connection.call(request, Bytes::new()).await,
-            Err(error) => Err(error),
-        };
+        let started = Instant::now();
+        let result = self.meta_call_unmetered(request).await;
         self.metrics
             .request_done(R::OPCODE, started, result.is_ok());
-        result
-            .map(|(reply, _payload)| reply)
-            .map_err(|source| ClientError::Meta {
-                operation: R::NAME,
-                target: target(),
+        result.map_err(|source| ClientError::Meta {
+            operation: R::NAME,
+            target: target(),
+            address: self.meta.address.clone(),
+            source,
+        })
+    }
+
+    async fn meta_call_unmetered<R: Request>(&self, request: &R) -> Result<R::Reply, RpcError> {
+        let mutation = is_mutation(R::OPCODE);
+        if mutation {
+            self.make_room().await?;
+        }
+        let header = encode(request);
+        let request_id = self.next_meta_request.fetch_add(1, Ordering::Relaxed);
+        let deadline = Instant::now() + Duration::from_millis(self.options.call_timeout_ms);
+        let mut flags = 0;
+        loop {
+            let attempt = match self.meta_connection().await {
+                Ok(connection) => {
+                    connection
+                        .call_raw(
+                            R::OPCODE,
+                            R::NAME,
+                            request_id,
+                            flags,
+                            header.clone(),
+                            Bytes::new(),
+                        )
+                        .await
+                }
+                Err(error) => Err(error),
+            };
+            match attempt {
+                Ok(frame) => return self.meta_reply::<R>(frame, request_id, header),
+                // Sent, and the connection broke before the reply (the server may be
+                // restarting): the same request again on a new one. A first attempt that
+                // cannot connect fails at once: the server is simply not there.
+                Err(
+                    error @ (RpcError::Disconnected { .. }
+                    | RpcError::Connect { .. }
+                    | RpcError::Handshake { .. }),
+                ) if (flags != 0 || matches!(error, RpcError::Disconnected { .. }))
+                    && Instant::now() < deadline =>
+                {
+                    tracing::debug!(%error, request = R::NAME, request_id, "sending again");
+                    flags = FLAG_RESEND;
+                    tokio::time::sleep(Duration::from_millis(RESEND_PAUSE_MS)).await;
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    /// Decode a meta reply, note its stamp, and keep a mutation answered early.
+    fn meta_reply<R: Request>(
+        &self,
+        frame: RawFrame,
+        request_id: u64,
+        request: Vec<u8>,
+    ) -> Result<R::Reply, RpcError> {
+        let result: Result<R::Reply, WireError> =
+            decode(&frame.header).map_err(|error| RpcError::Protocol {
                 address: self.meta.address.clone(),
-                source,
-            })
+                reason: format!("undecodable reply to {}: {}", R::NAME, error.message),
+            })?;
+        if let Ok(stamp) = decode::<ReplyStamp>(&frame.payload) {
+            let mut kept = self.kept();
+            if result.is_ok() && is_mutation(R::OPCODE) {
+                kept.answered(
+                    stamp.epoch,
+                    stamp.txn,
+                    Kept {
+                        opcode: R::OPCODE,
+                        name: R::NAME,
+                        request_id,
+                        request,
+                        reply: frame.header.to_vec(),
+                    },
+                );
+            }
+            kept.durable(stamp.epoch, stamp.durable_txn);
+        }
+        result.map_err(RpcError::Remote)
+    }
+
+    /// Wait until the kept log has room for one more mutation: ask for a durable commit.
+    async fn make_room(&self) -> Result<(), RpcError> {
+        while !self.kept().has_room() {
+            Box::pin(self.meta_call_unmetered(&Sync {})).await?;
+        }
+        Ok(())
+    }
+
+    /// Make every mutation answered so far durable at the meta server.
+    pub async fn sync_meta(&self) -> Result<(), ClientError> {
+        self.meta_call(&Sync {}, || "of the metadata".to_string())
+            .await
+    }
+
+    /// The meta connection; a new server epoch first gets what this client kept replayed.
+    async fn meta_connection(&self) -> Result<Connection, RpcError> {
+        let connection = self.meta.get(&self.key, &self.options).await?;
+        if connection.epoch() != self.kept().epoch {
+            self.recover(&connection).await?;
+        }
+        Ok(connection)
+    }
+
+    /// The meta server restarted (or this is the first connection): replay, in the order
+    /// they were applied, the mutations it answered but may have lost, then say so.
+    async fn recover(&self, connection: &Connection) -> Result<(), RpcError> {
+        let _replaying = self.replaying.lock().await;
+        let (old_epoch, entries) = {
+            let kept = self.kept();
+            if kept.epoch == connection.epoch() {
+                return Ok(());
+            }
+            if kept.epoch == 0 {
+                drop(kept);
+                self.kept().start_epoch(connection.epoch());
+                return Ok(());
+            }
+            (kept.epoch, kept.entries())
+        };
+        tracing::info!(
+            old_epoch,
+            new_epoch = connection.epoch(),
+            kept = entries.len(),
+            "the metadata server restarted: replaying what it may have lost"
+        );
+        let mut replayed = Vec::with_capacity(entries.len());
+        for (txn, kept) in entries {
+            let original = ReplayOf {
+                epoch: old_epoch,
+                txn,
+                reply: kept.reply.clone(),
+            };
+            let frame = connection
+                .call_raw(
+                    kept.opcode,
+                    kept.name,
+                    kept.request_id,
+                    FLAG_REPLAY,
+                    kept.request.clone(),
+                    Bytes::from(encode(&original)),
+                )
+                .await?;
+            let stamp = decode::<ReplyStamp>(&frame.payload).unwrap_or_default();
+            match decode::<Result<(), WireError>>(&frame.header) {
+                // Any reply type: only Err is looked at (it encodes the same for all).
+                Ok(Err(error)) => tracing::error!(
+                    request = kept.name,
+                    request_id = kept.request_id,
+                    %error,
+                    "a change answered before the metadata server restarted was lost"
+                ),
+                _ => replayed.push((stamp, kept)),
+            }
+        }
+        let done_id = self.next_meta_request.fetch_add(1, Ordering::Relaxed);
+        let frame = connection
+            .call_raw(
+                ReplayDone::OPCODE,
+                ReplayDone::NAME,
+                done_id,
+                0,
+                encode(&ReplayDone {}),
+                Bytes::new(),
+            )
+            .await?;
+        let mut kept = self.kept();
+        kept.start_epoch(connection.epoch());
+        // Kept again under their new transactions, with the replies first given (a create
+        // replayed a second time must keep its inode id again).
+        for (stamp, entry) in replayed {
+            kept.answered(stamp.epoch, stamp.txn, entry);
+        }
+        if let Ok(stamp) = decode::<ReplyStamp>(&frame.payload) {
+            kept.durable(stamp.epoch, stamp.durable_txn);
+        }
+        Ok(())
     }
 
     /// Fetch the server list from the meta server and update the addresses we know.

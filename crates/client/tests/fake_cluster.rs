@@ -242,6 +242,8 @@ impl Service for FakeMeta {
                 .await
             }
             CloseSession::OPCODE => typed::<CloseSession>(frame, |_, _| Ok(((), none()))).await,
+            // Everything here is durable at once: nothing to do.
+            Sync::OPCODE => typed::<Sync>(frame, |_, _| Ok(((), none()))).await,
             ListServers::OPCODE => {
                 typed::<ListServers>(frame, |_, _| {
                     Ok((self.servers.lock().unwrap().clone(), none()))

@@ -787,8 +787,14 @@ impl fuser::Filesystem for FreeflowFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        // Every namespace change is durable at the meta server before it is answered.
-        reply.ok();
+        // Namespace changes are answered before they are durable: make them durable now.
+        let state = self.state.clone();
+        self.spawn(async move {
+            match state.client.sync().await {
+                Ok(()) => reply.ok(),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
     }
 
     fn statfs(&self, _request: &Request, _inode: INodeNo, reply: ReplyStatfs) {

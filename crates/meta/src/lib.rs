@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod ops;
 pub mod reaper;
 pub mod records;
+pub mod recovery;
 pub mod registry;
 pub mod service;
 pub mod sessions;
@@ -23,7 +24,7 @@ pub mod writer;
 #[cfg(test)]
 mod batch_tests;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -43,7 +44,7 @@ use crate::registry::Registry;
 use crate::service::MetaService;
 use crate::sessions::{SessionLimits, Sessions};
 use crate::shared::Shared;
-use crate::store::{MetaStore, RedbStore, StoreError, StoreWrite};
+use crate::store::{MetaStore, RedbStore, StoreError, StoreRead, StoreWrite, TableId};
 use crate::writer::WriterMessage;
 
 /// Name of the redb file inside the data directory.
@@ -71,6 +72,12 @@ pub struct MetaConfig {
     pub commit_batch_max: usize,
     /// Mutations queued for the writer before callers wait. Default 4096.
     pub commit_queue_max: usize,
+    /// Mutations are answered before they are durable; a durable commit (one fsync)
+    /// follows within this time, sooner when a client asks (fsync, sync). Default 500.
+    pub commit_interval_ms: u64,
+    /// After a restart, how long new requests wait for clients to replay the mutations
+    /// they were answered but that were not durable. Default 10000.
+    pub recovery_window_ms: u64,
     /// Payload bytes a client may have in flight per connection. Default 16 MiB.
     pub window_bytes: u32,
     /// Requests served at once per connection. Default 128.
@@ -100,6 +107,8 @@ impl Default for MetaConfig {
             heartbeat_interval_ms: 1000,
             commit_batch_max: 256,
             commit_queue_max: 4096,
+            commit_interval_ms: 500,
+            recovery_window_ms: 10_000,
             window_bytes: 16 << 20,
             requests_in_flight_max: 128,
             sessions_max: 65_536,
@@ -152,6 +161,8 @@ impl MetaConfig {
             heartbeat_interval_ms,
             commit_batch_max,
             commit_queue_max,
+            commit_interval_ms,
+            recovery_window_ms,
             window_bytes,
             requests_in_flight_max,
             sessions_max,
@@ -207,6 +218,18 @@ impl MetaConfig {
                 return Err(invalid(field, "must be at least 1"));
             }
         }
+        if *commit_interval_ms == 0 || *commit_interval_ms > 60_000 {
+            return Err(invalid(
+                "commit_interval_ms",
+                format!("{commit_interval_ms} is not between 1 and 60000"),
+            ));
+        }
+        if *recovery_window_ms > 3_600_000 {
+            return Err(invalid(
+                "recovery_window_ms",
+                format!("{recovery_window_ms} is above one hour"),
+            ));
+        }
         if *window_bytes < 64 << 10 {
             return Err(invalid(
                 "window_bytes",
@@ -258,7 +281,7 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         source,
     };
     let store = RedbStore::open_with_cache(&path, config.store_cache_bytes).map_err(store_error)?;
-    let (state, servers) = {
+    let (state, servers, clients) = {
         let mut write = store.begin_write().map_err(store_error)?;
         let state = ops::initialise(&mut write, ops::now()).map_err(store_error)?;
         write.commit().map_err(store_error)?;
@@ -267,7 +290,19 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
             ops::OpError::Store(source) => store_error(source),
             ops::OpError::Refused(wire) => store_error(StoreError::Backend(wire.message)),
         })?;
-        (state, servers)
+        // Bounded like the sessions that made them (one record per client with a session).
+        let clients: HashSet<u64> = read
+            .range_keys(
+                TableId::Clients,
+                std::ops::Bound::Unbounded,
+                std::ops::Bound::Unbounded,
+                config.sessions_max,
+            )
+            .map_err(store_error)?
+            .iter()
+            .filter_map(|key| key.as_slice().try_into().ok().map(u64::from_be_bytes))
+            .collect();
+        (state, servers, clients)
     };
     let listener = tokio::net::TcpListener::bind(&config.listen_address)
         .await
@@ -325,11 +360,30 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         metrics_address: metrics_listener
             .as_ref()
             .map(|(_, bound)| bound.to_string()),
+        last_txn: AtomicU64::new(state.recovered_txn),
+        durable: tokio::sync::watch::Sender::new(state.recovered_txn),
+        dirty: Mutex::new(HashMap::new()),
+        registered_clients: Mutex::new(clients.clone()),
+        recovery: recovery::Recovery::new(
+            clients.clone(),
+            Duration::from_millis(config.recovery_window_ms),
+        ),
+        mutations_in_progress: Mutex::new(HashSet::new()),
+        mutation_finished: Notify::new(),
         config,
     });
+    if !clients.is_empty() {
+        tracing::info!(
+            clients = clients.len(),
+            window_ms = shared.config.recovery_window_ms,
+            recovered_txn = state.recovered_txn,
+            "waiting for clients to replay what was not durable"
+        );
+    }
     let writer_thread = spawn_writer(shared.clone(), writer_receiver, state)?;
 
     let mut options = ServerOptions::new("meta");
+    options.epoch = shared.boot_epoch;
     options.window_bytes = shared.config.window_bytes;
     options.requests_in_flight_max = shared.config.requests_in_flight_max;
     options.metrics = Some(freeflow_rpc::ServerMetrics::new(
@@ -343,6 +397,8 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
     let mut background_tasks = vec![
         tokio::spawn(reaper::run(shared.clone())),
         tokio::spawn(expire_sessions(shared.clone())),
+        tokio::spawn(flush_periodically(shared.clone())),
+        tokio::spawn(end_recovery_in_time(shared.clone())),
     ];
     metrics::register_state_gauges(&registry, &shared, state_inode_count);
     if let Some((listener, _)) = metrics_listener {
@@ -384,15 +440,60 @@ fn spawn_writer(
         .map_err(|error| MetaError::Task(format!("cannot start the writer thread: {error}")))
 }
 
-/// Ends sessions whose lease ran out; wakes the reaper for files left without handles.
+/// Ends sessions whose lease ran out; wakes the reaper for files left without handles;
+/// forgets the records of clients left without a session.
 async fn expire_sessions(shared: Arc<Shared>) {
     let period_ms = (u64::from(shared.config.lease_ms) / 4).max(50);
     let mut interval = tokio::time::interval(Duration::from_millis(period_ms));
     loop {
         interval.tick().await;
-        let closed = shared.sessions().expire(Instant::now());
+        let (closed, clients) = shared.sessions().expire(Instant::now());
         if !closed.is_empty() {
             shared.reaper_wake.notify_one();
+        }
+        for client in clients {
+            shared.forget_client(client).await;
+        }
+    }
+}
+
+/// Nudges the writer so that what was answered early is durable within
+/// `commit_interval_ms` even when nothing else comes.
+async fn flush_periodically(shared: Arc<Shared>) {
+    let period = Duration::from_millis((shared.config.commit_interval_ms / 2).max(1));
+    let mut interval = tokio::time::interval(period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        if shared.last_txn.load(Ordering::Acquire) > shared.durable_txn()
+            && shared.writer.try_send(WriterMessage::Flush).is_err()
+        {
+            // A full queue: the writer is busy and will commit soon anyway.
+        }
+    }
+}
+
+/// Ends the recovery window at its deadline; clients that did not replay by then lose what
+/// they held, and their records go.
+async fn end_recovery_in_time(shared: Arc<Shared>) {
+    if !shared.recovery.is_recovering() {
+        return;
+    }
+    let deadline = tokio::time::Instant::from_std(shared.recovery.deadline());
+    tokio::select! {
+        () = tokio::time::sleep_until(deadline) => {}
+        () = shared.recovery.wait() => return,
+    }
+    let missing = shared.recovery.end();
+    if !missing.is_empty() {
+        tracing::warn!(
+            clients = ?missing,
+            "recovery window over: these clients did not replay; changes only they held are lost"
+        );
+    }
+    for client in missing {
+        if !shared.sessions().has_sessions_of(client) {
+            shared.forget_client(client).await;
         }
     }
 }

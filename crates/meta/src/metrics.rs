@@ -14,6 +14,7 @@ use crate::shared::Shared;
 /// Handles the writer thread updates.
 pub struct MetaMetrics {
     commits: Counter,
+    durable_commits: Counter,
     commit_failures: Counter,
     batch_operations: Histogram,
     commit_time: Histogram,
@@ -24,7 +25,13 @@ impl MetaMetrics {
         MetaMetrics {
             commits: registry.counter(
                 "freeflow_meta_commits_total",
-                "Write transactions committed by the group-commit writer (one fsync each).",
+                "Write transactions committed by the group-commit writer (one per batch).",
+                &[],
+            ),
+            durable_commits: registry.counter(
+                "freeflow_meta_durable_commits_total",
+                "Commits made durable (one fsync each): batches that had to be, and the empty \
+                 commits that make earlier ones durable (interval, Sync, shutdown).",
                 &[],
             ),
             commit_failures: registry.counter(
@@ -45,6 +52,11 @@ impl MetaMetrics {
                 LATENCY_BUCKETS_US,
             ),
         }
+    }
+
+    /// A commit was made durable (one fsync).
+    pub fn durable_commit(&self) {
+        self.durable_commits.increment();
     }
 
     /// A batch of `operations` ended (committed or aborted) after starting at `started`.

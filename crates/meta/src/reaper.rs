@@ -177,6 +177,13 @@ async fn pass(shared: &Arc<Shared>) -> PassOutcome {
         };
         after = Some(*last);
         let page_len = page.len();
+        // An unlink is answered before it is durable: its data goes only once it is (a
+        // crash before would bring the name back without its data).
+        if let Err(error) = shared.sync().await {
+            tracing::warn!(%error, "reaper cannot make the orphans durable");
+            outcome.failed = true;
+            return outcome;
+        }
         let mut tasks = JoinSet::new();
         for (inode, orphan) in page {
             if shared.sessions().is_open(inode) || shared.is_pinned(inode) {

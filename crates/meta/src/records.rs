@@ -10,6 +10,9 @@
 //! | counters    | counter name (ASCII)        | u64 BE                                      |
 //! | servers     | server u32 BE               | version 1 byte + postcard(ServerEntry)      |
 //! | truncations | inode u64 BE                | version 1 byte + postcard(TruncationRecord) |
+//! | replies     | client u64 BE ++ request u64 BE | version 1 byte + postcard(ReplyRecord)  |
+//! | reply_expiry | txn u64 BE ++ client u64 BE ++ request u64 BE | empty                  |
+//! | clients     | client u64 BE               | version 1 byte + postcard(ClientRecord)     |
 //!
 //! Integers in keys are big-endian so that byte order is numeric order and all entries of
 //! one directory (or one inode's xattrs) are one contiguous range. Every record read back is
@@ -30,6 +33,10 @@ pub const COUNTER_ORPHAN_COUNT: &[u8] = b"orphan_count";
 /// Incremented at every start: orphans from an older epoch may still be read by clients
 /// that do not know the server restarted, so they wait one lease before being reaped.
 pub const COUNTER_BOOT_EPOCH: &[u8] = b"boot_epoch";
+/// Transaction numbers below this may have been given out (reserved ahead, like inode ids).
+pub const COUNTER_TXN_HIGH_WATER: &[u8] = b"txn_high_water";
+/// The last transaction committed; as read at start, the last one that was durable.
+pub const COUNTER_LAST_TXN: &[u8] = b"last_txn";
 
 /// Version of the `inodes` records written now (2: with the space of each stripe).
 pub const INODE_RECORD_VERSION: u8 = 2;
@@ -174,6 +181,41 @@ pub struct TruncationRecord {
     /// (stripe index, file size to cut that stripe's object at), in stripe order: the
     /// smallest size still pending per stripe.
     pub cuts: Vec<(u32, u64)>,
+}
+
+/// A client that may hold mutations not durable yet (see `writer.rs`): written durably
+/// before its first early reply, removed when its last session ends.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClientRecord {
+    /// The transaction that recorded it.
+    pub first_txn: u64,
+    /// Wall-clock seconds then (for operators).
+    pub wall_seconds: i64,
+}
+
+/// The reply to an applied mutation, kept so that the same request sent again (a resend
+/// after a lost connection, a replay after a restart) is answered and never applied twice.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplyRecord {
+    pub txn: u64,
+    /// The reply's header section (`Result<Reply, WireError>` encoded).
+    pub reply: Vec<u8>,
+}
+
+/// Key of a reply record: client id then request id, big-endian.
+pub fn reply_key(client_id: u64, request_id: u64) -> [u8; 16] {
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&client_id.to_be_bytes());
+    key[8..].copy_from_slice(&request_id.to_be_bytes());
+    key
+}
+
+/// Key of a reply record in expiry order: its transaction, then its reply key.
+pub fn reply_expiry_key(txn: u64, client_id: u64, request_id: u64) -> [u8; 24] {
+    let mut key = [0u8; 24];
+    key[..8].copy_from_slice(&txn.to_be_bytes());
+    key[8..].copy_from_slice(&reply_key(client_id, request_id));
+    key
 }
 
 /// A registered I/O server.

@@ -1,27 +1,41 @@
 //! The RPC face of the metadata server: decodes each request, runs it as a read (in a read
 //! transaction, on the handler's task) or as a mutation (through the group-commit writer),
 //! and encodes the reply. Unknown opcodes and undecodable requests close the connection.
+//!
+//! Every reply carries a [`ReplyStamp`] in its payload: the server's epoch, the transaction
+//! of a mutation and the last durable one (issue 10). Mutations of a client (a peer with a
+//! client id) are identified by (client id, request id): each one's reply is recorded in
+//! its own transaction, so a copy sent again (`FLAG_RESEND` after a lost connection,
+//! `FLAG_REPLAY` after a restart) gets the first reply and is never applied twice; a
+//! replayed create keeps the inode id the client was first given. During the recovery
+//! window new requests wait while clients replay (`recovery.rs`).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
+use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::meta::{
-    Close, CloseSession, ClusterReport, ClusterStatus, CommitSize, Create, CreateReply, FsStats,
-    GetAttr, GetXattr, Link, ListServers, ListXattr, Lookup, Mkdir, Open, OpenGrant, OpenSession,
-    ReadDir, ReadLink, RegisterReply, RegisterServer, RemoveXattr, Rename, RenewSession, Rmdir,
-    SessionGrant, SetAttributes, SetDirLayout, SetXattr, StatFs, Symlink, Unlink,
+    is_mutation, Close, CloseSession, ClusterReport, ClusterStatus, CommitSize, Create,
+    CreateReply, FsStats, GetAttr, GetXattr, Link, ListServers, ListXattr, Lookup, Mkdir, Open,
+    OpenGrant, OpenSession, ReadDir, ReadLink, RegisterReply, RegisterServer, RemoveXattr, Rename,
+    RenewSession, ReplayDone, ReplayOf, ReplyStamp, Rmdir, SessionGrant, SetAttributes,
+    SetDirLayout, SetXattr, StatFs, Symlink, Sync, Unlink,
 };
-use freeflow_proto::{ErrorCode, Request, WireError};
+use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
 use freeflow_types::{Attr, FileKind, InodeId};
+use serde::Serialize;
 
 use crate::cutter::{self, Reach};
-use crate::ops::{self, refuse, require_access, ACCESS_READ, ACCESS_WRITE};
-use crate::records::{inode_key, ServerEntry};
+use crate::ops::{self, refuse, require_access, OpContext, OpResult, ACCESS_READ, ACCESS_WRITE};
+use crate::records::{
+    decode_versioned, encode_versioned, inode_key, reply_expiry_key, reply_key, ReplyRecord,
+    ServerEntry,
+};
 use crate::shared::Shared;
-use crate::store::{StoreRead, TableId};
+use crate::store::{RedbWrite, StoreRead, StoreWrite, TableId};
 
 /// Longest I/O server address accepted at registration.
 pub const SERVER_ADDRESS_LENGTH_MAX: usize = 256;
@@ -30,97 +44,356 @@ pub struct MetaService {
     pub shared: Arc<Shared>,
 }
 
-fn with_empty_payload<T>(result: Result<T, WireError>) -> Result<(T, Bytes), WireError> {
-    result.map(|reply| (reply, Bytes::new()))
+/// The stamp of a reply: `txn` of the mutation (0 for anything else).
+fn stamp(shared: &Shared, txn: u64) -> Bytes {
+    Bytes::from(encode(&ReplyStamp {
+        epoch: shared.boot_epoch,
+        txn,
+        durable_txn: shared.durable_txn(),
+    }))
 }
 
-/// A request answered by a read-only operation.
+fn stamped<T>(
+    shared: &Shared,
+    result: Result<(T, u64), WireError>,
+) -> Result<(T, Bytes), WireError> {
+    result.map(|(reply, txn)| (reply, stamp(shared, txn)))
+}
+
+fn unstamped<T>(shared: &Shared, result: Result<T, WireError>) -> Result<(T, Bytes), WireError> {
+    result.map(|reply| (reply, stamp(shared, 0)))
+}
+
+/// Requests served during the recovery window (the rest wait for its end): sessions, the
+/// servers' registrations and status, and what replaying clients need.
+fn served_while_recovering(opcode: u16) -> bool {
+    matches!(
+        opcode,
+        OpenSession::OPCODE
+            | RenewSession::OPCODE
+            | CloseSession::OPCODE
+            | RegisterServer::OPCODE
+            | ListServers::OPCODE
+            | ClusterStatus::OPCODE
+            | StatFs::OPCODE
+            | Sync::OPCODE
+            | ReplayDone::OPCODE
+    )
+}
+
+/// A request answered by a read-only operation (with commit on share).
 macro_rules! read_request {
-    ($frame:expr, $shared:expr, $request:ty, $operation:path) => {
-        handle($frame, |request: $request, _payload| {
-            let result = $shared.read(|read| $operation(read, &request));
-            async move { with_empty_payload(result) }
+    ($frame:expr, $shared:expr, $client:expr, $request:ty, $operation:path) => {
+        handle($frame, |request: $request, _payload| async move {
+            let result = $shared
+                .read_as($client, |read| $operation(read, &request))
+                .await;
+            unstamped($shared, result)
         })
         .await
     };
 }
 
-/// A request answered by a mutation through the writer.
-macro_rules! write_request {
-    ($frame:expr, $shared:expr, $request:ty, $operation:path) => {
-        handle($frame, |request: $request, _payload| async move {
-            with_empty_payload(
-                $shared
-                    .write(move |write, context| $operation(write, context, &request))
-                    .await,
-            )
-        })
-        .await
+/// Record the reply to mutation (`client`, `request_id`) in the transaction that applies it.
+fn record_reply<T: Serialize>(
+    write: &mut RedbWrite,
+    client: u64,
+    request_id: u64,
+    txn: u64,
+    value: &T,
+) -> OpResult<()> {
+    if client == 0 {
+        return Ok(());
+    }
+    let record = ReplyRecord {
+        txn,
+        reply: encode(&Ok::<&T, WireError>(value)),
     };
+    write.put(
+        TableId::Replies,
+        &reply_key(client, request_id),
+        &encode_versioned(&record),
+    )?;
+    write.put(
+        TableId::ReplyExpiry,
+        &reply_expiry_key(txn, client, request_id),
+        &[],
+    )?;
+    Ok(())
+}
+
+/// What identifies one mutation and how it is to be applied.
+#[derive(Clone, Copy)]
+struct MutationId {
+    client: u64,
+    request_id: u64,
+    /// The inode id a replayed create must keep.
+    forced_inode: Option<InodeId>,
+    /// A replay after a restart (a create then opens nothing: its session is gone).
+    replay: bool,
+}
+
+/// A mutation through the writer, its reply recorded in its transaction.
+async fn mutation<R, F>(
+    shared: &Arc<Shared>,
+    frame: Frame,
+    id: MutationId,
+    durable: impl FnOnce(&R) -> bool,
+    operation: F,
+) -> Result<Reply, String>
+where
+    R: Request,
+    R::Reply: Serialize,
+    F: FnOnce(&mut RedbWrite, &mut OpContext<'_>, &R) -> OpResult<R::Reply> + Send + 'static,
+{
+    handle(frame, |request: R, _payload| async move {
+        let durable = durable(&request);
+        let result = shared
+            .write_as(id.client, durable, move |write, context| {
+                context.forced_inode = id.forced_inode;
+                let value = operation(write, context, &request)?;
+                record_reply(write, id.client, id.request_id, context.txn, &value)?;
+                Ok(value)
+            })
+            .await;
+        stamped(shared, result)
+    })
+    .await
+}
+
+/// The durability wish of most mutations: none (durable within the commit interval).
+fn not_durable<R>(_: &R) -> bool {
+    false
+}
+
+/// Marks a mutation as being applied; a copy of it waits until the first is done.
+struct InProgress<'a> {
+    shared: &'a Shared,
+    key: (u64, u64),
+}
+
+impl Drop for InProgress<'_> {
+    fn drop(&mut self) {
+        self.shared
+            .mutations_in_progress
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .remove(&self.key);
+        self.shared.mutation_finished.notify_waiters();
+    }
+}
+
+async fn begin_mutation(shared: &Shared, key: (u64, u64)) -> InProgress<'_> {
+    loop {
+        let finished = shared.mutation_finished.notified();
+        {
+            let mut in_progress = shared
+                .mutations_in_progress
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if in_progress.insert(key) {
+                return InProgress { shared, key };
+            }
+        }
+        finished.await;
+    }
+}
+
+/// The reply recorded for mutation (`client`, `request_id`), if it was applied.
+fn recorded_reply(
+    shared: &Shared,
+    client: u64,
+    request_id: u64,
+) -> Result<Option<ReplyRecord>, WireError> {
+    shared.read(|read| {
+        read.get(TableId::Replies, &reply_key(client, request_id))?
+            .map(|bytes| decode_versioned(TableId::Replies, &bytes))
+            .transpose()
+            .map_err(Into::into)
+    })
+}
+
+/// An error reply, whatever the request's reply type (`Err` encodes the same for all).
+fn error_reply(shared: &Shared, error: WireError) -> Reply {
+    Reply {
+        header: encode(&Err::<(), WireError>(error)).into(),
+        payload: stamp(shared, 0),
+    }
+}
+
+/// The inode id a replayed create was given the first time, from its original reply.
+fn replayed_inode(replay: &ReplayOf, opcode: u16) -> Result<Option<InodeId>, WireError> {
+    let inode = match opcode {
+        Create::OPCODE => decode::<Result<CreateReply, WireError>>(&replay.reply)?
+            .ok()
+            .map(|reply| reply.attr.inode),
+        Mkdir::OPCODE | Symlink::OPCODE => decode::<Result<Attr, WireError>>(&replay.reply)?
+            .ok()
+            .map(|attr| attr.inode),
+        _ => None,
+    };
+    Ok(inode)
+}
+
+impl MetaService {
+    /// A mutation of a client: applied once, however often it is sent.
+    async fn client_mutation(&self, frame: Frame, client: u64) -> Result<Reply, String> {
+        let shared = &self.shared;
+        let key = (client, frame.request_id);
+        let _in_progress = begin_mutation(shared, key).await;
+        let resent = frame.flags & (FLAG_RESEND | FLAG_REPLAY) != 0;
+        if resent {
+            match recorded_reply(shared, client, frame.request_id) {
+                Ok(Some(record)) => {
+                    return Ok(Reply {
+                        header: record.reply.into(),
+                        payload: stamp(shared, record.txn),
+                    })
+                }
+                Ok(None) => {}
+                Err(error) => return Ok(error_reply(shared, error)),
+            }
+        }
+        let replay = frame.flags & FLAG_REPLAY != 0;
+        let forced_inode = if replay {
+            let original: ReplayOf = match decode(&frame.payload) {
+                Ok(original) => original,
+                Err(error) => return Err(format!("a replay without its original reply: {error}")),
+            };
+            // Only what the run just before this one answered, and only while the window
+            // is open: anything else was lost (its client came back too late).
+            if !shared.recovery.is_recovering() || original.epoch + 1 != shared.boot_epoch {
+                return Ok(error_reply(
+                    shared,
+                    WireError::new(
+                        ErrorCode::Stale,
+                        format!(
+                            "a change answered in epoch {} replayed in epoch {} outside its \
+                             recovery window: it was lost",
+                            original.epoch, shared.boot_epoch
+                        ),
+                    ),
+                ));
+            }
+            match replayed_inode(&original, frame.opcode) {
+                Ok(inode) => inode,
+                Err(error) => return Err(format!("a replay with an undecodable reply: {error}")),
+            }
+        } else {
+            None
+        };
+        let id = MutationId {
+            client,
+            request_id: frame.request_id,
+            forced_inode,
+            replay,
+        };
+        self.apply_mutation(frame, id).await
+    }
+
+    /// Apply a mutation (any client, or none) through the writer.
+    async fn apply_mutation(&self, frame: Frame, id: MutationId) -> Result<Reply, String> {
+        let shared = &self.shared;
+        match frame.opcode {
+            Mkdir::OPCODE => mutation(shared, frame, id, not_durable, ops::create::mkdir).await,
+            Unlink::OPCODE => mutation(shared, frame, id, not_durable, ops::remove::unlink).await,
+            Rmdir::OPCODE => mutation(shared, frame, id, not_durable, ops::remove::rmdir).await,
+            Rename::OPCODE => mutation(shared, frame, id, not_durable, ops::rename::rename).await,
+            Link::OPCODE => mutation(shared, frame, id, not_durable, ops::link::link).await,
+            Symlink::OPCODE => mutation(shared, frame, id, not_durable, ops::create::symlink).await,
+            SetXattr::OPCODE => {
+                mutation(shared, frame, id, not_durable, ops::xattr::set_xattr).await
+            }
+            RemoveXattr::OPCODE => {
+                mutation(shared, frame, id, not_durable, ops::xattr::remove_xattr).await
+            }
+            CommitSize::OPCODE => {
+                let durable = |request: &CommitSize| request.durable;
+                mutation(shared, frame, id, durable, ops::size::commit_size).await
+            }
+            SetDirLayout::OPCODE => {
+                mutation(shared, frame, id, not_durable, ops::size::set_dir_layout).await
+            }
+            SetAttributes::OPCODE => {
+                handle(frame, |request: SetAttributes, _| async move {
+                    stamped(shared, set_attributes(shared, request, id).await)
+                })
+                .await
+            }
+            Create::OPCODE => {
+                handle(frame, |mut request: Create, _| async move {
+                    if id.replay {
+                        // The session the original opened in is gone with the restart.
+                        request.open = None;
+                    }
+                    stamped(shared, create(shared, request, id).await)
+                })
+                .await
+            }
+            other => Err(format!("opcode {other} is not a mutation")),
+        }
+    }
 }
 
 impl Service for MetaService {
-    async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
+    async fn call(&self, frame: Frame, peer: &PeerInfo) -> Result<Reply, String> {
         let shared = &self.shared;
+        let client = peer.client_id;
+        if frame.flags & FLAG_REPLAY == 0 && !served_while_recovering(frame.opcode) {
+            shared.recovery.wait().await;
+        }
+        if is_mutation(frame.opcode) {
+            if client != 0 {
+                return self.client_mutation(frame, client).await;
+            }
+            // A peer without a client id: applied, not recorded, never replayed.
+            let id = MutationId {
+                client: 0,
+                request_id: frame.request_id,
+                forced_inode: None,
+                replay: false,
+            };
+            return self.apply_mutation(frame, id).await;
+        }
         match frame.opcode {
             OpenSession::OPCODE => {
                 handle(frame, |request: OpenSession, _| {
-                    let result = open_session(shared, &request);
-                    async move { with_empty_payload(result) }
+                    let result = open_session(shared, &request, client);
+                    async move { unstamped(shared, result) }
                 })
                 .await
             }
             RenewSession::OPCODE => {
                 handle(frame, |request: RenewSession, _| {
                     let result = shared.sessions().renew(request.session_id, Instant::now());
-                    async move { with_empty_payload(result) }
+                    async move { unstamped(shared, result) }
                 })
                 .await
             }
             CloseSession::OPCODE => {
-                handle(frame, |request: CloseSession, _| {
-                    let result = shared.sessions().close_session(request.session_id);
-                    let result = result.map(|closed| wake_reaper_for(shared, &closed));
-                    async move { with_empty_payload(result) }
+                handle(frame, |request: CloseSession, _| async move {
+                    let result = close_session(shared, request.session_id).await;
+                    unstamped(shared, result)
                 })
                 .await
             }
-            Lookup::OPCODE => read_request!(frame, shared, Lookup, ops::lookup::lookup),
-            GetAttr::OPCODE => read_request!(frame, shared, GetAttr, ops::lookup::get_attr),
-            ReadLink::OPCODE => read_request!(frame, shared, ReadLink, ops::lookup::read_link),
-            ReadDir::OPCODE => read_request!(frame, shared, ReadDir, ops::readdir::read_dir),
-            GetXattr::OPCODE => read_request!(frame, shared, GetXattr, ops::xattr::get_xattr),
-            ListXattr::OPCODE => read_request!(frame, shared, ListXattr, ops::xattr::list_xattr),
-            SetAttributes::OPCODE => {
-                handle(frame, |request: SetAttributes, _| async move {
-                    with_empty_payload(set_attributes(shared, request).await)
-                })
-                .await
+            Lookup::OPCODE => read_request!(frame, shared, client, Lookup, ops::lookup::lookup),
+            GetAttr::OPCODE => read_request!(frame, shared, client, GetAttr, ops::lookup::get_attr),
+            ReadLink::OPCODE => {
+                read_request!(frame, shared, client, ReadLink, ops::lookup::read_link)
             }
-            Mkdir::OPCODE => write_request!(frame, shared, Mkdir, ops::create::mkdir),
-            Unlink::OPCODE => write_request!(frame, shared, Unlink, ops::remove::unlink),
-            Rmdir::OPCODE => write_request!(frame, shared, Rmdir, ops::remove::rmdir),
-            Rename::OPCODE => write_request!(frame, shared, Rename, ops::rename::rename),
-            Link::OPCODE => write_request!(frame, shared, Link, ops::link::link),
-            Symlink::OPCODE => write_request!(frame, shared, Symlink, ops::create::symlink),
-            SetXattr::OPCODE => write_request!(frame, shared, SetXattr, ops::xattr::set_xattr),
-            RemoveXattr::OPCODE => {
-                write_request!(frame, shared, RemoveXattr, ops::xattr::remove_xattr)
+            ReadDir::OPCODE => {
+                read_request!(frame, shared, client, ReadDir, ops::readdir::read_dir)
             }
-            CommitSize::OPCODE => write_request!(frame, shared, CommitSize, ops::size::commit_size),
-            SetDirLayout::OPCODE => {
-                write_request!(frame, shared, SetDirLayout, ops::size::set_dir_layout)
+            GetXattr::OPCODE => {
+                read_request!(frame, shared, client, GetXattr, ops::xattr::get_xattr)
             }
-            Create::OPCODE => {
-                handle(frame, |request: Create, _| async move {
-                    with_empty_payload(create(shared, request).await)
-                })
-                .await
+            ListXattr::OPCODE => {
+                read_request!(frame, shared, client, ListXattr, ops::xattr::list_xattr)
             }
             Open::OPCODE => {
-                handle(frame, |request: Open, _| {
-                    let result = open(shared, &request);
-                    async move { with_empty_payload(result) }
+                handle(frame, |request: Open, _| async move {
+                    unstamped(shared, open(shared, &request, client).await)
                 })
                 .await
             }
@@ -130,34 +403,47 @@ impl Service for MetaService {
                         .sessions()
                         .close_handle(request.session_id, request.handle_id)
                         .map(|closed| wake_reaper_for(shared, closed.as_slice()));
-                    async move { with_empty_payload(result) }
+                    async move { unstamped(shared, result) }
                 })
                 .await
             }
             StatFs::OPCODE => {
                 handle(frame, |_: StatFs, _| {
                     let result = Ok(stat_fs(shared));
-                    async move { with_empty_payload(result) }
+                    async move { unstamped(shared, result) }
                 })
                 .await
             }
             ListServers::OPCODE => {
                 handle(frame, |_: ListServers, _| {
                     let result = Ok(shared.registry().records(Instant::now()));
-                    async move { with_empty_payload(result) }
+                    async move { unstamped(shared, result) }
                 })
                 .await
             }
             ClusterStatus::OPCODE => {
                 handle(frame, |_: ClusterStatus, _| {
                     let result = Ok(cluster_status(shared));
-                    async move { with_empty_payload(result) }
+                    async move { unstamped(shared, result) }
                 })
                 .await
             }
             RegisterServer::OPCODE => {
                 handle(frame, |request: RegisterServer, _| async move {
-                    with_empty_payload(register_server(shared, request).await)
+                    unstamped(shared, register_server(shared, request).await)
+                })
+                .await
+            }
+            Sync::OPCODE => {
+                handle(frame, |_: Sync, _| async move {
+                    unstamped(shared, shared.sync().await.map(|_| ()))
+                })
+                .await
+            }
+            ReplayDone::OPCODE => {
+                handle(frame, |_: ReplayDone, _| async move {
+                    shared.recovery.client_done(client);
+                    unstamped(shared, Ok(()))
                 })
                 .await
             }
@@ -166,15 +452,39 @@ impl Service for MetaService {
     }
 }
 
-fn open_session(shared: &Shared, request: &OpenSession) -> Result<SessionGrant, WireError> {
-    let session_id = shared
-        .sessions()
-        .open_session(&request.client_name, Instant::now())?;
+fn open_session(
+    shared: &Shared,
+    request: &OpenSession,
+    client: u64,
+) -> Result<SessionGrant, WireError> {
+    let session_id =
+        shared
+            .sessions()
+            .open_session(&request.client_name, client, Instant::now())?;
     tracing::debug!(session_id, client = %request.client_name, "session opened");
     Ok(SessionGrant {
         session_id,
         lease_ms: shared.config.lease_ms,
     })
+}
+
+/// End a session; a client left without one is forgotten (its record goes). What was
+/// answered early is made durable first: a client that leaves cleanly can no longer replay,
+/// so its changes must not depend on it (only a client that dies can lose its own).
+async fn close_session(shared: &Shared, session_id: u64) -> Result<(), WireError> {
+    shared.sync().await?;
+    let (closed, client, left) = {
+        let mut sessions = shared.sessions();
+        let client = sessions.client_of(session_id);
+        let closed = sessions.close_session(session_id)?;
+        let left = client.is_some_and(|client| sessions.has_sessions_of(client));
+        (closed, client, left)
+    };
+    wake_reaper_for(shared, &closed);
+    if let Some(client) = client.filter(|client| *client != 0 && !left) {
+        shared.forget_client(client).await;
+    }
+    Ok(())
 }
 
 /// Wake the reaper if any of these inodes (just left without open handles) is an orphan.
@@ -207,12 +517,12 @@ fn access_mask(access: freeflow_proto::meta::OpenAccess) -> u32 {
 
 /// Open: the handle is registered before the inode is checked, so an unlink committed after
 /// the check cannot miss it (the reaper looks at open handles before removing data).
-fn open(shared: &Shared, request: &Open) -> Result<OpenGrant, WireError> {
+async fn open(shared: &Shared, request: &Open, client: u64) -> Result<OpenGrant, WireError> {
     let handle_id =
         shared
             .sessions()
             .open_handle(request.session_id, request.inode, request.access)?;
-    let checked = shared.read(|read| {
+    let checked = shared.read_as(client, |read| {
         let record = ops::load_inode(read, request.inode)?;
         if record.attr.link_count == 0 {
             return Err(refuse(
@@ -232,6 +542,7 @@ fn open(shared: &Shared, request: &Open) -> Result<OpenGrant, WireError> {
         require_access(&record.attr, &request.caller, access_mask(request.access))?;
         Ok(record.attr)
     });
+    let checked = checked.await;
     match checked {
         Ok(attr) => Ok(OpenGrant { handle_id, attr }),
         Err(error) => {
@@ -243,7 +554,11 @@ fn open(shared: &Shared, request: &Open) -> Result<OpenGrant, WireError> {
 
 /// Set attributes; a shrink replies only once the I/O servers cut their objects (or with
 /// `Unreachable` naming the server whose cut is left pending: the size is set either way).
-async fn set_attributes(shared: &Arc<Shared>, request: SetAttributes) -> Result<Attr, WireError> {
+async fn set_attributes(
+    shared: &Arc<Shared>,
+    request: SetAttributes,
+    id: MutationId,
+) -> Result<(Attr, u64), WireError> {
     let inode = request.inode;
     // Pinned before the job is queued (see `CutPin`): an unlink in the same batch cannot
     // have the reaper remove the objects while this cuts them.
@@ -257,15 +572,17 @@ async fn set_attributes(shared: &Arc<Shared>, request: SetAttributes) -> Result<
             _ => false,
         };
     let sessions_of = shared.clone();
-    let outcome = shared
-        .write(move |write, context| {
-            ops::setattr::set_attributes_recording_cuts(
+    let (outcome, txn) = shared
+        .write_as(id.client, false, move |write, context| {
+            let outcome = ops::setattr::set_attributes_recording_cuts(
                 write,
                 context,
                 &request,
                 |inode| sessions_of.sessions().is_open(inode),
                 through_handle_writable,
-            )
+            )?;
+            record_reply(write, id.client, id.request_id, context.txn, &outcome.attr)?;
+            Ok(outcome)
         })
         .await?;
     if let (Some(record), Some(pin)) = (&outcome.truncation, &pin) {
@@ -277,16 +594,20 @@ async fn set_attributes(shared: &Arc<Shared>, request: SetAttributes) -> Result<
         }
         // The cuts changed the space the file holds: answer with the settled record.
         if let Ok(Some(found)) = shared.read(|read| Ok(ops::try_load_inode(read, inode)?)) {
-            return Ok(found.attr);
+            return Ok((found.attr, txn));
         }
     }
-    Ok(outcome.attr)
+    Ok((outcome.attr, txn))
 }
 
 /// Create (and maybe open). The handle is reserved before the job is queued and bound to
 /// the inode inside the transaction, as `open` registers first: a later operation of the
 /// same batch that unlinks the file makes an orphan the reaper already sees open.
-async fn create(shared: &Arc<Shared>, request: Create) -> Result<CreateReply, WireError> {
+async fn create(
+    shared: &Arc<Shared>,
+    request: Create,
+    id: MutationId,
+) -> Result<(CreateReply, u64), WireError> {
     let reserved = match request.open {
         Some((session_id, access)) => Some((
             session_id,
@@ -296,7 +617,8 @@ async fn create(shared: &Arc<Shared>, request: Create) -> Result<CreateReply, Wi
     };
     let binder = shared.clone();
     let created = shared
-        .write(move |write, context| {
+        .write_as(id.client, false, move |write, context| {
+            context.forced_inode = id.forced_inode;
             let mut outcome = ops::create::create(write, context, &request)?;
             if let Some((_, handle_id)) = reserved {
                 // Written already: a lost handle (session ended) is reported after the
@@ -309,12 +631,15 @@ async fn create(shared: &Arc<Shared>, request: Create) -> Result<CreateReply, Wi
                     outcome.reply.handle_id = Some(handle_id);
                 }
             }
+            record_reply(write, id.client, id.request_id, context.txn, &outcome.reply)?;
             Ok(outcome)
         })
         .await;
     match (created, reserved) {
-        (Ok(outcome), None) => Ok(outcome.reply),
-        (Ok(outcome), Some(_)) if outcome.reply.handle_id.is_some() => Ok(outcome.reply),
+        (Ok((outcome, txn)), None) => Ok((outcome.reply, txn)),
+        (Ok((outcome, txn)), Some(_)) if outcome.reply.handle_id.is_some() => {
+            Ok((outcome.reply, txn))
+        }
         (Ok(_), Some((session_id, _))) => Err(WireError::new(
             ErrorCode::BadHandle,
             format!("session {session_id} ended while the file was created; it is not open"),

@@ -24,6 +24,8 @@ pub struct SessionLimits {
 #[derive(Debug)]
 struct Session {
     client_name: String,
+    /// The client's id from its connection's handshake (0: none).
+    client_id: u64,
     renewed_at: Instant,
     handles: HashSet<u64>,
 }
@@ -70,7 +72,12 @@ impl Sessions {
         }
     }
 
-    pub fn open_session(&mut self, client_name: &str, now: Instant) -> Result<u64, WireError> {
+    pub fn open_session(
+        &mut self,
+        client_name: &str,
+        client_id: u64,
+        now: Instant,
+    ) -> Result<u64, WireError> {
         if self.sessions.len() >= self.limits.sessions_max {
             return Err(WireError::new(
                 ErrorCode::Busy,
@@ -81,6 +88,7 @@ impl Sessions {
         let session_id = self.next_session_id;
         let session = Session {
             client_name: client_name.to_string(),
+            client_id,
             renewed_at: now,
             handles: HashSet::new(),
         };
@@ -212,6 +220,20 @@ impl Sessions {
         None
     }
 
+    /// The client id a session was opened with.
+    pub fn client_of(&self, session_id: u64) -> Option<u64> {
+        self.sessions
+            .get(&session_id)
+            .map(|session| session.client_id)
+    }
+
+    /// Whether `client_id` has a session left.
+    pub fn has_sessions_of(&self, client_id: u64) -> bool {
+        self.sessions
+            .values()
+            .any(|session| session.client_id == client_id)
+    }
+
     /// End a session and its handles; returns the inodes that have no open handle left.
     pub fn close_session(&mut self, session_id: u64) -> Result<Vec<InodeId>, WireError> {
         let session = self
@@ -226,8 +248,8 @@ impl Sessions {
     }
 
     /// End every session not renewed within the lease; returns the inodes left without
-    /// open handles.
-    pub fn expire(&mut self, now: Instant) -> Vec<InodeId> {
+    /// open handles, and the clients left without a session.
+    pub fn expire(&mut self, now: Instant) -> (Vec<InodeId>, Vec<u64>) {
         let lease = self.limits.lease;
         let expired: Vec<u64> = self
             .sessions
@@ -236,13 +258,18 @@ impl Sessions {
             .map(|(id, _)| *id)
             .collect();
         let mut closed = Vec::new();
+        let mut clients = Vec::new();
         for session_id in expired {
             if let Some(session) = self.sessions.get(&session_id) {
                 tracing::info!(session_id, client = %session.client_name, "session lease expired");
+                clients.push(session.client_id);
             }
             closed.extend(self.close_session(session_id).unwrap_or_default());
         }
-        closed
+        clients.retain(|client| *client != 0 && !self.has_sessions_of(*client));
+        clients.sort_unstable();
+        clients.dedup();
+        (closed, clients)
     }
 
     pub fn is_open(&self, inode: InodeId) -> bool {
@@ -275,7 +302,7 @@ mod tests {
     fn last_close_reports_the_inode() {
         let mut table = sessions();
         let now = Instant::now();
-        let session = table.open_session("a", now).unwrap();
+        let session = table.open_session("a", 0, now).unwrap();
         let first = table
             .open_handle(session, 7, OpenAccess::default())
             .unwrap();
@@ -295,7 +322,7 @@ mod tests {
     #[test]
     fn a_reserved_handle_counts_once_bound() {
         let mut table = sessions();
-        let session = table.open_session("a", Instant::now()).unwrap();
+        let session = table.open_session("a", 0, Instant::now()).unwrap();
         let reserved = table
             .reserve_handle(session, OpenAccess::default())
             .unwrap();
@@ -323,17 +350,17 @@ mod tests {
     fn expiry_closes_handles_and_bounds_hold() {
         let mut table = sessions();
         let start = Instant::now();
-        let old = table.open_session("old", start).unwrap();
-        let fresh = table.open_session("fresh", start).unwrap();
+        let old = table.open_session("old", 0, start).unwrap();
+        let fresh = table.open_session("fresh", 0, start).unwrap();
         assert_eq!(
-            table.open_session("third", start).unwrap_err().code,
+            table.open_session("third", 0, start).unwrap_err().code,
             ErrorCode::Busy
         );
         table.open_handle(old, 5, OpenAccess::default()).unwrap();
         table.open_handle(fresh, 6, OpenAccess::default()).unwrap();
         let later = start + Duration::from_millis(150);
         table.renew(fresh, later).unwrap();
-        assert_eq!(table.expire(later), vec![5]);
+        assert_eq!(table.expire(later).0, vec![5]);
         assert!(!table.exists(old));
         assert!(table.is_open(6));
         assert_eq!(

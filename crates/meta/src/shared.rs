@@ -1,21 +1,23 @@
 //! State shared by the request handlers, the writer thread, the reaper and the session
 //! expiry task of one running metadata server.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
 use freeflow_proto::{ErrorCode, WireError};
 use freeflow_types::InodeId;
-use tokio::sync::{mpsc, Notify, OwnedMutexGuard};
+use tokio::sync::{mpsc, oneshot, watch, Notify, OwnedMutexGuard};
 
 use crate::io_peers::IoConnections;
 
 use crate::ops::{OpContext, OpError, OpResult, Placement};
 use crate::registry::Registry;
 use crate::sessions::Sessions;
-use crate::store::{MetaStore, RedbRead, RedbStore, RedbWrite};
+use crate::store::{
+    MetaStore, RedbRead, RedbStore, RedbWrite, StoreWrite, TouchedInodes, TOUCHED_ALL,
+};
 use crate::writer::{job, WriterMessage};
 use crate::MetaConfig;
 
@@ -44,6 +46,21 @@ pub struct Shared {
     pub metrics: crate::metrics::MetaMetrics,
     /// The metrics endpoint, for `ClusterStatus` (None: off).
     pub metrics_address: Option<String>,
+    /// The last transaction committed (visible to readers).
+    pub last_txn: AtomicU64,
+    /// The last transaction known durable; waiters watch it.
+    pub durable: watch::Sender<u64>,
+    /// Inodes changed in transactions not durable yet: inode → (client, transaction).
+    /// Emptied at each durable commit; bounded by `writer::DIRTY_INODES_MAX`.
+    pub dirty: Mutex<HashMap<InodeId, (u64, u64)>>,
+    /// Clients whose record in the `clients` table is durable. Bounded by the sessions.
+    pub registered_clients: Mutex<HashSet<u64>>,
+    /// The recovery window after a restart (see `recovery.rs`).
+    pub recovery: crate::recovery::Recovery,
+    /// Mutations being applied now, by (client, request id): a copy of one sent again
+    /// waits for the first instead of applying it twice. Bounded by the requests in flight.
+    pub mutations_in_progress: Mutex<HashSet<(u64, u64)>>,
+    pub mutation_finished: Notify,
 }
 
 /// Per inode: how many pins are held, and the lock that lets one pin-holder at a time send
@@ -174,8 +191,26 @@ impl Shared {
         operation(&read).map_err(|error| error.to_wire())
     }
 
-    /// Queue a mutation for the writer and wait until it is committed (or refused).
+    /// Queue a mutation of the server's own (the reaper, the cutter, registrations) and
+    /// wait until it is committed (or refused).
     pub async fn write<T, F>(&self, operation: F) -> Result<T, WireError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut RedbWrite, &mut OpContext<'_>) -> OpResult<T> + Send + 'static,
+    {
+        self.write_as(0, false, operation)
+            .await
+            .map(|(value, _)| value)
+    }
+
+    /// Queue a mutation of `client` and wait until it is committed (or refused); with
+    /// `durable`, until it is durable. Returns the value and the transaction.
+    pub async fn write_as<T, F>(
+        &self,
+        client: u64,
+        durable: bool,
+        operation: F,
+    ) -> Result<(T, u64), WireError>
     where
         T: Send + 'static,
         F: FnOnce(&mut RedbWrite, &mut OpContext<'_>) -> OpResult<T> + Send + 'static,
@@ -183,11 +218,126 @@ impl Shared {
         if self.closing.load(Ordering::Acquire) {
             return Err(shutting_down());
         }
-        let (job, receiver) = job(operation);
+        let (job, receiver) = job(client, durable, operation);
         self.writer
             .send(WriterMessage::Job(job))
             .await
             .map_err(|_| shutting_down())?;
         receiver.await.map_err(|_| shutting_down())?
+    }
+
+    /// The last transaction known durable.
+    pub fn durable_txn(&self) -> u64 {
+        *self.durable.borrow()
+    }
+
+    /// Return once every transaction up to `through` is durable (asking the writer for a
+    /// durable commit if it is not).
+    pub async fn make_durable(&self, through: u64) -> Result<(), WireError> {
+        if self.durable_txn() >= through {
+            return Ok(());
+        }
+        let (reply, receiver) = oneshot::channel();
+        self.writer
+            .send(WriterMessage::Sync(reply))
+            .await
+            .map_err(|_| shutting_down())?;
+        receiver.await.map_err(|_| shutting_down())?;
+        Ok(())
+    }
+
+    /// Make everything committed so far durable.
+    pub async fn sync(&self) -> Result<u64, WireError> {
+        self.make_durable(self.last_txn.load(Ordering::Acquire))
+            .await?;
+        Ok(self.durable_txn())
+    }
+
+    pub fn dirty(&self) -> MutexGuard<'_, HashMap<InodeId, (u64, u64)>> {
+        self.dirty
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn client_registered(&self, client: u64) -> bool {
+        self.registered_clients
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .contains(&client)
+    }
+
+    pub fn register_client(&self, client: u64) {
+        self.registered_clients
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(client);
+    }
+
+    /// The last session of `client` ended: forget its client record (it holds nothing the
+    /// recovery window would wait for once its mutations are durable, and the record's
+    /// removal becomes durable no earlier than they do).
+    pub async fn forget_client(&self, client: u64) {
+        let registered = self
+            .registered_clients
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .remove(&client);
+        if registered {
+            let removed = self
+                .write(move |write, _| {
+                    write.delete(crate::store::TableId::Clients, &client.to_be_bytes())?;
+                    Ok(())
+                })
+                .await;
+            if let Err(error) = removed {
+                tracing::warn!(client, %error, "forgetting a client record failed");
+            }
+        }
+    }
+
+    /// A read for `client` (commit on share): if it read an inode another client changed
+    /// in a transaction not durable yet, that transaction is made durable before the
+    /// result is returned, so no client acts on a change a crash could take away.
+    pub async fn read_as<T>(
+        &self,
+        client: u64,
+        operation: impl FnOnce(&RedbRead) -> OpResult<T>,
+    ) -> Result<T, WireError> {
+        let (result, touched) = {
+            let store = self.store()?;
+            let read = store
+                .begin_read()
+                .map_err(|error| OpError::Store(error).to_wire())?;
+            let result = operation(&read).map_err(|error| error.to_wire());
+            (result, read.take_touched())
+        };
+        if let Some(txn) = self.shared_change(client, &touched) {
+            self.make_durable(txn).await?;
+        }
+        result
+    }
+
+    /// The newest transaction not durable yet in which another client than `client`
+    /// changed one of `touched`, if any.
+    pub fn shared_change(&self, client: u64, touched: &[InodeId]) -> Option<u64> {
+        let dirty = self.dirty();
+        if dirty.is_empty() {
+            return None;
+        }
+        let durable = self.durable_txn();
+        let other = |owner: u64, txn: u64| owner != client && owner != 0 && txn > durable;
+        if touched.contains(&TOUCHED_ALL) {
+            return dirty
+                .values()
+                .filter(|(owner, txn)| other(*owner, *txn))
+                .map(|(_, txn)| *txn)
+                .max();
+        }
+        touched
+            .iter()
+            .filter_map(|inode| dirty.get(inode))
+            .filter(|(owner, txn)| other(*owner, *txn))
+            .map(|(_, txn)| *txn)
+            .max()
     }
 }

@@ -5,12 +5,21 @@
 //! transactional KV (or a replicated state machine) can be plugged in behind the same seam
 //! (DESIGN.md §2). [`RedbStore`] is the implementation over redb 4.
 //!
-//! Durability: every write transaction commits with `Durability::Immediate` (one fsync per
-//! commit, group commit batches many operations into one) and quick repair is on, so an
-//! unclean shutdown does not force a scan of the whole file on the next open.
+//! Durability: a write transaction commits either durably (`Durability::Immediate`: one
+//! fsync) or not (`Durability::None`: visible to readers at once, made durable by the next
+//! durable commit, lost by a crash before it). The writer chooses per batch (`writer.rs`).
+//! Quick repair is on, so an unclean shutdown does not force a scan of the whole file on
+//! the next open.
+//!
+//! Both transaction kinds record the inodes they touch (through any table keyed by inode),
+//! which is how the metadata server sees that a request reads or builds on another
+//! client's change that is not durable yet (commit on share, `writer.rs`).
 
+use std::cell::RefCell;
 use std::ops::Bound;
 use std::path::Path;
+
+use freeflow_types::InodeId;
 
 use redb::{
     Database, Durability, ReadTransaction, ReadableDatabase, ReadableTable, TableDefinition,
@@ -36,10 +45,19 @@ pub enum TableId {
     Servers,
     /// inode id → versioned truncation record (cuts still to be made on I/O servers).
     Truncations,
+    /// (client id u64 BE, request id u64 BE) → versioned reply record: the reply to each
+    /// applied mutation, so a mutation sent again is answered and never applied twice.
+    Replies,
+    /// (txn u64 BE, client id, request id) → empty: the reply records in the order they can
+    /// be forgotten.
+    ReplyExpiry,
+    /// client id u64 BE → versioned client record: clients that may hold mutations not yet
+    /// durable, waited for in the recovery window after a restart.
+    Clients,
 }
 
 impl TableId {
-    pub const ALL: [TableId; 8] = [
+    pub const ALL: [TableId; 11] = [
         TableId::Inodes,
         TableId::Dirents,
         TableId::Symlinks,
@@ -48,6 +66,9 @@ impl TableId {
         TableId::Counters,
         TableId::Servers,
         TableId::Truncations,
+        TableId::Replies,
+        TableId::ReplyExpiry,
+        TableId::Clients,
     ];
 
     pub fn name(self) -> &'static str {
@@ -60,6 +81,30 @@ impl TableId {
             TableId::Counters => "counters",
             TableId::Servers => "servers",
             TableId::Truncations => "truncations",
+            TableId::Replies => "replies",
+            TableId::ReplyExpiry => "reply_expiry",
+            TableId::Clients => "clients",
+        }
+    }
+
+    /// The inode a key of this table is about, for the tables keyed by inode (first 8
+    /// bytes, big-endian).
+    fn inode_of_key(self, key: &[u8]) -> Option<InodeId> {
+        match self {
+            TableId::Inodes
+            | TableId::Dirents
+            | TableId::Symlinks
+            | TableId::Xattrs
+            | TableId::Orphans
+            | TableId::Truncations => {
+                let prefix: [u8; 8] = key.get(..8)?.try_into().ok()?;
+                Some(InodeId::from_be_bytes(prefix))
+            }
+            TableId::Counters
+            | TableId::Servers
+            | TableId::Replies
+            | TableId::ReplyExpiry
+            | TableId::Clients => None,
         }
     }
 
@@ -109,12 +154,19 @@ pub trait StoreRead {
     ) -> Result<Vec<Vec<u8>>, StoreError>;
 }
 
+/// The inodes a transaction read or wrote so far (duplicates possible).
+pub trait TouchedInodes {
+    fn take_touched(&self) -> Vec<InodeId>;
+}
+
 /// Writes; nothing is visible to readers before `commit`.
 pub trait StoreWrite: StoreRead {
     fn put(&mut self, table: TableId, key: &[u8], value: &[u8]) -> Result<(), StoreError>;
     /// True if the key existed.
     fn delete(&mut self, table: TableId, key: &[u8]) -> Result<bool, StoreError>;
-    /// Durable when it returns Ok.
+    /// Whether `commit` makes this transaction durable (default: yes).
+    fn set_durable(&mut self, durable: bool) -> Result<(), StoreError>;
+    /// Visible to readers when it returns Ok; durable too if so set.
     fn commit(self) -> Result<(), StoreError>;
     fn abort(self) -> Result<(), StoreError>;
 }
@@ -163,7 +215,10 @@ impl MetaStore for RedbStore {
 
     fn begin_read(&self) -> Result<RedbRead, StoreError> {
         let transaction = self.database.begin_read().map_err(StoreError::backend)?;
-        Ok(RedbRead { transaction })
+        Ok(RedbRead {
+            transaction,
+            touched: RefCell::default(),
+        })
     }
 
     fn begin_write(&self) -> Result<RedbWrite, StoreError> {
@@ -172,16 +227,48 @@ impl MetaStore for RedbStore {
             .set_durability(Durability::Immediate)
             .map_err(StoreError::backend)?;
         transaction.set_quick_repair(true);
-        Ok(RedbWrite { transaction })
+        Ok(RedbWrite {
+            transaction,
+            touched: RefCell::default(),
+        })
     }
 }
 
 pub struct RedbRead {
     transaction: ReadTransaction,
+    touched: RefCell<Vec<InodeId>>,
 }
 
 pub struct RedbWrite {
     transaction: WriteTransaction,
+    touched: RefCell<Vec<InodeId>>,
+}
+
+/// Bound on the inodes one transaction records; past it the oldest are dropped and the
+/// transaction counts as touching everything (see [`TOUCHED_ALL`]).
+const TOUCHED_INODES_MAX: usize = 65_536;
+
+/// Recorded in place of a transaction's inodes when there were too many to keep: an
+/// "inode" every check treats as shared with everyone.
+pub const TOUCHED_ALL: InodeId = 0;
+
+fn touch(touched: &RefCell<Vec<InodeId>>, table: TableId, key: &[u8]) {
+    if let Some(inode) = table.inode_of_key(key) {
+        let mut touched = touched.borrow_mut();
+        if touched.len() >= TOUCHED_INODES_MAX {
+            touched.clear();
+            touched.push(TOUCHED_ALL);
+        } else if touched.first() != Some(&TOUCHED_ALL) {
+            touched.push(inode);
+        }
+    }
+}
+
+fn start_key(bound: Bound<&[u8]>) -> &[u8] {
+    match bound {
+        Bound::Included(key) | Bound::Excluded(key) => key,
+        Bound::Unbounded => &[],
+    }
 }
 
 fn collect_range<T: ReadableTable<&'static [u8], &'static [u8]>>(
@@ -219,6 +306,7 @@ macro_rules! store_read_for {
     ($transaction:ty) => {
         impl StoreRead for $transaction {
             fn get(&self, table: TableId, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+                touch(&self.touched, table, key);
                 let opened = self
                     .transaction
                     .open_table(table.definition())
@@ -234,6 +322,8 @@ macro_rules! store_read_for {
                 end: Bound<&[u8]>,
                 limit: usize,
             ) -> Result<Vec<Pair>, StoreError> {
+                // A range read of one inode's entries (a directory listing) reads that inode.
+                touch(&self.touched, table, start_key(start));
                 let opened = self
                     .transaction
                     .open_table(table.definition())
@@ -248,6 +338,7 @@ macro_rules! store_read_for {
                 end: Bound<&[u8]>,
                 limit: usize,
             ) -> Result<Vec<Vec<u8>>, StoreError> {
+                touch(&self.touched, table, start_key(start));
                 let opened = self
                     .transaction
                     .open_table(table.definition())
@@ -262,8 +353,21 @@ macro_rules! store_read_for {
 store_read_for!(RedbRead);
 store_read_for!(RedbWrite);
 
+impl TouchedInodes for RedbRead {
+    fn take_touched(&self) -> Vec<InodeId> {
+        std::mem::take(&mut *self.touched.borrow_mut())
+    }
+}
+
+impl TouchedInodes for RedbWrite {
+    fn take_touched(&self) -> Vec<InodeId> {
+        std::mem::take(&mut *self.touched.borrow_mut())
+    }
+}
+
 impl StoreWrite for RedbWrite {
     fn put(&mut self, table: TableId, key: &[u8], value: &[u8]) -> Result<(), StoreError> {
+        touch(&self.touched, table, key);
         let mut opened = self
             .transaction
             .open_table(table.definition())
@@ -273,12 +377,24 @@ impl StoreWrite for RedbWrite {
     }
 
     fn delete(&mut self, table: TableId, key: &[u8]) -> Result<bool, StoreError> {
+        touch(&self.touched, table, key);
         let mut opened = self
             .transaction
             .open_table(table.definition())
             .map_err(StoreError::backend)?;
         let removed = opened.remove(key).map_err(StoreError::backend)?;
         Ok(removed.is_some())
+    }
+
+    fn set_durable(&mut self, durable: bool) -> Result<(), StoreError> {
+        let durability = if durable {
+            Durability::Immediate
+        } else {
+            Durability::None
+        };
+        self.transaction
+            .set_durability(durability)
+            .map_err(StoreError::backend)
     }
 
     fn commit(self) -> Result<(), StoreError> {

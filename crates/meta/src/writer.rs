@@ -1,46 +1,91 @@
-//! Group commit: the one task that owns write transactions.
+//! The one thread that owns write transactions: group commit, early replies, commit on
+//! share (DESIGN.md §2, issue 10).
 //!
 //! Mutations arrive through a bounded channel. The writer takes what is queued (up to
-//! `commit_batch_max`), applies the operations one after another in ONE write transaction,
-//! persists the counters, commits once (one fsync for the whole batch), then replies to
-//! every caller. An operation that is refused wrote nothing (validate, then write), so it
-//! does not disturb the others; a store failure aborts the whole batch, every caller gets
-//! `Io`, and the writer's in-memory counters are restored to what the store holds.
+//! `commit_batch_max`), applies the operations one after another in ONE write transaction
+//! with one transaction number, persists the counters, commits once, then replies to every
+//! caller. An operation that is refused wrote nothing (validate, then write), so it does not
+//! disturb the others; a store failure aborts the whole batch, every caller gets `Io`, and
+//! the writer's in-memory counters are restored to what the store holds.
+//!
+//! Durability is chosen per batch. A batch commits without an fsync (`Durability::None`:
+//! visible at once, lost by a crash until a later durable commit) unless one of these makes
+//! it durable before its replies:
+//! - a caller asked (`CommitSize` ending an fsync, `Sync`, a client past its replay bound);
+//! - commit on share: an operation reads or changes an inode that another client changed in
+//!   a transaction not yet durable (earlier in this batch or before), so no client ever
+//!   builds on a change that a crash could take away;
+//! - an operation acts on the world outside the store right after (a truncation's cuts);
+//! - a persisted high-water mark moved (ids and transaction numbers are never reused);
+//! - the client has no durable client record yet (the recovery window after a restart
+//!   waits for exactly the clients recorded);
+//! - `commit_interval_ms` has passed since the oldest transaction not yet durable, or the
+//!   table of non-durable inodes reached its bound.
+//!
+//! A periodic `Flush` (from a ticker task) makes an idle server durable within the interval
+//! with an empty durable commit; a `Sync` does the same at once.
 //!
 //! The writer runs on its own OS thread: commits block on fsync.
 
+use std::collections::{HashMap, VecDeque};
+use std::ops::Bound;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use freeflow_proto::{ErrorCode, WireError};
+use freeflow_types::InodeId;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::ops::{now, OpContext, OpError, OpResult, WriterState};
+use crate::records::{encode_versioned, ClientRecord};
 use crate::shared::Shared;
-use crate::store::{MetaStore, RedbWrite, StoreError, StoreWrite};
+use crate::store::{
+    MetaStore, RedbWrite, StoreError, StoreRead, StoreWrite, TableId, TouchedInodes, TOUCHED_ALL,
+};
+
+/// Most inodes remembered as changed by a transaction not durable yet; reaching it makes
+/// the next batch durable (which empties the table).
+pub const DIRTY_INODES_MAX: usize = 262_144;
+
+/// Most reply records forgotten per durable commit (the rest wait for the next one).
+const REPLY_PRUNE_PER_COMMIT: usize = 4096;
 
 /// One queued mutation, type-erased.
 pub trait BatchJob: Send {
+    /// The client whose change this is (0: the server itself, which commit on share ignores:
+    /// its changes are redone after a crash by the reaper and the cutter).
+    fn client(&self) -> u64;
+    /// Whether the caller wants the reply only once the change is durable.
+    fn wants_durable(&self) -> bool;
     /// Apply in the batch transaction. Err only when the store failed (the batch aborts).
     fn apply(
         &mut self,
         write: &mut RedbWrite,
         context: &mut OpContext<'_>,
     ) -> Result<(), StoreError>;
+    /// Whether `apply` changed anything (a refused operation did not).
+    fn applied(&self) -> bool;
     /// Reply once the batch's fate is known.
-    fn finish(self: Box<Self>, batch: &Result<(), WireError>);
+    fn finish(self: Box<Self>, batch: &Result<u64, WireError>);
 }
 
 pub enum WriterMessage {
     Job(Box<dyn BatchJob>),
-    /// Finish what is queued before this message, then stop.
+    /// Make everything committed so far durable, then answer with the durable transaction.
+    Sync(oneshot::Sender<u64>),
+    /// The ticker's nudge: make things durable if the interval has passed.
+    Flush,
+    /// Finish what is queued before this message, make it durable, then stop.
     Shutdown,
 }
 
 struct TypedJob<T, F> {
+    client: u64,
+    durable: bool,
     operation: Option<F>,
     result: Option<Result<T, WireError>>,
-    reply: oneshot::Sender<Result<T, WireError>>,
+    reply: oneshot::Sender<Result<(T, u64), WireError>>,
 }
 
 impl<T, F> BatchJob for TypedJob<T, F>
@@ -48,6 +93,14 @@ where
     T: Send + 'static,
     F: FnOnce(&mut RedbWrite, &mut OpContext<'_>) -> OpResult<T> + Send + 'static,
 {
+    fn client(&self) -> u64 {
+        self.client
+    }
+
+    fn wants_durable(&self) -> bool {
+        self.durable
+    }
+
     fn apply(
         &mut self,
         write: &mut RedbWrite,
@@ -64,26 +117,40 @@ where
         Ok(())
     }
 
-    fn finish(self: Box<Self>, batch: &Result<(), WireError>) {
+    fn applied(&self) -> bool {
+        matches!(self.result, Some(Ok(_)))
+    }
+
+    fn finish(self: Box<Self>, batch: &Result<u64, WireError>) {
         let reply = match (batch, self.result) {
             (Err(error), _) => Err(error.clone()),
-            (Ok(()), Some(Ok(value))) => Ok(value),
-            (Ok(()), Some(Err(error))) => Err(error),
-            (Ok(()), None) => Err(WireError::new(ErrorCode::Io, "operation was not applied")),
+            (Ok(txn), Some(Ok(value))) => Ok((value, *txn)),
+            (Ok(_), Some(Err(error))) => Err(error),
+            (Ok(_), None) => Err(WireError::new(ErrorCode::Io, "operation was not applied")),
         };
         // The caller may have gone away (connection closed): nothing to do then.
         let _ = self.reply.send(reply);
     }
 }
 
-/// Build a job and the receiver of its reply.
-pub fn job<T, F>(operation: F) -> (Box<dyn BatchJob>, oneshot::Receiver<Result<T, WireError>>)
+/// Build a job of `client` and the receiver of its reply (the value and its transaction).
+#[allow(clippy::type_complexity)]
+pub fn job<T, F>(
+    client: u64,
+    durable: bool,
+    operation: F,
+) -> (
+    Box<dyn BatchJob>,
+    oneshot::Receiver<Result<(T, u64), WireError>>,
+)
 where
     T: Send + 'static,
     F: FnOnce(&mut RedbWrite, &mut OpContext<'_>) -> OpResult<T> + Send + 'static,
 {
     let (reply, receiver) = oneshot::channel();
     let job = TypedJob {
+        client,
+        durable,
         operation: Some(operation),
         result: None,
         reply,
@@ -91,32 +158,80 @@ where
     (Box::new(job), receiver)
 }
 
-/// The writer thread's loop. Returns when told to shut down or when every sender is gone.
-pub fn run(
+/// The messages taken for one round of the writer.
+#[derive(Default)]
+struct Queued {
+    batch: Vec<Box<dyn BatchJob>>,
+    syncs: Vec<oneshot::Sender<u64>>,
+    flush: bool,
+    stopping: bool,
+}
+
+impl Queued {
+    fn take(&mut self, message: WriterMessage) {
+        match message {
+            WriterMessage::Job(job) => self.batch.push(job),
+            WriterMessage::Sync(reply) => self.syncs.push(reply),
+            WriterMessage::Flush => self.flush = true,
+            WriterMessage::Shutdown => self.stopping = true,
+        }
+    }
+}
+
+/// What the writer thread keeps between batches.
+struct Writer {
     shared: Arc<Shared>,
-    mut receiver: mpsc::Receiver<WriterMessage>,
-    mut state: WriterState,
-) {
+    state: WriterState,
+    /// When the oldest transaction not yet durable committed (None: all durable).
+    oldest_not_durable: Option<Instant>,
+    /// (when, durable transaction) at each durable commit, oldest first: reply records of
+    /// transactions durable for longer than the retention are forgotten.
+    durable_history: VecDeque<(Instant, u64)>,
+    interval: Duration,
+    reply_retention: Duration,
+}
+
+/// The writer thread's loop. Returns when told to shut down or when every sender is gone.
+pub fn run(shared: Arc<Shared>, mut receiver: mpsc::Receiver<WriterMessage>, state: WriterState) {
     let batch_max = shared.config.commit_batch_max.max(1);
+    let mut writer = Writer {
+        interval: Duration::from_millis(shared.config.commit_interval_ms),
+        reply_retention: Duration::from_millis(u64::from(shared.config.lease_ms) * 2),
+        shared,
+        state,
+        oldest_not_durable: None,
+        durable_history: VecDeque::new(),
+    };
     let mut stopping = false;
     while !stopping {
         let Some(first) = receiver.blocking_recv() else {
             break;
         };
-        let mut batch = Vec::new();
-        match first {
-            WriterMessage::Job(job) => batch.push(job),
-            WriterMessage::Shutdown => stopping = true,
-        }
-        while !stopping && batch.len() < batch_max {
+        let mut queued = Queued::default();
+        queued.take(first);
+        while !queued.stopping && queued.batch.len() < batch_max {
             match receiver.try_recv() {
-                Ok(WriterMessage::Job(job)) => batch.push(job),
-                Ok(WriterMessage::Shutdown) => stopping = true,
+                Ok(message) => queued.take(message),
                 Err(_) => break,
             }
         }
+        let Queued {
+            batch,
+            syncs,
+            flush,
+            stopping: stop,
+        } = queued;
+        stopping = stop;
+        let must_be_durable = !syncs.is_empty() || stopping;
         if !batch.is_empty() {
-            run_batch(&shared, &mut state, batch);
+            writer.run_batch(batch, must_be_durable);
+        }
+        if must_be_durable || (flush && writer.interval_passed()) {
+            writer.make_durable();
+        }
+        let durable = *writer.shared.durable.borrow();
+        for reply in syncs {
+            let _ = reply.send(durable);
         }
     }
     receiver.close();
@@ -131,55 +246,213 @@ pub fn run(
     }
 }
 
-fn run_batch(shared: &Shared, state: &mut WriterState, mut batch: Vec<Box<dyn BatchJob>>) {
-    let started = std::time::Instant::now();
-    let saved = state.clone();
-    let orphans_before = saved.orphan_count;
-    let placement = shared.placement();
-    let outcome = (|| -> Result<(), StoreError> {
-        let store = shared.store().map_err(|_| StoreError::Closed)?;
-        let mut write = store.begin_write()?;
-        let mut context = OpContext {
-            now: now(),
-            placement: &placement,
-            state,
+impl Writer {
+    fn interval_passed(&self) -> bool {
+        self.oldest_not_durable
+            .is_some_and(|since| since.elapsed() >= self.interval)
+    }
+
+    /// The transaction below which reply records may be forgotten: the last one durable for
+    /// longer than the retention (a resend or replay comes within it).
+    fn prune_limit(&self) -> Option<u64> {
+        self.durable_history
+            .iter()
+            .rev()
+            .find(|(at, _)| at.elapsed() >= self.reply_retention)
+            .map(|(_, txn)| *txn)
+    }
+
+    fn run_batch(&mut self, mut batch: Vec<Box<dyn BatchJob>>, must_be_durable: bool) {
+        let shared = self.shared.clone();
+        let started = Instant::now();
+        let saved = self.state.clone();
+        let orphans_before = saved.orphan_count;
+        let placement = shared.placement();
+        // Inodes changed by each client's jobs in this batch (and which client).
+        let mut batch_changes: HashMap<InodeId, u64> = HashMap::new();
+        let mut new_clients: Vec<u64> = Vec::new();
+        let mut durable =
+            must_be_durable || self.interval_passed() || shared.dirty().len() >= DIRTY_INODES_MAX;
+        let prune_limit = self.prune_limit();
+        let outcome = (|| -> Result<u64, StoreError> {
+            let store = shared.store().map_err(|_| StoreError::Closed)?;
+            let mut write = store.begin_write()?;
+            self.state.high_water_moved = false;
+            let txn = self.state.begin_txn(&mut write)?;
+            let mut context = OpContext::new(now(), &placement, &mut self.state, txn);
+            for job in batch.iter_mut() {
+                write.take_touched();
+                job.apply(&mut write, &mut context)?;
+                let touched = write.take_touched();
+                durable |= job.wants_durable();
+                let client = job.client();
+                if client == 0 || !job.applied() {
+                    continue;
+                }
+                if !durable && shared_with_another(&shared, client, &touched, &batch_changes) {
+                    durable = true;
+                }
+                for inode in touched {
+                    batch_changes.insert(inode, client);
+                }
+                if !shared.client_registered(client) && !new_clients.contains(&client) {
+                    new_clients.push(client);
+                }
+            }
+            for client in &new_clients {
+                let record = ClientRecord {
+                    first_txn: txn,
+                    wall_seconds: now().seconds,
+                };
+                write.put(
+                    TableId::Clients,
+                    &client.to_be_bytes(),
+                    &encode_versioned(&record),
+                )?;
+            }
+            durable |= context.demand_durable || !new_clients.is_empty();
+            durable |= context.state.high_water_moved;
+            if durable {
+                prune_replies(&mut write, prune_limit)?;
+            }
+            context.state.persist(&mut write)?;
+            write.set_durable(durable)?;
+            // Marked before the commit makes the changes visible: a reader that sees them
+            // also sees that they are not durable yet.
+            if !durable {
+                let mut dirty = shared.dirty();
+                for (inode, client) in &batch_changes {
+                    dirty.insert(*inode, (*client, txn));
+                }
+            }
+            write.commit()?;
+            Ok(txn)
+        })();
+        let outcome = match outcome {
+            Ok(txn) => {
+                shared.commit_count.fetch_add(1, Ordering::Relaxed);
+                shared.last_txn.store(txn, Ordering::Release);
+                shared
+                    .inode_count
+                    .store(self.state.inode_count, Ordering::Relaxed);
+                shared
+                    .orphan_count
+                    .store(self.state.orphan_count, Ordering::Relaxed);
+                if durable {
+                    self.became_durable(txn);
+                    for client in new_clients {
+                        shared.register_client(client);
+                    }
+                } else if self.oldest_not_durable.is_none() {
+                    self.oldest_not_durable = Some(Instant::now());
+                }
+                Ok(txn)
+            }
+            Err(error) => {
+                tracing::error!(%error, operations = batch.len(), "metadata batch failed; aborted");
+                self.state = saved;
+                // The changes never became visible: forget them.
+                let failed_txn = self.state.next_txn;
+                shared.dirty().retain(|_, (_, txn)| *txn != failed_txn);
+                Err(WireError::new(
+                    ErrorCode::Io,
+                    format!("metadata store: {error}"),
+                ))
+            }
         };
-        for job in batch.iter_mut() {
-            job.apply(&mut write, &mut context)?;
+        shared
+            .metrics
+            .batch_done(batch.len(), started, outcome.is_ok());
+        if durable && outcome.is_ok() {
+            shared.metrics.durable_commit();
         }
-        state.persist(&mut write)?;
-        write.commit()
-    })();
-    let outcome = match outcome {
-        Ok(()) => {
-            shared.commit_count.fetch_add(1, Ordering::Relaxed);
-            shared
-                .inode_count
-                .store(state.inode_count, Ordering::Relaxed);
-            shared
-                .orphan_count
-                .store(state.orphan_count, Ordering::Relaxed);
-            Ok(())
+        for job in batch {
+            job.finish(&outcome);
         }
-        Err(error) => {
-            tracing::error!(%error, operations = batch.len(), "metadata batch failed; aborted");
-            *state = saved;
-            Err(WireError::new(
-                ErrorCode::Io,
-                format!("metadata store: {error}"),
-            ))
+        // Handles of create-and-opens and pins of truncates in this batch were registered
+        // before the commit, so the reaper cannot take the data of a file opened (or being
+        // cut) and unlinked in the same batch.
+        if outcome.is_ok() && self.state.orphan_count > orphans_before {
+            shared.reaper_wake.notify_one();
         }
+    }
+
+    /// Everything up to `txn` is durable now.
+    fn became_durable(&mut self, txn: u64) {
+        self.oldest_not_durable = None;
+        self.shared.dirty().clear();
+        self.shared.durable.send_replace(txn);
+        self.durable_history.push_back((Instant::now(), txn));
+        // One entry per retention's worth of history is plenty.
+        while self.durable_history.len() > 1
+            && self.durable_history[1].0.elapsed() >= self.reply_retention
+        {
+            self.durable_history.pop_front();
+        }
+    }
+
+    /// Commit an empty durable transaction if anything committed is not durable yet.
+    fn make_durable(&mut self) {
+        let last = self.shared.last_txn.load(Ordering::Acquire);
+        if last <= *self.shared.durable.borrow() {
+            return;
+        }
+        let shared = self.shared.clone();
+        let outcome = (|| -> Result<(), StoreError> {
+            let store = shared.store().map_err(|_| StoreError::Closed)?;
+            let mut write = store.begin_write()?;
+            prune_replies(&mut write, self.prune_limit())?;
+            write.set_durable(true)?;
+            write.commit()
+        })();
+        match outcome {
+            Ok(()) => {
+                shared.commit_count.fetch_add(1, Ordering::Relaxed);
+                shared.metrics.durable_commit();
+                self.became_durable(last);
+            }
+            Err(error) => tracing::error!(%error, "making the metadata durable failed"),
+        }
+    }
+}
+
+/// Whether an inode touched by `client` was changed by another client in a transaction not
+/// durable yet (`batch_changes`: earlier jobs of this batch, not committed yet).
+fn shared_with_another(
+    shared: &Shared,
+    client: u64,
+    touched: &[InodeId],
+    batch_changes: &HashMap<InodeId, u64>,
+) -> bool {
+    let dirty = shared.dirty();
+    touched.iter().any(|inode| {
+        if *inode == TOUCHED_ALL {
+            return !dirty.is_empty() || !batch_changes.is_empty();
+        }
+        let other = |owner: u64| owner != client && owner != 0;
+        batch_changes.get(inode).is_some_and(|owner| other(*owner))
+            || dirty.get(inode).is_some_and(|(owner, _)| other(*owner))
+    })
+}
+
+/// Forget reply records of transactions up to `limit` (at most
+/// [`REPLY_PRUNE_PER_COMMIT`] per call).
+fn prune_replies(write: &mut RedbWrite, limit: Option<u64>) -> Result<(), StoreError> {
+    let Some(limit) = limit else {
+        return Ok(());
     };
-    shared
-        .metrics
-        .batch_done(batch.len(), started, outcome.is_ok());
-    for job in batch {
-        job.finish(&outcome);
+    let end = limit.saturating_add(1).to_be_bytes();
+    let keys = write.range_keys(
+        TableId::ReplyExpiry,
+        Bound::Unbounded,
+        Bound::Excluded(&end[..]),
+        REPLY_PRUNE_PER_COMMIT,
+    )?;
+    for key in keys {
+        if let Some(reply_key) = key.get(8..24) {
+            write.delete(TableId::Replies, reply_key)?;
+        }
+        write.delete(TableId::ReplyExpiry, &key)?;
     }
-    // Handles of create-and-opens and pins of truncates in this batch were registered
-    // before the commit, so the reaper cannot take the data of a file opened (or being cut)
-    // and unlinked in the same batch.
-    if outcome.is_ok() && state.orphan_count > orphans_before {
-        shared.reaper_wake.notify_one();
-    }
+    Ok(())
 }

@@ -28,6 +28,12 @@ pub const PAYLOAD_LENGTH_MAX_DEFAULT: u32 = 8 << 20;
 
 /// Set on every reply frame.
 pub const FLAG_REPLY: u8 = 0x01;
+/// On a request: the same request (same request id, same client) was sent before on a
+/// connection that was lost; a server that applied it answers as it did then.
+pub const FLAG_RESEND: u8 = 0x02;
+/// On a request: a mutation the client had answered but not yet durable when the server
+/// restarted, sent again during the recovery window; the payload is the original reply.
+pub const FLAG_REPLAY: u8 = 0x04;
 
 /// Opcodes of the connection handshake, handled by the RPC layer itself.
 pub const OPCODE_HELLO: u16 = 1;

@@ -15,6 +15,9 @@ pub struct Hello {
     pub window_bytes: u32,
     /// Largest payload the server accepts in one frame.
     pub payload_length_max: u32,
+    /// The server's boot epoch (a metadata server's; 0 for servers without one): a client
+    /// that sees it change knows the server restarted and replays what it kept.
+    pub epoch: u64,
 }
 
 /// The client's answer (opcode [`crate::frame::OPCODE_AUTHENTICATE`]).
@@ -23,6 +26,9 @@ pub struct Authenticate {
     pub proof: [u8; 32],
     pub client_nonce: [u8; 32],
     pub client_name: String,
+    /// Random per client process (0: a peer that keeps no state at the server, like an I/O
+    /// server). Mutations are identified by (client id, request id) and applied once.
+    pub client_id: u64,
 }
 
 /// The server's reply to `Authenticate` (as `Result<ServerProof, WireError>`).

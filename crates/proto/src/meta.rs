@@ -144,6 +144,52 @@ pub struct HandleRef {
     pub handle_id: u64,
 }
 
+/// In the payload section of every metadata server reply: where the reply stands in the
+/// server's history. Mutations are applied and answered before they are durable; a client
+/// keeps every mutation answered with `txn > durable_txn` and replays it if the server
+/// restarts (a new `epoch`) before it became durable.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplyStamp {
+    /// The server's boot epoch.
+    pub epoch: u64,
+    /// The transaction that applied this mutation; 0 for a reply that changed nothing.
+    pub txn: u64,
+    /// Every transaction up to this one is on stable storage.
+    pub durable_txn: u64,
+}
+
+/// Whether requests of this opcode change the namespace: those are applied once per
+/// (client id, request id), answered before they are durable, and kept by their client until
+/// a reply shows them durable (see [`ReplyStamp`]).
+pub fn is_mutation(opcode: u16) -> bool {
+    use crate::Request;
+    matches!(
+        opcode,
+        SetAttributes::OPCODE
+            | Create::OPCODE
+            | Mkdir::OPCODE
+            | Unlink::OPCODE
+            | Rmdir::OPCODE
+            | Rename::OPCODE
+            | Link::OPCODE
+            | Symlink::OPCODE
+            | SetXattr::OPCODE
+            | RemoveXattr::OPCODE
+            | CommitSize::OPCODE
+            | SetDirLayout::OPCODE
+    )
+}
+
+/// The payload of a request sent with `FLAG_REPLAY`: what the client was told the first
+/// time, so a create is replayed under the inode id the client already knows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplayOf {
+    pub epoch: u64,
+    pub txn: u64,
+    /// The reply's header section as it was received (`Result<Reply, WireError>`).
+    pub reply: Vec<u8>,
+}
+
 requests! {
     /// Start a client session; open handles belong to it and end with it.
     OpenSession = 100 => SessionGrant { client_name: String }
@@ -205,7 +251,15 @@ requests! {
     /// writers commit what they wrote. `space` carries the stripes' allocation as the
     /// writer's I/O servers reported it; a report older (by stamp) than the one kept is
     /// ignored.
-    CommitSize = 129 => Attr { inode: InodeId, size_bytes: u64, modify_time: TimeSpec, space: Vec<StripeSpace> }
+    CommitSize = 129 => Attr {
+        inode: InodeId,
+        size_bytes: u64,
+        modify_time: TimeSpec,
+        space: Vec<StripeSpace>,
+        /// Reply only once this commit (and everything before it) is durable: the size
+        /// commit that ends an fsync.
+        durable: bool,
+    }
     /// Set the layout new files in a directory inherit.
     SetDirLayout = 130 => Attr { caller: Caller, inode: InodeId, stripe_unit_bytes: Option<u32>, stripe_count: Option<u32> }
     ListServers = 131 => Vec<ServerRecord> {}
@@ -220,4 +274,10 @@ requests! {
         metrics_address: Option<String>,
     }
     ClusterStatus = 133 => ClusterReport {}
+    /// Make every change applied so far durable before replying (fsync of a directory,
+    /// syncfs, a client whose kept mutations reach their bound).
+    Sync = 134 => () {}
+    /// This client has replayed every mutation it kept from before the server's restart:
+    /// the server need not wait for it any longer before serving new requests.
+    ReplayDone = 135 => () {}
 }

@@ -70,6 +70,8 @@ fn every_meta_message(bytes: &[u8]) {
         ListServers,
         RegisterServer,
         ClusterStatus,
+        Sync,
+        ReplayDone,
     );
 }
 
@@ -89,6 +91,8 @@ fn every_io_message(bytes: &[u8]) {
 }
 
 fn every_handshake_message(bytes: &[u8]) {
+    check::<ReplyStamp>(bytes);
+    check::<ReplayOf>(bytes);
     check::<Hello>(bytes);
     check::<Authenticate>(bytes);
     check::<Result<ServerProof, WireError>>(bytes);
@@ -153,6 +157,7 @@ fn samples() -> Vec<Vec<u8>> {
                 allocated_bytes: 4096,
                 stamp: 99,
             }],
+            durable: false,
         }),
         encode(&SetXattr {
             caller,
@@ -195,6 +200,12 @@ fn samples() -> Vec<Vec<u8>> {
             identity: "io:3".into(),
             window_bytes: 1 << 20,
             payload_length_max: 8 << 20,
+            epoch: 3,
+        }),
+        encode(&ReplayOf {
+            epoch: 2,
+            txn: 77,
+            reply: vec![0, 5, 6],
         }),
     ]
 }

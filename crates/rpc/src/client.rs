@@ -32,6 +32,8 @@ pub struct ConnectOptions {
     pub connect_timeout_ms: u64,
     /// Frames queued for the writer before `call` waits.
     pub send_queue_max: usize,
+    /// Sent in the handshake (see `Authenticate::client_id`); 0 for none.
+    pub client_id: u64,
 }
 
 impl Default for ConnectOptions {
@@ -41,6 +43,7 @@ impl Default for ConnectOptions {
             call_timeout_ms: 30_000,
             connect_timeout_ms: 5_000,
             send_queue_max: 1024,
+            client_id: 0,
         }
     }
 }
@@ -63,6 +66,7 @@ impl Shared {
 
 struct Outgoing {
     opcode: u16,
+    flags: u8,
     request_id: u64,
     header: Vec<u8>,
     payload: Bytes,
@@ -71,6 +75,7 @@ struct Outgoing {
 struct Inner {
     shared: Arc<Shared>,
     identity: String,
+    epoch: u64,
     sender: mpsc::Sender<Outgoing>,
     next_request_id: AtomicU64,
     window: Semaphore,
@@ -128,32 +133,30 @@ impl Connection {
         };
         let mut reader = BufReader::with_capacity(64 << 10, read);
         let mut writer = BufWriter::with_capacity(64 << 10, write);
-        let hello = match tokio::time::timeout(
-            timeout,
-            handshake(&mut reader, &mut writer, key, &options.client_name),
-        )
-        .await
-        {
-            Ok(Ok(hello)) => hello,
-            Ok(Err(HandshakeFailure::Refused(reason))) => {
-                return Err(RpcError::Refused {
-                    address: address.to_owned(),
-                    reason,
-                })
-            }
-            Ok(Err(HandshakeFailure::Failed(reason))) => {
-                return Err(RpcError::Handshake {
-                    address: address.to_owned(),
-                    reason,
-                })
-            }
-            Err(_) => {
-                return Err(RpcError::Handshake {
-                    address: address.to_owned(),
-                    reason: format!("no handshake within {} ms", options.connect_timeout_ms),
-                })
-            }
-        };
+        let hello =
+            match tokio::time::timeout(timeout, handshake(&mut reader, &mut writer, key, options))
+                .await
+            {
+                Ok(Ok(hello)) => hello,
+                Ok(Err(HandshakeFailure::Refused(reason))) => {
+                    return Err(RpcError::Refused {
+                        address: address.to_owned(),
+                        reason,
+                    })
+                }
+                Ok(Err(HandshakeFailure::Failed(reason))) => {
+                    return Err(RpcError::Handshake {
+                        address: address.to_owned(),
+                        reason,
+                    })
+                }
+                Err(_) => {
+                    return Err(RpcError::Handshake {
+                        address: address.to_owned(),
+                        reason: format!("no handshake within {} ms", options.connect_timeout_ms),
+                    })
+                }
+            };
         let shared = Arc::new(Shared {
             address: address.to_owned(),
             pending: Mutex::default(),
@@ -168,6 +171,7 @@ impl Connection {
             inner: Arc::new(Inner {
                 shared,
                 identity: hello.identity,
+                epoch: hello.epoch,
                 sender,
                 next_request_id: AtomicU64::new(1),
                 window: Semaphore::new(window_bytes as usize),
@@ -195,20 +199,75 @@ impl Connection {
         self.inner.payload_length_max
     }
 
+    /// The server's boot epoch from its hello (0: a server without one).
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch
+    }
+
     /// Send one request and wait for its reply. Many calls may be in flight at once.
     pub async fn call<R: Request>(
         &self,
         request: &R,
         payload: Bytes,
     ) -> Result<(R::Reply, Bytes), RpcError> {
+        let request_id = self.inner.next_request_id.fetch_add(1, Ordering::Relaxed);
+        self.call_as(request_id, 0, request, payload).await
+    }
+
+    /// [`Connection::call`] under a request id the caller chose and with frame flags: a
+    /// client that numbers its requests itself (so that a request sent again on another
+    /// connection keeps its number) uses only this on the connection, with ids it never
+    /// repeats on it.
+    pub async fn call_as<R: Request>(
+        &self,
+        request_id: u64,
+        flags: u8,
+        request: &R,
+        payload: Bytes,
+    ) -> Result<(R::Reply, Bytes), RpcError> {
+        let frame = self
+            .call_raw(
+                R::OPCODE,
+                R::NAME,
+                request_id,
+                flags,
+                encode(request),
+                payload,
+            )
+            .await?;
+        let inner = &*self.inner;
+        let result: Result<R::Reply, WireError> = decode(&frame.header).map_err(|error| {
+            // A peer that sends what we cannot decode cannot be trusted with the next reply.
+            inner.shared.close();
+            RpcError::Protocol {
+                address: inner.shared.address.clone(),
+                reason: format!("undecodable reply to {}: {}", R::NAME, error.message),
+            }
+        })?;
+        match result {
+            Ok(reply) => Ok((reply, frame.payload)),
+            Err(error) => Err(RpcError::Remote(error)),
+        }
+    }
+
+    /// Send an encoded request (`name` is for errors) and return the reply frame as it came:
+    /// its header section is the encoded `Result<Reply, WireError>`.
+    pub async fn call_raw(
+        &self,
+        opcode: u16,
+        name: &'static str,
+        request_id: u64,
+        flags: u8,
+        header: Vec<u8>,
+        payload: Bytes,
+    ) -> Result<RawFrame, RpcError> {
         let inner = &*self.inner;
         let address = || inner.shared.address.clone();
         if payload.len() > inner.payload_length_max as usize {
             return Err(RpcError::Remote(WireError::new(
                 ErrorCode::InvalidArgument,
                 format!(
-                    "{} payload of {} bytes exceeds {}'s bound of {}",
-                    R::NAME,
+                    "{name} payload of {} bytes exceeds {}'s bound of {}",
                     payload.len(),
                     address(),
                     inner.payload_length_max
@@ -219,7 +278,7 @@ impl Connection {
         let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
         let timed_out = || RpcError::TimedOut {
             address: address(),
-            request: R::NAME,
+            request: name,
             timeout_ms,
         };
         // Window credit for the payload; a payload larger than the whole window takes all of it.
@@ -232,23 +291,27 @@ impl Connection {
         if self.is_closed() {
             return Err(RpcError::Disconnected { address: address() });
         }
-        let request_id = inner.next_request_id.fetch_add(1, Ordering::Relaxed);
         let (slot, reply) = oneshot::channel();
-        inner
-            .shared
-            .pending
-            .lock()
-            .expect("not poisoned")
-            .insert(request_id, slot);
+        {
+            let mut pending = inner.shared.pending.lock().expect("not poisoned");
+            if pending.contains_key(&request_id) {
+                return Err(RpcError::Protocol {
+                    address: address(),
+                    reason: format!("request id {request_id} is already in flight"),
+                });
+            }
+            pending.insert(request_id, slot);
+        }
         // Remove the slot however this call ends (timeout, error, or the caller dropping us).
         let _slot_guard = SlotGuard {
             shared: &inner.shared,
             request_id,
         };
         let outgoing = Outgoing {
-            opcode: R::OPCODE,
+            opcode,
+            flags,
             request_id,
-            header: encode(request),
+            header,
             payload,
         };
         match tokio::time::timeout_at(deadline, inner.sender.send(outgoing)).await {
@@ -264,25 +327,14 @@ impl Connection {
             Ok(Err(_)) => return Err(RpcError::Disconnected { address: address() }),
             Err(_) => return Err(timed_out()),
         };
-        if frame.fixed.opcode != R::OPCODE {
+        if frame.fixed.opcode != opcode {
             inner.shared.close();
             return Err(RpcError::Protocol {
                 address: address(),
-                reason: format!("reply to {} carries opcode {}", R::NAME, frame.fixed.opcode),
+                reason: format!("reply to {name} carries opcode {}", frame.fixed.opcode),
             });
         }
-        let result: Result<R::Reply, WireError> = decode(&frame.header).map_err(|error| {
-            // A peer that sends what we cannot decode cannot be trusted with the next reply.
-            inner.shared.close();
-            RpcError::Protocol {
-                address: address(),
-                reason: format!("undecodable reply to {}: {}", R::NAME, error.message),
-            }
-        })?;
-        match result {
-            Ok(reply) => Ok((reply, frame.payload)),
-            Err(error) => Err(RpcError::Remote(error)),
-        }
+        Ok(frame)
     }
 }
 
@@ -317,7 +369,7 @@ async fn handshake(
     reader: &mut BufReader<ReadHalf>,
     writer: &mut BufWriter<WriteHalf>,
     key: &ClusterKey,
-    client_name: &str,
+    options: &ConnectOptions,
 ) -> Result<Hello, HandshakeFailure> {
     let frame = read_frame(reader, 0)
         .await
@@ -331,7 +383,8 @@ async fn handshake(
     let authenticate = Authenticate {
         proof: crate::proof(key, crate::CLIENT_PROOF_DOMAIN, &hello.nonce),
         client_nonce,
-        client_name: client_name.to_owned(),
+        client_name: options.client_name.clone(),
+        client_id: options.client_id,
     };
     write_frame(
         writer,
@@ -377,7 +430,7 @@ async fn writer_loop(
     let write_one = async |writer: &mut BufWriter<WriteHalf>, outgoing: Outgoing| {
         write_frame(
             writer,
-            0,
+            outgoing.flags,
             outgoing.opcode,
             outgoing.request_id,
             &outgoing.header,

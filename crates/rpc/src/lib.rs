@@ -42,6 +42,13 @@ fn proofs_equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
     blake3::Hash::from(*a) == blake3::Hash::from(*b)
 }
 
+/// A random client id for `ConnectOptions::client_id` (never 0, which means none).
+pub fn random_client_id() -> std::io::Result<u64> {
+    let nonce = random_nonce()?;
+    let id = u64::from_le_bytes(nonce[..8].try_into().expect("8 bytes"));
+    Ok(id.max(1))
+}
+
 fn random_nonce() -> std::io::Result<[u8; 32]> {
     use std::io::Read;
     let mut nonce = [0u8; 32];

@@ -31,6 +31,8 @@ use crate::ClusterKey;
 #[derive(Debug)]
 pub struct Frame {
     pub opcode: u16,
+    /// The frame's flags (`FLAG_RESEND`, `FLAG_REPLAY`; never `FLAG_REPLY` on a request).
+    pub flags: u8,
     pub request_id: u64,
     pub header: Bytes,
     pub payload: Bytes,
@@ -57,6 +59,8 @@ impl Reply {
 pub struct PeerInfo {
     pub address: SocketAddr,
     pub client_name: String,
+    /// The client's id from its handshake (0: a peer without one).
+    pub client_id: u64,
 }
 
 /// What a server implements. `Err(reason)` closes the connection with `reason` logged.
@@ -111,6 +115,8 @@ pub struct ServerOptions {
     pub frame_timeout_ms: u64,
     /// Where to count requests, bytes, service times and connections; None counts nothing.
     pub metrics: Option<ServerMetrics>,
+    /// Sent in the hello: the server's boot epoch (0: none).
+    pub epoch: u64,
 }
 
 impl ServerOptions {
@@ -126,6 +132,7 @@ impl ServerOptions {
             handshake_timeout_ms: 5000,
             frame_timeout_ms: 30_000,
             metrics: None,
+            epoch: 0,
         }
     }
 }
@@ -236,13 +243,13 @@ async fn run_connection<S: Service>(
         return;
     };
     let timeout = Duration::from_millis(options.handshake_timeout_ms);
-    let client_name = match tokio::time::timeout(
+    let (client_name, client_id) = match tokio::time::timeout(
         timeout,
         handshake(&mut reader, &mut writer, &shared.key, options),
     )
     .await
     {
-        Ok(Ok(name)) => name,
+        Ok(Ok(client)) => client,
         Ok(Err(reason)) => {
             tracing::warn!(peer = %address, "closing connection during handshake: {reason}");
             if let Some(metrics) = &metrics {
@@ -263,6 +270,7 @@ async fn run_connection<S: Service>(
     let peer = Arc::new(PeerInfo {
         address,
         client_name,
+        client_id,
     });
 
     let in_flight_max = options.requests_in_flight_max.max(1) as usize;
@@ -347,6 +355,7 @@ async fn run_connection<S: Service>(
             };
         let request = Frame {
             opcode: header.opcode,
+            flags: header.flags,
             request_id: header.request_id,
             header: frame.header,
             payload: frame.payload,
@@ -440,13 +449,13 @@ async fn writer_loop<W: AsyncWrite + Unpin>(
     let _ = writer.shutdown().await;
 }
 
-/// Server half of the handshake; returns the client's name.
+/// Server half of the handshake; returns the client's name and id.
 async fn handshake(
     reader: &mut BufReader<ReadHalf>,
     writer: &mut BufWriter<WriteHalf>,
     key: &ClusterKey,
     options: &ServerOptions,
-) -> Result<String, String> {
+) -> Result<(String, u64), String> {
     let nonce =
         crate::random_nonce().map_err(|error| format!("no randomness for a nonce: {error}"))?;
     let hello = Hello {
@@ -454,6 +463,7 @@ async fn handshake(
         identity: options.identity.clone(),
         window_bytes: options.window_bytes,
         payload_length_max: options.payload_length_max,
+        epoch: options.epoch,
     };
     write_frame(writer, 0, OPCODE_HELLO, 0, &encode(&hello), &[])
         .await
@@ -506,5 +516,5 @@ async fn handshake(
             authenticate.client_name
         ));
     }
-    Ok(authenticate.client_name)
+    Ok((authenticate.client_name, authenticate.client_id))
 }

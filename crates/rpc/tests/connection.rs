@@ -191,6 +191,7 @@ async fn raw_authenticated(address: &str, key: &ClusterKey) -> tokio::net::TcpSt
         proof: *hasher.finalize().as_bytes(),
         client_nonce: [0; 32],
         client_name: "raw".into(),
+        client_id: 0,
     };
     freeflow_rpc::write_frame(
         &mut stream,
@@ -318,6 +319,7 @@ async fn a_lost_server_fails_waiting_calls_at_once() {
             identity: "doomed".into(),
             window_bytes: 1 << 20,
             payload_length_max: 1 << 20,
+            epoch: 0,
         };
         freeflow_rpc::write_frame(
             &mut stream,

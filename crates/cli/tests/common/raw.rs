@@ -47,6 +47,7 @@ pub async fn authenticate(
         proof: proof(key, CLIENT_PROOF_DOMAIN, &hello.nonce),
         client_nonce,
         client_name: "bad-input-test".to_string(),
+        client_id: 0,
     };
     write_frame(
         stream,

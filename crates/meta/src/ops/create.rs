@@ -168,7 +168,7 @@ pub fn create<W: StoreWrite>(
     if layout.is_some() {
         context.state.placement_counter += 1;
     }
-    let inode = context.state.allocate_inode(write)?;
+    let inode = context.allocate_inode(write)?;
     let mut attr = new_attr(
         inode,
         request.kind,
@@ -220,7 +220,7 @@ pub fn mkdir<W: StoreWrite>(
         ));
     }
     // Validated: write.
-    let inode = context.state.allocate_inode(write)?;
+    let inode = context.allocate_inode(write)?;
     let attr = new_attr(
         inode,
         FileKind::Directory,
@@ -280,7 +280,7 @@ pub fn symlink<W: StoreWrite>(
         return Err(already_exists(request.parent, &request.name));
     }
     // Validated: write.
-    let inode = context.state.allocate_inode(write)?;
+    let inode = context.allocate_inode(write)?;
     let mut attr = new_attr(
         inode,
         FileKind::Symlink,

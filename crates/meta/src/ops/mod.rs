@@ -32,12 +32,15 @@ use freeflow_types::{FileKind, InodeId, ServerId, TimeSpec};
 use crate::records::{
     decode_counter, decode_dirent, decode_inode, encode_dirent, encode_inode, encode_versioned,
     inode_key, named_key, InodeRecord, OrphanRecord, COUNTER_BOOT_EPOCH, COUNTER_INODE_COUNT,
-    COUNTER_INODE_HIGH_WATER, COUNTER_ORPHAN_COUNT,
+    COUNTER_INODE_HIGH_WATER, COUNTER_LAST_TXN, COUNTER_ORPHAN_COUNT, COUNTER_TXN_HIGH_WATER,
 };
 use crate::store::{StoreError, StoreRead, StoreWrite, TableId};
 
 /// How many inode ids are reserved ahead with one persisted high-water mark.
 pub const INODE_RESERVE_BATCH: u64 = 1024;
+
+/// How many transaction numbers are reserved ahead with one persisted high-water mark.
+pub const TXN_RESERVE_BATCH: u64 = 1 << 20;
 
 /// Most links to one inode (and so most subdirectories of one directory, plus 2), as ext4.
 pub const LINK_COUNT_MAX: u32 = 65000;
@@ -113,6 +116,16 @@ pub struct WriterState {
     pub boot_epoch: u64,
     /// Rotates the first server of new files' layouts.
     pub placement_counter: u64,
+    /// The next transaction number, and the persisted bound of those reserved. Numbers are
+    /// never reused, even after a crash lost the transactions that had them.
+    pub next_txn: u64,
+    pub txn_reserved_until: u64,
+    /// The last transaction that was durable when the store was opened: everything after
+    /// it in the previous run was lost.
+    pub recovered_txn: u64,
+    /// Set when a persisted high-water mark moved in this batch: the batch must be durable
+    /// (an id or number handed out after a crash must never repeat one handed out before).
+    pub high_water_moved: bool,
 }
 
 fn read_counter<R: StoreRead>(read: &R, name: &[u8]) -> Result<Option<u64>, StoreError> {
@@ -134,7 +147,30 @@ impl WriterState {
             orphan_count: read_counter(read, COUNTER_ORPHAN_COUNT)?.unwrap_or(0),
             boot_epoch: read_counter(read, COUNTER_BOOT_EPOCH)?.unwrap_or(0),
             placement_counter: 0,
+            next_txn: read_counter(read, COUNTER_TXN_HIGH_WATER)?.unwrap_or(1),
+            txn_reserved_until: read_counter(read, COUNTER_TXN_HIGH_WATER)?.unwrap_or(1),
+            recovered_txn: read_counter(read, COUNTER_LAST_TXN)?.unwrap_or(0),
+            high_water_moved: false,
         }))
+    }
+
+    /// The number of the next transaction; persists a new high-water mark when the
+    /// reserved ones run out.
+    pub fn begin_txn<W: StoreWrite>(&mut self, write: &mut W) -> Result<u64, StoreError> {
+        if self.next_txn >= self.txn_reserved_until {
+            let high_water = self.next_txn + TXN_RESERVE_BATCH;
+            write.put(
+                TableId::Counters,
+                COUNTER_TXN_HIGH_WATER,
+                &high_water.to_be_bytes(),
+            )?;
+            self.txn_reserved_until = high_water;
+            self.high_water_moved = true;
+        }
+        let txn = self.next_txn;
+        self.next_txn += 1;
+        write.put(TableId::Counters, COUNTER_LAST_TXN, &txn.to_be_bytes())?;
+        Ok(txn)
     }
 
     /// Write the counters kept in memory (once per batch, before commit).
@@ -162,6 +198,7 @@ impl WriterState {
                 &high_water.to_be_bytes(),
             )?;
             self.reserved_until = high_water;
+            self.high_water_moved = true;
         }
         let inode = self.next_inode;
         self.next_inode += 1;
@@ -211,6 +248,10 @@ pub fn initialise<W: StoreWrite>(write: &mut W, now: TimeSpec) -> Result<WriterS
                 orphan_count: 0,
                 boot_epoch: 0,
                 placement_counter: 0,
+                next_txn: 1,
+                txn_reserved_until: 1,
+                recovered_txn: 0,
+                high_water_moved: false,
             }
         }
     };
@@ -229,6 +270,57 @@ pub struct OpContext<'a> {
     pub now: TimeSpec,
     pub placement: &'a Placement,
     pub state: &'a mut WriterState,
+    /// The transaction this operation is part of.
+    pub txn: u64,
+    /// Set by an operation whose effects must be durable before anything acts on them
+    /// outside the store (a truncation's cuts on the I/O servers).
+    pub demand_durable: bool,
+    /// The id the next inode created must have (a replayed create keeps the id the client
+    /// was first given).
+    pub forced_inode: Option<InodeId>,
+}
+
+impl<'a> OpContext<'a> {
+    pub fn new(
+        now: TimeSpec,
+        placement: &'a Placement,
+        state: &'a mut WriterState,
+        txn: u64,
+    ) -> OpContext<'a> {
+        OpContext {
+            now,
+            placement,
+            state,
+            txn,
+            demand_durable: false,
+            forced_inode: None,
+        }
+    }
+
+    /// The id of a new inode: the forced one of a replay, else a fresh one.
+    pub fn allocate_inode<W: StoreWrite>(&mut self, write: &mut W) -> OpResult<InodeId> {
+        match self.forced_inode.take() {
+            Some(inode) => {
+                // Ids of the run before the restart lie below the high-water mark this run
+                // started from; one still in use would be an applied create, never replayed.
+                if inode == 0 || inode >= self.state.next_inode {
+                    return Err(refuse(
+                        ErrorCode::InvalidArgument,
+                        format!("a replayed create cannot take inode {inode}"),
+                    ));
+                }
+                if try_load_inode(write, inode)?.is_some() {
+                    return Err(refuse(
+                        ErrorCode::Exists,
+                        format!("inode {inode} of a replayed create exists already"),
+                    ));
+                }
+                self.state.inode_count += 1;
+                Ok(inode)
+            }
+            None => Ok(self.state.allocate_inode(write)?),
+        }
+    }
 }
 
 /// The current time from the system clock.

@@ -63,6 +63,8 @@ pub fn set_attributes_recording_cuts<W: StoreWrite>(
             let open = is_open(attr.inode);
             let may_hide_bytes = size_bytes < size_before_bytes || open;
             if may_hide_bytes && (attr.link_count > 0 || open) {
+                // The cuts act on the I/O servers: the size they cut to must not be lost.
+                context.demand_durable = true;
                 Some(record_truncation(write, &attr, layout, size_bytes)?)
             } else {
                 None

@@ -30,6 +30,10 @@ impl Harness {
                 orphan_count: 0,
                 boot_epoch: 0,
                 placement_counter: 0,
+                next_txn: 1,
+                txn_reserved_until: 1,
+                recovered_txn: 0,
+                high_water_moved: false,
             },
             placement: Placement {
                 servers: vec![10, 11, 12],
@@ -68,11 +72,13 @@ impl Harness {
         self.clock_seconds += 1;
         let store = self.store.as_ref().expect("store open");
         let mut write = store.begin_write()?;
-        let mut context = OpContext {
-            now: TimeSpec::new(self.clock_seconds, 0),
-            placement: &self.placement,
-            state: &mut self.state,
-        };
+        let txn = self.state.begin_txn(&mut write)?;
+        let mut context = OpContext::new(
+            TimeSpec::new(self.clock_seconds, 0),
+            &self.placement,
+            &mut self.state,
+            txn,
+        );
         let result = operation(&mut write, &mut context);
         match &result {
             Err(OpError::Store(_)) => write.abort()?,

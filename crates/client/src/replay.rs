@@ -1,0 +1,138 @@
+//! What a client keeps of its mutations until they are durable (issue 10).
+//!
+//! The metadata server answers a mutation before it is durable; every reply's
+//! `ReplyStamp` says which transaction applied it and the last durable one. A mutation
+//! answered with `txn > durable_txn` is kept here, as sent (opcode, request id, encoded
+//! request) with the reply received, and dropped once a later reply shows it durable. If
+//! the server restarts (its hello carries a new epoch) before that, the kept mutations are
+//! replayed in transaction order (`FLAG_REPLAY`, the original reply as payload), then
+//! `ReplayDone` tells the server this client is done. The log is bounded by count and bytes:
+//! a mutation that finds it full first asks the server for a durable commit (`Sync`).
+
+use std::collections::BTreeMap;
+
+/// Most mutations kept at once.
+pub const KEPT_MUTATIONS_MAX: usize = 16_384;
+/// Most bytes (requests and replies) kept at once.
+pub const KEPT_BYTES_MAX: usize = 64 << 20;
+
+/// One mutation answered but not known durable.
+#[derive(Clone, Debug)]
+pub struct Kept {
+    pub opcode: u16,
+    pub name: &'static str,
+    pub request_id: u64,
+    pub request: Vec<u8>,
+    pub reply: Vec<u8>,
+}
+
+impl Kept {
+    fn bytes(&self) -> usize {
+        self.request.len() + self.reply.len()
+    }
+}
+
+/// The log, with what the client knows of the server.
+#[derive(Debug, Default)]
+pub struct KeptLog {
+    /// The server epoch the kept mutations were answered in (0: none seen yet).
+    pub epoch: u64,
+    /// The last durable transaction the server reported in that epoch.
+    pub durable_txn: u64,
+    /// By transaction.
+    entries: BTreeMap<u64, Kept>,
+    bytes: usize,
+}
+
+impl KeptLog {
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether one more mutation fits.
+    pub fn has_room(&self) -> bool {
+        self.entries.len() < KEPT_MUTATIONS_MAX && self.bytes < KEPT_BYTES_MAX
+    }
+
+    /// A reply from the server of `epoch` saying `durable_txn` is durable: forget what it
+    /// covers. Ignored for another epoch than the log's (the restart is handled first).
+    pub fn durable(&mut self, epoch: u64, durable_txn: u64) {
+        if epoch != self.epoch {
+            return;
+        }
+        self.durable_txn = self.durable_txn.max(durable_txn);
+        let durable = self.durable_txn;
+        while let Some(entry) = self.entries.first_entry() {
+            if *entry.key() > durable {
+                break;
+            }
+            self.bytes -= entry.get().bytes();
+            entry.remove();
+        }
+    }
+
+    /// A mutation answered in `epoch` by transaction `txn`: kept unless already durable.
+    pub fn answered(&mut self, epoch: u64, txn: u64, kept: Kept) {
+        if epoch != self.epoch || txn == 0 || txn <= self.durable_txn {
+            return;
+        }
+        self.bytes += kept.bytes();
+        if let Some(replaced) = self.entries.insert(txn, kept) {
+            self.bytes -= replaced.bytes();
+        }
+    }
+
+    /// A copy of everything kept, oldest first (to replay it).
+    pub fn entries(&self) -> Vec<(u64, Kept)> {
+        self.entries
+            .iter()
+            .map(|(txn, kept)| (*txn, kept.clone()))
+            .collect()
+    }
+
+    /// Take everything kept (to replay it), oldest first, and start over in `epoch`.
+    pub fn start_epoch(&mut self, epoch: u64) -> Vec<(u64, Kept)> {
+        self.epoch = epoch;
+        self.durable_txn = 0;
+        self.bytes = 0;
+        std::mem::take(&mut self.entries).into_iter().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kept(request_id: u64) -> Kept {
+        Kept {
+            opcode: 113,
+            name: "Create",
+            request_id,
+            request: vec![1; 10],
+            reply: vec![2; 5],
+        }
+    }
+
+    #[test]
+    fn mutations_are_kept_until_durable_and_replayed_in_order() {
+        let mut log = KeptLog::default();
+        log.start_epoch(7);
+        log.answered(7, 12, kept(2));
+        log.answered(7, 10, kept(1));
+        log.answered(7, 15, kept(3));
+        // Another epoch's reply (the restart is handled first) changes nothing.
+        log.answered(8, 20, kept(4));
+        log.durable(8, 100);
+        assert_eq!(log.len(), 3);
+        log.durable(7, 11);
+        assert_eq!(log.len(), 2);
+        // Already durable when answered: nothing to keep.
+        log.answered(7, 11, kept(5));
+        assert_eq!(log.len(), 2);
+        let replay = log.start_epoch(8);
+        let order: Vec<u64> = replay.iter().map(|(_, kept)| kept.request_id).collect();
+        assert_eq!(order, vec![2, 3]);
+        assert!(log.len() == 0 && log.has_room());
+        assert_eq!(log.epoch, 8);
+    }
+}
