@@ -178,12 +178,12 @@ async fn pass(shared: &Arc<Shared>) -> PassOutcome {
         after = Some(*last);
         let page_len = page.len();
         // An unlink is answered before it is durable: its data goes only once it is (a
-        // crash before would bring the name back without its data).
-        if let Err(error) = shared.sync().await {
-            tracing::warn!(%error, "reaper cannot make the orphans durable");
-            outcome.failed = true;
-            return outcome;
-        }
+        // crash before would bring the name back without its data). Waited for, not
+        // forced: the periodic flush makes it durable within the commit interval, and
+        // removing data is never urgent enough for an fsync of its own.
+        shared
+            .wait_durable(shared.last_txn.load(std::sync::atomic::Ordering::Acquire))
+            .await;
         let mut tasks = JoinSet::new();
         for (inode, orphan) in page {
             if shared.sessions().is_open(inode) || shared.is_pinned(inode) {

@@ -246,6 +246,14 @@ impl Shared {
         Ok(())
     }
 
+    /// Return once every transaction up to `through` is durable, without asking for it:
+    /// the periodic flush makes it so within `commit_interval_ms`.
+    pub async fn wait_durable(&self, through: u64) {
+        let mut durable = self.durable.subscribe();
+        // Fails only if the sender is gone, and `self` owns it.
+        let _ = durable.wait_for(|durable| *durable >= through).await;
+    }
+
     /// Make everything committed so far durable.
     pub async fn sync(&self) -> Result<u64, WireError> {
         self.make_durable(self.last_txn.load(Ordering::Acquire))
