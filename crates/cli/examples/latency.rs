@@ -10,7 +10,10 @@ async fn main() {
     let text = std::fs::read_to_string(&path).unwrap();
     let table: toml::Table = text.parse().unwrap();
     let meta = table["meta_address"].as_str().unwrap().to_string();
-    let key_file = path.parent().unwrap().join(table["key_file"].as_str().unwrap());
+    let key_file = path
+        .parent()
+        .unwrap()
+        .join(table["key_file"].as_str().unwrap());
     let key = freeflow_client::ClusterKey::load(&key_file).unwrap();
     let client = freeflow_client::Client::connect(freeflow_client::ClientConfig::new(meta, key))
         .await
@@ -19,22 +22,45 @@ async fn main() {
     for _ in 0..count {
         client.getattr(freeflow_client::ROOT_INODE).await.unwrap();
     }
-    println!("getattr: {:.1} us", started.elapsed().as_secs_f64() * 1e6 / count as f64);
+    println!(
+        "getattr: {:.1} us",
+        started.elapsed().as_secs_f64() * 1e6 / count as f64
+    );
     let directory = client
-        .mkdir(freeflow_client::ROOT_INODE, &format!("lat-{}", std::process::id()), 0o755)
+        .mkdir(
+            freeflow_client::ROOT_INODE,
+            &format!("lat-{}", std::process::id()),
+            0o755,
+        )
         .await
         .unwrap();
     let started = Instant::now();
     for index in 0..count {
         client
-            .create(directory.inode, &format!("f{index}"), freeflow_client::FileKind::Regular, 0o644, 0, true)
+            .create(
+                directory.inode,
+                &format!("f{index}"),
+                freeflow_client::FileKind::Regular,
+                0o644,
+                0,
+                true,
+            )
             .await
             .unwrap();
     }
-    println!("create: {:.1} us", started.elapsed().as_secs_f64() * 1e6 / count as f64);
+    println!(
+        "create: {:.1} us",
+        started.elapsed().as_secs_f64() * 1e6 / count as f64
+    );
     let started = Instant::now();
     for index in 0..count {
-        client.unlink(directory.inode, &format!("f{index}")).await.unwrap();
+        client
+            .unlink(directory.inode, &format!("f{index}"))
+            .await
+            .unwrap();
     }
-    println!("unlink: {:.1} us", started.elapsed().as_secs_f64() * 1e6 / count as f64);
+    println!(
+        "unlink: {:.1} us",
+        started.elapsed().as_secs_f64() * 1e6 / count as f64
+    );
 }

@@ -359,7 +359,10 @@ async fn killing_the_meta_server_keeps_every_returned_operation() {
         .unwrap_or_else(|| panic!("no inode_count on the last ready line:\n{log}"));
     // Root, every acknowledged directory and file; an op in flight at the kill may add one.
     let acknowledged = 1 + directories + files;
-    assert!(logged <= acknowledged + 2, "inode count {logged} after restart, {acknowledged} acknowledged");
+    assert!(
+        logged <= acknowledged + 2,
+        "inode count {logged} after restart, {acknowledged} acknowledged"
+    );
     let status = reader.cluster_status().await.expect("status");
     assert!(
         status.inode_count >= acknowledged && status.inode_count <= acknowledged + 2,

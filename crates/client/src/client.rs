@@ -163,6 +163,7 @@ impl Client {
                 let free_bytes = shared.dirty.available_permits() as u64;
                 client_metrics
                     .set_dirty_bytes(shared.config.dirty_bytes_max.saturating_sub(free_bytes));
+                client_metrics.set_kept_mutations(shared.pool.kept_mutations() as u64);
             }
         });
         let renewer = tokio::spawn(renew_session(Arc::downgrade(&shared), grant.lease_ms));

@@ -33,6 +33,9 @@ struct Inner {
     throttle_waits: Counter,
     throttle_wait_time: Counter,
     dirty_bytes: Gauge,
+    kept_mutations: Gauge,
+    replayed: Counter,
+    replay_lost: Counter,
 }
 
 impl ClientMetrics {
@@ -98,6 +101,23 @@ impl ClientMetrics {
                 "Write bytes sent but not yet acknowledged by their I/O server.",
                 &[],
             ),
+            kept_mutations: registry.gauge(
+                "freeflow_client_kept_mutations",
+                "Metadata mutations answered by the meta server but not durable yet: what this \
+                 client would replay if the meta server restarted now.",
+                &[],
+            ),
+            replayed: registry.counter(
+                "freeflow_client_replayed_mutations_total",
+                "Kept mutations replayed to a restarted meta server (applied again, or found \
+                 applied).",
+                &[],
+            ),
+            replay_lost: registry.counter(
+                "freeflow_client_replay_lost_mutations_total",
+                "Kept mutations a restarted meta server refused on replay: changes lost.",
+                &[],
+            ),
         };
         ClientMetrics {
             inner: Arc::new(inner),
@@ -143,6 +163,18 @@ impl ClientMetrics {
 
     pub(crate) fn set_dirty_bytes(&self, bytes: u64) {
         self.inner.dirty_bytes.set(bytes);
+    }
+
+    pub(crate) fn set_kept_mutations(&self, count: u64) {
+        self.inner.kept_mutations.set(count);
+    }
+
+    pub(crate) fn replayed(&self, lost: bool) {
+        if lost {
+            self.inner.replay_lost.increment();
+        } else {
+            self.inner.replayed.increment();
+        }
     }
 }
 

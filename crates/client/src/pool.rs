@@ -301,13 +301,19 @@ impl Pool {
             let stamp = decode::<ReplyStamp>(&frame.payload).unwrap_or_default();
             match decode::<Result<(), WireError>>(&frame.header) {
                 // Any reply type: only Err is looked at (it encodes the same for all).
-                Ok(Err(error)) => tracing::error!(
-                    request = kept.name,
-                    request_id = kept.request_id,
-                    %error,
-                    "a change answered before the metadata server restarted was lost"
-                ),
-                _ => replayed.push((stamp, kept)),
+                Ok(Err(error)) => {
+                    self.metrics.replayed(true);
+                    tracing::error!(
+                        request = kept.name,
+                        request_id = kept.request_id,
+                        %error,
+                        "a change answered before the metadata server restarted was lost"
+                    )
+                }
+                _ => {
+                    self.metrics.replayed(false);
+                    replayed.push((stamp, kept));
+                }
             }
         }
         let done_id = self.next_meta_request.fetch_add(1, Ordering::Relaxed);

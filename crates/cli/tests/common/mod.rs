@@ -207,6 +207,10 @@ pub struct ClusterOptions {
     pub stripe_unit_bytes: u32,
     /// Give every server a metrics endpoint on a free loopback port.
     pub metrics: bool,
+    /// The meta server's `commit_interval_ms` (how long an early reply may stay not
+    /// durable) and `recovery_window_ms`.
+    pub meta_commit_interval_ms: u64,
+    pub recovery_window_ms: u64,
 }
 
 impl ClusterOptions {
@@ -216,6 +220,8 @@ impl ClusterOptions {
             engine: EngineKind::Uring,
             stripe_unit_bytes: 64 << 10,
             metrics: false,
+            meta_commit_interval_ms: 500,
+            recovery_window_ms: 10_000,
         }
     }
 }
@@ -353,6 +359,8 @@ impl Cluster {
             heartbeat_interval_ms: 500,
             store_cache_bytes: 16 << 20,
             metrics_address: self.meta_metrics_address.clone(),
+            commit_interval_ms: self.options.meta_commit_interval_ms,
+            recovery_window_ms: self.options.recovery_window_ms,
             ..MetaConfig::default()
         };
         let file = MetaFile {

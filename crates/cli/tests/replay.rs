@@ -1,0 +1,302 @@
+//! Early replies and what keeps them safe (issue 10), with real processes: the meta server
+//! answers mutations before they are durable; a kill -9 of it loses the last ones; the
+//! clients that were answered replay them after its restart, and nothing is applied twice.
+//! A change another client has seen was made durable first (commit on share), so it
+//! survives even if its own client dies with the meta server; a change only its dead
+//! client saw is lost, and the recovery window ends on time without that client.
+//!
+//! The clusters here commit durably only when they must (`commit_interval_ms` of a minute),
+//! so every kill finds answered mutations that were not durable.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{poll_until, Cluster, ClusterOptions};
+use freeflow_client::{Client, ErrorCode, FileKind, RenameMode, SetAttr, ROOT_INODE};
+
+/// A cluster whose meta server makes nothing durable on a timer within a test's time.
+async fn lazy_cluster(recovery_window_ms: u64) -> Cluster {
+    let options = ClusterOptions {
+        meta_commit_interval_ms: 60_000,
+        recovery_window_ms,
+        ..ClusterOptions::new(1)
+    };
+    Cluster::start_with(options).await
+}
+
+async fn patient_client(cluster: &Cluster) -> Client {
+    cluster
+        .client_with(|config| config.call_timeout_ms = 60_000)
+        .await
+}
+
+/// The names and permission bits of a directory's files.
+async fn listing(client: &Client, directory: &str) -> BTreeMap<String, u32> {
+    client
+        .read_dir_all_plus(directory)
+        .await
+        .unwrap_or_else(|error| panic!("list {directory}: {error}"))
+        .into_iter()
+        .map(|entry| {
+            let attr = entry.attr.expect("readdirplus gives attributes");
+            (entry.name, attr.permissions)
+        })
+        .collect()
+}
+
+/// One client's stream: create, chmod, rename, and now and then unlink, in its own
+/// directory; every acknowledged step is applied to `model`. Returns at `steps`.
+async fn stream(
+    client: Client,
+    directory: u64,
+    steps: u64,
+    progress: Arc<Mutex<u64>>,
+    model: Arc<Mutex<BTreeMap<String, u32>>>,
+) -> Result<(), String> {
+    for step in 0..steps {
+        let name = format!("f{step}");
+        let created = client
+            .create(directory, &name, FileKind::Regular, 0o644, 0, true)
+            .await
+            .map_err(|error| format!("create {name}: {error}"))?;
+        model.lock().unwrap().insert(name.clone(), 0o644);
+        let mode = 0o600 + (step as u32 % 8);
+        let changes = SetAttr {
+            permissions: Some(mode),
+            ..SetAttr::default()
+        };
+        client
+            .setattr(created.inode, changes)
+            .await
+            .map_err(|error| format!("chmod {name}: {error}"))?;
+        model.lock().unwrap().insert(name.clone(), mode);
+        let renamed = format!("r{step}");
+        client
+            .rename(directory, &name, directory, &renamed, RenameMode::NoReplace)
+            .await
+            .map_err(|error| format!("rename {name}: {error}"))?;
+        {
+            let mut model = model.lock().unwrap();
+            model.remove(&name);
+            model.insert(renamed.clone(), mode);
+        }
+        if step % 3 == 2 {
+            let victim = format!("r{}", step - 1);
+            client
+                .unlink(directory, &victim)
+                .await
+                .map_err(|error| format!("unlink {victim}: {error}"))?;
+            model.lock().unwrap().remove(&victim);
+        }
+        *progress.lock().unwrap() = step + 1;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answered_mutations_of_two_clients_survive_a_meta_kill_by_replay() {
+    const STEPS: u64 = 240;
+    let mut cluster = lazy_cluster(30_000).await;
+    let clients = [
+        patient_client(&cluster).await,
+        patient_client(&cluster).await,
+    ];
+    let mut streams = Vec::new();
+    let mut progress = Vec::new();
+    let mut models = Vec::new();
+    for (index, client) in clients.iter().enumerate() {
+        let directory = client
+            .mkdir(ROOT_INODE, &format!("client-{index}"), 0o755)
+            .await
+            .expect("mkdir");
+        let done = Arc::new(Mutex::new(0u64));
+        let model = Arc::new(Mutex::new(BTreeMap::new()));
+        streams.push(tokio::spawn(stream(
+            client.clone(),
+            directory.inode,
+            STEPS,
+            done.clone(),
+            model.clone(),
+        )));
+        progress.push(done);
+        models.push(model);
+    }
+    let halfway = poll_until(60_000, || async {
+        progress
+            .iter()
+            .all(|done| *done.lock().unwrap() >= STEPS / 2)
+            .then_some(())
+    })
+    .await;
+    assert!(halfway.is_some(), "the streams got halfway");
+    let kept: Vec<usize> = clients.iter().map(Client::kept_mutations).collect();
+    cluster.kill_meta();
+    assert!(
+        kept.iter().all(|kept| *kept > 10),
+        "both clients held answered mutations that were not durable: {kept:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cluster.restart_meta().await;
+    for (index, stream) in streams.into_iter().enumerate() {
+        let outcome = tokio::time::timeout(Duration::from_secs(120), stream)
+            .await
+            .expect("the stream ends")
+            .expect("no panic");
+        // No EEXIST for a replayed create, no ENOENT for a second rename: nothing twice.
+        outcome.unwrap_or_else(|error| panic!("client {index}: {error}\n{}", cluster.meta_log()));
+    }
+    let reader = cluster.client().await;
+    for (index, model) in models.iter().enumerate() {
+        let expected = model.lock().unwrap().clone();
+        assert_eq!(expected.len() as u64, STEPS - STEPS / 3);
+        assert_eq!(
+            listing(&reader, &format!("/client-{index}")).await,
+            expected,
+            "client {index}: every acknowledged step, once"
+        );
+    }
+    let log = cluster.meta_log();
+    assert!(log.contains("waiting for clients to replay"), "{log}");
+    assert!(log.contains("every client has replayed"), "{log}");
+    for client in &clients {
+        let counters = freeflow_metrics::text::Snapshot::parse(&client.metrics().render());
+        assert!(counters.sum("freeflow_client_replayed_mutations_total", &[]) > 10.0);
+        assert_eq!(
+            counters.sum("freeflow_client_replay_lost_mutations_total", &[]),
+            0.0
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_seen_elsewhere_survives_its_client_dying_with_the_meta_server() {
+    const WINDOW_MS: u64 = 3_000;
+    let mut cluster = lazy_cluster(WINDOW_MS).await;
+    let doomed = patient_client(&cluster).await;
+    let witness = patient_client(&cluster).await;
+    let shared = doomed
+        .mkdir(ROOT_INODE, "shared", 0o777)
+        .await
+        .expect("mkdir");
+    doomed
+        .create(shared.inode, "synced", FileKind::Regular, 0o644, 0, true)
+        .await
+        .expect("create synced");
+    doomed.sync().await.expect("sync");
+    doomed
+        .create(shared.inode, "seen", FileKind::Regular, 0o644, 0, true)
+        .await
+        .expect("create seen");
+    // Another client looks: commit on share makes what it saw durable.
+    witness
+        .stat("/shared/seen")
+        .await
+        .expect("the witness sees it");
+    doomed
+        .create(shared.inode, "unseen", FileKind::Regular, 0o644, 0, true)
+        .await
+        .expect("create unseen");
+    assert!(
+        doomed.kept_mutations() >= 1,
+        "the last create is not durable"
+    );
+
+    // The meta server and the doomed client die together (the client is dropped: it never
+    // reconnects, so it replays nothing).
+    cluster.kill_meta();
+    drop(doomed);
+    cluster.restart_meta().await;
+    let restarted = Instant::now();
+    let newcomer = cluster.client().await;
+    let seen = newcomer.stat("/shared/seen").await;
+    let waited = restarted.elapsed();
+    assert!(seen.is_ok(), "what another client saw survives: {seen:?}");
+    assert!(
+        waited < Duration::from_millis(WINDOW_MS + 15_000),
+        "the window ended on time: {waited:?}"
+    );
+    newcomer
+        .stat("/shared/synced")
+        .await
+        .expect("what was synced survives");
+    assert_eq!(
+        newcomer
+            .stat("/shared/unseen")
+            .await
+            .map_err(|error| error.code())
+            .map(|attr| attr.inode),
+        Err(ErrorCode::NotFound),
+        "only its dead client saw it: lost, and nothing else"
+    );
+    let log = cluster.meta_log();
+    assert!(
+        log.contains("recovery window over: these clients did not replay"),
+        "{log}"
+    );
+    // The witness was expected too and replayed (nothing) when it came back.
+    witness.stat("/shared").await.expect("the witness goes on");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_mutation_that_was_durable_is_not_applied_twice() {
+    let mut cluster = lazy_cluster(30_000).await;
+    let client = patient_client(&cluster).await;
+    let other = patient_client(&cluster).await;
+    let directory = client.mkdir(ROOT_INODE, "own", 0o755).await.expect("mkdir");
+    let created = client
+        .create(directory.inode, "first", FileKind::Regular, 0o644, 0, true)
+        .await
+        .expect("create");
+    client
+        .rename(
+            directory.inode,
+            "first",
+            directory.inode,
+            "second",
+            RenameMode::NoReplace,
+        )
+        .await
+        .expect("rename");
+    client
+        .create(directory.inode, "first", FileKind::Regular, 0o600, 0, true)
+        .await
+        .expect("create the first name again");
+    assert_eq!(client.kept_mutations(), 3, "kept: create, rename, create");
+    // Made durable by someone else: this client does not know it yet, so it will replay
+    // all three after the restart. Applied again, the rename would fail (the second name
+    // exists) or the creates would find their names taken.
+    other.sync().await.expect("sync");
+    cluster.kill_meta();
+    cluster.restart_meta().await;
+    let listed = listing(&client, "/own").await;
+    assert_eq!(
+        listed,
+        BTreeMap::from([("first".to_string(), 0o600), ("second".to_string(), 0o644)])
+    );
+    assert_eq!(
+        client.stat("/own/second").await.expect("stat").inode,
+        created.inode,
+        "the file keeps its inode"
+    );
+    assert_eq!(
+        client.kept_mutations(),
+        0,
+        "the replies showed them durable"
+    );
+    let counters = freeflow_metrics::text::Snapshot::parse(&client.metrics().render());
+    assert_eq!(
+        counters.sum("freeflow_client_replayed_mutations_total", &[]),
+        3.0,
+        "all three were replayed"
+    );
+    assert_eq!(
+        counters.sum("freeflow_client_replay_lost_mutations_total", &[]),
+        0.0,
+        "and each was found applied: none refused as a conflict"
+    );
+    let log = cluster.meta_log();
+    assert!(log.contains("every client has replayed"), "{log}");
+}
