@@ -203,6 +203,13 @@ impl Client {
         self.shared.pool.sync_meta().await
     }
 
+    /// The transaction at the meta server that applied the last mutation this client was
+    /// answered (0: none yet): with the server's durable transaction, it says whether a
+    /// change could still be lost (tests and tools; concurrent calls make "last" loose).
+    pub fn last_mutation_txn(&self) -> u64 {
+        self.shared.pool.last_mutation_txn()
+    }
+
     /// Mutations answered by the meta server and not known durable yet: what this client
     /// would replay if the meta server restarted now.
     pub fn kept_mutations(&self) -> usize {

@@ -104,6 +104,8 @@ pub(crate) struct Pool {
     kept: Mutex<KeptLog>,
     /// Held while kept mutations are replayed to a restarted meta server.
     replaying: tokio::sync::Mutex<()>,
+    /// The transaction that applied the last mutation answered (0: none yet).
+    last_mutation_txn: AtomicU64,
 }
 
 impl Pool {
@@ -123,7 +125,12 @@ impl Pool {
             next_meta_request: AtomicU64::new(1),
             kept: Mutex::new(KeptLog::default()),
             replaying: tokio::sync::Mutex::new(()),
+            last_mutation_txn: AtomicU64::new(0),
         }
+    }
+
+    pub fn last_mutation_txn(&self) -> u64 {
+        self.last_mutation_txn.load(Ordering::Acquire)
     }
 
     fn kept(&self) -> MutexGuard<'_, KeptLog> {
@@ -217,6 +224,9 @@ impl Pool {
                 reason: format!("undecodable reply to {}: {}", R::NAME, error.message),
             })?;
         if let Ok(stamp) = decode::<ReplyStamp>(&frame.payload) {
+            if result.is_ok() && is_mutation(R::OPCODE) {
+                self.last_mutation_txn.store(stamp.txn, Ordering::Release);
+            }
             let mut kept = self.kept();
             if result.is_ok() && is_mutation(R::OPCODE) {
                 kept.answered(

@@ -527,6 +527,16 @@ impl RunningMeta {
     }
 
     /// Write transactions committed since start (each one fsync, covering a batch).
+    /// The last transaction committed, and the last one durable (issue 10: mutations are
+    /// answered in between).
+    pub fn last_txn(&self) -> u64 {
+        self.shared.last_txn.load(Ordering::Acquire)
+    }
+
+    pub fn durable_txn(&self) -> u64 {
+        self.shared.durable_txn()
+    }
+
     pub fn commit_count(&self) -> u64 {
         self.shared.commit_count.load(Ordering::Relaxed)
     }
