@@ -21,6 +21,10 @@ pub struct MountFlags {
     /// How long a request to a server may take before the mount answers with an error.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub call_timeout_ms: u64,
+    /// Let the kernel cache no name and attributes for 1 s only, instead of caching under
+    /// the meta server's leases (revoked before another client's change returns).
+    #[arg(long)]
+    pub no_cache: bool,
     /// Kernel channels (threads reading requests).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub threads: u32,

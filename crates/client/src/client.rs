@@ -17,9 +17,10 @@ use std::time::Duration;
 
 use freeflow_proto::meta::{
     Caller, CloseSession, ClusterReport, ClusterStatus, Create, DirPage, FsStats, GetAttr,
-    GetXattr, HandleRef, Link, ListXattr, Lookup, Mkdir, Open, OpenAccess, OpenSession, ReadDir,
-    ReadLink, RemoveXattr, Rename, RenameMode, RenewSession, Rmdir, ServerRecord, SetAttributes,
-    SetDirLayout, SetXattr, StatFs, Symlink, Unlink, XattrSetMode,
+    GetXattr, HandleRef, Link, ListXattr, Lookup, LookupEntry, Mkdir, Open, OpenAccess,
+    OpenSession, ReadDir, ReadLink, RemoveXattr, Rename, RenameMode, RenewSession, Revocation,
+    Rmdir, ServerRecord, SetAttributes, SetDirLayout, SetXattr, StatFs, Symlink, Unlink,
+    XattrSetMode,
 };
 use freeflow_proto::ErrorCode;
 use freeflow_rpc::{ConnectOptions, RpcError};
@@ -30,6 +31,7 @@ use tokio::task::JoinHandle;
 
 use crate::file::{FileHandle, HandleShared, Truncation};
 use crate::metrics::ClientMetrics;
+use crate::pool::Lease;
 use crate::pool::Pool;
 use crate::{ClientConfig, ClientError};
 
@@ -49,6 +51,9 @@ pub(crate) struct Shared {
     reopening: tokio::sync::Mutex<()>,
     /// This client's metrics; see [`crate::metrics`].
     metrics: Arc<freeflow_metrics::Registry>,
+    /// Revocations seen (see `leases.rs`).
+    pub(crate) revoked: Mutex<crate::leases::Revoked>,
+    watcher: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// A connected client. Clones share the session and the connections.
@@ -156,6 +161,8 @@ impl Client {
             renewer: Mutex::new(None),
             reopening: tokio::sync::Mutex::new(()),
             metrics,
+            revoked: crate::leases::new_revoked(),
+            watcher: Mutex::new(None),
         });
         let dirty_source = Arc::downgrade(&shared);
         shared.metrics.on_render(move || {
@@ -216,10 +223,47 @@ impl Client {
         self.shared.pool.kept_mutations()
     }
 
+    /// Cache what the meta server leases to this client, and hear when it must go: from
+    /// now on this client polls for revocations, and `handler` is called with each batch
+    /// (and, when the meta server restarted, with one revocation of inode 0: everything).
+    /// Its reads then come with leases (`Lease`, `*_leased` methods).
+    pub fn watch_revocations(&self, handler: crate::leases::RevocationHandler) {
+        let everything = handler.clone();
+        *self.shared.pool.on_new_epoch.lock().expect("not poisoned") = Some(Arc::new(move || {
+            everything(&[Revocation {
+                id: 0,
+                inode: 0,
+                names: Vec::new(),
+                attributes: true,
+                whole_directory: true,
+            }])
+        }));
+        let task = tokio::spawn(crate::leases::watch(Arc::downgrade(&self.shared), handler));
+        if let Some(old) = self
+            .shared
+            .watcher
+            .lock()
+            .expect("not poisoned")
+            .replace(task)
+        {
+            old.abort();
+        }
+    }
+
+    /// How long `lease` can still be trusted for what it covers (`inodes`), if at all.
+    pub fn lease_remaining(&self, lease: &Lease, inodes: &[InodeId]) -> Option<Duration> {
+        let epoch = self.shared.pool.epoch();
+        let revoked = self.shared.revoked();
+        crate::leases::remaining(lease, epoch, &revoked, inodes)
+    }
+
     /// Close the session at the meta server (best effort) and stop renewing it.
     pub async fn shutdown(&self) {
         if let Some(renewer) = self.shared.renewer.lock().expect("not poisoned").take() {
             renewer.abort();
+        }
+        if let Some(watcher) = self.shared.watcher.lock().expect("not poisoned").take() {
+            watcher.abort();
         }
         let session_id = self.session_id();
         if let Err(error) = self
@@ -287,6 +331,64 @@ impl Client {
             .await
     }
 
+    /// [`Client::getattr`] with the lease on the attributes (if this client watches
+    /// revocations).
+    pub async fn getattr_leased(&self, inode: InodeId) -> Result<(Attr, Lease), ClientError> {
+        self.shared
+            .pool
+            .meta_call_leased(&GetAttr { inode }, || format!("inode {inode}"))
+            .await
+    }
+
+    /// Look a name up: `None` when it does not exist, with the lease on the answer (the
+    /// directory's name and the entry's attributes), so that a missing name can be cached
+    /// as missing.
+    pub async fn lookup_entry(
+        &self,
+        parent: InodeId,
+        name: &str,
+    ) -> Result<(Option<Attr>, Lease), ClientError> {
+        let request = LookupEntry {
+            caller: self.caller.clone(),
+            parent,
+            name: name.to_string(),
+        };
+        self.shared
+            .pool
+            .meta_call_leased(&request, || format!("parent {parent} name {name:?}"))
+            .await
+    }
+
+    /// [`Client::readdir`] with the lease on the listing (and, with attributes, theirs).
+    pub async fn readdir_leased(
+        &self,
+        inode: InodeId,
+        after: Option<&str>,
+        limit: u32,
+        with_attributes: bool,
+    ) -> Result<(DirPage, Lease), ClientError> {
+        let request = ReadDir {
+            caller: self.caller.clone(),
+            inode,
+            after: after.map(str::to_string),
+            limit,
+            with_attributes,
+        };
+        self.shared
+            .pool
+            .meta_call_leased(&request, || format!("inode {inode}"))
+            .await
+    }
+
+    /// A mutation of the namespace with the lease on its result (the new entry).
+    pub async fn leased<R: freeflow_proto::Request>(
+        &self,
+        request: &R,
+        target: impl FnOnce() -> String,
+    ) -> Result<(R::Reply, Lease), ClientError> {
+        self.shared.pool.meta_call_leased(request, target).await
+    }
+
     /// Change attributes. A size change first waits for this client's writes to the file
     /// that started before the call, and holds back its handles' size commits until the meta
     /// server answers (a commit computed before the change must not grow the file back);
@@ -305,6 +407,18 @@ impl Client {
         changes: SetAttr,
         through_handle: Option<HandleRef>,
     ) -> Result<Attr, ClientError> {
+        self.setattr_leased(inode, changes, through_handle)
+            .await
+            .map(|(attr, _)| attr)
+    }
+
+    /// [`Client::setattr_through`] with the lease on the attributes it returns.
+    pub async fn setattr_leased(
+        &self,
+        inode: InodeId,
+        changes: SetAttr,
+        through_handle: Option<HandleRef>,
+    ) -> Result<(Attr, Lease), ClientError> {
         let request = SetAttributes {
             caller: self.caller.clone(),
             inode,
@@ -312,7 +426,7 @@ impl Client {
             through_handle,
         };
         let Some(new_size) = request.changes.size_bytes else {
-            return self.meta(&request, || format!("inode {inode}")).await;
+            return self.leased(&request, || format!("inode {inode}")).await;
         };
         if new_size > FILE_SIZE_MAX {
             return Err(ClientError::inode(
@@ -327,9 +441,9 @@ impl Client {
         let handles = self.open_handles(inode);
         let change = tokio::spawn(async move {
             let truncation = Truncation::begin(handles).await;
-            let attr = client.meta(&request, || format!("inode {inode}")).await?;
+            let (attr, lease) = client.leased(&request, || format!("inode {inode}")).await?;
             truncation.finish(&attr);
-            Ok(attr)
+            Ok((attr, lease))
         });
         match change.await {
             Ok(result) => result,
@@ -352,6 +466,21 @@ impl Client {
         device: u64,
         exclusive: bool,
     ) -> Result<Attr, ClientError> {
+        self.create_leased(parent, name, kind, permissions, device, exclusive)
+            .await
+            .map(|(attr, _)| attr)
+    }
+
+    /// [`Client::create`] with the lease on the new entry.
+    pub async fn create_leased(
+        &self,
+        parent: InodeId,
+        name: &str,
+        kind: FileKind,
+        permissions: u32,
+        device: u64,
+        exclusive: bool,
+    ) -> Result<(Attr, Lease), ClientError> {
         let request = Create {
             caller: self.caller.clone(),
             parent,
@@ -362,10 +491,10 @@ impl Client {
             exclusive,
             open: None,
         };
-        let reply = self
-            .meta(&request, || format!("parent {parent} name {name:?}"))
+        let (reply, lease) = self
+            .leased(&request, || format!("parent {parent} name {name:?}"))
             .await?;
-        Ok(reply.attr)
+        Ok((reply.attr, lease))
     }
 
     /// Create a regular file and open it in one round trip. Without `exclusive`, an existing
@@ -378,6 +507,20 @@ impl Client {
         exclusive: bool,
         access: OpenAccess,
     ) -> Result<(FileHandle, bool), ClientError> {
+        self.create_open_leased(parent, name, permissions, exclusive, access)
+            .await
+            .map(|(handle, created, _)| (handle, created))
+    }
+
+    /// [`Client::create_open`] with the lease on the new entry.
+    pub async fn create_open_leased(
+        &self,
+        parent: InodeId,
+        name: &str,
+        permissions: u32,
+        exclusive: bool,
+        access: OpenAccess,
+    ) -> Result<(FileHandle, bool, Lease), ClientError> {
         let mut session_id = self.session_id();
         let mut request = Create {
             caller: self.caller.clone(),
@@ -392,11 +535,11 @@ impl Client {
         let target = || format!("parent {parent} name {name:?}");
         // The meta server checks the session before it creates anything, so the retry
         // cannot find its own file and fail an exclusive create.
-        let reply = match self.meta(&request, target).await {
+        let (reply, lease) = match self.leased(&request, target).await {
             Err(error) if is_open_session_unknown(&error) => {
                 session_id = self.shared.reopen_session(session_id).await?;
                 request.open = Some((session_id, access));
-                self.meta(&request, target).await?
+                self.leased(&request, target).await?
             }
             reply => reply?,
         };
@@ -406,7 +549,7 @@ impl Client {
             }
             None => self.open(reply.attr.inode, access).await?,
         };
-        Ok((handle, reply.created))
+        Ok((handle, reply.created, lease))
     }
 
     pub async fn mkdir(
@@ -415,13 +558,25 @@ impl Client {
         name: &str,
         permissions: u32,
     ) -> Result<Attr, ClientError> {
+        self.mkdir_leased(parent, name, permissions)
+            .await
+            .map(|(attr, _)| attr)
+    }
+
+    /// [`Client::mkdir`] with the lease on the new entry.
+    pub async fn mkdir_leased(
+        &self,
+        parent: InodeId,
+        name: &str,
+        permissions: u32,
+    ) -> Result<(Attr, Lease), ClientError> {
         let request = Mkdir {
             caller: self.caller.clone(),
             parent,
             name: name.to_string(),
             permissions,
         };
-        self.meta(&request, || format!("parent {parent} name {name:?}"))
+        self.leased(&request, || format!("parent {parent} name {name:?}"))
             .await
     }
 
@@ -474,13 +629,25 @@ impl Client {
         target_parent: InodeId,
         target_name: &str,
     ) -> Result<Attr, ClientError> {
+        self.link_leased(inode, target_parent, target_name)
+            .await
+            .map(|(attr, _)| attr)
+    }
+
+    /// [`Client::link`] with the lease on the new entry.
+    pub async fn link_leased(
+        &self,
+        inode: InodeId,
+        target_parent: InodeId,
+        target_name: &str,
+    ) -> Result<(Attr, Lease), ClientError> {
         let request = Link {
             caller: self.caller.clone(),
             inode,
             target_parent,
             target_name: target_name.to_string(),
         };
-        self.meta(&request, || {
+        self.leased(&request, || {
             format!("inode {inode} as parent {target_parent} name {target_name:?}")
         })
         .await
@@ -493,13 +660,25 @@ impl Client {
         name: &str,
         target: &str,
     ) -> Result<Attr, ClientError> {
+        self.symlink_leased(parent, name, target)
+            .await
+            .map(|(attr, _)| attr)
+    }
+
+    /// [`Client::symlink`] with the lease on the new entry.
+    pub async fn symlink_leased(
+        &self,
+        parent: InodeId,
+        name: &str,
+        target: &str,
+    ) -> Result<(Attr, Lease), ClientError> {
         let request = Symlink {
             caller: self.caller.clone(),
             parent,
             name: name.to_string(),
             target: target.to_string(),
         };
-        self.meta(&request, || format!("parent {parent} name {name:?}"))
+        self.leased(&request, || format!("parent {parent} name {name:?}"))
             .await
     }
 

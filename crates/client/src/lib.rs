@@ -13,6 +13,7 @@ mod client;
 mod config;
 mod error;
 mod file;
+mod leases;
 mod metrics;
 mod path;
 mod paths;
@@ -27,13 +28,15 @@ pub use config::{
 };
 pub use error::ClientError;
 pub use file::{Allocation, FileHandle, COPY_LENGTH_MAX, READ_LENGTH_MAX};
+pub use leases::RevocationHandler;
 pub use path::{join, normalize};
 pub use paths::{OpenOptions, StripePlacement};
+pub use pool::Lease;
 
 // The request and reply types of the API, so users need not name the proto crate.
 pub use freeflow_proto::meta::{
     Caller, ClusterReport, DirEntry, DirPage, FsStats, HandleRef, OpenAccess, RenameMode,
-    ServerRecord, XattrSetMode,
+    Revocation, ServerRecord, XattrSetMode,
 };
 pub use freeflow_proto::ErrorCode;
 pub use freeflow_rpc::ClusterKey;

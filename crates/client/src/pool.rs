@@ -26,6 +26,36 @@ use crate::metrics::ClientMetrics;
 use crate::replay::{Kept, KeptLog};
 use crate::ClientError;
 
+/// A lease the meta server granted on what a reply read (issue 9): the client may trust
+/// it until `until` (measured from when the request was sent, less a margin, so the client
+/// always stops before the server forgets it), unless a revocation of one of its inodes
+/// with an id of at least `seq` arrived (see `Client::lease_remaining`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Lease {
+    /// None: no lease (the reply may not be cached).
+    pub until: Option<Instant>,
+    pub seq: u64,
+    /// The server epoch of the grant: leases die with a restart.
+    pub epoch: u64,
+}
+
+/// Part of a lease the client gives up to allow for clock rates and scheduling.
+const LEASE_MARGIN_PERCENT: u64 = 10;
+
+impl Lease {
+    fn from_stamp(stamp: &ReplyStamp, sent_at: Instant) -> Lease {
+        if stamp.lease_ms == 0 {
+            return Lease::default();
+        }
+        let trusted_ms = u64::from(stamp.lease_ms) * (100 - LEASE_MARGIN_PERCENT) / 100;
+        Lease {
+            until: Some(sent_at + Duration::from_millis(trusted_ms)),
+            seq: stamp.lease_seq,
+            epoch: stamp.epoch,
+        }
+    }
+}
+
 /// Pause before a request whose connection broke is sent again.
 const RESEND_PAUSE_MS: u64 = 100;
 
@@ -106,6 +136,9 @@ pub(crate) struct Pool {
     replaying: tokio::sync::Mutex<()>,
     /// The transaction that applied the last mutation answered (0: none yet).
     last_mutation_txn: AtomicU64,
+    /// Called when the meta server restarted, before this client says `ReplayDone`:
+    /// everything cached under the old server's leases must go (`Client::watch_revocations`).
+    pub(crate) on_new_epoch: Mutex<Option<std::sync::Arc<dyn Fn() + Send + std::marker::Sync>>>,
 }
 
 impl Pool {
@@ -126,7 +159,18 @@ impl Pool {
             kept: Mutex::new(KeptLog::default()),
             replaying: tokio::sync::Mutex::new(()),
             last_mutation_txn: AtomicU64::new(0),
+            on_new_epoch: Mutex::new(None),
         }
+    }
+
+    /// How long a call may take before it fails.
+    pub fn call_timeout_ms(&self) -> u64 {
+        self.options.call_timeout_ms
+    }
+
+    /// The meta server epoch this client works in (0 before its first connection).
+    pub fn epoch(&self) -> u64 {
+        self.kept().epoch
     }
 
     pub fn last_mutation_txn(&self) -> u64 {
@@ -153,19 +197,38 @@ impl Pool {
         request: &R,
         target: impl FnOnce() -> String,
     ) -> Result<R::Reply, ClientError> {
+        self.meta_call_leased(request, target)
+            .await
+            .map(|(reply, _)| reply)
+    }
+
+    /// [`Pool::meta_call`], with the lease the reply granted (see [`Lease`]).
+    pub async fn meta_call_leased<R: Request>(
+        &self,
+        request: &R,
+        target: impl FnOnce() -> String,
+    ) -> Result<(R::Reply, Lease), ClientError> {
         let started = Instant::now();
         let result = self.meta_call_unmetered(request).await;
         self.metrics
             .request_done(R::OPCODE, started, result.is_ok());
-        result.map_err(|source| ClientError::Meta {
-            operation: R::NAME,
-            target: target(),
-            address: self.meta.address.clone(),
-            source,
-        })
+        result
+            .map(|(reply, stamp)| {
+                let lease = Lease::from_stamp(&stamp, started);
+                (reply, lease)
+            })
+            .map_err(|source| ClientError::Meta {
+                operation: R::NAME,
+                target: target(),
+                address: self.meta.address.clone(),
+                source,
+            })
     }
 
-    async fn meta_call_unmetered<R: Request>(&self, request: &R) -> Result<R::Reply, RpcError> {
+    async fn meta_call_unmetered<R: Request>(
+        &self,
+        request: &R,
+    ) -> Result<(R::Reply, ReplyStamp), RpcError> {
         let mutation = is_mutation(R::OPCODE);
         if mutation {
             self.make_room().await?;
@@ -217,13 +280,14 @@ impl Pool {
         frame: RawFrame,
         request_id: u64,
         request: Vec<u8>,
-    ) -> Result<R::Reply, RpcError> {
+    ) -> Result<(R::Reply, ReplyStamp), RpcError> {
         let result: Result<R::Reply, WireError> =
             decode(&frame.header).map_err(|error| RpcError::Protocol {
                 address: self.meta.address.clone(),
                 reason: format!("undecodable reply to {}: {}", R::NAME, error.message),
             })?;
-        if let Ok(stamp) = decode::<ReplyStamp>(&frame.payload) {
+        let stamp = decode::<ReplyStamp>(&frame.payload).unwrap_or_default();
+        if stamp.epoch != 0 {
             if result.is_ok() && is_mutation(R::OPCODE) {
                 self.last_mutation_txn.store(stamp.txn, Ordering::Release);
             }
@@ -243,7 +307,7 @@ impl Pool {
             }
             kept.durable(stamp.epoch, stamp.durable_txn);
         }
-        result.map_err(RpcError::Remote)
+        result.map(|reply| (reply, stamp)).map_err(RpcError::Remote)
     }
 
     /// Wait until the kept log has room for one more mutation: ask for a durable commit.
@@ -325,6 +389,11 @@ impl Pool {
                     replayed.push((stamp, kept));
                 }
             }
+        }
+        // Leases of the old server are void: drop what was cached under them first.
+        let hook = self.on_new_epoch.lock().expect("not poisoned").clone();
+        if let Some(hook) = hook {
+            hook();
         }
         let done_id = self.next_meta_request.fetch_add(1, Ordering::Relaxed);
         let frame = connection

@@ -164,6 +164,12 @@ impl Target for LibraryTarget {
 impl Drop for LibraryTarget {
     fn drop(&mut self) {
         if let Some(handle) = self.handle.take() {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                // Dropped on a runtime thread (a test that failed and unwinds): blocking
+                // here would panic again, so the close goes on in the background.
+                self.runtime.spawn(async move { handle.close().await });
+                return;
+            }
             if let Err(error) = self.runtime.block_on(handle.close()) {
                 let error = io_error(error);
                 eprintln!("closing the exercised file: {error}");

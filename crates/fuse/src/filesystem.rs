@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use freeflow_client::{
-    Allocation, Attr, Client, ClientError, ErrorCode, FileKind, InodeId, RenameMode, SetAttr,
-    XattrSetMode,
+    Allocation, Attr, Client, ClientError, ErrorCode, FileKind, InodeId, Lease, RenameMode,
+    SetAttr, TimeSpec, XattrSetMode,
 };
 use fuser::{
     AccessFlags, Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
@@ -31,6 +31,9 @@ use fuser::{
 };
 use tokio::sync::Semaphore;
 
+use crate::cache::Admission;
+
+use crate::cache::KernelCache;
 use crate::caller::GroupsCache;
 use crate::convert::{self, errno, file_attr, STATFS_BLOCK_BYTES};
 use crate::handles::{OpenDirectories, OpenFiles};
@@ -44,6 +47,9 @@ pub const MAX_WRITE_BYTES: u32 = 1 << 20;
 pub const MAX_READAHEAD_BYTES: u32 = 1 << 20;
 /// Background requests (read-ahead, async direct I/O) the kernel keeps in flight.
 pub const MAX_BACKGROUND_REQUESTS: u16 = 64;
+/// Most entries fetched for one `readdirplus` reply (the kernel's buffer holds ~200 of
+/// 32 KiB; what does not fit is answered from the listing at the next call).
+const READDIRPLUS_GATHER_MAX: usize = 256;
 /// Free inodes reported by statfs: Freeflow has no inode table to run out of.
 pub const STATFS_FREE_INODES: u64 = 1 << 32;
 
@@ -61,6 +67,8 @@ pub(crate) struct MountState {
     lookups: Mutex<HashMap<InodeId, u64>>,
     runtime: tokio::runtime::Handle,
     in_flight: Arc<Semaphore>,
+    /// What the kernel caches under leases, and how to take it back (`cache.rs`).
+    pub cache: Arc<KernelCache>,
 }
 
 impl MountState {
@@ -80,7 +88,45 @@ impl MountState {
             lookups: Mutex::new(HashMap::new()),
             runtime,
             in_flight: Arc::new(Semaphore::new(REQUESTS_IN_FLIGHT_MAX)),
+            cache: Arc::new(KernelCache::new()),
         }
+    }
+
+    /// Time-outs (entry, attributes) for `name` in `parent` (and `child`'s attributes)
+    /// answered with `lease`: what is left of the lease, or the configured ones. The reply
+    /// must be written before `admission` is dropped.
+    fn entry_time_outs(
+        &self,
+        admission: &mut Admission<'_>,
+        lease: &Lease,
+        parent: InodeId,
+        name: &str,
+        child: Option<InodeId>,
+    ) -> (Duration, Duration) {
+        let inodes: Vec<InodeId> = [Some(parent), child].into_iter().flatten().collect();
+        let left = self.client.lease_remaining(lease, &inodes);
+        match admission.entry(left, parent, name, child) {
+            Some(left) => (left, left),
+            None => (self.entry_ttl, self.attr_ttl),
+        }
+    }
+
+    /// The attribute time-out of `inode` answered with `lease` (as `entry_time_outs`).
+    fn attribute_time_out(
+        &self,
+        admission: &mut Admission<'_>,
+        lease: &Lease,
+        inode: InodeId,
+    ) -> Duration {
+        let left = self.client.lease_remaining(lease, &[inode]);
+        admission.attributes(left, inode).unwrap_or(self.attr_ttl)
+    }
+
+    /// Reply with `attr` for what is left of `lease`.
+    fn reply_attr(&self, reply: ReplyAttr, attr: &Attr, lease: &Lease) {
+        let mut admission = self.cache.admit();
+        let ttl = self.attribute_time_out(&mut admission, lease, attr.inode);
+        reply.attr(&ttl, &self.kernel_attr(attr));
     }
 
     fn kernel_attr(&self, attr: &Attr) -> fuser::FileAttr {
@@ -109,15 +155,42 @@ impl MountState {
         }
     }
 
-    /// Reply with a new or found entry, counting the kernel's reference.
-    fn reply_entry(&self, reply: ReplyEntry, attr: &Attr) {
+    /// Reply with a new or found entry `name` of `parent`, counting the kernel's reference;
+    /// cached for what is left of `lease`.
+    fn reply_entry(
+        &self,
+        reply: ReplyEntry,
+        parent: InodeId,
+        name: &str,
+        attr: &Attr,
+        lease: &Lease,
+    ) {
         self.remember(attr.inode);
+        let mut admission = self.cache.admit();
+        let (entry_ttl, attr_ttl) =
+            self.entry_time_outs(&mut admission, lease, parent, name, Some(attr.inode));
         reply.entry_with_ttls(
-            &self.attr_ttl,
-            &self.entry_ttl,
+            &attr_ttl,
+            &entry_ttl,
             &self.kernel_attr(attr),
             Generation(0),
         );
+    }
+
+    /// Reply that `name` is not in `parent`: a negative entry the kernel keeps for what is
+    /// left of `lease` (another client's create of the name revokes it), else `ENOENT`.
+    fn reply_missing(&self, reply: ReplyEntry, parent: InodeId, name: &str, lease: &Lease) {
+        let mut admission = self.cache.admit();
+        let left = self.client.lease_remaining(lease, &[parent]);
+        match admission.entry(left, parent, name, None) {
+            Some(left) => {
+                // Node id 0: "no such entry, for this long".
+                let mut missing = file_attr(&negative_attr(), 0);
+                missing.ino = INodeNo(0);
+                reply.entry(&left, &missing, Generation(0));
+            }
+            None => reply.error(Errno::ENOENT),
+        }
     }
 }
 
@@ -196,6 +269,27 @@ async fn kill_set_id_bits(client: &Client, inode: u64) -> Result<(), freeflow_cl
     Ok(())
 }
 
+/// Attributes for a negative entry (only its node id, 0, matters to the kernel).
+fn negative_attr() -> Attr {
+    Attr {
+        inode: 0,
+        kind: FileKind::Regular,
+        permissions: 0,
+        link_count: 0,
+        user_id: 0,
+        group_id: 0,
+        size_bytes: 0,
+        access_time: TimeSpec::default(),
+        modify_time: TimeSpec::default(),
+        change_time: TimeSpec::default(),
+        birth_time: TimeSpec::default(),
+        device: 0,
+        layout: None,
+        generation: 0,
+        allocated_bytes: 0,
+    }
+}
+
 /// An error for a file handle the mount does not know.
 fn bad_handle() -> Errno {
     Errno::EBADF
@@ -240,8 +334,9 @@ impl fuser::Filesystem for FreeflowFs {
         };
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
-            match client.lookup(parent.0, &name).await {
-                Ok(attr) => state.reply_entry(reply, &attr),
+            match client.lookup_entry(parent.0, &name).await {
+                Ok((Some(attr), lease)) => state.reply_entry(reply, parent.0, &name, &attr, &lease),
+                Ok((None, lease)) => state.reply_missing(reply, parent.0, &name, &lease),
                 Err(error) => reply.error(errno(&error)),
             }
         });
@@ -260,8 +355,8 @@ impl fuser::Filesystem for FreeflowFs {
     ) {
         let state = self.state.clone();
         self.spawn(async move {
-            match state.client.getattr(inode.0).await {
-                Ok(attr) => reply.attr(&state.attr_ttl, &state.kernel_attr(&attr)),
+            match state.client.getattr_leased(inode.0).await {
+                Ok((attr, lease)) => state.reply_attr(reply, &attr, &lease),
                 Err(error) => reply.error(errno(&error)),
             }
         });
@@ -304,16 +399,13 @@ impl fuser::Filesystem for FreeflowFs {
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             let result = if changes == SetAttr::default() {
-                client.getattr(inode.0).await
-            } else if let Some(open) = through {
-                client
-                    .setattr_through(inode.0, changes, Some(open.handle_ref()))
-                    .await
+                client.getattr_leased(inode.0).await
             } else {
-                client.setattr(inode.0, changes).await
+                let through = through.map(|open| open.handle_ref());
+                client.setattr_leased(inode.0, changes, through).await
             };
             match result {
-                Ok(attr) => reply.attr(&state.attr_ttl, &state.kernel_attr(&attr)),
+                Ok((attr, lease)) => state.reply_attr(reply, &attr, &lease),
                 Err(error) => reply.error(errno(&error)),
             }
         });
@@ -353,7 +445,7 @@ impl fuser::Filesystem for FreeflowFs {
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             let created = client
-                .create(
+                .create_leased(
                     parent.0,
                     &name,
                     kind,
@@ -363,7 +455,7 @@ impl fuser::Filesystem for FreeflowFs {
                 )
                 .await;
             match created {
-                Ok(attr) => state.reply_entry(reply, &attr),
+                Ok((attr, lease)) => state.reply_entry(reply, parent.0, &name, &attr, &lease),
                 Err(error) => reply.error(errno(&error)),
             }
         });
@@ -384,8 +476,8 @@ impl fuser::Filesystem for FreeflowFs {
         };
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
-            match client.mkdir(parent.0, &name, mode & 0o7777).await {
-                Ok(attr) => state.reply_entry(reply, &attr),
+            match client.mkdir_leased(parent.0, &name, mode & 0o7777).await {
+                Ok((attr, lease)) => state.reply_entry(reply, parent.0, &name, &attr, &lease),
                 Err(error) => reply.error(errno(&error)),
             }
         });
@@ -433,8 +525,8 @@ impl fuser::Filesystem for FreeflowFs {
         };
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
-            match client.symlink(parent.0, &name, &target).await {
-                Ok(attr) => state.reply_entry(reply, &attr),
+            match client.symlink_leased(parent.0, &name, &target).await {
+                Ok((attr, lease)) => state.reply_entry(reply, parent.0, &name, &attr, &lease),
                 Err(error) => reply.error(errno(&error)),
             }
         });
@@ -484,8 +576,8 @@ impl fuser::Filesystem for FreeflowFs {
         };
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
-            match client.link(inode.0, new_parent.0, &name).await {
-                Ok(attr) => state.reply_entry(reply, &attr),
+            match client.link_leased(inode.0, new_parent.0, &name).await {
+                Ok((attr, lease)) => state.reply_entry(reply, new_parent.0, &name, &attr, &lease),
                 Err(error) => reply.error(errno(&error)),
             }
         });
@@ -722,45 +814,56 @@ impl fuser::Filesystem for FreeflowFs {
             } else {
                 None
             };
-            let ttl = state.attr_ttl.min(state.entry_ttl);
-            let mut index = offset;
-            loop {
-                let full = match (index, &directory) {
-                    (0, Some(attr)) => reply.add(inode, 1, ".", &ttl, attr, Generation(0)),
-                    (1, Some(attr)) => reply.add(inode, 2, "..", &ttl, attr, Generation(0)),
-                    _ => {
-                        let at = (index.saturating_sub(2)) as usize;
-                        match listing.ensure(&client, at, true).await {
-                            Ok(true) => {}
-                            Ok(false) => break,
-                            Err(error) => return reply.error(errno(&error)),
-                        }
-                        let entry = &listing.entries[at];
-                        let attr = match &entry.attr {
-                            Some(attr) => attr.clone(),
-                            None => match state.client.getattr(entry.inode).await {
-                                Ok(attr) => attr,
-                                Err(error) => return reply.error(errno(&error)),
-                            },
-                        };
-                        let full = reply.add(
-                            INodeNo(entry.inode),
-                            index + 1,
-                            &entry.name,
-                            &ttl,
-                            &state.kernel_attr(&attr),
-                            Generation(0),
-                        );
-                        if !full {
-                            // The kernel counts a lookup for each entry it takes.
-                            state.remember(entry.inode);
-                        }
-                        full
-                    }
+            // First what the reply may hold, fetched; then, with revocations held off
+            // (see `Admission`), the time-outs and the reply itself.
+            let first = offset.saturating_sub(2) as usize;
+            let mut found = Vec::new();
+            for at in first..first + READDIRPLUS_GATHER_MAX {
+                match listing.ensure(&client, at, true).await {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(error) => return reply.error(errno(&error)),
+                }
+                let entry = &listing.entries[at];
+                let names_lease = listing.leases[at];
+                let (attr, attr_lease) = match &entry.attr {
+                    Some(attr) => (attr.clone(), names_lease),
+                    None => match state.client.getattr_leased(entry.inode).await {
+                        Ok(found) => found,
+                        Err(error) => return reply.error(errno(&error)),
+                    },
                 };
+                found.push((entry.name.clone(), attr, names_lease, attr_lease));
+            }
+            let ttl = state.attr_ttl.min(state.entry_ttl);
+            let mut admission = state.cache.admit();
+            let mut index = offset;
+            if let Some(attr) = &directory {
+                if index == 0 && reply.add(inode, 1, ".", &ttl, attr, Generation(0)) {
+                    return reply.ok();
+                }
+                if index <= 1 && reply.add(inode, 2, "..", &ttl, attr, Generation(0)) {
+                    return reply.ok();
+                }
+                index = 2;
+            }
+            for (name, attr, names_lease, attr_lease) in found {
+                let (entry_ttl, _) =
+                    state.entry_time_outs(&mut admission, &names_lease, inode.0, &name, None);
+                let attr_ttl = state.attribute_time_out(&mut admission, &attr_lease, attr.inode);
+                let full = reply.add(
+                    INodeNo(attr.inode),
+                    index + 1,
+                    &name,
+                    &entry_ttl.min(attr_ttl),
+                    &state.kernel_attr(&attr),
+                    Generation(0),
+                );
                 if full {
                     break;
                 }
+                // The kernel counts a lookup for each entry it takes.
+                state.remember(attr.inode);
                 index += 1;
             }
             reply.ok();
@@ -926,14 +1029,23 @@ impl fuser::Filesystem for FreeflowFs {
         self.spawn(async move {
             match create_and_open(&state, &client, parent.0, &name, mode, exclusive, truncate).await
             {
-                Ok(attr) => {
+                Ok((attr, lease)) => {
                     state.remember(attr.inode);
-                    // One time-out covers both the entry and the attributes here: the
-                    // shorter, so the new name is revalidated like any other (with the
-                    // attribute time-out, another mount's later changes to this file
-                    // would go unseen by an open through the cached name).
+                    // One time-out covers both the entry and the attributes here: under a
+                    // lease, what is left of it; without, the shorter of the two, so the
+                    // new name is revalidated like any other (with the attribute
+                    // time-out, another mount's later changes to this file would go
+                    // unseen by an open through the cached name).
+                    let mut admission = state.cache.admit();
+                    let (entry_ttl, attr_ttl) = state.entry_time_outs(
+                        &mut admission,
+                        &lease,
+                        parent.0,
+                        &name,
+                        Some(attr.inode),
+                    );
                     reply.created(
-                        &state.attr_ttl.min(state.entry_ttl),
+                        &attr_ttl.min(entry_ttl),
                         &state.kernel_attr(&attr),
                         Generation(0),
                         FileHandle(attr.inode),
@@ -1049,7 +1161,7 @@ async fn create_and_open(
     mode: u32,
     exclusive: bool,
     truncate: bool,
-) -> Result<Attr, ClientError> {
+) -> Result<(Attr, Lease), ClientError> {
     let access = freeflow_client::OpenAccess {
         read: true,
         write: true,
@@ -1057,12 +1169,12 @@ async fn create_and_open(
     // Always exclusive at the server: an existing file is opened as root below, not with
     // the caller's read+write (the caller may have asked for less).
     match client
-        .create_open(parent, name, mode & 0o7777, true, access)
+        .create_open_leased(parent, name, mode & 0o7777, true, access)
         .await
     {
-        Ok((handle, _created)) => {
+        Ok((handle, _created, lease)) => {
             let handle = state.files.adopt(Arc::new(handle)).await?;
-            Ok(handle.attr())
+            Ok((handle.attr(), lease))
         }
         Err(error) if error.code() == ErrorCode::Exists && !exclusive => {
             let attr = client.lookup(parent, name).await?;
@@ -1085,7 +1197,7 @@ async fn create_and_open(
                     return Err(error);
                 }
             }
-            Ok(handle.attr())
+            Ok((handle.attr(), Lease::default()))
         }
         Err(error) => Err(error),
     }

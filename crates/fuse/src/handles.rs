@@ -147,6 +147,8 @@ impl OpenFiles {
 pub struct DirectoryListing {
     pub inode: InodeId,
     pub entries: Vec<DirEntry>,
+    /// The lease of the page each entry came in (parallel to `entries`).
+    pub leases: Vec<freeflow_client::Lease>,
     pub end: bool,
 }
 
@@ -164,8 +166,8 @@ impl DirectoryListing {
                 return Ok(false);
             }
             let after = self.entries.last().map(|entry| entry.name.clone());
-            let page = client
-                .readdir(
+            let (page, lease) = client
+                .readdir_leased(
                     self.inode,
                     after.as_deref(),
                     DIRECTORY_PAGE_ENTRIES,
@@ -173,6 +175,8 @@ impl DirectoryListing {
                 )
                 .await?;
             self.end = page.end || page.entries.is_empty();
+            self.leases
+                .extend(std::iter::repeat_n(lease, page.entries.len()));
             self.entries.extend(page.entries);
         }
         Ok(true)
@@ -206,6 +210,7 @@ impl OpenDirectories {
             Arc::new(tokio::sync::Mutex::new(DirectoryListing {
                 inode,
                 entries: Vec::new(),
+                leases: Vec::new(),
                 end: false,
             })),
         );

@@ -9,14 +9,16 @@
 //! - Errors come from the client's one table ([`freeflow_client::ClientError::code`]):
 //!   the codes are Linux errno numbers, returned as they are.
 //!
-//! Consistency (DESIGN.md §4): directory entries are never cached by the kernel (entry
-//! timeout 0 by default), so a name removed or renamed on another client is gone here at once
-//! and a stale name is never opened. Attributes are cached for `attr_timeout_ms`, but every
-//! path lookup refreshes them and every open fetches fresh ones from the meta server, so data
-//! written and closed elsewhere is seen by the next open here (close-to-open). The kernel's
-//! writeback cache is off: under it the kernel treats its own file size as the truth and
-//! ignores sizes from the server, so writes from other clients would stay invisible.
+//! Consistency (DESIGN.md §4, docs/consistency.md): the kernel caches names, missing names
+//! and attributes only under the meta server's leases, for what is left of each lease
+//! (`cache.rs`); before another client's change to them returns, the server revokes them and
+//! this mount turns the revocation into the kernel's `inval_entry` / `inval_inode`. A reply
+//! that carries no lease is not cached (entry and attribute time-outs 0 by default), and
+//! every open fetches fresh attributes, so data written and closed elsewhere is seen by the
+//! next open here (close-to-open). The kernel's writeback cache is off: under it the kernel
+//! treats its own file size as the truth and ignores sizes from the server.
 
+mod cache;
 mod caller;
 mod convert;
 mod filesystem;

@@ -34,11 +34,17 @@ pub struct MountOptions {
     pub allow_other: bool,
     /// Make every close durable (fsync at close), as DESIGN.md §5 allows.
     pub sync_on_close: bool,
-    /// How long the kernel may reuse attributes without asking (default 1000 ms). Every
-    /// path lookup and every open fetch fresh ones regardless.
+    /// Let the kernel cache names, missing names and attributes under the meta server's
+    /// leases, revoked by callback before another client's conflicting change returns
+    /// (default on; off: only the time-outs below).
+    pub cache_leases: bool,
+    /// How long the kernel may reuse attributes given without a lease (default 0: with
+    /// leases on, a reply without one raced another client's change and is not kept; a
+    /// mount without leases may trade some staleness for fewer requests, as `freeflow
+    /// mount --no-cache` does with 1000 ms). Every open fetches fresh ones regardless.
     pub attr_timeout_ms: u64,
-    /// How long the kernel may reuse a name → inode entry (default 0: never, so a name
-    /// removed by another client is never used here).
+    /// How long the kernel may reuse a name → inode entry without a lease (default 0:
+    /// never, so a name removed by another client is never used here).
     pub entry_timeout_ms: u64,
     /// Kernel channels, one reading thread each (default 4; `clone_fd` when above 1).
     pub threads: usize,
@@ -51,7 +57,8 @@ impl Default for MountOptions {
         MountOptions {
             allow_other: false,
             sync_on_close: false,
-            attr_timeout_ms: 1_000,
+            cache_leases: true,
+            attr_timeout_ms: 0,
             entry_timeout_ms: 0,
             threads: 4,
             source_name: "freeflow".to_string(),
@@ -64,6 +71,7 @@ impl MountOptions {
         let MountOptions {
             allow_other: _,
             sync_on_close: _,
+            cache_leases: _,
             attr_timeout_ms,
             entry_timeout_ms,
             threads,
@@ -165,6 +173,15 @@ pub fn mount(
     let mut session = fuser::Session::new(FreeflowFs::new(state.clone()), &mountpoint, &config)
         .map_err(mount_error)?;
     let unmounter = session.unmount_callable();
+    if options.cache_leases {
+        // Revocations become the kernel's invalidations (cache.rs); from the first poll on,
+        // the meta server leases what this mount reads.
+        state.cache.set_notifier(session.notifier());
+        let cache = state.cache.clone();
+        state
+            .client
+            .watch_revocations(Arc::new(move |revocations| cache.revoke(revocations)));
+    }
     let device = mount_device(&mountpoint);
     match device {
         Some((major, minor)) => raise_readahead(major, minor),

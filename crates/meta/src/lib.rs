@@ -9,6 +9,7 @@
 
 pub mod cutter;
 pub mod io_peers;
+pub mod leases;
 pub mod metrics;
 pub mod ops;
 pub mod reaper;
@@ -78,6 +79,10 @@ pub struct MetaConfig {
     /// After a restart, how long new requests wait for clients to replay the mutations
     /// they were answered but that were not durable. Default 10000.
     pub recovery_window_ms: u64,
+    /// How long a client that polls for revocations may cache what it read (names,
+    /// attributes) without asking again; a mutation waits at most this long for a client
+    /// that does not acknowledge a revocation. Default 10000.
+    pub cache_lease_ms: u32,
     /// Payload bytes a client may have in flight per connection. Default 16 MiB.
     pub window_bytes: u32,
     /// Requests served at once per connection. Default 128.
@@ -109,6 +114,7 @@ impl Default for MetaConfig {
             commit_queue_max: 4096,
             commit_interval_ms: 500,
             recovery_window_ms: 10_000,
+            cache_lease_ms: 10_000,
             window_bytes: 16 << 20,
             requests_in_flight_max: 128,
             sessions_max: 65_536,
@@ -163,6 +169,7 @@ impl MetaConfig {
             commit_queue_max,
             commit_interval_ms,
             recovery_window_ms,
+            cache_lease_ms,
             window_bytes,
             requests_in_flight_max,
             sessions_max,
@@ -222,6 +229,12 @@ impl MetaConfig {
             return Err(invalid(
                 "commit_interval_ms",
                 format!("{commit_interval_ms} is not between 1 and 60000"),
+            ));
+        }
+        if *cache_lease_ms < 100 || *cache_lease_ms > 600_000 {
+            return Err(invalid(
+                "cache_lease_ms",
+                format!("{cache_lease_ms} is not between 100 and 600000"),
             ));
         }
         if *recovery_window_ms > 3_600_000 {
@@ -370,6 +383,7 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         ),
         mutations_in_progress: Mutex::new(HashSet::new()),
         mutation_finished: Notify::new(),
+        leases: leases::Leases::new(config.cache_lease_ms),
         config,
     });
     if !clients.is_empty() {
@@ -441,12 +455,13 @@ fn spawn_writer(
 }
 
 /// Ends sessions whose lease ran out; wakes the reaper for files left without handles;
-/// forgets the records of clients left without a session.
+/// forgets the records of clients left without a session; drops cache leases that ran out.
 async fn expire_sessions(shared: Arc<Shared>) {
     let period_ms = (u64::from(shared.config.lease_ms) / 4).max(50);
     let mut interval = tokio::time::interval(Duration::from_millis(period_ms));
     loop {
         interval.tick().await;
+        shared.leases.sweep();
         let (closed, clients) = shared.sessions().expire(Instant::now());
         if !closed.is_empty() {
             shared.reaper_wake.notify_one();

@@ -18,6 +18,9 @@ pub struct MetaMetrics {
     commit_failures: Counter,
     batch_operations: Histogram,
     commit_time: Histogram,
+    revocations: Counter,
+    revocation_expiries: Counter,
+    revocation_wait: Histogram,
 }
 
 impl MetaMetrics {
@@ -51,7 +54,33 @@ impl MetaMetrics {
                 &[],
                 LATENCY_BUCKETS_US,
             ),
+            revocations: registry.counter(
+                "freeflow_meta_revocations_total",
+                "Cache revocations sent to clients (one per client and inode) before a \
+                 mutation's reply.",
+                &[],
+            ),
+            revocation_expiries: registry.counter(
+                "freeflow_meta_revocation_expiries_total",
+                "Revocations never acknowledged: the mutation waited for the lease to run out.",
+                &[],
+            ),
+            revocation_wait: registry.histogram(
+                "freeflow_meta_revocation_wait_microseconds",
+                "Time a mutation waited for other clients to drop what it changed from their \
+                 caches (mutations that revoked something).",
+                &[],
+                LATENCY_BUCKETS_US,
+            ),
         }
+    }
+
+    /// A mutation sent `sent` revocations, waited since `started`, and `expired` of them
+    /// ran out instead of being acknowledged.
+    pub fn revoked(&self, sent: usize, expired: usize, started: Instant) {
+        self.revocations.add(sent as u64);
+        self.revocation_expiries.add(expired as u64);
+        self.revocation_wait.observe_duration(started.elapsed());
     }
 
     /// A commit was made durable (one fsync).
@@ -97,6 +126,16 @@ pub fn register_state_gauges(registry: &Registry, shared: &Arc<Shared>, inode_co
         "Mutations queued for the group-commit writer.",
         &[],
     );
+    let leases = registry.gauge(
+        "freeflow_meta_leases_held",
+        "Cache leases clients hold (one per client and inode, names or attributes).",
+        &[],
+    );
+    let lease_clients = registry.gauge(
+        "freeflow_meta_lease_clients",
+        "Clients polling for revocations (their reads are leased).",
+        &[],
+    );
     let ready = registry.gauge(
         "freeflow_meta_ready_milliseconds",
         "Time the server took from start to serving.",
@@ -117,6 +156,8 @@ pub fn register_state_gauges(registry: &Registry, shared: &Arc<Shared>, inode_co
         inodes.set(shared.inode_count.load(Ordering::Relaxed));
         orphans.set(shared.orphan_count.load(Ordering::Relaxed));
         ready.set(shared.ready_ms.load(Ordering::Relaxed));
+        leases.set(shared.leases.held() as u64);
+        lease_clients.set(shared.leases.client_count() as u64);
         {
             let sessions_now = shared.sessions();
             sessions.set(sessions_now.session_count() as u64);

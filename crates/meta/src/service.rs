@@ -18,10 +18,10 @@ use bytes::Bytes;
 use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::meta::{
     is_mutation, Close, CloseSession, ClusterReport, ClusterStatus, CommitSize, Create,
-    CreateReply, FsStats, GetAttr, GetXattr, Link, ListServers, ListXattr, Lookup, Mkdir, Open,
-    OpenGrant, OpenSession, ReadDir, ReadLink, RegisterReply, RegisterServer, RemoveXattr, Rename,
-    RenewSession, ReplayDone, ReplayOf, ReplyStamp, Rmdir, SessionGrant, SetAttributes,
-    SetDirLayout, SetXattr, StatFs, Symlink, Sync, Unlink,
+    CreateReply, FsStats, GetAttr, GetXattr, Link, ListServers, ListXattr, Lookup, LookupEntry,
+    Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink, RegisterReply, RegisterServer,
+    RemoveXattr, Rename, RenewSession, ReplayDone, ReplayOf, ReplyStamp, Rmdir, SessionGrant,
+    SetAttributes, SetDirLayout, SetXattr, StatFs, Symlink, Sync, Unlink, WaitRevocations,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
@@ -34,7 +34,7 @@ use crate::records::{
     decode_versioned, encode_versioned, inode_key, reply_expiry_key, reply_key, ReplyRecord,
     ServerEntry,
 };
-use crate::shared::Shared;
+use crate::shared::{Answered, Shared};
 use crate::store::{RedbWrite, StoreRead, StoreWrite, TableId};
 
 /// Longest I/O server address accepted at registration.
@@ -44,24 +44,27 @@ pub struct MetaService {
     pub shared: Arc<Shared>,
 }
 
-/// The stamp of a reply: `txn` of the mutation (0 for anything else).
-fn stamp(shared: &Shared, txn: u64) -> Bytes {
+/// The stamp of a reply: the transaction of a mutation (0 for anything else) and the
+/// lease granted on what it read or changed.
+fn stamp(shared: &Shared, answered: Answered) -> Bytes {
     Bytes::from(encode(&ReplyStamp {
         epoch: shared.boot_epoch,
-        txn,
+        txn: answered.txn,
         durable_txn: shared.durable_txn(),
+        lease_ms: answered.grant.lease_ms,
+        lease_seq: answered.grant.seq,
     }))
 }
 
 fn stamped<T>(
     shared: &Shared,
-    result: Result<(T, u64), WireError>,
+    result: Result<(T, Answered), WireError>,
 ) -> Result<(T, Bytes), WireError> {
-    result.map(|(reply, txn)| (reply, stamp(shared, txn)))
+    result.map(|(reply, answered)| (reply, stamp(shared, answered)))
 }
 
 fn unstamped<T>(shared: &Shared, result: Result<T, WireError>) -> Result<(T, Bytes), WireError> {
-    result.map(|reply| (reply, stamp(shared, 0)))
+    result.map(|reply| (reply, stamp(shared, Answered::default())))
 }
 
 /// Requests served during the recovery window (the rest wait for its end): sessions, the
@@ -70,6 +73,7 @@ fn served_while_recovering(opcode: u16) -> bool {
     matches!(
         opcode,
         OpenSession::OPCODE
+            | WaitRevocations::OPCODE
             | RenewSession::OPCODE
             | CloseSession::OPCODE
             | RegisterServer::OPCODE
@@ -88,7 +92,7 @@ macro_rules! read_request {
             let result = $shared
                 .read_as($client, |read| $operation(read, &request))
                 .await;
-            unstamped($shared, result)
+            stamped($shared, result)
         })
         .await
     };
@@ -149,7 +153,7 @@ where
     handle(frame, |request: R, _payload| async move {
         let durable = durable(&request);
         let result = shared
-            .write_as(id.client, durable, move |write, context| {
+            .mutate(id.client, durable, move |write, context| {
                 context.forced_inode = id.forced_inode;
                 let value = operation(write, context, &request)?;
                 record_reply(write, id.client, id.request_id, context.txn, &value)?;
@@ -217,7 +221,7 @@ fn recorded_reply(
 fn error_reply(shared: &Shared, error: WireError) -> Reply {
     Reply {
         header: encode(&Err::<(), WireError>(error)).into(),
-        payload: stamp(shared, 0),
+        payload: stamp(shared, Answered::default()),
     }
 }
 
@@ -245,10 +249,14 @@ impl MetaService {
         if resent {
             match recorded_reply(shared, client, frame.request_id) {
                 Ok(Some(record)) => {
+                    let answered = Answered {
+                        txn: record.txn,
+                        ..Answered::default()
+                    };
                     return Ok(Reply {
                         header: record.reply.into(),
-                        payload: stamp(shared, record.txn),
-                    })
+                        payload: stamp(shared, answered),
+                    });
                 }
                 Ok(None) => {}
                 Err(error) => return Ok(error_reply(shared, error)),
@@ -447,6 +455,34 @@ impl Service for MetaService {
                 })
                 .await
             }
+            WaitRevocations::OPCODE => {
+                handle(frame, |request: WaitRevocations, _| async move {
+                    unstamped(shared, wait_revocations(shared, client, request).await)
+                })
+                .await
+            }
+            LookupEntry::OPCODE => {
+                handle(frame, |request: LookupEntry, _| async move {
+                    let lookup = Lookup {
+                        caller: request.caller,
+                        parent: request.parent,
+                        name: request.name,
+                    };
+                    let result = shared
+                        .read_as(client, |read| match ops::lookup::lookup(read, &lookup) {
+                            Ok(attr) => Ok(Some(attr)),
+                            Err(ops::OpError::Refused(error))
+                                if error.code == ErrorCode::NotFound =>
+                            {
+                                Ok(None)
+                            }
+                            Err(error) => Err(error),
+                        })
+                        .await;
+                    stamped(shared, result)
+                })
+                .await
+            }
             other => Err(format!("unknown metadata opcode {other}")),
         }
     }
@@ -466,6 +502,31 @@ fn open_session(
         session_id,
         lease_ms: shared.config.lease_ms,
     })
+}
+
+/// Longest a revocation poll is held without anything to say.
+const REVOCATION_POLL_MS_MAX: u32 = 60_000;
+
+/// A client's poll for revocations. Its first makes it lease-capable; the client is then
+/// recorded durably (as for its first mutation) so that after a restart the recovery window
+/// waits for it to drop what it cached under the old server's leases.
+async fn wait_revocations(
+    shared: &Arc<Shared>,
+    client: u64,
+    request: WaitRevocations,
+) -> Result<Vec<freeflow_proto::meta::Revocation>, WireError> {
+    if client == 0 {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            "a client without a client id cannot hold leases",
+        ));
+    }
+    if !shared.client_registered(client) {
+        shared.write_as(client, true, |_, _| Ok(())).await?;
+    }
+    let wait =
+        std::time::Duration::from_millis(u64::from(request.wait_ms.min(REVOCATION_POLL_MS_MAX)));
+    Ok(shared.leases.poll(client, request.acknowledged, wait).await)
 }
 
 /// End a session; a client left without one is forgotten (its record goes). What was
@@ -542,7 +603,7 @@ async fn open(shared: &Shared, request: &Open, client: u64) -> Result<OpenGrant,
         require_access(&record.attr, &request.caller, access_mask(request.access))?;
         Ok(record.attr)
     });
-    let checked = checked.await;
+    let checked = checked.await.map(|(attr, _)| attr);
     match checked {
         Ok(attr) => Ok(OpenGrant { handle_id, attr }),
         Err(error) => {
@@ -558,7 +619,7 @@ async fn set_attributes(
     shared: &Arc<Shared>,
     request: SetAttributes,
     id: MutationId,
-) -> Result<(Attr, u64), WireError> {
+) -> Result<(Attr, Answered), WireError> {
     let inode = request.inode;
     // Pinned before the job is queued (see `CutPin`): an unlink in the same batch cannot
     // have the reaper remove the objects while this cuts them.
@@ -572,8 +633,8 @@ async fn set_attributes(
             _ => false,
         };
     let sessions_of = shared.clone();
-    let (outcome, txn) = shared
-        .write_as(id.client, false, move |write, context| {
+    let (outcome, answered) = shared
+        .mutate(id.client, false, move |write, context| {
             let outcome = ops::setattr::set_attributes_recording_cuts(
                 write,
                 context,
@@ -594,10 +655,10 @@ async fn set_attributes(
         }
         // The cuts changed the space the file holds: answer with the settled record.
         if let Ok(Some(found)) = shared.read(|read| Ok(ops::try_load_inode(read, inode)?)) {
-            return Ok((found.attr, txn));
+            return Ok((found.attr, answered));
         }
     }
-    Ok((outcome.attr, txn))
+    Ok((outcome.attr, answered))
 }
 
 /// Create (and maybe open). The handle is reserved before the job is queued and bound to
@@ -607,7 +668,7 @@ async fn create(
     shared: &Arc<Shared>,
     request: Create,
     id: MutationId,
-) -> Result<(CreateReply, u64), WireError> {
+) -> Result<(CreateReply, Answered), WireError> {
     let reserved = match request.open {
         Some((session_id, access)) => Some((
             session_id,
@@ -617,7 +678,7 @@ async fn create(
     };
     let binder = shared.clone();
     let created = shared
-        .write_as(id.client, false, move |write, context| {
+        .mutate(id.client, false, move |write, context| {
             context.forced_inode = id.forced_inode;
             let mut outcome = ops::create::create(write, context, &request)?;
             if let Some((_, handle_id)) = reserved {
@@ -636,9 +697,9 @@ async fn create(
         })
         .await;
     match (created, reserved) {
-        (Ok((outcome, txn)), None) => Ok((outcome.reply, txn)),
-        (Ok((outcome, txn)), Some(_)) if outcome.reply.handle_id.is_some() => {
-            Ok((outcome.reply, txn))
+        (Ok((outcome, answered)), None) => Ok((outcome.reply, answered)),
+        (Ok((outcome, answered)), Some(_)) if outcome.reply.handle_id.is_some() => {
+            Ok((outcome.reply, answered))
         }
         (Ok(_), Some((session_id, _))) => Err(WireError::new(
             ErrorCode::BadHandle,

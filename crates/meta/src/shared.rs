@@ -61,6 +61,16 @@ pub struct Shared {
     /// waits for the first instead of applying it twice. Bounded by the requests in flight.
     pub mutations_in_progress: Mutex<HashSet<(u64, u64)>>,
     pub mutation_finished: Notify,
+    /// What clients cache, and its revocation (see `leases.rs`).
+    pub leases: crate::leases::Leases,
+}
+
+/// How a request was answered: the transaction of a mutation (0 for a read) and the lease
+/// granted on what it read or changed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Answered {
+    pub txn: u64,
+    pub grant: crate::leases::Grant,
 }
 
 /// Per inode: how many pins are held, and the lock that lets one pin-holder at a time send
@@ -192,15 +202,47 @@ impl Shared {
     }
 
     /// Queue a mutation of the server's own (the reaper, the cutter, registrations) and
-    /// wait until it is committed (or refused).
+    /// wait until it is committed (or refused) and clients' leases on what it changed are
+    /// revoked.
     pub async fn write<T, F>(&self, operation: F) -> Result<T, WireError>
     where
         T: Send + 'static,
         F: FnOnce(&mut RedbWrite, &mut OpContext<'_>) -> OpResult<T> + Send + 'static,
     {
-        self.write_as(0, false, operation)
+        self.mutate(0, false, operation)
             .await
             .map(|(value, _)| value)
+    }
+
+    /// A mutation of `client` through the writer ([`Shared::write_as`]); then every other
+    /// client's lease on what it changed is revoked (the reply waits for that, at most one
+    /// lease), and the client is granted leases on what it changed, if it polls.
+    pub async fn mutate<T, F>(
+        &self,
+        client: u64,
+        durable: bool,
+        operation: F,
+    ) -> Result<(T, Answered), WireError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut RedbWrite, &mut OpContext<'_>) -> OpResult<T> + Send + 'static,
+    {
+        let since = self.leases.seq();
+        let (value, committed) = self.write_as(client, durable, operation).await?;
+        let pending = self.leases.changed(client, &committed.touches);
+        if !pending.is_empty() {
+            let (started, sent) = (std::time::Instant::now(), pending.len());
+            let expired = self.leases.wait(pending).await;
+            self.metrics.revoked(sent, expired, started);
+        }
+        let grant = self.leases.grant(client, &committed.touches, since);
+        Ok((
+            value,
+            Answered {
+                txn: committed.txn,
+                grant,
+            },
+        ))
     }
 
     /// Queue a mutation of `client` and wait until it is committed (or refused); with
@@ -210,7 +252,7 @@ impl Shared {
         client: u64,
         durable: bool,
         operation: F,
-    ) -> Result<(T, u64), WireError>
+    ) -> Result<(T, crate::writer::Committed), WireError>
     where
         T: Send + 'static,
         F: FnOnce(&mut RedbWrite, &mut OpContext<'_>) -> OpResult<T> + Send + 'static,
@@ -285,6 +327,7 @@ impl Shared {
     /// recovery window would wait for once its mutations are durable, and the record's
     /// removal becomes durable no earlier than they do).
     pub async fn forget_client(&self, client: u64) {
+        self.leases.forget_client(client);
         let registered = self
             .registered_clients
             .lock()
@@ -305,12 +348,14 @@ impl Shared {
 
     /// A read for `client` (commit on share): if it read an inode another client changed
     /// in a transaction not durable yet, that transaction is made durable before the
-    /// result is returned, so no client acts on a change a crash could take away.
+    /// result is returned, so no client acts on a change a crash could take away. What it
+    /// read is leased to the client if it polls for revocations.
     pub async fn read_as<T>(
         &self,
         client: u64,
         operation: impl FnOnce(&RedbRead) -> OpResult<T>,
-    ) -> Result<T, WireError> {
+    ) -> Result<(T, Answered), WireError> {
+        let since = self.leases.seq();
         let (result, touched) = {
             let store = self.store()?;
             let read = store
@@ -319,10 +364,12 @@ impl Shared {
             let result = operation(&read).map_err(|error| error.to_wire());
             (result, read.take_touched())
         };
-        if let Some(txn) = self.shared_change(client, &touched) {
+        if let Some(txn) = self.shared_change(client, &touched.inodes) {
             self.make_durable(txn).await?;
         }
-        result
+        let value = result?;
+        let grant = self.leases.grant(client, &touched, since);
+        Ok((value, Answered { txn: 0, grant }))
     }
 
     /// The newest transaction not durable yet in which another client than `client`

@@ -154,9 +154,66 @@ pub trait StoreRead {
     ) -> Result<Vec<Vec<u8>>, StoreError>;
 }
 
-/// The inodes a transaction read or wrote so far (duplicates possible).
+/// What a transaction read and changed, by inode (duplicates possible): for commit on
+/// share (`inodes`) and for client cache leases (the rest; see `leases.rs`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Touches {
+    /// Every inode read or changed through a table keyed by inode; `[TOUCHED_ALL]` when
+    /// there were too many to keep.
+    pub inodes: Vec<InodeId>,
+    /// Directories whose entries were read.
+    pub names_read: Vec<InodeId>,
+    /// Inodes whose records were read.
+    pub attributes_read: Vec<InodeId>,
+    /// Entries changed: (directory, name).
+    pub names_changed: Vec<(InodeId, String)>,
+    /// Inodes whose records changed.
+    pub attributes_changed: Vec<InodeId>,
+    /// More was touched than kept: treat it as everything.
+    pub overflowed: bool,
+}
+
+impl Touches {
+    fn entries(&self) -> usize {
+        self.inodes.len()
+            + self.names_read.len()
+            + self.attributes_read.len()
+            + self.names_changed.len()
+            + self.attributes_changed.len()
+    }
+
+    fn record(&mut self, table: TableId, key: &[u8], changed: bool) {
+        let Some(inode) = table.inode_of_key(key) else {
+            return;
+        };
+        if self.overflowed {
+            return;
+        }
+        if self.entries() >= TOUCHED_INODES_MAX {
+            *self = Touches {
+                inodes: vec![TOUCHED_ALL],
+                overflowed: true,
+                ..Touches::default()
+            };
+            return;
+        }
+        self.inodes.push(inode);
+        match (table, changed) {
+            (TableId::Dirents, false) => self.names_read.push(inode),
+            (TableId::Dirents, true) => {
+                let name = String::from_utf8_lossy(key.get(8..).unwrap_or_default()).into_owned();
+                self.names_changed.push((inode, name));
+            }
+            (TableId::Inodes, false) => self.attributes_read.push(inode),
+            (TableId::Inodes, true) => self.attributes_changed.push(inode),
+            _ => {}
+        }
+    }
+}
+
+/// The record of what a transaction touched so far.
 pub trait TouchedInodes {
-    fn take_touched(&self) -> Vec<InodeId>;
+    fn take_touched(&self) -> Touches;
 }
 
 /// Writes; nothing is visible to readers before `commit`.
@@ -236,32 +293,28 @@ impl MetaStore for RedbStore {
 
 pub struct RedbRead {
     transaction: ReadTransaction,
-    touched: RefCell<Vec<InodeId>>,
+    touched: RefCell<Touches>,
 }
 
 pub struct RedbWrite {
     transaction: WriteTransaction,
-    touched: RefCell<Vec<InodeId>>,
+    touched: RefCell<Touches>,
 }
 
-/// Bound on the inodes one transaction records; past it the oldest are dropped and the
-/// transaction counts as touching everything (see [`TOUCHED_ALL`]).
+/// Bound on what one transaction records; past it the transaction counts as touching
+/// everything (see [`TOUCHED_ALL`]).
 const TOUCHED_INODES_MAX: usize = 65_536;
 
 /// Recorded in place of a transaction's inodes when there were too many to keep: an
 /// "inode" every check treats as shared with everyone.
 pub const TOUCHED_ALL: InodeId = 0;
 
-fn touch(touched: &RefCell<Vec<InodeId>>, table: TableId, key: &[u8]) {
-    if let Some(inode) = table.inode_of_key(key) {
-        let mut touched = touched.borrow_mut();
-        if touched.len() >= TOUCHED_INODES_MAX {
-            touched.clear();
-            touched.push(TOUCHED_ALL);
-        } else if touched.first() != Some(&TOUCHED_ALL) {
-            touched.push(inode);
-        }
-    }
+fn touch(touched: &RefCell<Touches>, table: TableId, key: &[u8]) {
+    touched.borrow_mut().record(table, key, false);
+}
+
+fn change(touched: &RefCell<Touches>, table: TableId, key: &[u8]) {
+    touched.borrow_mut().record(table, key, true);
 }
 
 fn start_key(bound: Bound<&[u8]>) -> &[u8] {
@@ -354,20 +407,20 @@ store_read_for!(RedbRead);
 store_read_for!(RedbWrite);
 
 impl TouchedInodes for RedbRead {
-    fn take_touched(&self) -> Vec<InodeId> {
+    fn take_touched(&self) -> Touches {
         std::mem::take(&mut *self.touched.borrow_mut())
     }
 }
 
 impl TouchedInodes for RedbWrite {
-    fn take_touched(&self) -> Vec<InodeId> {
+    fn take_touched(&self) -> Touches {
         std::mem::take(&mut *self.touched.borrow_mut())
     }
 }
 
 impl StoreWrite for RedbWrite {
     fn put(&mut self, table: TableId, key: &[u8], value: &[u8]) -> Result<(), StoreError> {
-        touch(&self.touched, table, key);
+        change(&self.touched, table, key);
         let mut opened = self
             .transaction
             .open_table(table.definition())
@@ -377,7 +430,7 @@ impl StoreWrite for RedbWrite {
     }
 
     fn delete(&mut self, table: TableId, key: &[u8]) -> Result<bool, StoreError> {
-        touch(&self.touched, table, key);
+        change(&self.touched, table, key);
         let mut opened = self
             .transaction
             .open_table(table.definition())

@@ -41,7 +41,8 @@ use crate::ops::{now, OpContext, OpError, OpResult, WriterState};
 use crate::records::{encode_versioned, ClientRecord};
 use crate::shared::Shared;
 use crate::store::{
-    MetaStore, RedbWrite, StoreError, StoreRead, StoreWrite, TableId, TouchedInodes, TOUCHED_ALL,
+    MetaStore, RedbWrite, StoreError, StoreRead, StoreWrite, TableId, TouchedInodes, Touches,
+    TOUCHED_ALL,
 };
 
 /// Most inodes remembered as changed by a transaction not durable yet; reaching it makes
@@ -66,8 +67,18 @@ pub trait BatchJob: Send {
     ) -> Result<(), StoreError>;
     /// Whether `apply` changed anything (a refused operation did not).
     fn applied(&self) -> bool;
+    /// What `apply` touched, handed back to the caller with the reply.
+    fn set_touches(&mut self, touches: Touches);
     /// Reply once the batch's fate is known.
     fn finish(self: Box<Self>, batch: &Result<u64, WireError>);
+}
+
+/// How an applied mutation was committed: its transaction, and what it read and changed
+/// (the caller revokes other clients' leases on what changed, `leases.rs`).
+#[derive(Clone, Debug, Default)]
+pub struct Committed {
+    pub txn: u64,
+    pub touches: Touches,
 }
 
 pub enum WriterMessage {
@@ -85,7 +96,8 @@ struct TypedJob<T, F> {
     durable: bool,
     operation: Option<F>,
     result: Option<Result<T, WireError>>,
-    reply: oneshot::Sender<Result<(T, u64), WireError>>,
+    touches: Touches,
+    reply: oneshot::Sender<Result<(T, Committed), WireError>>,
 }
 
 impl<T, F> BatchJob for TypedJob<T, F>
@@ -121,10 +133,20 @@ where
         matches!(self.result, Some(Ok(_)))
     }
 
+    fn set_touches(&mut self, touches: Touches) {
+        self.touches = touches;
+    }
+
     fn finish(self: Box<Self>, batch: &Result<u64, WireError>) {
         let reply = match (batch, self.result) {
             (Err(error), _) => Err(error.clone()),
-            (Ok(txn), Some(Ok(value))) => Ok((value, *txn)),
+            (Ok(txn), Some(Ok(value))) => Ok((
+                value,
+                Committed {
+                    txn: *txn,
+                    touches: self.touches,
+                },
+            )),
             (Ok(_), Some(Err(error))) => Err(error),
             (Ok(_), None) => Err(WireError::new(ErrorCode::Io, "operation was not applied")),
         };
@@ -141,7 +163,7 @@ pub fn job<T, F>(
     operation: F,
 ) -> (
     Box<dyn BatchJob>,
-    oneshot::Receiver<Result<(T, u64), WireError>>,
+    oneshot::Receiver<Result<(T, Committed), WireError>>,
 )
 where
     T: Send + 'static,
@@ -153,6 +175,7 @@ where
         durable,
         operation: Some(operation),
         result: None,
+        touches: Touches::default(),
         reply,
     };
     (Box::new(job), receiver)
@@ -287,14 +310,17 @@ impl Writer {
                 durable |= job.wants_durable();
                 let client = job.client();
                 if client == 0 || !job.applied() {
+                    job.set_touches(touched);
                     continue;
                 }
-                if !durable && shared_with_another(&shared, client, &touched, &batch_changes) {
+                if !durable && shared_with_another(&shared, client, &touched.inodes, &batch_changes)
+                {
                     durable = true;
                 }
-                for inode in touched {
-                    batch_changes.insert(inode, client);
+                for inode in &touched.inodes {
+                    batch_changes.insert(*inode, client);
                 }
+                job.set_touches(touched);
                 if !shared.client_registered(client) && !new_clients.contains(&client) {
                     new_clients.push(client);
                 }

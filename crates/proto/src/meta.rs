@@ -156,6 +156,29 @@ pub struct ReplyStamp {
     pub txn: u64,
     /// Every transaction up to this one is on stable storage.
     pub durable_txn: u64,
+    /// When not 0, what the request read (and a mutation changed) is leased to the client
+    /// for this long, measured from when it sent the request: it may cache it until then,
+    /// or until a revocation for it arrives (issue 9).
+    pub lease_ms: u32,
+    /// The server's lease sequence at the grant: a revocation with an id at least this,
+    /// received before the reply was used, makes the reply's leased parts stale.
+    pub lease_seq: u64,
+}
+
+/// What a client must stop trusting (the reply to `WaitRevocations`): some names of a
+/// directory (their entries, positive or negative), all of its names, or an inode's
+/// attributes. Acknowledged by the client's next poll, once its caches dropped them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Revocation {
+    /// Increasing per server; acknowledged in order.
+    pub id: u64,
+    pub inode: InodeId,
+    /// Names of directory `inode` that changed.
+    pub names: Vec<String>,
+    /// The attributes of `inode` changed.
+    pub attributes: bool,
+    /// Every name of directory `inode` (too many changed to list).
+    pub whole_directory: bool,
 }
 
 /// Whether requests of this opcode change the namespace: those are applied once per
@@ -280,4 +303,11 @@ requests! {
     /// This client has replayed every mutation it kept from before the server's restart:
     /// the server need not wait for it any longer before serving new requests.
     ReplayDone = 135 => () {}
+    /// A client's poll for revocations (issue 9): acknowledges every revocation up to
+    /// `acknowledged`, then returns those queued for it, waiting up to `wait_ms` for some.
+    /// Polling makes the client lease-capable: its reads are leased to it from then on.
+    WaitRevocations = 136 => Vec<Revocation> { acknowledged: u64, wait_ms: u32 }
+    /// A lookup that answers a missing name with `None` instead of an error, so that the
+    /// answer can carry a lease (a cached negative entry).
+    LookupEntry = 137 => Option<Attr> { caller: Caller, parent: InodeId, name: String }
 }

@@ -72,6 +72,8 @@ fn every_meta_message(bytes: &[u8]) {
         ClusterStatus,
         Sync,
         ReplayDone,
+        WaitRevocations,
+        LookupEntry,
     );
 }
 
@@ -93,6 +95,7 @@ fn every_io_message(bytes: &[u8]) {
 fn every_handshake_message(bytes: &[u8]) {
     check::<ReplyStamp>(bytes);
     check::<ReplayOf>(bytes);
+    check::<Revocation>(bytes);
     check::<Hello>(bytes);
     check::<Authenticate>(bytes);
     check::<Result<ServerProof, WireError>>(bytes);
@@ -201,6 +204,20 @@ fn samples() -> Vec<Vec<u8>> {
             window_bytes: 1 << 20,
             payload_length_max: 8 << 20,
             epoch: 3,
+        }),
+        encode(&Ok::<Vec<Revocation>, WireError>(vec![Revocation {
+            id: 12,
+            inode: 1,
+            names: vec!["gone".into(), "new".into()],
+            attributes: true,
+            whole_directory: false,
+        }])),
+        encode(&ReplyStamp {
+            epoch: 2,
+            txn: 9,
+            durable_txn: 8,
+            lease_ms: 10_000,
+            lease_seq: 4,
         }),
         encode(&ReplayOf {
             epoch: 2,

@@ -19,6 +19,8 @@ pub struct Options {
     pub sync_on_close: bool,
     pub call_timeout_ms: u64,
     pub threads: u32,
+    /// Cache under leases (false: `--no-cache`).
+    pub cache_leases: bool,
     /// Serve the client's metrics on this `host:port` (None: no endpoint).
     pub metrics_address: Option<String>,
 }
@@ -35,6 +37,7 @@ impl Options {
             sync_on_close: flags.sync_on_close,
             call_timeout_ms: flags.call_timeout_ms,
             threads: flags.threads,
+            cache_leases: !flags.no_cache,
             metrics_address,
         }
     }
@@ -47,6 +50,7 @@ impl Default for Options {
             sync_on_close: false,
             call_timeout_ms: 10_000,
             threads: 4,
+            cache_leases: true,
             metrics_address: None,
         }
     }
@@ -121,6 +125,10 @@ pub async fn mount_cluster(
         allow_other: options.allow_other,
         sync_on_close: options.sync_on_close,
         threads: options.threads as usize,
+        cache_leases: options.cache_leases,
+        // Without leases, attributes are kept a second (with them, a reply without a
+        // lease is not kept at all).
+        attr_timeout_ms: if options.cache_leases { 0 } else { 1_000 },
         ..MountOptions::default()
     };
     let mount_client = client.clone();

@@ -200,6 +200,11 @@ struct MetaRow {
     p99_ms: Option<f64>,
     inodes: f64,
     sessions: f64,
+    /// Cache leases held by clients, revocations sent per second, and the 99th percentile
+    /// of how long a mutation waited for them.
+    leases: f64,
+    revocations_per_s: f64,
+    revocation_p99_ms: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -391,6 +396,24 @@ fn compute(
                     p99_ms: quantile_ms(&service, 0.99),
                     inodes: later.sum("freeflow_meta_inodes", &[]),
                     sessions: later.sum("freeflow_meta_sessions", &[]),
+                    leases: later.sum("freeflow_meta_leases_held", &[]),
+                    revocations_per_s: rate(
+                        earlier,
+                        later,
+                        "freeflow_meta_revocations_total",
+                        &[],
+                        seconds,
+                    ),
+                    revocation_p99_ms: {
+                        let name = "freeflow_meta_revocation_wait_microseconds";
+                        let waits = later.histogram(name, &[]).map(|later_waits| {
+                            match earlier.histogram(name, &[]) {
+                                Some(earlier_waits) => later_waits.since(&earlier_waits),
+                                None => later_waits,
+                            }
+                        });
+                        quantile_ms(&waits.filter(|waits| waits.count() > 0.0), 0.99)
+                    },
                 });
             }
         }
@@ -472,6 +495,12 @@ fn render_text(panel: &Panel) -> String {
             if !operations.is_empty() {
                 out.push_str(&format!("  ops: {}\n", operations.join(", ")));
             }
+            out.push_str(&format!(
+                "  cache: {} leases held, {:.0} revocations/s, revocation wait p99 {} ms\n",
+                meta.leases,
+                meta.revocations_per_s,
+                milliseconds(meta.revocation_p99_ms),
+            ));
         }
         Some(meta) => out.push_str(&format!("meta     {:<22} unreachable\n", meta.address)),
         None => out.push_str("meta     (no metrics endpoint)\n"),
@@ -536,7 +565,7 @@ fn render_json(panel: &Panel) -> String {
                 .map(|(name, per_s)| format!("{}:{}", json_string(name), json_number(*per_s)))
                 .collect();
             format!(
-                "{{\"address\":{},\"reachable\":{},\"ops_per_s\":{},\"ops\":{{{}}},\"commits_per_s\":{},\"batch_average\":{},\"p50_ms\":{},\"p99_ms\":{},\"inodes\":{},\"sessions\":{}}}",
+                "{{\"address\":{},\"reachable\":{},\"ops_per_s\":{},\"ops\":{{{}}},\"commits_per_s\":{},\"batch_average\":{},\"p50_ms\":{},\"p99_ms\":{},\"inodes\":{},\"sessions\":{},\"leases\":{},\"revocations_per_s\":{},\"revocation_p99_ms\":{}}}",
                 json_string(&meta.address),
                 meta.reachable,
                 json_number(meta.operations_per_s),
@@ -547,6 +576,9 @@ fn render_json(panel: &Panel) -> String {
                 json_option(meta.p99_ms),
                 json_number(meta.inodes),
                 json_number(meta.sessions),
+                json_number(meta.leases),
+                json_number(meta.revocations_per_s),
+                json_option(meta.revocation_p99_ms),
             )
         }
     };

@@ -211,6 +211,8 @@ pub struct ClusterOptions {
     /// durable) and `recovery_window_ms`.
     pub meta_commit_interval_ms: u64,
     pub recovery_window_ms: u64,
+    /// How long the meta server leases what clients cache (`cache_lease_ms`).
+    pub cache_lease_ms: u32,
 }
 
 impl ClusterOptions {
@@ -222,6 +224,7 @@ impl ClusterOptions {
             metrics: false,
             meta_commit_interval_ms: 500,
             recovery_window_ms: 10_000,
+            cache_lease_ms: 10_000,
         }
     }
 }
@@ -361,6 +364,7 @@ impl Cluster {
             metrics_address: self.meta_metrics_address.clone(),
             commit_interval_ms: self.options.meta_commit_interval_ms,
             recovery_window_ms: self.options.recovery_window_ms,
+            cache_lease_ms: self.options.cache_lease_ms,
             ..MetaConfig::default()
         };
         let file = MetaFile {

@@ -1,0 +1,242 @@
+//! What the mount lets the kernel cache, under the meta server's leases (issue 9).
+//!
+//! A reply that came with a lease is given to the kernel with that lease's remaining time
+//! as its entry and attribute time-out (names, missing names, attributes); without one,
+//! the mount's configured time-outs apply. The mount remembers what it handed out with a
+//! lease (names by directory, inodes whose attributes were cached: bounded), so that a
+//! revocation can be turned into the kernel's invalidations: `inval_entry` for each name
+//! of a directory that changed, `inval_inode` (attributes only) for an inode that changed,
+//! and all of them when the meta server restarted.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use freeflow_client::{InodeId, Revocation};
+use fuser::{INodeNo, Notifier};
+
+/// Most names and inodes remembered as handed to the kernel under a lease; past it (once
+/// those whose lease ran out are dropped), replies are given the configured time-outs
+/// instead (no more caching).
+pub const CACHED_MAX: usize = 1 << 20;
+
+/// What the kernel may hold under a lease, each until when.
+#[derive(Default)]
+struct Index {
+    names: HashMap<InodeId, HashMap<String, Instant>>,
+    name_count: usize,
+    attributes: HashMap<InodeId, Instant>,
+}
+
+impl Index {
+    fn full(&mut self, now: Instant) -> bool {
+        if self.name_count + self.attributes.len() < CACHED_MAX {
+            return false;
+        }
+        self.attributes.retain(|_, until| *until > now);
+        let mut count = 0;
+        self.names.retain(|_, names| {
+            names.retain(|_, until| *until > now);
+            count += names.len();
+            !names.is_empty()
+        });
+        self.name_count = count;
+        self.name_count + self.attributes.len() >= CACHED_MAX
+    }
+}
+
+/// The cache index and the kernel's notifier.
+pub struct KernelCache {
+    index: Mutex<Index>,
+    notifier: Mutex<Option<Notifier>>,
+}
+
+/// The right to hand the kernel something under a lease. Held from the lease check until
+/// the reply is written to the kernel, so that a revocation handled meanwhile either made
+/// the check fail or finds the name in the index and invalidates it after the reply.
+pub struct Admission<'a> {
+    index: MutexGuard<'a, Index>,
+}
+
+impl Admission<'_> {
+    /// Note that the kernel may cache `name` in `parent` (and, with `child`, that inode's
+    /// attributes) for `left`, what remains of its lease; returns the time-out to give
+    /// it, None if there is no lease or the index is full (do not cache then).
+    pub fn entry(
+        &mut self,
+        left: Option<Duration>,
+        parent: InodeId,
+        name: &str,
+        child: Option<InodeId>,
+    ) -> Option<Duration> {
+        let left = left?;
+        let now = Instant::now();
+        if self.index.full(now) {
+            return None;
+        }
+        let until = now + left;
+        let index = &mut *self.index;
+        let names = index.names.entry(parent).or_default();
+        match names.get_mut(name) {
+            Some(known) => *known = (*known).max(until),
+            None => {
+                names.insert(name.to_string(), until);
+                index.name_count += 1;
+            }
+        }
+        if let Some(child) = child {
+            let known = index.attributes.entry(child).or_insert(until);
+            *known = (*known).max(until);
+        }
+        Some(left)
+    }
+
+    /// Note that the kernel may cache `inode`'s attributes for `left`.
+    pub fn attributes(&mut self, left: Option<Duration>, inode: InodeId) -> Option<Duration> {
+        let left = left?;
+        let now = Instant::now();
+        if self.index.full(now) {
+            return None;
+        }
+        let until = now + left;
+        let known = self.index.attributes.entry(inode).or_insert(until);
+        *known = (*known).max(until);
+        Some(left)
+    }
+}
+
+impl KernelCache {
+    pub fn new() -> KernelCache {
+        KernelCache {
+            index: Mutex::new(Index::default()),
+            notifier: Mutex::new(None),
+        }
+    }
+
+    fn index(&self) -> MutexGuard<'_, Index> {
+        self.index.lock().expect("cache index not poisoned")
+    }
+
+    /// Hold off revocations until the reply under a lease is written (see [`Admission`]).
+    pub fn admit(&self) -> Admission<'_> {
+        Admission {
+            index: self.index(),
+        }
+    }
+
+    pub fn set_notifier(&self, notifier: Notifier) {
+        *self.notifier.lock().expect("notifier not poisoned") = Some(notifier);
+    }
+
+    /// Drop from the kernel what `revocations` name; returns once the kernel did.
+    pub fn revoke(&self, revocations: &[Revocation]) {
+        let notifier = self.notifier.lock().expect("notifier not poisoned").clone();
+        let Some(notifier) = notifier else {
+            return;
+        };
+        for revocation in revocations {
+            let (entries, inodes) = self.take(revocation);
+            for (parent, name) in entries {
+                // ENOENT: the kernel no longer had it. Nothing else can be done either way.
+                let _ = notifier.inval_entry(INodeNo(parent), OsStr::new(&name));
+            }
+            for inode in inodes {
+                // A negative offset: the attributes only (pages are dropped at each open).
+                let _ = notifier.inval_inode(INodeNo(inode), -1, 0);
+            }
+        }
+    }
+
+    /// What one revocation covers, taken out of the index.
+    fn take(&self, revocation: &Revocation) -> (Vec<(InodeId, String)>, Vec<InodeId>) {
+        let mut index = self.index();
+        let mut entries = Vec::new();
+        let mut inodes = Vec::new();
+        if revocation.inode == 0 {
+            // The meta server restarted: everything.
+            let names = std::mem::take(&mut index.names);
+            for (parent, names) in names {
+                entries.extend(names.into_keys().map(|name| (parent, name)));
+            }
+            index.name_count = 0;
+            inodes.extend(index.attributes.drain().map(|(inode, _)| inode));
+            return (entries, inodes);
+        }
+        if revocation.whole_directory {
+            if let Some(names) = index.names.remove(&revocation.inode) {
+                index.name_count -= names.len();
+                entries.extend(names.into_keys().map(|name| (revocation.inode, name)));
+            }
+        } else {
+            let mut emptied = false;
+            if let Some(names) = index.names.get_mut(&revocation.inode) {
+                for name in &revocation.names {
+                    if names.remove(name).is_some() {
+                        entries.push((revocation.inode, name.clone()));
+                    }
+                }
+                emptied = names.is_empty();
+            }
+            index.name_count -= entries.len();
+            if emptied {
+                index.names.remove(&revocation.inode);
+            }
+            // A name the kernel may hold as missing is not in the index unless it was
+            // looked up: invalidate the named ones in any case.
+            for name in &revocation.names {
+                if !entries.iter().any(|(_, known)| known == name) {
+                    entries.push((revocation.inode, name.clone()));
+                }
+            }
+        }
+        if revocation.attributes && index.attributes.remove(&revocation.inode).is_some() {
+            inodes.push(revocation.inode);
+        }
+        (entries, inodes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn revocation(inode: InodeId, names: &[&str], attributes: bool, whole: bool) -> Revocation {
+        Revocation {
+            id: 1,
+            inode,
+            names: names.iter().map(|name| name.to_string()).collect(),
+            attributes,
+            whole_directory: whole,
+        }
+    }
+
+    #[test]
+    fn revocations_take_what_they_name_out_of_the_index() {
+        let cache = KernelCache::new();
+        let lease = Some(Duration::from_secs(10));
+        {
+            let mut admission = cache.admit();
+            assert_eq!(admission.entry(lease, 1, "a", Some(10)), lease);
+            assert_eq!(admission.entry(lease, 1, "b", Some(11)), lease);
+            assert_eq!(admission.entry(lease, 2, "c", None), lease);
+            assert_eq!(
+                admission.entry(None, 2, "d", None),
+                None,
+                "no lease: not cached"
+            );
+        }
+        let (entries, inodes) = cache.take(&revocation(1, &["a", "zz"], false, false));
+        assert_eq!(entries, vec![(1, "a".to_string()), (1, "zz".to_string())]);
+        assert!(inodes.is_empty());
+        let (entries, inodes) = cache.take(&revocation(11, &[], true, false));
+        assert!(entries.is_empty());
+        assert_eq!(inodes, vec![11]);
+        let (entries, _) = cache.take(&revocation(1, &[], false, true));
+        assert_eq!(entries, vec![(1, "b".to_string())]);
+        let (entries, inodes) = cache.take(&revocation(0, &[], true, true));
+        assert_eq!(entries, vec![(2, "c".to_string())]);
+        assert_eq!(inodes, vec![10]);
+        assert_eq!(cache.index().name_count, 0);
+    }
+}

@@ -1,0 +1,635 @@
+//! Leases on what clients cache, and their revocation by callback (issue 9, DESIGN.md §4).
+//!
+//! A client that polls for revocations (`WaitRevocations`) is *lease-capable*: what its
+//! reads return is leased to it for `cache_lease_ms`, measured by the client from when it
+//! sent the request (so it stops trusting a cache before the server forgets the lease):
+//! - the names of a directory whose entries it read (positive and negative lookups,
+//!   listings): it may keep them, until a revocation names them;
+//! - the attributes of an inode whose record it read: it may keep them, until revoked.
+//!
+//! Before a mutation's reply, every other client holding a lease on what it changed gets a
+//! [`Revocation`] (the names of a directory that changed; the attributes of an inode that
+//! changed) through its poll, and the mutation waits until that client acknowledges it
+//! (its next poll) or its lease runs out: a dead client delays others by one lease at most.
+//!
+//! A grant races with changes: a read starts at sequence `since`; if any inode it read was
+//! changed by another client after `since` (the change may have missed the lease, not yet
+//! registered), no lease is granted. Revocation ids come from the same sequence, so a
+//! client that receives a revocation before the reply it races with can tell the reply is
+//! older (`ReplyStamp::lease_seq`).
+//!
+//! Every table has a bound: clients (`sessions_max`), leases per client, revocations queued
+//! per client, and inodes remembered as changed. Past a bound, leases are refused (the
+//! client simply does not cache), never the operation.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use freeflow_proto::meta::Revocation;
+use freeflow_types::InodeId;
+use tokio::sync::Notify;
+
+use crate::store::Touches;
+
+/// Most leases one client holds at once (a lease is one inode, names or attributes).
+pub const LEASES_PER_CLIENT_MAX: usize = 1 << 20;
+/// Most revocations queued for one client before it polls.
+pub const REVOCATIONS_QUEUED_MAX: usize = 65_536;
+/// Most inodes remembered as recently changed (for the grant race).
+pub const CHANGED_INODES_MAX: usize = 1 << 20;
+/// Most names one revocation carries (more: the whole directory).
+pub const REVOCATION_NAMES_MAX: usize = 256;
+
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    client: u64,
+    names: bool,
+    attributes: bool,
+    until: Instant,
+}
+
+struct CallbackClient {
+    queue: VecDeque<Revocation>,
+    /// Every revocation up to this id has been handled by the client.
+    acknowledged: u64,
+    leases: usize,
+    /// Counts the client's polls: only its newest is answered (an older one whose reply
+    /// the client gave up on must not take what the newest is waiting for).
+    polls: u64,
+    /// Woken when a revocation is queued or a newer poll arrives.
+    wake: std::sync::Arc<Notify>,
+}
+
+/// The last change of an inode: its sequence, by whom, and whether several clients
+/// changed it recently.
+#[derive(Clone, Copy)]
+struct Change {
+    seq: u64,
+    client: u64,
+    mixed: bool,
+}
+
+#[derive(Default)]
+struct Inner {
+    next_seq: u64,
+    clients: HashMap<u64, CallbackClient>,
+    holders: HashMap<InodeId, Vec<Held>>,
+    changed: HashMap<InodeId, Change>,
+    changed_order: VecDeque<(Instant, InodeId, u64)>,
+}
+
+/// Revocations a mutation must see acknowledged (or expired) before it replies.
+#[derive(Debug, Default)]
+pub struct Pending {
+    waits: Vec<(u64, u64, Instant)>,
+}
+
+impl Pending {
+    pub fn is_empty(&self) -> bool {
+        self.waits.is_empty()
+    }
+
+    /// Revocations sent (one per client and inode).
+    pub fn len(&self) -> usize {
+        self.waits.len()
+    }
+}
+
+/// What a read was granted: the lease and the sequence it was granted at.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Grant {
+    pub lease_ms: u32,
+    pub seq: u64,
+}
+
+pub struct Leases {
+    lease: Duration,
+    inner: Mutex<Inner>,
+    /// Woken when a client acknowledges revocations or goes away.
+    acknowledged: Notify,
+}
+
+impl Leases {
+    pub fn new(lease_ms: u32) -> Leases {
+        Leases {
+            lease: Duration::from_millis(u64::from(lease_ms)),
+            inner: Mutex::new(Inner {
+                next_seq: 1,
+                ..Inner::default()
+            }),
+            acknowledged: Notify::new(),
+        }
+    }
+
+    fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn lease_ms(&self) -> u32 {
+        self.lease.as_millis() as u32
+    }
+
+    /// The sequence now: what a read that starts now grants at.
+    pub fn seq(&self) -> u64 {
+        self.inner().next_seq
+    }
+
+    pub fn is_capable(&self, client: u64) -> bool {
+        client != 0 && self.inner().clients.contains_key(&client)
+    }
+
+    /// Leases on what `touches` read (and, for a mutation, changed: its client may keep
+    /// what it just made), if nothing of it was changed by another client since `since`.
+    pub fn grant(&self, client: u64, touches: &Touches, since: u64) -> Grant {
+        if client == 0 || touches.overflowed {
+            return Grant::default();
+        }
+        let now = Instant::now();
+        let mut inner = self.inner();
+        let seq = inner.next_seq;
+        if !inner.clients.contains_key(&client) {
+            return Grant::default();
+        }
+        let names: HashSet<InodeId> = touches
+            .names_read
+            .iter()
+            .copied()
+            .chain(
+                touches
+                    .names_changed
+                    .iter()
+                    .map(|(directory, _)| *directory),
+            )
+            .collect();
+        let attributes: HashSet<InodeId> = touches
+            .attributes_read
+            .iter()
+            .chain(&touches.attributes_changed)
+            .copied()
+            .collect();
+        let raced = names.iter().chain(&attributes).any(|inode| {
+            inner.changed.get(inode).is_some_and(|change| {
+                change.seq >= since && (change.client != client || change.mixed)
+            })
+        });
+        if raced {
+            return Grant::default();
+        }
+        let wanted = names.union(&attributes).count();
+        let held = inner.clients.get(&client).map_or(0, |entry| entry.leases);
+        if held + wanted > LEASES_PER_CLIENT_MAX {
+            // Some of what is counted may have run out since the last sweep.
+            sweep(&mut inner, now);
+            let held = inner.clients.get(&client).map_or(0, |entry| entry.leases);
+            if held + wanted > LEASES_PER_CLIENT_MAX {
+                return Grant::default();
+            }
+        }
+        // The server holds a lease a little longer than the client trusts it.
+        let until = now + self.lease + Duration::from_millis(100);
+        let mut added = 0;
+        for inode in names.union(&attributes) {
+            let holders = inner.holders.entry(*inode).or_default();
+            holders.retain(|held| held.until > now);
+            let (names, attributes) = (names.contains(inode), attributes.contains(inode));
+            match holders.iter_mut().find(|held| held.client == client) {
+                Some(held) => {
+                    held.names |= names;
+                    held.attributes |= attributes;
+                    held.until = until;
+                }
+                None => {
+                    holders.push(Held {
+                        client,
+                        names,
+                        attributes,
+                        until,
+                    });
+                    added += 1;
+                }
+            }
+        }
+        if let Some(entry) = inner.clients.get_mut(&client) {
+            entry.leases += added;
+        }
+        Grant {
+            lease_ms: self.lease_ms(),
+            seq,
+        }
+    }
+
+    /// Record what `changer` changed and queue revocations to the other clients holding
+    /// leases on it; returns what the change must wait for before its reply.
+    pub fn changed(&self, changer: u64, touches: &Touches) -> Pending {
+        let now = Instant::now();
+        let mut inner = self.inner();
+        let mut per_client: HashMap<(u64, InodeId), (Vec<String>, bool, bool)> = HashMap::new();
+        let all_names: Vec<(InodeId, Option<&str>)> = if touches.overflowed {
+            // Too much to say what: everything every other client holds.
+            inner.holders.keys().map(|inode| (*inode, None)).collect()
+        } else {
+            touches
+                .names_changed
+                .iter()
+                .map(|(directory, name)| (*directory, Some(name.as_str())))
+                .collect()
+        };
+        let mut changed_inodes: Vec<InodeId> = all_names.iter().map(|(inode, _)| *inode).collect();
+        changed_inodes.extend(&touches.attributes_changed);
+        if touches.overflowed {
+            changed_inodes.extend(inner.holders.keys().copied().collect::<Vec<_>>());
+        }
+        let seq = inner.next_seq;
+        inner.next_seq += 1;
+        for inode in &changed_inodes {
+            let previous = inner.changed.get(inode).copied();
+            let mixed = previous.is_some_and(|change| change.client != changer || change.mixed);
+            inner.changed.insert(
+                *inode,
+                Change {
+                    seq,
+                    client: changer,
+                    mixed,
+                },
+            );
+            inner.changed_order.push_back((now, *inode, seq));
+        }
+        // Forget changes older than a lease: no read that started before them can still
+        // be granted (its grant would be older than that lease).
+        let horizon = self.lease * 2 + Duration::from_secs(1);
+        while let Some((at, inode, seq)) = inner.changed_order.front().copied() {
+            if now.duration_since(at) < horizon && inner.changed_order.len() <= CHANGED_INODES_MAX {
+                break;
+            }
+            inner.changed_order.pop_front();
+            if inner
+                .changed
+                .get(&inode)
+                .is_some_and(|change| change.seq == seq)
+            {
+                inner.changed.remove(&inode);
+            }
+        }
+        for (directory, name) in &all_names {
+            for held in inner.holders.get(directory).into_iter().flatten() {
+                if held.client == changer || !held.names || held.until <= now {
+                    continue;
+                }
+                let entry = per_client.entry((held.client, *directory)).or_insert((
+                    Vec::new(),
+                    false,
+                    false,
+                ));
+                match name {
+                    Some(name) => entry.0.push((*name).to_string()),
+                    None => entry.2 = true,
+                }
+            }
+        }
+        for inode in touches
+            .attributes_changed
+            .iter()
+            .chain(if touches.overflowed {
+                changed_inodes.iter()
+            } else {
+                [].iter()
+            })
+        {
+            for held in inner.holders.get(inode).into_iter().flatten() {
+                if held.client == changer || !held.attributes || held.until <= now {
+                    continue;
+                }
+                per_client
+                    .entry((held.client, *inode))
+                    .or_insert((Vec::new(), false, false))
+                    .1 = true;
+            }
+        }
+        let mut pending = Pending::default();
+        for ((client, inode), (mut names, attributes, all)) in per_client {
+            let until = inner
+                .holders
+                .get(&inode)
+                .and_then(|holders| holders.iter().find(|held| held.client == client))
+                .map_or(now, |held| held.until);
+            // The attribute lease is gone with its revocation; names stay leased but for
+            // the ones named (they are re-read at their next lookup).
+            if attributes {
+                if let Some(holders) = inner.holders.get_mut(&inode) {
+                    for held in holders.iter_mut().filter(|held| held.client == client) {
+                        held.attributes = false;
+                    }
+                }
+            }
+            names.sort();
+            names.dedup();
+            let whole_directory = all || names.len() > REVOCATION_NAMES_MAX;
+            if whole_directory {
+                names.clear();
+                if let Some(holders) = inner.holders.get_mut(&inode) {
+                    for held in holders.iter_mut().filter(|held| held.client == client) {
+                        held.names = false;
+                    }
+                }
+            }
+            let id = inner.next_seq;
+            inner.next_seq += 1;
+            let Some(target) = inner.clients.get_mut(&client) else {
+                continue;
+            };
+            if target.queue.len() >= REVOCATIONS_QUEUED_MAX {
+                // The client is not keeping up: it will be waited for until its leases
+                // run out, like a client that is gone.
+                pending.waits.push((client, u64::MAX, until));
+                continue;
+            }
+            target.queue.push_back(Revocation {
+                id,
+                inode,
+                names,
+                attributes,
+                whole_directory,
+            });
+            target.wake.notify_waiters();
+            pending.waits.push((client, id, until));
+        }
+        pending
+    }
+
+    /// Wait until every revocation of `pending` is acknowledged or its lease is over;
+    /// returns how many were not acknowledged (their lease ran out).
+    pub async fn wait(&self, pending: Pending) -> usize {
+        if pending.is_empty() {
+            return 0;
+        }
+        loop {
+            let notified = self.acknowledged.notified();
+            let next_expiry = {
+                let inner = self.inner();
+                let now = Instant::now();
+                let open: Vec<Instant> = pending
+                    .waits
+                    .iter()
+                    .filter(|(client, id, until)| {
+                        *until > now
+                            && inner
+                                .clients
+                                .get(client)
+                                .is_some_and(|entry| entry.acknowledged < *id)
+                    })
+                    .map(|(_, _, until)| *until)
+                    .collect();
+                match open.into_iter().min() {
+                    None => {
+                        return pending
+                            .waits
+                            .iter()
+                            .filter(|(client, id, _)| {
+                                inner
+                                    .clients
+                                    .get(client)
+                                    .is_some_and(|entry| entry.acknowledged < *id)
+                            })
+                            .count()
+                    }
+                    Some(until) => until,
+                }
+            };
+            let _ = tokio::time::timeout_at(tokio::time::Instant::from_std(next_expiry), notified)
+                .await;
+        }
+    }
+
+    /// A client's poll: note what it acknowledged, then hand it what is queued, waiting up
+    /// to `wait` for something. The first poll makes the client lease-capable.
+    pub async fn poll(&self, client: u64, acknowledged: u64, wait: Duration) -> Vec<Revocation> {
+        let (wake, mine) = {
+            let mut inner = self.inner();
+            let entry = inner
+                .clients
+                .entry(client)
+                .or_insert_with(|| CallbackClient {
+                    queue: VecDeque::new(),
+                    acknowledged: 0,
+                    leases: 0,
+                    polls: 0,
+                    wake: std::sync::Arc::new(Notify::new()),
+                });
+            entry.polls += 1;
+            entry.acknowledged = entry.acknowledged.max(acknowledged);
+            let done = entry.acknowledged;
+            while entry
+                .queue
+                .front()
+                .is_some_and(|revocation| revocation.id <= done)
+            {
+                entry.queue.pop_front();
+            }
+            // An older poll still waiting gives way to this one.
+            entry.wake.notify_waiters();
+            (entry.wake.clone(), entry.polls)
+        };
+        self.acknowledged.notify_waiters();
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            // Created before the queue is looked at: a revocation queued in between wakes it.
+            let notified = wake.notified();
+            {
+                let inner = self.inner();
+                match inner.clients.get(&client) {
+                    Some(entry) if entry.polls != mine => return Vec::new(),
+                    Some(entry) if !entry.queue.is_empty() => {
+                        return entry.queue.iter().cloned().collect();
+                    }
+                    Some(_) => {}
+                    None => return Vec::new(),
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Vec::new();
+            }
+        }
+    }
+
+    /// A client is gone (its last session ended): its leases and queue go, and whoever
+    /// waited for it stops waiting.
+    pub fn forget_client(&self, client: u64) {
+        let mut inner = self.inner();
+        if inner.clients.remove(&client).is_none() {
+            return;
+        }
+        for holders in inner.holders.values_mut() {
+            holders.retain(|held| held.client != client);
+        }
+        inner.holders.retain(|_, holders| !holders.is_empty());
+        drop(inner);
+        self.acknowledged.notify_waiters();
+    }
+
+    /// Drop the leases that ran out (called periodically, and when a client reaches its
+    /// bound), so that memory follows what is held now.
+    pub fn sweep(&self) {
+        sweep(&mut self.inner(), Instant::now());
+    }
+
+    /// Clients that poll for revocations (for metrics).
+    pub fn client_count(&self) -> usize {
+        self.inner().clients.len()
+    }
+
+    /// Leases held now, over all clients (for metrics).
+    pub fn held(&self) -> usize {
+        let now = Instant::now();
+        self.inner()
+            .holders
+            .values()
+            .map(|holders| holders.iter().filter(|held| held.until > now).count())
+            .sum()
+    }
+}
+
+/// Drop expired leases and count again what each client holds.
+fn sweep(inner: &mut Inner, now: Instant) {
+    inner.holders.retain(|_, holders| {
+        holders.retain(|held| held.until > now && (held.names || held.attributes));
+        !holders.is_empty()
+    });
+    for entry in inner.clients.values_mut() {
+        entry.leases = 0;
+    }
+    let Inner {
+        holders, clients, ..
+    } = inner;
+    for held in holders.values().flatten() {
+        if let Some(entry) = clients.get_mut(&held.client) {
+            entry.leases += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(names: &[InodeId], attributes: &[InodeId]) -> Touches {
+        Touches {
+            names_read: names.to_vec(),
+            attributes_read: attributes.to_vec(),
+            ..Touches::default()
+        }
+    }
+
+    fn changed(names: &[(InodeId, &str)], attributes: &[InodeId]) -> Touches {
+        Touches {
+            names_changed: names
+                .iter()
+                .map(|(directory, name)| (*directory, name.to_string()))
+                .collect(),
+            attributes_changed: attributes.to_vec(),
+            ..Touches::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_change_revokes_other_clients_leases_and_waits_for_their_acknowledgement() {
+        let leases = std::sync::Arc::new(Leases::new(10_000));
+        // Client 7 polls (becomes lease-capable) and reads directory 1 and inode 5.
+        assert!(leases.poll(7, 0, Duration::ZERO).await.is_empty());
+        let since = leases.seq();
+        let grant = leases.grant(7, &read(&[1], &[1, 5]), since);
+        assert_eq!(grant.lease_ms, 10_000);
+        // A client that never polled gets no lease.
+        assert_eq!(leases.grant(8, &read(&[1], &[]), since).lease_ms, 0);
+        // Client 8 renames "a" in directory 1 and changes inode 5.
+        let pending = leases.changed(8, &changed(&[(1, "a")], &[5]));
+        assert!(!pending.is_empty());
+        let waiter = {
+            let leases = leases.clone();
+            tokio::spawn(async move { leases.wait(pending).await })
+        };
+        let revocations = leases.poll(7, 0, Duration::from_secs(5)).await;
+        assert_eq!(revocations.len(), 2);
+        let names = revocations.iter().find(|r| r.inode == 1).unwrap();
+        assert_eq!(names.names, vec!["a".to_string()]);
+        assert!(!names.attributes && !names.whole_directory);
+        assert!(revocations.iter().any(|r| r.inode == 5 && r.attributes));
+        tokio::task::yield_now().await;
+        assert!(
+            !waiter.is_finished(),
+            "the change waits for the acknowledgement"
+        );
+        let last = revocations.iter().map(|r| r.id).max().unwrap();
+        assert!(leases.poll(7, last, Duration::ZERO).await.is_empty());
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("acknowledged: the change goes on")
+            .unwrap();
+        // Its own changes are never revoked from a client.
+        assert!(leases.changed(7, &changed(&[(1, "b")], &[])).is_empty());
+    }
+
+    #[tokio::test]
+    async fn only_the_newest_poll_of_a_client_is_answered() {
+        let leases = std::sync::Arc::new(Leases::new(10_000));
+        leases.poll(7, 0, Duration::ZERO).await;
+        leases.grant(7, &read(&[1], &[]), leases.seq());
+        // A poll the client gave up on (its call timed out) is still waiting...
+        let old = {
+            let leases = leases.clone();
+            tokio::spawn(async move { leases.poll(7, 0, Duration::from_secs(30)).await })
+        };
+        tokio::task::yield_now().await;
+        // ...when the client polls again: the old one ends empty, the new one gets what
+        // is queued.
+        let new = {
+            let leases = leases.clone();
+            tokio::spawn(async move { leases.poll(7, 0, Duration::from_secs(30)).await })
+        };
+        let old = tokio::time::timeout(Duration::from_secs(5), old)
+            .await
+            .expect("the old poll gives way")
+            .unwrap();
+        assert!(old.is_empty());
+        leases.changed(8, &changed(&[(1, "a")], &[]));
+        let new = tokio::time::timeout(Duration::from_secs(5), new)
+            .await
+            .expect("the new poll is answered")
+            .unwrap();
+        assert_eq!(new.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_read_that_raced_a_change_gets_no_lease() {
+        let leases = Leases::new(10_000);
+        leases.poll(7, 0, Duration::ZERO).await;
+        let since = leases.seq();
+        // Another client changes inode 5 after the read began.
+        leases.changed(8, &changed(&[], &[5]));
+        assert_eq!(leases.grant(7, &read(&[], &[5]), since).lease_ms, 0);
+        // A read that began after the change is granted.
+        let since = leases.seq();
+        assert_eq!(leases.grant(7, &read(&[], &[5]), since).lease_ms, 10_000);
+    }
+
+    #[tokio::test]
+    async fn a_silent_client_is_waited_for_one_lease_at_most() {
+        let leases = Leases::new(300);
+        leases.poll(7, 0, Duration::ZERO).await;
+        let since = leases.seq();
+        leases.grant(7, &read(&[1], &[]), since);
+        let started = Instant::now();
+        let pending = leases.changed(8, &changed(&[(1, "x")], &[]));
+        leases.wait(pending).await;
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_millis(250), "{waited:?}");
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        // Once the client is forgotten, nothing waits for it.
+        leases.grant(7, &read(&[1], &[]), leases.seq());
+        leases.forget_client(7);
+        let pending = leases.changed(8, &changed(&[(1, "y")], &[]));
+        assert!(pending.is_empty());
+    }
+}
