@@ -367,3 +367,223 @@ async fn creates_ask_one_lookup_per_name_and_a_warm_stat_asks_nothing() {
         "the leases are counted"
     );
 }
+
+fn flock(file: &File, operation: libc::c_int) -> Result<(), i32> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a valid descriptor and a flock operation.
+    let done = unsafe { libc::flock(file.as_raw_fd(), operation) };
+    if done == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+    }
+}
+
+/// `fcntl(fd, command, struct flock)` with a range from `start` for `length` bytes (0: to
+/// the end); returns the struct as the kernel left it (for `F_GETLK`).
+fn record_lock(
+    file: &File,
+    command: libc::c_int,
+    kind: libc::c_int,
+    start: i64,
+    length: i64,
+) -> Result<libc::flock, i32> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: all-zero is a valid `struct flock`; the fields are set below.
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock.l_start = start;
+    lock.l_len = length;
+    // SAFETY: a valid descriptor and a pointer to a live `struct flock`.
+    let done = unsafe { libc::fcntl(file.as_raw_fd(), command, &mut lock) };
+    if done == 0 {
+        Ok(lock)
+    } else {
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+    }
+}
+
+fn open_rw(path: &Path) -> File {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .unwrap_or_else(|error| panic!("open {}: {error}", path.display()))
+}
+
+/// Run `lock` on another thread and return whether it finished within `within`, and how
+/// long it took.
+fn finishes_within(within: Duration, lock: impl FnOnce() + Send + 'static) -> Option<Duration> {
+    let (done, finished) = std::sync::mpsc::channel();
+    let started = Instant::now();
+    std::thread::spawn(move || {
+        lock();
+        let _ = done.send(started.elapsed());
+    });
+    finished.recv_timeout(within).ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_exclude_across_mounts_and_go_with_a_killed_mount() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = coherence_cluster(LONG_LEASE_MS).await;
+    let left = Mount::start(&cluster, "a", &[]);
+    let right = Mount::start(&cluster, "b", &[]);
+    let wait = Duration::from_secs(20);
+
+    // flock: exclusive on one mount, refused on the other, granted there once released.
+    let holder = open_rw(&left.path("flocked"));
+    flock(&holder, libc::LOCK_EX).unwrap();
+    let other = open_rw(&right.path("flocked"));
+    assert_eq!(
+        flock(&other, libc::LOCK_EX | libc::LOCK_NB),
+        Err(libc::EWOULDBLOCK)
+    );
+    assert_eq!(
+        flock(&other, libc::LOCK_SH | libc::LOCK_NB),
+        Err(libc::EWOULDBLOCK)
+    );
+    let waiter = other.try_clone().unwrap();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        drop(holder); // the last close releases a flock lock
+    });
+    finishes_within(wait, move || flock(&waiter, libc::LOCK_EX).unwrap())
+        .expect("a blocking flock is granted once the other mount's lock goes");
+    release.join().unwrap();
+    // Shared locks share.
+    flock(&other, libc::LOCK_UN).unwrap();
+    let reader = open_rw(&left.path("flocked"));
+    flock(&reader, libc::LOCK_SH).unwrap();
+    flock(&other, libc::LOCK_SH | libc::LOCK_NB).unwrap();
+    drop((reader, other));
+
+    // fcntl record locks: ranges, F_GETLK, and a waiting F_SETLKW.
+    let holder = open_rw(&left.path("records"));
+    record_lock(&holder, libc::F_SETLK, libc::F_WRLCK, 0, 100).unwrap();
+    let other = open_rw(&right.path("records"));
+    assert_eq!(
+        record_lock(&other, libc::F_SETLK, libc::F_RDLCK, 50, 10).err(),
+        Some(libc::EAGAIN),
+        "an overlapping lock is refused"
+    );
+    record_lock(&other, libc::F_SETLK, libc::F_WRLCK, 100, 50).expect("a disjoint range");
+    let found = record_lock(&other, libc::F_GETLK, libc::F_WRLCK, 0, 0).unwrap();
+    assert_eq!(i32::from(found.l_type), libc::F_WRLCK);
+    assert_eq!(
+        (found.l_start, found.l_len),
+        (0, 100),
+        "F_GETLK names the holder's range"
+    );
+    // Unlocking part of the range lets a lock on that part through.
+    record_lock(&holder, libc::F_SETLK, libc::F_UNLCK, 0, 50).unwrap();
+    record_lock(&other, libc::F_SETLK, libc::F_WRLCK, 0, 50).expect("the unlocked part");
+    record_lock(&other, libc::F_SETLK, libc::F_UNLCK, 0, 0).unwrap();
+    let waiter = other.try_clone().unwrap();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        drop(holder); // closing releases the process's record locks on the file
+    });
+    finishes_within(wait, move || {
+        record_lock(&waiter, libc::F_SETLKW, libc::F_WRLCK, 0, 0).unwrap();
+    })
+    .expect("F_SETLKW is granted once the other mount's process closes the file");
+    release.join().unwrap();
+    drop(other);
+
+    // OFD locks belong to the open file: two opens on two mounts exclude each other.
+    let first = open_rw(&left.path("ofd"));
+    let second = open_rw(&right.path("ofd"));
+    record_lock(&first, libc::F_OFD_SETLK, libc::F_WRLCK, 0, 0).unwrap();
+    assert_eq!(
+        record_lock(&second, libc::F_OFD_SETLK, libc::F_RDLCK, 10, 1).err(),
+        Some(libc::EAGAIN)
+    );
+    // The kernel releases a file just after its last close returns: a waiting lock sees it.
+    drop(first);
+    finishes_within(wait, move || {
+        record_lock(&second, libc::F_OFD_SETLKW, libc::F_RDLCK, 10, 1).unwrap();
+    })
+    .expect("an OFD lock goes with the last close of its file");
+
+    // A lock held through a mount that is killed goes when its session ends (its lease:
+    // `TEST_LEASE_MS`), and a waiter on another mount then gets it.
+    let mut doomed = Mount::start(&cluster, "c", &[]);
+    let held = open_rw(&doomed.path("orphaned"));
+    flock(&held, libc::LOCK_EX).unwrap();
+    let other = open_rw(&left.path("orphaned"));
+    assert_eq!(
+        flock(&other, libc::LOCK_EX | libc::LOCK_NB),
+        Err(libc::EWOULDBLOCK)
+    );
+    doomed.kill9();
+    assert_eq!(
+        flock(&other, libc::LOCK_EX | libc::LOCK_NB),
+        Err(libc::EWOULDBLOCK),
+        "the lock outlives its mount until the session ends"
+    );
+    let bound = Duration::from_millis(u64::from(common::TEST_LEASE_MS) * 2 + 10_000);
+    let took = finishes_within(bound, move || flock(&other, libc::LOCK_EX).unwrap())
+        .expect("the killed mount's lock is released when its session ends");
+    eprintln!("a killed mount's lock went after {took:?}");
+    drop(held);
+    // Every file is closed: no lock is left anywhere (none leaked by a close).
+    let left_over = common::poll_until(10_000, || async {
+        let after = scrape_meta(&cluster).await;
+        let ranges = after.sum("freeflow_meta_lock_ranges", &[]);
+        (ranges == 0.0).then_some(())
+    })
+    .await;
+    assert!(
+        left_over.is_some(),
+        "locks are left after every file closed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_are_reclaimed_after_a_meta_server_restart() {
+    if !fuse_available() {
+        return;
+    }
+    let mut cluster = coherence_cluster(LONG_LEASE_MS).await;
+    let left = Mount::start(&cluster, "a", &[]);
+    let right = Mount::start(&cluster, "b", &[]);
+    let holder = open_rw(&left.path("kept"));
+    flock(&holder, libc::LOCK_EX).unwrap();
+    let records = open_rw(&left.path("kept-records"));
+    record_lock(&records, libc::F_SETLK, libc::F_WRLCK, 10, 10).unwrap();
+
+    cluster.kill_meta();
+    cluster.restart_meta().await;
+
+    // The holder's mount takes its locks again inside the recovery window; a lock asked
+    // for on the other mount waits for the window and then finds them held.
+    let other = open_rw(&right.path("kept"));
+    assert_eq!(
+        flock(&other, libc::LOCK_EX | libc::LOCK_NB),
+        Err(libc::EWOULDBLOCK),
+        "the flock lock survived the restart"
+    );
+    let other_records = open_rw(&right.path("kept-records"));
+    assert_eq!(
+        record_lock(&other_records, libc::F_SETLK, libc::F_RDLCK, 15, 1).err(),
+        Some(libc::EAGAIN),
+        "the record lock survived the restart"
+    );
+    record_lock(&other_records, libc::F_SETLK, libc::F_RDLCK, 0, 10).expect("around it");
+    drop(holder);
+    finishes_within(Duration::from_secs(20), move || {
+        flock(&other, libc::LOCK_EX).unwrap();
+    })
+    .expect("released after the restart like any lock");
+    assert!(
+        left.log_text().contains("locks reclaimed"),
+        "the mount says it reclaimed:\n{}",
+        left.log_text()
+    );
+}

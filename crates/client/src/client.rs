@@ -54,6 +54,8 @@ pub(crate) struct Shared {
     /// Revocations seen (see `leases.rs`).
     pub(crate) revoked: Mutex<crate::leases::Revoked>,
     watcher: Mutex<Option<JoinHandle<()>>>,
+    /// The file locks this client holds (see `locks.rs`).
+    pub(crate) locks: Mutex<crate::locks::HeldLocks>,
 }
 
 /// A connected client. Clones share the session and the connections.
@@ -91,9 +93,14 @@ fn is_open_session_unknown(error: &ClientError) -> bool {
 }
 
 impl Shared {
+    /// Use `session_id` from now on (a session opened during recovery).
+    pub(crate) fn set_session_id(&self, session_id: u64) {
+        self.session_id.store(session_id, Ordering::Release);
+    }
+
     /// Open a new session because `gone_session_id` is unknown at the meta server, unless
     /// another caller already did; returns the session to use.
-    async fn reopen_session(&self, gone_session_id: u64) -> Result<u64, ClientError> {
+    pub(crate) async fn reopen_session(&self, gone_session_id: u64) -> Result<u64, ClientError> {
         let _reopening = self.reopening.lock().await;
         let current = self.session_id.load(Ordering::Acquire);
         if current != gone_session_id {
@@ -163,7 +170,20 @@ impl Client {
             metrics,
             revoked: crate::leases::new_revoked(),
             watcher: Mutex::new(None),
+            locks: crate::locks::new_held(),
         });
+        // After a meta server restart, the locks held here are taken again before the
+        // server's recovery window ends.
+        let reclaimer = Arc::downgrade(&shared);
+        *shared.pool.on_recover.lock().expect("not poisoned") =
+            Some(Arc::new(move |connection: freeflow_rpc::Connection| {
+                let shared = reclaimer.clone();
+                Box::pin(async move {
+                    if let Some(shared) = shared.upgrade() {
+                        crate::locks::reclaim(&shared, &connection).await;
+                    }
+                })
+            }));
         let dirty_source = Arc::downgrade(&shared);
         shared.metrics.on_render(move || {
             if let Some(shared) = dirty_source.upgrade() {

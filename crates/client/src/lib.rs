@@ -14,6 +14,7 @@ mod config;
 mod error;
 mod file;
 mod leases;
+mod locks;
 mod metrics;
 mod path;
 mod paths;
@@ -29,15 +30,18 @@ pub use config::{
 pub use error::ClientError;
 pub use file::{Allocation, FileHandle, COPY_LENGTH_MAX, READ_LENGTH_MAX};
 pub use leases::RevocationHandler;
+pub use locks::LockSpec;
 pub use path::{join, normalize};
 pub use paths::{OpenOptions, StripePlacement};
 pub use pool::Lease;
 
 // The request and reply types of the API, so users need not name the proto crate.
 pub use freeflow_proto::meta::{
-    Caller, ClusterReport, DirEntry, DirPage, FsStats, HandleRef, OpenAccess, RenameMode,
-    Revocation, ServerRecord, XattrSetMode,
+    Caller, ClusterReport, DirEntry, DirPage, FsStats, HandleRef, LockConflict, OpenAccess,
+    RenameMode, Revocation, ServerRecord, XattrSetMode,
 };
 pub use freeflow_proto::ErrorCode;
 pub use freeflow_rpc::ClusterKey;
-pub use freeflow_types::{Attr, FileKind, InodeId, Layout, SetAttr, TimeSpec, ROOT_INODE};
+pub use freeflow_types::{
+    Attr, FileKind, InodeId, Layout, LockKind, SetAttr, TimeSpec, ROOT_INODE,
+};

@@ -139,7 +139,17 @@ pub(crate) struct Pool {
     /// Called when the meta server restarted, before this client says `ReplayDone`:
     /// everything cached under the old server's leases must go (`Client::watch_revocations`).
     pub(crate) on_new_epoch: Mutex<Option<std::sync::Arc<dyn Fn() + Send + std::marker::Sync>>>,
+    /// Called when the meta server restarted, on the new connection, after the replay and
+    /// before `ReplayDone`: what must be taken again inside the recovery window (locks).
+    pub(crate) on_recover: Mutex<Option<RecoverHook>>,
 }
+
+/// See [`Pool::on_recover`].
+pub(crate) type RecoverHook = std::sync::Arc<
+    dyn Fn(Connection) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send
+        + std::marker::Sync,
+>;
 
 impl Pool {
     pub fn new(
@@ -160,7 +170,14 @@ impl Pool {
             replaying: tokio::sync::Mutex::new(()),
             last_mutation_txn: AtomicU64::new(0),
             on_new_epoch: Mutex::new(None),
+            on_recover: Mutex::new(None),
         }
+    }
+
+    /// A request id for a call made directly on a meta connection (ids are unique over
+    /// all of this client's meta connections).
+    pub fn next_meta_request_id(&self) -> u64 {
+        self.next_meta_request.fetch_add(1, Ordering::Relaxed)
     }
 
     /// How long a call may take before it fails.
@@ -394,6 +411,10 @@ impl Pool {
         let hook = self.on_new_epoch.lock().expect("not poisoned").clone();
         if let Some(hook) = hook {
             hook();
+        }
+        let hook = self.on_recover.lock().expect("not poisoned").clone();
+        if let Some(hook) = hook {
+            hook(connection.clone()).await;
         }
         let done_id = self.next_meta_request.fetch_add(1, Ordering::Relaxed);
         let frame = connection

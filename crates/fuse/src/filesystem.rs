@@ -20,20 +20,18 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use freeflow_client::{
-    Allocation, Attr, Client, ClientError, ErrorCode, FileKind, InodeId, Lease, RenameMode,
-    SetAttr, TimeSpec, XattrSetMode,
+    Allocation, Attr, Client, ClientError, ErrorCode, FileKind, InodeId, Lease, LockKind, LockSpec,
+    RenameMode, SetAttr, TimeSpec, XattrSetMode,
 };
 use fuser::{
     AccessFlags, Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
     KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite,
-    ReplyXattr, Request, TimeOrNow, WriteFlags,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLock, ReplyOpen, ReplyStatfs,
+    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use tokio::sync::Semaphore;
 
-use crate::cache::Admission;
-
-use crate::cache::KernelCache;
+use crate::cache::{Admission, KernelCache};
 use crate::caller::GroupsCache;
 use crate::convert::{self, errno, file_attr, STATFS_BLOCK_BYTES};
 use crate::handles::{OpenDirectories, OpenFiles};
@@ -47,6 +45,30 @@ pub const MAX_WRITE_BYTES: u32 = 1 << 20;
 pub const MAX_READAHEAD_BYTES: u32 = 1 << 20;
 /// Background requests (read-ahead, async direct I/O) the kernel keeps in flight.
 pub const MAX_BACKGROUND_REQUESTS: u16 = 64;
+/// The kernel's `OFFSET_MAX`: a lock to the end of the file, however far.
+const KERNEL_OFFSET_MAX: u64 = i64::MAX as u64;
+
+fn lock_kind(kind: i32) -> Result<Option<LockKind>, Errno> {
+    match kind {
+        libc::F_RDLCK => Ok(Some(LockKind::Read)),
+        libc::F_WRLCK => Ok(Some(LockKind::Write)),
+        libc::F_UNLCK => Ok(None),
+        _ => Err(Errno::EINVAL),
+    }
+}
+
+fn lock_end_from_kernel(end: u64) -> u64 {
+    if end >= KERNEL_OFFSET_MAX {
+        u64::MAX
+    } else {
+        end
+    }
+}
+
+fn lock_end_to_kernel(end: u64) -> u64 {
+    end.min(KERNEL_OFFSET_MAX)
+}
+
 /// Most entries fetched for one `readdirplus` reply (the kernel's buffer holds ~200 of
 /// 32 KiB; what does not fit is answered from the listing at the next call).
 const READDIRPLUS_GATHER_MAX: usize = 256;
@@ -319,6 +341,9 @@ impl fuser::Filesystem for FreeflowFs {
             // and chown). Without this the kernel asks for security.capability before every
             // write: one metadata round trip per write request.
             InitFlags::FUSE_HANDLE_KILLPRIV_V2,
+            // Locks are the cluster's (held at the meta server), not this host's alone.
+            InitFlags::FUSE_POSIX_LOCKS,
+            InitFlags::FUSE_FLOCK_LOCKS,
         ] {
             if config.add_capabilities(wanted).is_err() {
                 tracing::debug!(?wanted, "the kernel lacks a FUSE capability");
@@ -678,14 +703,24 @@ impl fuser::Filesystem for FreeflowFs {
         _request: &Request,
         inode: INodeNo,
         _handle: FileHandle,
-        _lock_owner: LockOwner,
+        lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        let Some(handle) = self.state.files.get(inode.0) else {
-            return reply.ok();
-        };
-        let sync = self.state.sync_on_close;
+        let handle = self.state.files.get(inode.0);
+        let (state, sync) = (self.state.clone(), self.state.sync_on_close);
         self.spawn(async move {
+            // A close releases the POSIX locks its process holds on the file (the kernel
+            // leaves that to file systems with their own locks).
+            if let Err(error) = state
+                .client
+                .release_owner_locks(inode.0, lock_owner.0)
+                .await
+            {
+                tracing::warn!(inode = inode.0, %error, "releasing a record lock at close failed");
+            }
+            let Some(handle) = handle else {
+                return reply.ok();
+            };
             let result = if sync {
                 handle.fsync().await
             } else {
@@ -704,19 +739,104 @@ impl fuser::Filesystem for FreeflowFs {
         inode: INodeNo,
         _handle: FileHandle,
         _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
+        lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
         let state = self.state.clone();
         self.spawn(async move {
-            match state.files.release(inode.0).await {
-                Ok(()) => reply.ok(),
+            // The last close of a file that held `flock` locks: they go with it.
+            if let Some(owner) = lock_owner {
+                if let Err(error) = state.client.release_owner_locks(inode.0, owner.0).await {
+                    tracing::warn!(inode = inode.0, %error, "releasing a flock lock failed");
+                }
+            }
+            let released = state.files.release(inode.0).await;
+            if matches!(released, Ok(true) | Err(_)) {
+                // No open file left here: OFD locks (which the kernel does not announce at
+                // close) can belong to nothing open any more.
+                if let Err(error) = state.client.release_inode_locks(inode.0).await {
+                    tracing::warn!(inode = inode.0, %error, "releasing locks at close failed");
+                }
+            }
+            match released {
+                Ok(_) => reply.ok(),
                 Err(error) => {
                     // close(2) has returned already; the error can only be logged.
                     tracing::warn!(inode = inode.0, %error, "closing a file failed");
                     reply.error(errno(&error))
                 }
+            }
+        });
+    }
+
+    fn getlk(
+        &self,
+        _request: &Request,
+        inode: INodeNo,
+        _handle: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        kind: i32,
+        _pid: u32,
+        reply: ReplyLock,
+    ) {
+        let kind = match lock_kind(kind) {
+            Ok(Some(kind)) => kind,
+            Ok(None) => return reply.error(Errno::EINVAL),
+            Err(error) => return reply.error(error),
+        };
+        let state = self.state.clone();
+        self.spawn(async move {
+            let end = lock_end_from_kernel(end);
+            match state
+                .client
+                .get_lock(inode.0, lock_owner.0, kind, start, end)
+                .await
+            {
+                Ok(Some(found)) => {
+                    let kind = match found.kind {
+                        LockKind::Read => libc::F_RDLCK,
+                        LockKind::Write => libc::F_WRLCK,
+                    };
+                    reply.locked(found.start, lock_end_to_kernel(found.end), kind, found.pid)
+                }
+                Ok(None) => reply.locked(start, lock_end_to_kernel(end), libc::F_UNLCK, 0),
+                Err(error) => reply.error(errno(&error)),
+            }
+        });
+    }
+
+    fn setlk(
+        &self,
+        _request: &Request,
+        inode: INodeNo,
+        _handle: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        kind: i32,
+        pid: u32,
+        sleep: bool,
+        reply: ReplyEmpty,
+    ) {
+        let kind = match lock_kind(kind) {
+            Ok(kind) => kind,
+            Err(error) => return reply.error(error),
+        };
+        let spec = LockSpec {
+            owner: lock_owner.0,
+            pid,
+            kind,
+            start,
+            end: lock_end_from_kernel(end),
+        };
+        let state = self.state.clone();
+        self.spawn(async move {
+            match state.client.set_lock(inode.0, spec, sleep).await {
+                Ok(()) => reply.ok(),
+                Err(error) => reply.error(errno(&error)),
             }
         });
     }

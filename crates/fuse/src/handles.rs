@@ -117,11 +117,13 @@ impl OpenFiles {
 
     /// Drop one reference; the last one closes the handle (flush, then close at the meta
     /// server) and reports how that went.
-    pub async fn release(&self, inode: InodeId) -> Result<(), ClientError> {
+    /// Drop one open of `inode`; the last one closes the handle. Returns whether it was the
+    /// last.
+    pub async fn release(&self, inode: InodeId) -> Result<bool, ClientError> {
         let last = {
             let mut files = self.files.lock().expect("open files not poisoned");
             let Some(file) = files.get_mut(&inode) else {
-                return Ok(());
+                return Ok(true);
             };
             file.open_count = file.open_count.saturating_sub(1);
             if file.open_count == 0 {
@@ -131,8 +133,8 @@ impl OpenFiles {
             }
         };
         match last {
-            Some(handle) => handle.close_shared().await,
-            None => Ok(()),
+            Some(handle) => handle.close_shared().await.map(|()| true),
+            None => Ok(false),
         }
     }
 

@@ -10,6 +10,7 @@
 pub mod cutter;
 pub mod io_peers;
 pub mod leases;
+pub mod locks;
 pub mod metrics;
 pub mod ops;
 pub mod reaper;
@@ -384,6 +385,7 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         mutations_in_progress: Mutex::new(HashSet::new()),
         mutation_finished: Notify::new(),
         leases: leases::Leases::new(config.cache_lease_ms),
+        locks: locks::LockTable::new(),
         config,
     });
     if !clients.is_empty() {
@@ -455,14 +457,18 @@ fn spawn_writer(
 }
 
 /// Ends sessions whose lease ran out; wakes the reaper for files left without handles;
-/// forgets the records of clients left without a session; drops cache leases that ran out.
+/// forgets the records of clients left without a session; releases the locks of sessions
+/// that ended; drops cache leases that ran out.
 async fn expire_sessions(shared: Arc<Shared>) {
     let period_ms = (u64::from(shared.config.lease_ms) / 4).max(50);
     let mut interval = tokio::time::interval(Duration::from_millis(period_ms));
     loop {
         interval.tick().await;
         shared.leases.sweep();
-        let (closed, clients) = shared.sessions().expire(Instant::now());
+        let (closed, clients, ended) = shared.sessions().expire(Instant::now());
+        for session in ended {
+            shared.locks.release_session(session);
+        }
         if !closed.is_empty() {
             shared.reaper_wake.notify_one();
         }

@@ -12,16 +12,17 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::meta::{
     is_mutation, Close, CloseSession, ClusterReport, ClusterStatus, CommitSize, Create,
-    CreateReply, FsStats, GetAttr, GetXattr, Link, ListServers, ListXattr, Lookup, LookupEntry,
-    Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink, RegisterReply, RegisterServer,
-    RemoveXattr, Rename, RenewSession, ReplayDone, ReplayOf, ReplyStamp, Rmdir, SessionGrant,
-    SetAttributes, SetDirLayout, SetXattr, StatFs, Symlink, Sync, Unlink, WaitRevocations,
+    CreateReply, FsStats, GetAttr, GetLock, GetXattr, Link, ListServers, ListXattr, LockConflict,
+    Lookup, LookupEntry, Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink, RegisterReply,
+    RegisterServer, RemoveXattr, Rename, RenewSession, ReplayDone, ReplayOf, ReplyStamp, Rmdir,
+    SessionGrant, SetAttributes, SetDirLayout, SetLock, SetXattr, StatFs, Symlink, Sync, Unlink,
+    WaitRevocations,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
@@ -29,6 +30,7 @@ use freeflow_types::{Attr, FileKind, InodeId};
 use serde::Serialize;
 
 use crate::cutter::{self, Reach};
+use crate::locks::{LockOwner, LockRequest};
 use crate::ops::{self, refuse, require_access, OpContext, OpResult, ACCESS_READ, ACCESS_WRITE};
 use crate::records::{
     decode_versioned, encode_versioned, inode_key, reply_expiry_key, reply_key, ReplyRecord,
@@ -82,6 +84,8 @@ fn served_while_recovering(opcode: u16) -> bool {
             | StatFs::OPCODE
             | Sync::OPCODE
             | ReplayDone::OPCODE
+            // Reclaims only: a new lock waits for the window's end in `set_lock`.
+            | SetLock::OPCODE
     )
 }
 
@@ -483,9 +487,105 @@ impl Service for MetaService {
                 })
                 .await
             }
+            SetLock::OPCODE => {
+                handle(frame, |request: SetLock, _| async move {
+                    unstamped(shared, set_lock(shared, client, request).await)
+                })
+                .await
+            }
+            GetLock::OPCODE => {
+                handle(frame, |request: GetLock, _| {
+                    let result = get_lock(shared, &request);
+                    async move { unstamped(shared, result) }
+                })
+                .await
+            }
             other => Err(format!("unknown metadata opcode {other}")),
         }
     }
+}
+
+/// Most a lock request waits at the server before it answers `WouldBlock` (its client asks
+/// again): well under any client's call time-out.
+const LOCK_WAIT_MS_MAX: u32 = 5_000;
+
+fn lock_request(
+    shared: &Shared,
+    session_id: u64,
+    inode: InodeId,
+    owner: u64,
+    pid: u32,
+    kind: Option<freeflow_types::LockKind>,
+    (start, end): (u64, u64),
+) -> Result<LockRequest, WireError> {
+    if start > end {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!("lock range {start}..={end} ends before it starts"),
+        ));
+    }
+    if inode == 0 {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            "inode 0 cannot be locked",
+        ));
+    }
+    if !shared.sessions().exists(session_id) {
+        return Err(WireError::new(
+            ErrorCode::BadHandle,
+            format!("session {session_id} does not exist or its lease expired"),
+        ));
+    }
+    Ok(LockRequest {
+        inode,
+        holder: LockOwner {
+            session: session_id,
+            owner,
+        },
+        pid,
+        kind,
+        start,
+        end,
+    })
+}
+
+async fn set_lock(shared: &Shared, client: u64, request: SetLock) -> Result<(), WireError> {
+    if !request.reclaim {
+        // New locks wait until every lock held before a restart has been reclaimed.
+        shared.recovery.wait().await;
+    }
+    if request.kind.is_some() && client != 0 && !shared.client_registered(client) {
+        // Recorded durably, so that after a restart the recovery window waits for this
+        // client to reclaim its locks.
+        shared.write_as(client, true, |_, _| Ok(())).await?;
+    }
+    let lock = lock_request(
+        shared,
+        request.session_id,
+        request.inode,
+        request.owner,
+        request.pid,
+        request.kind,
+        (request.start, request.end),
+    )?;
+    if request.wait_ms == 0 || request.kind.is_none() {
+        return shared.locks.try_set(&lock);
+    }
+    let wait = Duration::from_millis(u64::from(request.wait_ms.min(LOCK_WAIT_MS_MAX)));
+    shared.locks.set_waiting(&lock, wait).await
+}
+
+fn get_lock(shared: &Shared, request: &GetLock) -> Result<Option<LockConflict>, WireError> {
+    let lock = lock_request(
+        shared,
+        request.session_id,
+        request.inode,
+        request.owner,
+        0,
+        Some(request.kind),
+        (request.start, request.end),
+    )?;
+    Ok(shared.locks.test(&lock))
 }
 
 fn open_session(
@@ -541,6 +641,7 @@ async fn close_session(shared: &Shared, session_id: u64) -> Result<(), WireError
         let left = client.is_some_and(|client| sessions.has_sessions_of(client));
         (closed, client, left)
     };
+    shared.locks.release_session(session_id);
     wake_reaper_for(shared, &closed);
     if let Some(client) = client.filter(|client| *client != 0 && !left) {
         shared.forget_client(client).await;

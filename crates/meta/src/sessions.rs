@@ -247,9 +247,9 @@ impl Sessions {
             .collect())
     }
 
-    /// End every session not renewed within the lease; returns the inodes left without
-    /// open handles, and the clients left without a session.
-    pub fn expire(&mut self, now: Instant) -> (Vec<InodeId>, Vec<u64>) {
+    /// End the sessions whose lease ran out; returns the inodes left without handles, the
+    /// clients left without a session, and the sessions ended.
+    pub fn expire(&mut self, now: Instant) -> (Vec<InodeId>, Vec<u64>, Vec<u64>) {
         let lease = self.limits.lease;
         let expired: Vec<u64> = self
             .sessions
@@ -259,7 +259,7 @@ impl Sessions {
             .collect();
         let mut closed = Vec::new();
         let mut clients = Vec::new();
-        for session_id in expired {
+        for session_id in expired.iter().copied() {
             if let Some(session) = self.sessions.get(&session_id) {
                 tracing::info!(session_id, client = %session.client_name, "session lease expired");
                 clients.push(session.client_id);
@@ -269,7 +269,7 @@ impl Sessions {
         clients.retain(|client| *client != 0 && !self.has_sessions_of(*client));
         clients.sort_unstable();
         clients.dedup();
-        (closed, clients)
+        (closed, clients, expired)
     }
 
     pub fn is_open(&self, inode: InodeId) -> bool {

@@ -63,6 +63,8 @@ pub struct Shared {
     pub mutation_finished: Notify,
     /// What clients cache, and its revocation (see `leases.rs`).
     pub leases: crate::leases::Leases,
+    /// The cluster's file locks (see `locks.rs`).
+    pub locks: crate::locks::LockTable,
 }
 
 /// How a request was answered: the transaction of a mutation (0 for a read) and the lease

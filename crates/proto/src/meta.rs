@@ -1,6 +1,6 @@
 //! Requests served by the metadata server (opcodes 100-199).
 
-use freeflow_types::{Attr, FileKind, InodeId, ServerId, SetAttr, TimeSpec};
+use freeflow_types::{Attr, FileKind, InodeId, LockKind, ServerId, SetAttr, TimeSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::requests;
@@ -310,4 +310,42 @@ requests! {
     /// A lookup that answers a missing name with `None` instead of an error, so that the
     /// answer can carry a lease (a cached negative entry).
     LookupEntry = 137 => Option<Attr> { caller: Caller, parent: InodeId, name: String }
+    /// Set or release a byte-range lock of `owner` (the kernel's lock owner on this client)
+    /// within the session: `WouldBlock` when another owner's lock conflicts, after waiting
+    /// up to `wait_ms` for it to go (0: fail at once).
+    SetLock = 138 => () {
+        session_id: u64,
+        inode: InodeId,
+        owner: u64,
+        /// The process asking, reported to others' `GetLock`.
+        pid: u32,
+        /// None: unlock the range (and end the owner's own requests still waiting).
+        kind: Option<LockKind>,
+        start: u64,
+        /// Inclusive; `u64::MAX`: to the end of the file.
+        end: u64,
+        wait_ms: u32,
+        /// A lock the client held before the server restarted, taken again during the
+        /// recovery window (before any new lock is granted).
+        reclaim: bool,
+    }
+    /// The first lock of another owner that would conflict with this one (`F_GETLK`).
+    GetLock = 139 => Option<LockConflict> {
+        session_id: u64,
+        inode: InodeId,
+        owner: u64,
+        kind: LockKind,
+        start: u64,
+        end: u64,
+    }
+}
+
+/// A lock that stands in the way (the reply to `GetLock`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LockConflict {
+    pub kind: LockKind,
+    pub start: u64,
+    pub end: u64,
+    /// The process that holds it, on its own client.
+    pub pid: u32,
 }

@@ -74,6 +74,8 @@ fn every_meta_message(bytes: &[u8]) {
         ReplayDone,
         WaitRevocations,
         LookupEntry,
+        SetLock,
+        GetLock,
     );
 }
 
@@ -96,6 +98,7 @@ fn every_handshake_message(bytes: &[u8]) {
     check::<ReplyStamp>(bytes);
     check::<ReplayOf>(bytes);
     check::<Revocation>(bytes);
+    check::<LockConflict>(bytes);
     check::<Hello>(bytes);
     check::<Authenticate>(bytes);
     check::<Result<ServerProof, WireError>>(bytes);
@@ -212,6 +215,17 @@ fn samples() -> Vec<Vec<u8>> {
             attributes: true,
             whole_directory: false,
         }])),
+        encode(&SetLock {
+            session_id: 3,
+            inode: 9,
+            owner: u64::MAX - 1,
+            pid: 4242,
+            kind: Some(freeflow_types::LockKind::Write),
+            start: 10,
+            end: u64::MAX,
+            wait_ms: 5_000,
+            reclaim: true,
+        }),
         encode(&ReplyStamp {
             epoch: 2,
             txn: 9,

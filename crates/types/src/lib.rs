@@ -5,9 +5,11 @@
 pub mod attr;
 pub mod layout;
 pub mod limits;
+pub mod locks;
 
 pub use attr::{Attr, FileKind, SetAttr, TimeSpec};
 pub use layout::{Layout, LayoutError, ObjectId, StripeChunk};
+pub use locks::{LockKind, LockRange, OwnerLocks};
 
 /// An inode number. `ROOT_INODE` is the root directory; 0 is never a valid inode.
 pub type InodeId = u64;
