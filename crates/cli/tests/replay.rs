@@ -22,6 +22,8 @@ async fn lazy_cluster(recovery_window_ms: u64) -> Cluster {
     let options = ClusterOptions {
         meta_commit_interval_ms: 60_000,
         recovery_window_ms,
+        // The window is at least one cache lease.
+        cache_lease_ms: (recovery_window_ms as u32).clamp(100, 10_000),
         ..ClusterOptions::new(1)
     };
     Cluster::start_with(options).await

@@ -353,7 +353,14 @@ impl Client {
 
     /// [`Client::getattr`] with the lease on the attributes (if this client watches
     /// revocations).
+    /// Answered without a request while this client holds a lease on the attributes its
+    /// own last mutation of the inode returned (a directory it just created a file in).
     pub async fn getattr_leased(&self, inode: InodeId) -> Result<(Attr, Lease), ClientError> {
+        if let Some((attr, lease)) = self.shared.pool.kept_attributes(inode) {
+            if self.lease_remaining(&lease, &[inode]).is_some() {
+                return Ok((attr, lease));
+            }
+        }
         self.shared
             .pool
             .meta_call_leased(&GetAttr { inode }, || format!("inode {inode}"))

@@ -20,7 +20,7 @@ use freeflow_proto::meta::{
 };
 use freeflow_proto::{decode, encode, Request, WireError};
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RawFrame, RpcError};
-use freeflow_types::{InodeId, ServerId};
+use freeflow_types::{Attr, InodeId, ServerId};
 
 use crate::metrics::ClientMetrics;
 use crate::replay::{Kept, KeptLog};
@@ -142,7 +142,14 @@ pub(crate) struct Pool {
     /// Called when the meta server restarted, on the new connection, after the replay and
     /// before `ReplayDone`: what must be taken again inside the recovery window (locks).
     pub(crate) on_recover: Mutex<Option<RecoverHook>>,
+    /// The post-operation attributes of this client's own mutations, with their lease and
+    /// transaction, by inode; checked against revocations when used. (Replies to reads are
+    /// not kept: one sent before a mutation may arrive after it, with older attributes.)
+    attributes: Mutex<HashMap<InodeId, (Attr, Lease, u64)>>,
 }
+
+/// Most post-operation attributes kept; past it they are all forgotten.
+const ATTRIBUTES_KEPT_MAX: usize = 65_536;
 
 /// See [`Pool::on_recover`].
 pub(crate) type RecoverHook = std::sync::Arc<
@@ -171,6 +178,47 @@ impl Pool {
             last_mutation_txn: AtomicU64::new(0),
             on_new_epoch: Mutex::new(None),
             on_recover: Mutex::new(None),
+            attributes: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn attributes(&self) -> MutexGuard<'_, HashMap<InodeId, (Attr, Lease, u64)>> {
+        self.attributes.lock().expect("attributes not poisoned")
+    }
+
+    /// Attributes kept for `inode` and their lease (to be checked by the caller).
+    pub(crate) fn kept_attributes(&self, inode: InodeId) -> Option<(Attr, Lease)> {
+        self.attributes()
+            .get(&inode)
+            .map(|(attr, lease, _)| (attr.clone(), *lease))
+    }
+
+    /// A mutation's post-operation attributes replace what was kept from an earlier
+    /// transaction (replies of concurrent mutations may arrive out of order); without a
+    /// lease they only drop it. If the server could not list everything the mutation
+    /// changed, everything kept goes.
+    fn note_changed(&self, stamp: &ReplyStamp, lease: Lease) {
+        if stamp.txn == 0 {
+            return;
+        }
+        let mut kept = self.attributes();
+        if !stamp.changed_complete {
+            kept.clear();
+        }
+        for attr in &stamp.changed {
+            if lease.until.is_none() {
+                kept.remove(&attr.inode);
+                continue;
+            }
+            if kept.len() >= ATTRIBUTES_KEPT_MAX {
+                kept.clear();
+            }
+            match kept.get(&attr.inode) {
+                Some((_, _, txn)) if *txn > stamp.txn => {}
+                _ => {
+                    kept.insert(attr.inode, (attr.clone(), lease, stamp.txn));
+                }
+            }
         }
     }
 
@@ -232,6 +280,7 @@ impl Pool {
         result
             .map(|(reply, stamp)| {
                 let lease = Lease::from_stamp(&stamp, started);
+                self.note_changed(&stamp, lease);
                 (reply, lease)
             })
             .map_err(|source| ClientError::Meta {

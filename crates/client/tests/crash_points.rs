@@ -87,6 +87,7 @@ fn meta_config(data_dir: &Path, port: u16) -> MetaConfig {
         // Nothing durable on a timer: only what must be.
         commit_interval_ms: 60_000,
         recovery_window_ms: 1_000,
+        cache_lease_ms: 1_000,
         store_cache_bytes: 4 << 20,
         ..MetaConfig::default()
     }

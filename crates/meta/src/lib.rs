@@ -78,7 +78,8 @@ pub struct MetaConfig {
     /// follows within this time, sooner when a client asks (fsync, sync). Default 500.
     pub commit_interval_ms: u64,
     /// After a restart, how long new requests wait for clients to replay the mutations
-    /// they were answered but that were not durable. Default 10000.
+    /// they were answered but that were not durable (and reclaim their locks). Default
+    /// 10000; never shorter than `cache_lease_ms` in effect.
     pub recovery_window_ms: u64,
     /// How long a client that polls for revocations may cache what it read (names,
     /// attributes) without asking again; a mutation waits at most this long for a client
@@ -378,9 +379,15 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         durable: tokio::sync::watch::Sender::new(state.recovered_txn),
         dirty: Mutex::new(HashMap::new()),
         registered_clients: Mutex::new(clients.clone()),
+        // At least one cache lease: a client that does not come back may still trust
+        // what the old server leased to it until then, so nothing may change before.
         recovery: recovery::Recovery::new(
             clients.clone(),
-            Duration::from_millis(config.recovery_window_ms),
+            Duration::from_millis(
+                config
+                    .recovery_window_ms
+                    .max(u64::from(config.cache_lease_ms)),
+            ),
         ),
         mutations_in_progress: Mutex::new(HashSet::new()),
         mutation_finished: Notify::new(),

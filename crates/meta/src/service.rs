@@ -55,6 +55,8 @@ fn stamp(shared: &Shared, answered: Answered) -> Bytes {
         durable_txn: shared.durable_txn(),
         lease_ms: answered.grant.lease_ms,
         lease_seq: answered.grant.seq,
+        changed: answered.changed,
+        changed_complete: answered.changed_complete,
     }))
 }
 

@@ -69,11 +69,19 @@ pub struct Shared {
 
 /// How a request was answered: the transaction of a mutation (0 for a read) and the lease
 /// granted on what it read or changed.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Answered {
     pub txn: u64,
     pub grant: crate::leases::Grant,
+    /// A mutation's post-operation attributes of what it changed, and whether the list is
+    /// complete (`ReplyStamp::changed`).
+    pub changed: Vec<freeflow_types::Attr>,
+    pub changed_complete: bool,
 }
+
+/// Most post-operation attributes a reply carries (a rename changes four inodes at most;
+/// more: the client forgets what it kept instead).
+pub const CHANGED_ATTRIBUTES_MAX: usize = 8;
 
 /// Per inode: how many pins are held, and the lock that lets one pin-holder at a time send
 /// cuts for it.
@@ -203,6 +211,40 @@ impl Shared {
         operation(&read).map_err(|error| error.to_wire())
     }
 
+    /// The attributes now of the inodes a mutation of `client` changed, for its reply (only
+    /// to clients that cache: the others would not use them).
+    fn changed_attributes(
+        &self,
+        client: u64,
+        touches: &crate::store::Touches,
+    ) -> (Vec<freeflow_types::Attr>, bool) {
+        if !self.leases.is_capable(client) {
+            return (Vec::new(), false);
+        }
+        let mut inodes = touches.attributes_changed.clone();
+        inodes.sort_unstable();
+        inodes.dedup();
+        if touches.overflowed || inodes.len() > CHANGED_ATTRIBUTES_MAX {
+            return (Vec::new(), false);
+        }
+        let read = self.read(|read| {
+            let mut found = Vec::with_capacity(inodes.len());
+            for inode in &inodes {
+                // An inode deleted by the mutation has no attributes left to keep.
+                match crate::ops::lookup::attr_of(read, *inode) {
+                    Ok(Some(attr)) => found.push(attr),
+                    Ok(None) => {}
+                    Err(error) => return Err(error),
+                }
+            }
+            Ok(found)
+        });
+        match read {
+            Ok(found) => (found, true),
+            Err(_) => (Vec::new(), false),
+        }
+    }
+
     /// Queue a mutation of the server's own (the reaper, the cutter, registrations) and
     /// wait until it is committed (or refused) and clients' leases on what it changed are
     /// revoked.
@@ -238,11 +280,14 @@ impl Shared {
             self.metrics.revoked(sent, expired, started);
         }
         let grant = self.leases.grant(client, &committed.touches, since);
+        let (changed, changed_complete) = self.changed_attributes(client, &committed.touches);
         Ok((
             value,
             Answered {
                 txn: committed.txn,
                 grant,
+                changed,
+                changed_complete,
             },
         ))
     }
@@ -371,7 +416,14 @@ impl Shared {
         }
         let value = result?;
         let grant = self.leases.grant(client, &touched, since);
-        Ok((value, Answered { txn: 0, grant }))
+        Ok((
+            value,
+            Answered {
+                txn: 0,
+                grant,
+                ..Answered::default()
+            },
+        ))
     }
 
     /// The newest transaction not durable yet in which another client than `client`

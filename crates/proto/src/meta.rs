@@ -148,7 +148,7 @@ pub struct HandleRef {
 /// server's history. Mutations are applied and answered before they are durable; a client
 /// keeps every mutation answered with `txn > durable_txn` and replays it if the server
 /// restarts (a new `epoch`) before it became durable.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplyStamp {
     /// The server's boot epoch.
     pub epoch: u64,
@@ -163,6 +163,14 @@ pub struct ReplyStamp {
     /// The server's lease sequence at the grant: a revocation with an id at least this,
     /// received before the reply was used, makes the reply's leased parts stale.
     pub lease_seq: u64,
+    /// For a mutation of a client that polls for revocations: the attributes, after it, of
+    /// every inode it changed (the parent directory of a create, an unlinked file's link
+    /// count), so that the client need not ask for them again; leased with the rest when
+    /// `lease_ms` is not 0.
+    pub changed: Vec<Attr>,
+    /// Whether `changed` lists every inode the mutation changed (false: more changed than
+    /// are listed; the client forgets every attribute it kept).
+    pub changed_complete: bool,
 }
 
 /// What a client must stop trusting (the reply to `WaitRevocations`): some names of a

@@ -11,7 +11,7 @@ use freeflow_proto::handshake::{Authenticate, Hello, ServerProof};
 use freeflow_proto::io::{self, *};
 use freeflow_proto::meta::{self, *};
 use freeflow_proto::{decode, encode, Request, WireError};
-use freeflow_types::{FileKind, ObjectId, SetAttr, TimeSpec};
+use freeflow_types::{Attr, FileKind, ObjectId, SetAttr, TimeSpec};
 use proptest::prelude::*;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -232,6 +232,24 @@ fn samples() -> Vec<Vec<u8>> {
             durable_txn: 8,
             lease_ms: 10_000,
             lease_seq: 4,
+            changed: vec![Attr {
+                inode: 12,
+                kind: FileKind::Directory,
+                permissions: 0o755,
+                link_count: 3,
+                user_id: 0,
+                group_id: 0,
+                size_bytes: 4096,
+                access_time: TimeSpec::new(1, 2),
+                modify_time: TimeSpec::new(3, 4),
+                change_time: TimeSpec::new(5, 6),
+                birth_time: TimeSpec::new(7, 8),
+                device: 0,
+                layout: None,
+                generation: 9,
+                allocated_bytes: 0,
+            }],
+            changed_complete: true,
         }),
         encode(&ReplayOf {
             epoch: 2,

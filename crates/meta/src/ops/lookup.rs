@@ -29,6 +29,11 @@ pub fn lookup<R: StoreRead>(read: &R, request: &Lookup) -> OpResult<Attr> {
     Ok(load_inode(read, child)?.attr)
 }
 
+/// The attributes of `inode`, if it still exists.
+pub fn attr_of<R: StoreRead>(read: &R, inode: freeflow_types::InodeId) -> OpResult<Option<Attr>> {
+    Ok(super::try_load_inode(read, inode)?.map(|record| record.attr))
+}
+
 pub fn get_attr<R: StoreRead>(read: &R, request: &GetAttr) -> OpResult<Attr> {
     Ok(load_inode(read, request.inode)?.attr)
 }
