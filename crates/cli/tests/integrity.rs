@@ -728,6 +728,18 @@ async fn sigint_unmounts_cleanly_without_a_warning() {
     let cluster = Cluster::start(1).await;
     let mut mount = Mount::start(&cluster, "mnt", &[]);
     fs::write(mount.path("f"), b"x").expect("write");
+    // An ioctl the mount does not know (what isatty asks) is "not a terminal", quietly.
+    let file = File::open(mount.path("f")).expect("open");
+    // SAFETY: all-zero is a valid termios.
+    let mut terminal: libc::termios = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid descriptor and a pointer to a live termios.
+    let asked = unsafe { libc::ioctl(file.as_raw_fd(), libc::TCGETS, &mut terminal) };
+    assert_eq!(asked, -1);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::ENOTTY)
+    );
+    drop(file);
     mount.signal(libc::SIGINT);
     let child = mount.child.as_mut().expect("running");
     let status = common::poll_sync(20_000, || child.try_wait().ok().flatten().is_some());

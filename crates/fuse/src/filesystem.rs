@@ -25,9 +25,9 @@ use freeflow_client::{
 };
 use fuser::{
     AccessFlags, Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
-    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLock, ReplyOpen, ReplyStatfs,
-    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    IoctlFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyLock, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use tokio::sync::Semaphore;
 
@@ -1175,6 +1175,22 @@ impl fuser::Filesystem for FreeflowFs {
                 Err(error) => reply.error(errno(&error)),
             }
         });
+    }
+
+    /// No ioctl is supported: `ENOTTY`, as a local file system answers for a request it
+    /// does not know (Python asks `TCGETS` at every `open()`, to see if it is a terminal).
+    fn ioctl(
+        &self,
+        _request: &Request,
+        _inode: INodeNo,
+        _handle: FileHandle,
+        _flags: IoctlFlags,
+        _command: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        reply.error(Errno::ENOTTY);
     }
 
     fn fallocate(
