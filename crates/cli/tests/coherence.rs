@@ -16,7 +16,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::mount::{errno_of, fuse_available, Mount};
+use common::mount::{errno_of, fuse_available, open_rw, Mount};
 use common::{assert_bytes_eq, Cluster, ClusterOptions, Xorshift};
 use freeflow_metrics::text::Snapshot;
 
@@ -402,16 +402,6 @@ fn record_lock(
     } else {
         Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
     }
-}
-
-fn open_rw(path: &Path) -> File {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(path)
-        .unwrap_or_else(|error| panic!("open {}: {error}", path.display()))
 }
 
 /// Run `lock` on another thread and return whether it finished within `within`, and how

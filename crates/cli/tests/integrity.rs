@@ -12,12 +12,12 @@ use std::ffi::CString;
 use std::fs::{self, File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::mount::{errno_of, fuse_available, Mount};
+use common::mount::{errno_of, fuse_available, open_rw, Mount};
 use common::{assert_bytes_eq, Cluster, ClusterOptions, Xorshift};
 use freeflow_client::OpenOptions as ClusterOpen;
 use freeflow_exercise::library::LibraryTarget;
@@ -30,17 +30,6 @@ type SizeChange = dyn Fn(&File, &Path);
 
 fn c_path(path: &Path) -> CString {
     CString::new(path.as_os_str().as_bytes()).expect("no NUL in paths")
-}
-
-fn open_rw(path: &Path) -> File {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o644)
-        .open(path)
-        .unwrap_or_else(|error| panic!("open {}: {error}", path.display()))
 }
 
 fn read_at(file: &File, offset: u64, length: usize) -> Vec<u8> {

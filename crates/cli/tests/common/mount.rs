@@ -143,6 +143,19 @@ pub fn lazy_unmount(mountpoint: &Path) {
     }
 }
 
+/// Open (creating it if needed, mode 0644) for reading and writing.
+pub fn open_rw(path: &Path) -> File {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o644)
+        .open(path)
+        .unwrap_or_else(|error| panic!("open {}: {error}", path.display()))
+}
+
 pub fn errno_of<T>(result: std::io::Result<T>) -> Option<i32> {
     result.err().and_then(|error| error.raw_os_error())
 }
