@@ -167,18 +167,22 @@ async fn bytes_written_before_a_truncate_never_come_back() {
 }
 
 /// The same through the client library: a size change by handle, by path, and an O_TRUNC
-/// open by another client are each ordered after the writes made before them.
+/// open by another client are each ordered after the writes made before them. The last
+/// races writes still in flight against another client's cuts (the cuts wait for this
+/// client to answer the recall of its writes), so it runs many rounds with larger writes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn library_size_changes_are_ordered_after_earlier_writes() {
+    const WRITTEN: usize = 32 << 20;
     let cluster = Cluster::start(3).await;
     let client = cluster.client().await;
     let other = cluster.client().await;
-    let zeros = Bytes::from(vec![0u8; A_BYTES]);
+    let zeros = Bytes::from(vec![0u8; WRITTEN]);
     let options = ClusterOpen::new().read(true).write(true).create(true);
-    for case in 0..3 {
-        let path = format!("/library-{case}");
+    for round in 0..8 {
+        let case = round.min(2);
+        let path = format!("/library-{round}");
         let file = client.open_path(&path, &options).await.expect("create");
-        file.write_at(0, Bytes::from(vec![b'A'; A_BYTES]))
+        file.write_at(0, Bytes::from(vec![b'A'; WRITTEN]))
             .await
             .expect("write");
         match case {
@@ -198,13 +202,51 @@ async fn library_size_changes_are_ordered_after_earlier_writes() {
                 file.refresh().await.expect("refresh");
             }
         }
-        file.write_at(16384, Bytes::from_static(b"x"))
+        file.write_at(WRITTEN as u64 * 2, Bytes::from_static(b"x"))
             .await
             .expect("write past the end");
-        assert_eq!(
-            file.read_at(0, A_BYTES as u64).await.expect("read"),
-            zeros,
-            "case {case}"
+        let read = file.read_at(0, WRITTEN as u64).await.expect("read");
+        assert!(
+            read == zeros,
+            "round {round} (case {case}): {} bytes of A came back",
+            read.iter().filter(|byte| **byte == b'A').count()
+        );
+        file.close().await.expect("close");
+    }
+}
+
+/// A writer whose lease on the file ran out long ago is recalled all the same: the meta
+/// server asks every client with the file open for writing to land what it has in flight
+/// before it cuts, lease or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_clients_truncation_recalls_writes_without_a_lease() {
+    const WRITTEN: usize = 32 << 20;
+    let cluster = Cluster::start_with(ClusterOptions {
+        cache_lease_ms: 100,
+        ..ClusterOptions::new(3)
+    })
+    .await;
+    let client = cluster.client().await;
+    let other = cluster.client().await;
+    let zeros = Bytes::from(vec![0u8; WRITTEN]);
+    let options = ClusterOpen::new().read(true).write(true).create(true);
+    for round in 0..4 {
+        let path = format!("/unleased-{round}");
+        let file = client.open_path(&path, &options).await.expect("create");
+        // Past the lease the open came with.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        file.write_at(0, Bytes::from(vec![b'A'; WRITTEN]))
+            .await
+            .expect("write");
+        other
+            .truncate_path(&path, 0)
+            .await
+            .expect("truncate by another client");
+        let read = file.read_at(0, WRITTEN as u64).await.expect("read");
+        assert!(
+            read == zeros,
+            "round {round}: {} bytes of A came back",
+            read.iter().filter(|byte| **byte == b'A').count()
         );
         file.close().await.expect("close");
     }

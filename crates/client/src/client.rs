@@ -11,7 +11,7 @@
 //! succeeds once its data is flushed.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -38,8 +38,11 @@ use crate::{ClientConfig, ClientError};
 /// State shared by every clone of a [`Client`] and by its open handles.
 pub(crate) struct Shared {
     pub config: ClientConfig,
-    pub pool: Pool,
+    /// Shared with the revocation poll, which must not keep the rest alive while it waits.
+    pub pool: Arc<Pool>,
     session_id: AtomicU64,
+    /// The session was closed (`Client::shutdown`): dropping the client need not close it.
+    closed: AtomicBool,
     /// Write bytes in flight over the whole client (`dirty_bytes_max` permits).
     pub dirty: Arc<Semaphore>,
     /// Open handles by inode, so a truncate can wait for their writes and reset their
@@ -53,9 +56,48 @@ pub(crate) struct Shared {
     metrics: Arc<freeflow_metrics::Registry>,
     /// Revocations seen (see `leases.rs`).
     pub(crate) revoked: Mutex<crate::leases::Revoked>,
+    /// The revocation poll (started at connect) and who is told of revocations.
     watcher: Mutex<Option<JoinHandle<()>>>,
+    pub(crate) revocation_handler: Mutex<Option<crate::leases::RevocationHandler>>,
     /// The file locks this client holds (see `locks.rs`).
     pub(crate) locks: Mutex<crate::locks::HeldLocks>,
+}
+
+impl Shared {
+    pub(crate) fn open_handles(&self, inode: InodeId) -> Vec<Arc<HandleShared>> {
+        let handles = self.handles.lock().expect("not poisoned");
+        handles
+            .get(&inode)
+            .map(|list| list.iter().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Shared {
+    /// The last clone of the client is gone: its background tasks stop with it, and its
+    /// session is closed in the background (best effort), so that the meta server does not
+    /// wait for it as for a client that crashed (after a restart, for its replay).
+    fn drop(&mut self) {
+        for task in [&self.renewer, &self.watcher] {
+            if let Some(task) = task.lock().map(|mut task| task.take()).unwrap_or(None) {
+                task.abort();
+            }
+        }
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let session_id = self.session_id.load(Ordering::Acquire);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let pool = self.pool.clone();
+            runtime.spawn(async move {
+                let request = CloseSession { session_id };
+                let closing = pool.meta_call(&request, || format!("session {session_id}"));
+                if let Err(error) = closing.await {
+                    tracing::debug!(%error, "closing the session of a dropped client failed");
+                }
+            });
+        }
+    }
 }
 
 /// A connected client. Clones share the session and the connections.
@@ -161,8 +203,9 @@ impl Client {
         let caller = config.caller.clone();
         let shared = Arc::new(Shared {
             config,
-            pool,
+            pool: Arc::new(pool),
             session_id: AtomicU64::new(grant.session_id),
+            closed: AtomicBool::new(false),
             dirty,
             handles: Mutex::new(HashMap::new()),
             renewer: Mutex::new(None),
@@ -170,6 +213,7 @@ impl Client {
             metrics,
             revoked: crate::leases::new_revoked(),
             watcher: Mutex::new(None),
+            revocation_handler: Mutex::new(None),
             locks: crate::locks::new_held(),
         });
         // After a meta server restart, the locks held here are taken again before the
@@ -195,6 +239,13 @@ impl Client {
         });
         let renewer = tokio::spawn(renew_session(Arc::downgrade(&shared), grant.lease_ms));
         *shared.renewer.lock().expect("not poisoned") = Some(renewer);
+        // Every client polls for revocations: a truncation by another client recalls the
+        // writes this one has in flight on the file through them (`leases::watch`).
+        let watcher = tokio::spawn(crate::leases::watch(
+            Arc::downgrade(&shared),
+            shared.pool.clone(),
+        ));
+        *shared.watcher.lock().expect("not poisoned") = Some(watcher);
         Ok(Client { shared, caller })
     }
 
@@ -243,10 +294,11 @@ impl Client {
         self.shared.pool.kept_mutations()
     }
 
-    /// Cache what the meta server leases to this client, and hear when it must go: from
-    /// now on this client polls for revocations, and `handler` is called with each batch
-    /// (and, when the meta server restarted, with one revocation of inode 0: everything).
-    /// Its reads then come with leases (`Lease`, `*_leased` methods).
+    /// Hear when what the meta server leased to this client must go: `handler` is called
+    /// with each batch of revocations (and, when the meta server restarted, with one
+    /// revocation of inode 0: everything), and they are acknowledged once it returns (or
+    /// after `HANDLER_WAIT_MS`). Every client polls from connect on, so its reads come with
+    /// leases (`Lease`, `*_leased` methods) whether or not it sets a handler.
     pub fn watch_revocations(&self, handler: crate::leases::RevocationHandler) {
         let everything = handler.clone();
         *self.shared.pool.on_new_epoch.lock().expect("not poisoned") = Some(Arc::new(move || {
@@ -258,21 +310,12 @@ impl Client {
                 whole_directory: true,
             }])
         }));
-        let task = tokio::spawn(crate::leases::watch(Arc::downgrade(&self.shared), handler));
-        if let Some(old) = self
-            .shared
-            .watcher
-            .lock()
-            .expect("not poisoned")
-            .replace(task)
-        {
-            old.abort();
-        }
+        *self.shared.revocation_handler.lock().expect("not poisoned") = Some(handler);
     }
 
     /// How long `lease` can still be trusted for what it covers (`inodes`), if at all.
     pub fn lease_remaining(&self, lease: &Lease, inodes: &[InodeId]) -> Option<Duration> {
-        let epoch = self.shared.pool.epoch();
+        let epoch = self.shared.pool.lease_epoch();
         let revoked = self.shared.revoked();
         crate::leases::remaining(lease, epoch, &revoked, inodes)
     }
@@ -285,6 +328,7 @@ impl Client {
         if let Some(watcher) = self.shared.watcher.lock().expect("not poisoned").take() {
             watcher.abort();
         }
+        self.shared.closed.store(true, Ordering::Release);
         let session_id = self.session_id();
         if let Err(error) = self
             .shared
@@ -319,11 +363,7 @@ impl Client {
     }
 
     fn open_handles(&self, inode: InodeId) -> Vec<Arc<HandleShared>> {
-        let handles = self.shared.handles.lock().expect("not poisoned");
-        handles
-            .get(&inode)
-            .map(|list| list.iter().filter_map(Weak::upgrade).collect())
-            .unwrap_or_default()
+        self.shared.open_handles(inode)
     }
 
     async fn meta<R: freeflow_proto::Request>(

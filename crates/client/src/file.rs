@@ -437,6 +437,14 @@ impl HandleShared {
     /// Wait until `ready` gives a value, re-checking after each change of the state (write
     /// finished, commit answered, truncation over). `ready` runs under the state lock, so
     /// what it takes is consistent with what it checked.
+    /// Wait until every write started through this handle so far is answered by its I/O
+    /// servers (or failed): what another client's truncation recalls (`leases::watch`).
+    pub(crate) async fn wait_for_started_writes(&self) {
+        let sequence = self.lock().writes_started;
+        self.wait_then(|state| state.writes_done_through(sequence).then_some(()))
+            .await;
+    }
+
     async fn wait_then<T>(&self, mut ready: impl FnMut(&mut HandleState) -> Option<T>) -> T {
         loop {
             let mut receiver = {
@@ -1261,7 +1269,8 @@ impl FileHandle {
                             )
                         })
                         .await?;
-                    Ok::<_, ClientError>(Some((piece.target.stripe_index, space)))
+                    let piece_end = piece.target.file_offset + piece.source.length;
+                    Ok::<_, ClientError>(Some((piece.target.stripe_index, space, piece_end)))
                 } else {
                     let data = origin.read_piece(source_layout, &piece.source).await?;
                     let data = if data.len() as u64 == piece.source.length {
@@ -1277,7 +1286,7 @@ impl FileHandle {
                 }
             }
         });
-        let done: Vec<Option<(u32, ObjectSpace)>> = futures::stream::iter(copies)
+        let done: Vec<Option<(u32, ObjectSpace, u64)>> = futures::stream::iter(copies)
             .buffer_unordered(COPY_PIECES_IN_FLIGHT_MAX)
             .collect::<Vec<_>>()
             .await
@@ -1286,13 +1295,15 @@ impl FileHandle {
         let end = target_offset + length;
         {
             let mut state = target.lock();
-            for (stripe_index, space) in done.into_iter().flatten() {
+            for (stripe_index, space, piece_end) in done.into_iter().flatten() {
                 state.note_space(stripe_index, space);
                 state.unsynced_stripes.insert(stripe_index);
+                // Copied on its server: acknowledged. Pieces written through this client
+                // raise `acknowledged_end` themselves when their writes are answered.
+                state.acknowledged_end = state.acknowledged_end.max(piece_end);
             }
             state.known_size = state.known_size.max(end);
             state.written_end = state.written_end.max(end);
-            state.acknowledged_end = state.acknowledged_end.max(end);
             state.writes_started += 1;
         }
         target.notify();

@@ -20,44 +20,54 @@ use freeflow_proto::meta::{Revocation, WaitRevocations};
 use freeflow_types::InodeId;
 
 use crate::client::Shared;
-use crate::pool::Lease;
+use crate::pool::{Lease, Pool};
 
 /// How long a poll waits at the server for revocations before it asks again (at most half
 /// the call time-out, so that a waiting poll is never mistaken for a lost one).
 const POLL_WAIT_MS: u64 = 20_000;
 /// How long a handler may take before its revocations are acknowledged anyway.
 pub const HANDLER_WAIT_MS: u64 = 100;
-/// Most inodes remembered as revoked; older ones are forgotten first (a lease outlives
-/// none of them: they are kept for longer than any lease).
+/// Most inodes remembered as revoked; past it they are forgotten, and every lease granted
+/// before the newest of them is treated as revoked (`Revoked::floor`).
 const REVOKED_REMEMBERED_MAX: usize = 1 << 20;
-/// How long a revocation is remembered: longer than any lease the server grants.
-const REVOKED_REMEMBERED_FOR: Duration = Duration::from_secs(600);
 
 /// What to call with revocations (inode 0: everything, the server restarted).
 pub type RevocationHandler = Arc<dyn Fn(&[Revocation]) + Send + Sync>;
 
-/// Revocations seen, by inode: the newest id and when.
+/// Revocations seen in one server epoch: the newest id by inode.
 #[derive(Default)]
 pub(crate) struct Revoked {
-    by_inode: HashMap<InodeId, (u64, Instant)>,
+    epoch: u64,
+    by_inode: HashMap<InodeId, u64>,
+    /// Every lease granted at or below this sequence counts as revoked (what the map
+    /// forgot when it was full).
+    floor: u64,
 }
 
 impl Revoked {
-    pub fn note(&mut self, revocations: &[Revocation]) {
-        let now = Instant::now();
+    /// Note revocations from the server of `epoch` (ids start over with each epoch).
+    pub fn note(&mut self, epoch: u64, revocations: &[Revocation]) {
+        if epoch != self.epoch {
+            *self = Revoked {
+                epoch,
+                ..Revoked::default()
+            };
+        }
         if self.by_inode.len() >= REVOKED_REMEMBERED_MAX {
-            self.by_inode
-                .retain(|_, (_, at)| now.duration_since(*at) < REVOKED_REMEMBERED_FOR);
+            let newest = self.by_inode.values().copied().max().unwrap_or(0);
+            self.floor = self.floor.max(newest);
+            self.by_inode.clear();
         }
         for revocation in revocations {
-            let entry = self.by_inode.entry(revocation.inode).or_insert((0, now));
-            *entry = (entry.0.max(revocation.id), now);
+            let id = self.by_inode.entry(revocation.inode).or_insert(0);
+            *id = (*id).max(revocation.id);
         }
     }
 
-    /// Whether a revocation of `inode` at or after `seq` was seen.
-    pub fn since(&self, inode: InodeId, seq: u64) -> bool {
-        self.by_inode.get(&inode).is_some_and(|(id, _)| *id >= seq)
+    /// Whether a revocation of `inode` at or after `seq` was seen in `epoch`.
+    pub fn since(&self, epoch: u64, inode: InodeId, seq: u64) -> bool {
+        epoch == self.epoch
+            && (seq <= self.floor || self.by_inode.get(&inode).is_some_and(|id| *id >= seq))
     }
 }
 
@@ -69,7 +79,11 @@ pub(crate) fn remaining(
     inodes: &[InodeId],
 ) -> Option<Duration> {
     let until = lease.until?;
-    if lease.epoch != epoch || inodes.iter().any(|inode| revoked.since(*inode, lease.seq)) {
+    if lease.epoch != epoch
+        || inodes
+            .iter()
+            .any(|inode| revoked.since(epoch, *inode, lease.seq))
+    {
         return None;
     }
     until
@@ -77,26 +91,28 @@ pub(crate) fn remaining(
         .filter(|left| !left.is_zero())
 }
 
-/// The poll loop: runs until the client is gone.
-pub(crate) async fn watch(shared: Weak<Shared>, handler: RevocationHandler) {
-    let mut acknowledged = 0u64;
+/// The poll loop: runs until the client is gone. Before a batch is acknowledged, the writes
+/// this client has in flight on a file whose attributes are revoked are waited for: a
+/// truncation by another client recalls them this way, so that bytes written here before
+/// it cannot land after its cuts (the meta server waits for the acknowledgement first).
+pub(crate) async fn watch(shared: Weak<Shared>, pool: Arc<Pool>) {
+    let (mut acknowledged, mut epoch) = (0u64, 0u64);
     loop {
-        let Some(client) = shared.upgrade() else {
+        if shared.strong_count() == 0 {
             return;
-        };
+        }
+        if pool.lease_epoch() != epoch {
+            // A new server numbers its revocations from 1 again.
+            (acknowledged, epoch) = (0, pool.lease_epoch());
+        }
         let request = WaitRevocations {
             acknowledged,
-            wait_ms: POLL_WAIT_MS.min(client.pool.call_timeout_ms() / 2) as u32,
+            wait_ms: POLL_WAIT_MS.min(pool.call_timeout_ms() / 2) as u32,
         };
-        let revocations = client
-            .pool
-            .meta_call(&request, || "revocations".to_string())
-            .await;
-        let revocations = match revocations {
+        let revocations = match pool.meta_call(&request, || "revocations".to_string()).await {
             Ok(revocations) => revocations,
             Err(error) => {
                 tracing::debug!(%error, "polling for revocations failed; polling again");
-                drop(client);
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
@@ -104,12 +120,38 @@ pub(crate) async fn watch(shared: Weak<Shared>, handler: RevocationHandler) {
         if revocations.is_empty() {
             continue;
         }
-        client.revoked().note(&revocations);
+        if pool.lease_epoch() != epoch {
+            // Answered by a server that restarted since the poll was sent: ask again.
+            continue;
+        }
+        let Some(client) = shared.upgrade() else {
+            return;
+        };
+        client.revoked().note(epoch, &revocations);
         let last = revocations.iter().map(|revocation| revocation.id).max();
-        let handler = handler.clone();
-        let handled = tokio::task::spawn_blocking(move || handler(&revocations));
-        // Acknowledged once handled, or after the wait whatever happens (see the module doc).
-        let _ = tokio::time::timeout(Duration::from_millis(HANDLER_WAIT_MS), handled).await;
+        let mut recalled: Vec<InodeId> = revocations
+            .iter()
+            .filter(|revocation| revocation.attributes && revocation.inode != 0)
+            .map(|revocation| revocation.inode)
+            .collect();
+        recalled.sort_unstable();
+        recalled.dedup();
+        for inode in recalled {
+            for handle in client.open_handles(inode) {
+                handle.wait_for_started_writes().await;
+            }
+        }
+        let handler = client
+            .revocation_handler
+            .lock()
+            .expect("not poisoned")
+            .clone();
+        drop(client);
+        if let Some(handler) = handler {
+            let handled = tokio::task::spawn_blocking(move || handler(&revocations));
+            // Acknowledged once handled, or after the wait whatever happens (module doc).
+            let _ = tokio::time::timeout(Duration::from_millis(HANDLER_WAIT_MS), handled).await;
+        }
         acknowledged = acknowledged.max(last.unwrap_or(0));
     }
 }
@@ -142,6 +184,7 @@ mod tests {
     #[test]
     fn a_lease_is_good_until_its_time_its_epoch_or_a_newer_revocation() {
         let mut revoked = Revoked::default();
+        revoked.note(3, &[]);
         let lease = Lease {
             until: Some(Instant::now() + Duration::from_secs(10)),
             seq: 50,
@@ -153,9 +196,9 @@ mod tests {
             "another epoch"
         );
         // A revocation older than the grant does not touch it; a newer one does.
-        revoked.note(&[revocation(49, 7)]);
+        revoked.note(3, &[revocation(49, 7)]);
         assert!(remaining(&lease, 3, &revoked, &[7]).is_some());
-        revoked.note(&[revocation(50, 8)]);
+        revoked.note(3, &[revocation(50, 8)]);
         assert!(remaining(&lease, 3, &revoked, &[7]).is_some());
         assert!(remaining(&lease, 3, &revoked, &[7, 8]).is_none());
         let expired = Lease {
@@ -163,6 +206,16 @@ mod tests {
             ..lease
         };
         assert!(remaining(&expired, 3, &revoked, &[7]).is_none());
+        // A new server numbers from 1 again: the old epoch's revocations do not apply.
+        let renewed = Lease {
+            seq: 10,
+            epoch: 4,
+            ..lease
+        };
+        assert!(remaining(&renewed, 4, &revoked, &[8]).is_some());
+        revoked.note(4, &[revocation(10, 8)]);
+        assert!(remaining(&renewed, 4, &revoked, &[8]).is_none());
+        assert!(remaining(&renewed, 4, &revoked, &[7]).is_some());
         assert!(remaining(&Lease::default(), 0, &revoked, &[]).is_none());
     }
 }

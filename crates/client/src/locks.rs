@@ -100,7 +100,7 @@ fn would_block(error: &ClientError) -> bool {
 impl Client {
     /// Set or release a lock on `inode` (`F_SETLK`, `F_SETLKW` with `wait`, `flock`).
     /// Another owner's conflicting lock gives `WouldBlock` at once, or with `wait` is waited
-    /// for until it goes (or until this owner unlocks: then `WouldBlock`).
+    /// for until it goes (or until the owner's file is closed: then `WouldBlock`).
     pub async fn set_lock(
         &self,
         inode: InodeId,
@@ -108,15 +108,9 @@ impl Client {
         wait: bool,
     ) -> Result<(), ClientError> {
         let key = (inode, spec.owner);
-        let unlocks = {
-            let mut held = self.shared.held_locks();
-            if spec.kind.is_none() {
-                // Counted first: a request of this owner still in progress must not be
-                // granted after its owner let go.
-                held.unlocked(key);
-            }
-            held.begin(key)
-        };
+        // An unlock of one range does not end the owner's requests for others (a thread of
+        // a process waiting in F_SETLKW while another unlocks); only a close does.
+        let unlocks = self.shared.held_locks().begin(key);
         let result = self.set_lock_counted(inode, spec, wait, unlocks).await;
         self.shared.held_locks().end(key);
         result
@@ -243,28 +237,36 @@ impl Client {
         self.set_lock(inode, spec, false).await
     }
 
-    /// Release every lock this client holds on `inode`, whoever the owner (nothing of the
-    /// file is open here any more), and end requests still in progress on it.
-    pub async fn release_inode_locks(&self, inode: InodeId) -> Result<(), ClientError> {
-        let owners: Vec<u64> = {
-            let mut held = self.shared.held_locks();
-            let asking: Vec<(InodeId, u64)> = held
-                .asking
-                .keys()
-                .filter(|(file, _)| *file == inode)
-                .copied()
-                .collect();
-            for key in asking {
-                held.unlocked(key);
-            }
-            held.held
-                .keys()
-                .filter(|(file, _)| *file == inode)
-                .map(|(_, owner)| *owner)
-                .collect()
-        };
+    /// The owners holding locks on `inode` here, and an end to every request still in
+    /// progress on it: to be taken when nothing of the file is open on this client any
+    /// more (its last close), before anything else can open and lock it again. Release
+    /// them with [`Client::release_locks_of`].
+    pub fn take_inode_lock_owners(&self, inode: InodeId) -> Vec<u64> {
+        let mut held = self.shared.held_locks();
+        let asking: Vec<(InodeId, u64)> = held
+            .asking
+            .keys()
+            .filter(|(file, _)| *file == inode)
+            .copied()
+            .collect();
+        for key in asking {
+            held.unlocked(key);
+        }
+        held.held
+            .keys()
+            .filter(|(file, _)| *file == inode)
+            .map(|(_, owner)| *owner)
+            .collect()
+    }
+
+    /// Release every lock of these owners on `inode` (see `take_inode_lock_owners`).
+    pub async fn release_locks_of(
+        &self,
+        inode: InodeId,
+        owners: &[u64],
+    ) -> Result<(), ClientError> {
         for owner in owners {
-            self.release_owner_locks(inode, owner).await?;
+            self.release_owner_locks(inode, *owner).await?;
         }
         Ok(())
     }

@@ -146,6 +146,9 @@ pub(crate) struct Pool {
     /// transaction, by inode; checked against revocations when used. (Replies to reads are
     /// not kept: one sent before a mutation may arrive after it, with older attributes.)
     attributes: Mutex<HashMap<InodeId, (Attr, Lease, u64)>>,
+    /// The meta server epoch whose leases are trusted: the new one from the moment a
+    /// restart is noticed, before anything is replayed (the kept log moves to it last).
+    lease_epoch: AtomicU64,
 }
 
 /// Most post-operation attributes kept; past it they are all forgotten.
@@ -179,6 +182,7 @@ impl Pool {
             on_new_epoch: Mutex::new(None),
             on_recover: Mutex::new(None),
             attributes: Mutex::new(HashMap::new()),
+            lease_epoch: AtomicU64::new(0),
         }
     }
 
@@ -233,9 +237,10 @@ impl Pool {
         self.options.call_timeout_ms
     }
 
-    /// The meta server epoch this client works in (0 before its first connection).
-    pub fn epoch(&self) -> u64 {
-        self.kept().epoch
+    /// The meta server epoch whose leases this client trusts (0 before its first
+    /// connection).
+    pub fn lease_epoch(&self) -> u64 {
+        self.lease_epoch.load(Ordering::Acquire)
     }
 
     pub fn last_mutation_txn(&self) -> u64 {
@@ -411,10 +416,18 @@ impl Pool {
             if kept.epoch == 0 {
                 drop(kept);
                 self.kept().start_epoch(connection.epoch());
+                self.lease_epoch
+                    .store(connection.epoch(), Ordering::Release);
                 return Ok(());
             }
             (kept.epoch, kept.entries())
         };
+        // Nothing the old server leased is trusted from here on: not the attributes kept
+        // from this client's own mutations (the new server's transaction numbers start
+        // over, too), not a reply already in hand.
+        self.lease_epoch
+            .store(connection.epoch(), Ordering::Release);
+        self.attributes().clear();
         tracing::info!(
             old_epoch,
             new_epoch = connection.epoch(),
@@ -459,7 +472,11 @@ impl Pool {
         // Leases of the old server are void: drop what was cached under them first.
         let hook = self.on_new_epoch.lock().expect("not poisoned").clone();
         if let Some(hook) = hook {
-            hook();
+            // Off the runtime, and waited for a little only: the kernel's invalidations
+            // take directory locks that requests waiting here for this replay may hold.
+            let dropping = tokio::task::spawn_blocking(move || hook());
+            let wait = Duration::from_millis(crate::leases::HANDLER_WAIT_MS);
+            let _ = tokio::time::timeout(wait, dropping).await;
         }
         let hook = self.on_recover.lock().expect("not poisoned").clone();
         if let Some(hook) = hook {

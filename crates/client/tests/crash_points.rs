@@ -152,6 +152,17 @@ async fn crash_case(steps: Vec<(usize, Op)>, crash_after: usize) -> Result<(), T
         .expect("start the meta server");
     let address = meta.listen_address().to_string();
     let clients = [client(&address, &key).await, client(&address, &key).await];
+    // Each client's first poll for revocations writes its record: let both be written, so
+    // that the server is idle between steps (the copy below must not catch a write).
+    let polling = || {
+        let snapshot = freeflow_metrics::text::Snapshot::parse(&meta.metrics().render());
+        snapshot.sum("freeflow_meta_lease_clients", &[])
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while polling() < 2.0 {
+        assert!(std::time::Instant::now() < deadline, "both clients poll");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     clients[0]
         .mkdir_path("/shared", 0o777)
         .await

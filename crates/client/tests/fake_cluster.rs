@@ -242,6 +242,15 @@ impl Service for FakeMeta {
                 .await
             }
             CloseSession::OPCODE => typed::<CloseSession>(frame, |_, _| Ok(((), none()))).await,
+            // Nothing is ever revoked here: a poll waits out its time and gets nothing.
+            WaitRevocations::OPCODE => {
+                handle::<WaitRevocations, _, _>(frame, |request, _| async move {
+                    let wait = u64::from(request.wait_ms).min(20_000);
+                    tokio::time::sleep(Duration::from_millis(wait)).await;
+                    Ok((Vec::new(), Bytes::new()))
+                })
+                .await
+            }
             // Everything here is durable at once: nothing to do.
             Sync::OPCODE => typed::<Sync>(frame, |_, _| Ok(((), none()))).await,
             ListServers::OPCODE => {

@@ -625,7 +625,7 @@ impl fuser::Filesystem for FreeflowFs {
                 };
                 let through = Some(handle.handle_ref());
                 if let Err(error) = client.setattr_through(inode.0, changes, through).await {
-                    let _ = state.files.release(inode.0).await;
+                    let _ = state.files.release(inode.0, || {}).await;
                     return reply.error(errno(&error));
                 }
             }
@@ -751,16 +751,21 @@ impl fuser::Filesystem for FreeflowFs {
                     tracing::warn!(inode = inode.0, %error, "releasing a flock lock failed");
                 }
             }
-            let released = state.files.release(inode.0).await;
-            if matches!(released, Ok(true) | Err(_)) {
-                // No open file left here: OFD locks (which the kernel does not announce at
-                // close) can belong to nothing open any more.
-                if let Err(error) = state.client.release_inode_locks(inode.0).await {
-                    tracing::warn!(inode = inode.0, %error, "releasing locks at close failed");
-                }
+            // At the last close here, OFD locks (which the kernel does not announce at
+            // close) belong to nothing open any more: their owners are taken at that
+            // moment, so a file opened again meanwhile keeps its own locks.
+            let mut owners = Vec::new();
+            let released = state
+                .files
+                .release(inode.0, || {
+                    owners = state.client.take_inode_lock_owners(inode.0)
+                })
+                .await;
+            if let Err(error) = state.client.release_locks_of(inode.0, &owners).await {
+                tracing::warn!(inode = inode.0, %error, "releasing locks at close failed");
             }
             match released {
-                Ok(_) => reply.ok(),
+                Ok(()) => reply.ok(),
                 Err(error) => {
                     // close(2) has returned already; the error can only be logged.
                     tracing::warn!(inode = inode.0, %error, "closing a file failed");
@@ -1329,7 +1334,7 @@ async fn create_and_open(
                 };
                 let through = Some(handle.handle_ref());
                 if let Err(error) = client.setattr_through(attr.inode, changes, through).await {
-                    let _ = state.files.release(attr.inode).await;
+                    let _ = state.files.release(attr.inode, || {}).await;
                     return Err(error);
                 }
             }

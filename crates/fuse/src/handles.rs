@@ -65,7 +65,7 @@ impl OpenFiles {
         if let Some(handle) = existing {
             if let Err(error) = handle.refresh().await {
                 // Give the reference back; the open fails.
-                let _ = self.release(inode).await;
+                let _ = self.release(inode, || {}).await;
                 return Err(error);
             }
             return Ok(handle);
@@ -115,26 +115,29 @@ impl OpenFiles {
         }
     }
 
-    /// Drop one reference; the last one closes the handle (flush, then close at the meta
+    /// Drop one open of `inode`; the last one calls `at_last` at once (before anything can
+    /// open the file again here), then closes the handle (flush, then close at the meta
     /// server) and reports how that went.
-    /// Drop one open of `inode`; the last one closes the handle. Returns whether it was the
-    /// last.
-    pub async fn release(&self, inode: InodeId) -> Result<bool, ClientError> {
+    pub async fn release(&self, inode: InodeId, at_last: impl FnOnce()) -> Result<(), ClientError> {
         let last = {
             let mut files = self.files.lock().expect("open files not poisoned");
-            let Some(file) = files.get_mut(&inode) else {
-                return Ok(true);
+            let file = files.get_mut(&inode);
+            let last = match file {
+                None => None,
+                Some(file) => {
+                    file.open_count = file.open_count.saturating_sub(1);
+                    if file.open_count > 0 {
+                        return Ok(());
+                    }
+                    files.remove(&inode).map(|file| file.handle)
+                }
             };
-            file.open_count = file.open_count.saturating_sub(1);
-            if file.open_count == 0 {
-                files.remove(&inode).map(|file| file.handle)
-            } else {
-                None
-            }
+            at_last();
+            last
         };
         match last {
-            Some(handle) => handle.close_shared().await.map(|()| true),
-            None => Ok(false),
+            Some(handle) => handle.close_shared().await,
+            None => Ok(()),
         }
     }
 

@@ -53,6 +53,8 @@ struct CallbackClient {
     queue: VecDeque<Revocation>,
     /// Every revocation up to this id has been handled by the client.
     acknowledged: u64,
+    /// The newest revocation id handed to the client: it cannot acknowledge past it.
+    delivered: u64,
     leases: usize,
     /// Counts the client's polls: only its newest is answered (an older one whose reply
     /// the client gave up on must not take what the newest is waiting for).
@@ -359,6 +361,52 @@ impl Leases {
         pending
     }
 
+    /// A truncation by `changer` is about to cut `inode`, which `writers` have open for
+    /// writing: each of them that polls gets a revocation of its attributes, lease or not,
+    /// and acknowledges it only once the writes it has in flight on the file are answered
+    /// (the client's `leases::watch`). Waited for up to `bound` (the session lease: a
+    /// client that stops answering loses its session, and is then forgotten, by then).
+    pub fn recall_writes(
+        &self,
+        changer: u64,
+        inode: InodeId,
+        writers: &[u64],
+        bound: Duration,
+    ) -> Pending {
+        let until = Instant::now() + bound;
+        let mut inner = self.inner();
+        let mut pending = Pending::default();
+        for client in writers.iter().copied().filter(|client| *client != changer) {
+            if !inner.clients.contains_key(&client) {
+                continue;
+            }
+            if let Some(holders) = inner.holders.get_mut(&inode) {
+                for held in holders.iter_mut().filter(|held| held.client == client) {
+                    held.attributes = false;
+                }
+            }
+            let id = inner.next_seq;
+            inner.next_seq += 1;
+            let Some(target) = inner.clients.get_mut(&client) else {
+                continue;
+            };
+            if target.queue.len() >= REVOCATIONS_QUEUED_MAX {
+                pending.waits.push((client, u64::MAX, until));
+                continue;
+            }
+            target.queue.push_back(Revocation {
+                id,
+                inode,
+                names: Vec::new(),
+                attributes: true,
+                whole_directory: false,
+            });
+            target.wake.notify_waiters();
+            pending.waits.push((client, id, until));
+        }
+        pending
+    }
+
     /// Wait until every revocation of `pending` is acknowledged or its lease is over;
     /// returns how many were not acknowledged (their lease ran out).
     pub async fn wait(&self, pending: Pending) -> usize {
@@ -414,12 +462,13 @@ impl Leases {
                 .or_insert_with(|| CallbackClient {
                     queue: VecDeque::new(),
                     acknowledged: 0,
+                    delivered: 0,
                     leases: 0,
                     polls: 0,
                     wake: std::sync::Arc::new(Notify::new()),
                 });
             entry.polls += 1;
-            entry.acknowledged = entry.acknowledged.max(acknowledged);
+            entry.acknowledged = entry.acknowledged.max(acknowledged.min(entry.delivered));
             let done = entry.acknowledged;
             while entry
                 .queue
@@ -438,11 +487,14 @@ impl Leases {
             // Created before the queue is looked at: a revocation queued in between wakes it.
             let notified = wake.notified();
             {
-                let inner = self.inner();
-                match inner.clients.get(&client) {
+                let mut inner = self.inner();
+                match inner.clients.get_mut(&client) {
                     Some(entry) if entry.polls != mine => return Vec::new(),
                     Some(entry) if !entry.queue.is_empty() => {
-                        return entry.queue.iter().cloned().collect();
+                        let handed: Vec<Revocation> = entry.queue.iter().cloned().collect();
+                        let newest = handed.last().map_or(0, |revocation| revocation.id);
+                        entry.delivered = entry.delivered.max(newest);
+                        return handed;
                     }
                     Some(_) => {}
                     None => return Vec::new(),

@@ -624,7 +624,33 @@ async fn wait_revocations(
         ));
     }
     if !shared.client_registered(client) {
-        shared.write_as(client, true, |_, _| Ok(())).await?;
+        // Only a client with a session is recorded (so a restart waits for its replay),
+        // and one whose last session closed while it was being recorded is forgotten again.
+        let no_session = move || {
+            WireError::new(
+                ErrorCode::BadHandle,
+                format!("client {client:x} has no session: open one before polling"),
+            )
+        };
+        if !shared.sessions().has_sessions_of(client) {
+            return Err(no_session());
+        }
+        // On a task of its own: a poll dropped with its connection must still check.
+        let recorder = shared.clone();
+        let recorded = tokio::spawn(async move {
+            recorder.write_as(client, true, |_, _| Ok(())).await?;
+            if !recorder.sessions().has_sessions_of(client) {
+                recorder.forget_client(client).await;
+                return Err(no_session());
+            }
+            Ok(())
+        });
+        recorded.await.map_err(|error| {
+            WireError::new(
+                ErrorCode::Io,
+                format!("recording client {client:x}: {error}"),
+            )
+        })??;
     }
     let wait =
         std::time::Duration::from_millis(u64::from(request.wait_ms.min(REVOCATION_POLL_MS_MAX)));
@@ -750,6 +776,18 @@ async fn set_attributes(
         })
         .await?;
     if let (Some(record), Some(pin)) = (&outcome.truncation, &pin) {
+        // Writes other clients have in flight on the file land before the cuts, not after
+        // them (where they would bring back bytes written before this truncation).
+        let writers = shared.sessions().writing_clients(inode);
+        let bound = Duration::from_millis(u64::from(shared.config.lease_ms));
+        let recall = shared
+            .leases
+            .recall_writes(id.client, inode, &writers, bound);
+        if !recall.is_empty() {
+            let (started, sent) = (std::time::Instant::now(), recall.len());
+            let expired = shared.leases.wait(recall).await;
+            shared.metrics.revoked(sent, expired, started);
+        }
         let _exclusive = pin.exclusive().await;
         if let Err(error) = cutter::carry_out(shared, inode, record, Reach::All).await {
             tracing::warn!(inode, %error, "truncate: cuts pending");

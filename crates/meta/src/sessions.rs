@@ -142,6 +142,24 @@ impl Sessions {
         })
     }
 
+    /// The clients with a handle open for writing on `inode` (each once).
+    pub fn writing_clients(&self, inode: InodeId) -> Vec<u64> {
+        if !self.open_counts.contains_key(&inode) {
+            return Vec::new();
+        }
+        let mut clients: Vec<u64> = self
+            .handles
+            .values()
+            .filter(|handle| handle.inode == Some(inode) && handle.access.write)
+            .filter_map(|handle| self.sessions.get(&handle.session_id))
+            .map(|session| session.client_id)
+            .filter(|client| *client != 0)
+            .collect();
+        clients.sort_unstable();
+        clients.dedup();
+        clients
+    }
+
     /// Bind a reserved handle to its inode. Err if the handle is gone (its session ended)
     /// or already bound.
     pub fn bind_handle(&mut self, handle_id: u64, inode: InodeId) -> Result<(), WireError> {
