@@ -318,7 +318,7 @@ async fn a_stopped_or_killed_mount_holds_up_changes_one_lease_at_most() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn creates_ask_one_lookup_per_name_and_a_warm_stat_asks_nothing() {
+async fn creates_ask_no_lookup_where_the_mount_knows_every_name_and_a_warm_stat_asks_nothing() {
     if !fuse_available() {
         return;
     }
@@ -327,21 +327,46 @@ async fn creates_ask_one_lookup_per_name_and_a_warm_stat_asks_nothing() {
     let mount = Mount::start(&cluster, "a", &[]);
     let other = Mount::start(&cluster, "b", &[]);
     fs::create_dir(mount.path("d")).unwrap();
+    fs::create_dir(other.path("e")).unwrap();
     let lookups = ["Lookup", "LookupEntry"];
 
+    // In a directory it made, the mount knows every name: a create's lookup of its new
+    // name is answered without the meta server.
     let before = scrape_meta(&cluster).await;
     for index in 0..FILES {
         File::create(mount.path(&format!("d/file-{index}"))).unwrap();
     }
     let after = scrape_meta(&cluster).await;
     let asked = meta_requests(&before, &after, &lookups);
-    assert!(
-        asked <= FILES as f64,
-        "{asked} lookups for {FILES} creates (at most one per name)"
-    );
+    assert_eq!(asked, 0.0, "{asked} lookups for {FILES} creates in d");
     assert!(
         meta_requests(&before, &after, &["Create"]) >= FILES as f64,
         "the creates reached the server"
+    );
+
+    // In one another mount made, one lookup per name at most.
+    let before = scrape_meta(&cluster).await;
+    for index in 0..FILES {
+        File::create(mount.path(&format!("e/file-{index}"))).unwrap();
+    }
+    let after = scrape_meta(&cluster).await;
+    let asked = meta_requests(&before, &after, &lookups);
+    assert!(
+        asked > 0.0 && asked <= FILES as f64 + 1.0,
+        "{asked} lookups for {FILES} creates in e (at most one per name, and e itself)"
+    );
+
+    // A name the mount answered as missing by itself, then made by the other mount: seen
+    // at once (the other's create revoked the listing and the kernel's negative entry).
+    assert!(gone(&mount.path("d/late")), "missing at first");
+    File::create(other.path("d/late")).unwrap();
+    assert!(mount.path("d/late").exists(), "the other mount's new name is seen");
+    let before = scrape_meta(&cluster).await;
+    File::create(mount.path("d/after")).unwrap();
+    let after = scrape_meta(&cluster).await;
+    assert!(
+        meta_requests(&before, &after, &lookups) >= 1.0,
+        "the listing went with the other mount's change: lookups are asked again"
     );
 
     // A warm name: its second stat asks the meta server nothing, on either mount.

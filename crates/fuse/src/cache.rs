@@ -7,13 +7,22 @@
 //! revocation can be turned into the kernel's invalidations: `inval_entry` for each name
 //! of a directory that changed, `inval_inode` (attributes only) for an inode that changed,
 //! and all of them when the meta server restarted.
+//!
+//! It also keeps the complete list of names of the directories this mount made itself
+//! (`Listing`), while it holds the lease on their names: the mount then answers a lookup of
+//! a name that is not there without asking the meta server (a create's lookup of its new
+//! name, after CephFS's "complete" directories). Another client's change of such a
+//! directory revokes that lease, and the listing goes with it; the mount's own changes keep
+//! it up to date. Adding a name is always safe (a known name is asked for as before); only
+//! the claim that a name is missing needs the lease, and it is checked at every use.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use freeflow_client::{InodeId, Revocation};
+use freeflow_client::{InodeId, Lease, Revocation};
 use fuser::{INodeNo, Notifier};
 
 /// Most names and inodes remembered as handed to the kernel under a lease; past it (once
@@ -21,12 +30,36 @@ use fuser::{INodeNo, Notifier};
 /// instead (no more caching).
 pub const CACHED_MAX: usize = 1 << 20;
 
+/// How often a full index is swept for what ran out (a sweep visits every entry).
+const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Most names kept over all complete listings; a directory that would pass it is dropped
+/// (its lookups go to the meta server again).
+pub const LISTED_NAMES_MAX: usize = 1 << 20;
+
+/// Every name of a directory, known under `lease` on its names.
+struct Listing {
+    names: HashSet<String>,
+    lease: Lease,
+}
+
 /// What the kernel may hold under a lease, each until when.
 #[derive(Default)]
 struct Index {
     names: HashMap<InodeId, HashMap<String, Instant>>,
     name_count: usize,
     attributes: HashMap<InodeId, Instant>,
+    swept_at: Option<Instant>,
+    listings: HashMap<InodeId, Listing>,
+    listed_names: usize,
+}
+
+impl Index {
+    fn drop_listing(&mut self, directory: InodeId) {
+        if let Some(listing) = self.listings.remove(&directory) {
+            self.listed_names -= listing.names.len();
+        }
+    }
 }
 
 impl Index {
@@ -34,6 +67,13 @@ impl Index {
         if self.name_count + self.attributes.len() < CACHED_MAX {
             return false;
         }
+        if self
+            .swept_at
+            .is_some_and(|at| now.duration_since(at) < SWEEP_INTERVAL)
+        {
+            return true;
+        }
+        self.swept_at = Some(now);
         self.attributes.retain(|_, until| *until > now);
         let mut count = 0;
         self.names.retain(|_, names| {
@@ -50,6 +90,9 @@ impl Index {
 pub struct KernelCache {
     index: Mutex<Index>,
     notifier: Mutex<Option<Notifier>>,
+    /// Set with the notifier: without one (`--no-cache`) nothing is cached under a lease,
+    /// as nothing could take it back from the kernel.
+    enabled: AtomicBool,
 }
 
 /// The right to hand the kernel something under a lease. Held from the lease check until
@@ -57,9 +100,88 @@ pub struct KernelCache {
 /// the check fail or finds the name in the index and invalidates it after the reply.
 pub struct Admission<'a> {
     index: MutexGuard<'a, Index>,
+    enabled: bool,
 }
 
 impl Admission<'_> {
+    /// Whether `name` is known to be missing from `directory`: it holds a complete listing
+    /// whose lease is still good (`left` says what remains of a lease). Returns the lease
+    /// to answer with; a listing whose lease is over is dropped.
+    pub fn known_missing(
+        &mut self,
+        directory: InodeId,
+        name: &str,
+        left: impl Fn(&Lease) -> Option<Duration>,
+    ) -> Option<Lease> {
+        let listing = self.index.listings.get(&directory)?;
+        if left(&listing.lease).is_none() {
+            self.index.drop_listing(directory);
+            return None;
+        }
+        (!listing.names.contains(name)).then_some(listing.lease)
+    }
+
+    /// This mount made `directory` (empty) and holds the lease on its names.
+    pub fn listing_started(&mut self, directory: InodeId, lease: Lease) {
+        self.index.drop_listing(directory);
+        if !self.enabled || self.index.listed_names >= LISTED_NAMES_MAX {
+            return;
+        }
+        self.index.listings.insert(
+            directory,
+            Listing {
+                names: HashSet::new(),
+                lease,
+            },
+        );
+    }
+
+    /// This mount added `name` to `directory`; `lease`, if the reply came with one that is
+    /// still good (`left`), renews the listing's. Dropped past [`LISTED_NAMES_MAX`].
+    pub fn listing_added(
+        &mut self,
+        directory: InodeId,
+        name: &str,
+        lease: Option<Lease>,
+        left: impl Fn(&Lease) -> Option<Duration>,
+    ) {
+        let index = &mut *self.index;
+        let Some(listing) = index.listings.get_mut(&directory) else {
+            return;
+        };
+        if index.listed_names >= LISTED_NAMES_MAX {
+            index.drop_listing(directory);
+            return;
+        }
+        if listing.names.insert(name.to_string()) {
+            index.listed_names += 1;
+        }
+        // Renewed only without a gap: the old lease still good, the new one newer.
+        if let Some(lease) = lease {
+            if lease.seq > listing.lease.seq
+                && left(&listing.lease).is_some()
+                && left(&lease).is_some()
+            {
+                listing.lease = lease;
+            }
+        }
+    }
+
+    /// This mount removed `name` from `directory` (unlink, rmdir, the source of a rename).
+    pub fn listing_removed(&mut self, directory: InodeId, name: &str) {
+        let index = &mut *self.index;
+        if let Some(listing) = index.listings.get_mut(&directory) {
+            if listing.names.remove(name) {
+                index.listed_names -= 1;
+            }
+        }
+    }
+
+    /// A change of `directory` by this mount ended in an error: what it did is not known.
+    pub fn listing_unsure(&mut self, directory: InodeId) {
+        self.index.drop_listing(directory);
+    }
+
     /// Note that the kernel may cache `name` in `parent` (and, with `child`, that inode's
     /// attributes) for `left`, what remains of its lease; returns the time-out to give
     /// it, None if there is no lease or the index is full (do not cache then).
@@ -70,7 +192,7 @@ impl Admission<'_> {
         name: &str,
         child: Option<InodeId>,
     ) -> Option<Duration> {
-        let left = left?;
+        let left = left.filter(|_| self.enabled)?;
         let now = Instant::now();
         if self.index.full(now) {
             return None;
@@ -94,7 +216,7 @@ impl Admission<'_> {
 
     /// Note that the kernel may cache `inode`'s attributes for `left`.
     pub fn attributes(&mut self, left: Option<Duration>, inode: InodeId) -> Option<Duration> {
-        let left = left?;
+        let left = left.filter(|_| self.enabled)?;
         let now = Instant::now();
         if self.index.full(now) {
             return None;
@@ -111,6 +233,7 @@ impl KernelCache {
         KernelCache {
             index: Mutex::new(Index::default()),
             notifier: Mutex::new(None),
+            enabled: AtomicBool::new(false),
         }
     }
 
@@ -122,11 +245,13 @@ impl KernelCache {
     pub fn admit(&self) -> Admission<'_> {
         Admission {
             index: self.index(),
+            enabled: self.enabled.load(Ordering::Acquire),
         }
     }
 
     pub fn set_notifier(&self, notifier: Notifier) {
         *self.notifier.lock().expect("notifier not poisoned") = Some(notifier);
+        self.enabled.store(true, Ordering::Release);
     }
 
     /// Drop from the kernel what `revocations` name; returns once the kernel did.
@@ -161,8 +286,12 @@ impl KernelCache {
             }
             index.name_count = 0;
             inodes.extend(index.attributes.drain().map(|(inode, _)| inode));
+            index.listings.clear();
+            index.listed_names = 0;
             return (entries, inodes);
         }
+        // Another client changed it: the listing may be wrong from here on.
+        index.drop_listing(revocation.inode);
         if revocation.whole_directory {
             if let Some(names) = index.names.remove(&revocation.inode) {
                 index.name_count -= names.len();
@@ -214,6 +343,7 @@ mod tests {
     #[test]
     fn revocations_take_what_they_name_out_of_the_index() {
         let cache = KernelCache::new();
+        cache.enabled.store(true, Ordering::Release);
         let lease = Some(Duration::from_secs(10));
         {
             let mut admission = cache.admit();
@@ -238,5 +368,65 @@ mod tests {
         assert_eq!(entries, vec![(2, "c".to_string())]);
         assert_eq!(inodes, vec![10]);
         assert_eq!(cache.index().name_count, 0);
+    }
+
+    #[test]
+    fn a_listing_answers_missing_names_until_its_lease_or_a_revocation_ends_it() {
+        let cache = KernelCache::new();
+        cache.enabled.store(true, Ordering::Release);
+        let lease = Lease {
+            until: Some(Instant::now() + Duration::from_secs(10)),
+            seq: 5,
+            epoch: 1,
+        };
+        let good = |lease: &Lease| {
+            lease
+                .until
+                .and_then(|until| until.checked_duration_since(Instant::now()))
+        };
+        {
+            let mut admission = cache.admit();
+            assert_eq!(
+                admission.known_missing(7, "a", good),
+                None,
+                "nothing known yet"
+            );
+            admission.listing_started(7, lease);
+            assert_eq!(admission.known_missing(7, "a", good), Some(lease));
+            admission.listing_added(7, "a", None, good);
+            assert_eq!(
+                admission.known_missing(7, "a", good),
+                None,
+                "a name it made"
+            );
+            assert_eq!(admission.known_missing(7, "b", good), Some(lease));
+            admission.listing_removed(7, "a");
+            assert_eq!(admission.known_missing(7, "a", good), Some(lease));
+            assert_eq!(
+                admission.known_missing(7, "a", |_| None),
+                None,
+                "lease over"
+            );
+            assert_eq!(
+                admission.known_missing(7, "a", good),
+                None,
+                "and the listing went with it"
+            );
+            admission.listing_started(7, lease);
+            admission.listing_unsure(7);
+            assert_eq!(admission.known_missing(7, "a", good), None, "an error");
+            admission.listing_started(7, lease);
+        }
+        cache.take(&revocation(7, &["z"], false, false));
+        assert_eq!(
+            cache.admit().known_missing(7, "a", good),
+            None,
+            "another client changed it"
+        );
+        assert_eq!(cache.index().listed_names, 0);
+        // Without a notifier (`--no-cache`) nothing is kept.
+        let off = KernelCache::new();
+        off.admit().listing_started(7, lease);
+        assert_eq!(off.admit().known_missing(7, "a", good), None);
     }
 }

@@ -203,6 +203,71 @@ impl MountState {
     /// left of `lease` (another client's create of the name revokes it), else `ENOENT`.
     fn reply_missing(&self, reply: ReplyEntry, parent: InodeId, name: &str, lease: &Lease) {
         let mut admission = self.cache.admit();
+        self.answer_missing(&mut admission, reply, parent, name, lease);
+    }
+
+    /// Answer a lookup from this mount's complete listing of `parent` when it shows `name`
+    /// missing (no request to the meta server); gives the reply back otherwise.
+    fn reply_if_known_missing(
+        &self,
+        reply: ReplyEntry,
+        parent: InodeId,
+        name: &str,
+    ) -> Option<ReplyEntry> {
+        let mut admission = self.cache.admit();
+        let client = &self.client;
+        let known = admission.known_missing(parent, name, |lease| {
+            client.lease_remaining(lease, &[parent])
+        });
+        match known {
+            Some(lease) => {
+                self.answer_missing(&mut admission, reply, parent, name, &lease);
+                None
+            }
+            None => Some(reply),
+        }
+    }
+
+    /// Keep this mount's listing of `parent` right after it made `name` there (and, for a
+    /// directory it made, start one of `made_directory`). Called before the reply.
+    fn note_made(
+        &self,
+        parent: InodeId,
+        name: &str,
+        lease: &Lease,
+        made_directory: Option<InodeId>,
+    ) {
+        let mut admission = self.cache.admit();
+        let client = &self.client;
+        admission.listing_added(parent, name, Some(*lease), |lease| {
+            client.lease_remaining(lease, &[parent])
+        });
+        if let Some(directory) = made_directory {
+            if client.lease_remaining(lease, &[directory]).is_some() {
+                admission.listing_started(directory, *lease);
+            }
+        }
+    }
+
+    fn note_removed(&self, parent: InodeId, name: &str) {
+        self.cache.admit().listing_removed(parent, name);
+    }
+
+    fn note_unsure(&self, directories: &[InodeId]) {
+        let mut admission = self.cache.admit();
+        for directory in directories {
+            admission.listing_unsure(*directory);
+        }
+    }
+
+    fn answer_missing(
+        &self,
+        admission: &mut Admission<'_>,
+        reply: ReplyEntry,
+        parent: InodeId,
+        name: &str,
+        lease: &Lease,
+    ) {
         let left = self.client.lease_remaining(lease, &[parent]);
         match admission.entry(left, parent, name, None) {
             Some(left) => {
@@ -357,6 +422,9 @@ impl fuser::Filesystem for FreeflowFs {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
         };
+        let Some(reply) = self.state.reply_if_known_missing(reply, parent.0, &name) else {
+            return;
+        };
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             match client.lookup_entry(parent.0, &name).await {
@@ -480,8 +548,14 @@ impl fuser::Filesystem for FreeflowFs {
                 )
                 .await;
             match created {
-                Ok((attr, lease)) => state.reply_entry(reply, parent.0, &name, &attr, &lease),
-                Err(error) => reply.error(errno(&error)),
+                Ok((attr, lease)) => {
+                    state.note_made(parent.0, &name, &lease, None);
+                    state.reply_entry(reply, parent.0, &name, &attr, &lease)
+                }
+                Err(error) => {
+                    state.note_unsure(&[parent.0]);
+                    reply.error(errno(&error))
+                }
             }
         });
     }
@@ -502,8 +576,14 @@ impl fuser::Filesystem for FreeflowFs {
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             match client.mkdir_leased(parent.0, &name, mode & 0o7777).await {
-                Ok((attr, lease)) => state.reply_entry(reply, parent.0, &name, &attr, &lease),
-                Err(error) => reply.error(errno(&error)),
+                Ok((attr, lease)) => {
+                    state.note_made(parent.0, &name, &lease, Some(attr.inode));
+                    state.reply_entry(reply, parent.0, &name, &attr, &lease)
+                }
+                Err(error) => {
+                    state.note_unsure(&[parent.0]);
+                    reply.error(errno(&error))
+                }
             }
         });
     }
@@ -513,11 +593,17 @@ impl fuser::Filesystem for FreeflowFs {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
         };
-        let client = self.caller(request);
+        let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             match client.unlink(parent.0, &name).await {
-                Ok(()) => reply.ok(),
-                Err(error) => reply.error(errno(&error)),
+                Ok(()) => {
+                    state.note_removed(parent.0, &name);
+                    reply.ok()
+                }
+                Err(error) => {
+                    state.note_unsure(&[parent.0]);
+                    reply.error(errno(&error))
+                }
             }
         });
     }
@@ -527,11 +613,17 @@ impl fuser::Filesystem for FreeflowFs {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
         };
-        let client = self.caller(request);
+        let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             match client.rmdir(parent.0, &name).await {
-                Ok(()) => reply.ok(),
-                Err(error) => reply.error(errno(&error)),
+                Ok(()) => {
+                    state.note_removed(parent.0, &name);
+                    reply.ok()
+                }
+                Err(error) => {
+                    state.note_unsure(&[parent.0]);
+                    reply.error(errno(&error))
+                }
             }
         });
     }
@@ -551,8 +643,14 @@ impl fuser::Filesystem for FreeflowFs {
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             match client.symlink_leased(parent.0, &name, &target).await {
-                Ok((attr, lease)) => state.reply_entry(reply, parent.0, &name, &attr, &lease),
-                Err(error) => reply.error(errno(&error)),
+                Ok((attr, lease)) => {
+                    state.note_made(parent.0, &name, &lease, None);
+                    state.reply_entry(reply, parent.0, &name, &attr, &lease)
+                }
+                Err(error) => {
+                    state.note_unsure(&[parent.0]);
+                    reply.error(errno(&error))
+                }
             }
         });
     }
@@ -575,14 +673,24 @@ impl fuser::Filesystem for FreeflowFs {
             Ok(mode) => mode,
             Err(error) => return reply.error(error),
         };
-        let client = self.caller(request);
+        let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             match client
                 .rename(parent.0, &source, new_parent.0, &target, mode)
                 .await
             {
-                Ok(()) => reply.ok(),
-                Err(error) => reply.error(errno(&error)),
+                Ok(()) => {
+                    // An exchange leaves both names in place.
+                    if mode != RenameMode::Exchange {
+                        state.note_removed(parent.0, &source);
+                        state.note_made(new_parent.0, &target, &Lease::default(), None);
+                    }
+                    reply.ok()
+                }
+                Err(error) => {
+                    state.note_unsure(&[parent.0, new_parent.0]);
+                    reply.error(errno(&error))
+                }
             }
         });
     }
@@ -602,8 +710,14 @@ impl fuser::Filesystem for FreeflowFs {
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             match client.link_leased(inode.0, new_parent.0, &name).await {
-                Ok((attr, lease)) => state.reply_entry(reply, new_parent.0, &name, &attr, &lease),
-                Err(error) => reply.error(errno(&error)),
+                Ok((attr, lease)) => {
+                    state.note_made(new_parent.0, &name, &lease, None);
+                    state.reply_entry(reply, new_parent.0, &name, &attr, &lease)
+                }
+                Err(error) => {
+                    state.note_unsure(&[new_parent.0]);
+                    reply.error(errno(&error))
+                }
             }
         });
     }
@@ -1155,6 +1269,7 @@ impl fuser::Filesystem for FreeflowFs {
             match create_and_open(&state, &client, parent.0, &name, mode, exclusive, truncate).await
             {
                 Ok((attr, lease)) => {
+                    state.note_made(parent.0, &name, &lease, None);
                     state.remember(attr.inode);
                     // One time-out covers both the entry and the attributes here: under a
                     // lease, what is left of it; without, the shorter of the two, so the
@@ -1177,7 +1292,10 @@ impl fuser::Filesystem for FreeflowFs {
                         FopenFlags::empty(),
                     )
                 }
-                Err(error) => reply.error(errno(&error)),
+                Err(error) => {
+                    state.note_unsure(&[parent.0]);
+                    reply.error(errno(&error))
+                }
             }
         });
     }

@@ -247,6 +247,10 @@ pub fn mkdir<W: StoreWrite>(
     parent.attr.link_count += 1;
     touch_directory(&mut parent, context.now);
     save_inode(write, &parent)?;
+    // Read back (empty): a client that polls is leased the new directory's names with the
+    // reply, so it may answer lookups in it from what it made there itself.
+    let empty = super::directory_is_empty(write, inode)?;
+    debug_assert!(empty, "a new directory has no entries");
     Ok(attr)
 }
 
