@@ -12,7 +12,7 @@ mod common;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -360,7 +360,10 @@ async fn creates_ask_no_lookup_where_the_mount_knows_every_name_and_a_warm_stat_
     // at once (the other's create revoked the listing and the kernel's negative entry).
     assert!(gone(&mount.path("d/late")), "missing at first");
     File::create(other.path("d/late")).unwrap();
-    assert!(mount.path("d/late").exists(), "the other mount's new name is seen");
+    assert!(
+        mount.path("d/late").exists(),
+        "the other mount's new name is seen"
+    );
     let before = scrape_meta(&cluster).await;
     File::create(mount.path("d/after")).unwrap();
     let after = scrape_meta(&cluster).await;
@@ -390,6 +393,58 @@ async fn creates_ask_no_lookup_where_the_mount_knows_every_name_and_a_warm_stat_
     assert!(
         after.sum("freeflow_meta_leases_held", &[]) > 0.0,
         "the leases are counted"
+    );
+}
+
+/// Write requests the I/O servers served so far.
+async fn io_write_requests(cluster: &Cluster, io_count: usize) -> f64 {
+    let mut total = 0.0;
+    for index in 0..io_count {
+        let address = cluster.io_metrics_address(index).expect("metrics are on");
+        let text = freeflow_metrics::scrape(address, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|error| panic!("scrape {address}: {error}"));
+        total +=
+            Snapshot::parse(&text).sum("freeflow_rpc_requests_total", &[("op", "WriteObject")]);
+    }
+    total
+}
+
+/// A stream of small writes is gathered at the mount into few requests, and nothing of it
+/// is lost or reordered: the writer reads back what it wrote mid-stream, and another mount
+/// reads it all after the close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_writes_are_gathered_and_every_mount_reads_them() {
+    if !fuse_available() {
+        return;
+    }
+    const RECORDS: usize = 4_000;
+    const RECORD: usize = 100;
+    let cluster = coherence_cluster(LONG_LEASE_MS).await;
+    let mount = Mount::start(&cluster, "a", &[]);
+    let other = Mount::start(&cluster, "b", &[]);
+    let expected: Vec<u8> = (0..RECORDS * RECORD).map(|i| (i % 251) as u8).collect();
+    let before = io_write_requests(&cluster, 2).await;
+    let mut file = open_rw(&mount.path("log"));
+    for (index, record) in expected.chunks(RECORD).enumerate() {
+        file.write_all(record).unwrap();
+        if index == RECORDS / 2 {
+            let mut back = vec![0u8; RECORD];
+            file.read_exact_at(&mut back, (index * RECORD) as u64)
+                .unwrap();
+            assert_eq!(back, record, "the writer reads what it just wrote");
+        }
+    }
+    drop(file);
+    let writes = io_write_requests(&cluster, 2).await - before;
+    assert!(
+        writes > 0.0 && writes < (RECORDS / 10) as f64,
+        "{writes} write requests for {RECORDS} writes of {RECORD} bytes"
+    );
+    assert_bytes_eq(
+        &read_all(&other.path("log")),
+        &expected,
+        "close-to-open on another mount",
     );
 }
 

@@ -89,13 +89,7 @@ impl Drop for Shared {
         let session_id = self.session_id.load(Ordering::Acquire);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let pool = self.pool.clone();
-            runtime.spawn(async move {
-                let request = CloseSession { session_id };
-                let closing = pool.meta_call(&request, || format!("session {session_id}"));
-                if let Err(error) = closing.await {
-                    tracing::debug!(%error, "closing the session of a dropped client failed");
-                }
-            });
+            runtime.spawn(async move { pool.close_session_quietly(session_id).await });
         }
     }
 }

@@ -18,6 +18,9 @@ pub const CALL_TIMEOUT_MS_DEFAULT: u64 = 30_000;
 pub const CONNECT_TIMEOUT_MS_DEFAULT: u64 = 5_000;
 /// Default sequential read-ahead: 0 (off; reads fetch exactly what is asked).
 pub const READAHEAD_BYTES_DEFAULT: u64 = 0;
+pub const GATHER_WAIT_MS_DEFAULT: u64 = 2;
+/// Gathered bytes are not acknowledged by anyone: they must not wait long.
+pub const GATHER_WAIT_MS_MAX: u64 = 1_000;
 
 #[derive(Clone)]
 pub struct ClientConfig {
@@ -37,6 +40,9 @@ pub struct ClientConfig {
     pub size_commit_interval_ms: u64,
     /// Reserved for sequential read-ahead; not used yet.
     pub readahead_bytes: u64,
+    /// Longest time small adjacent writes are gathered at the client before they are sent
+    /// as one request (`file.rs`, `GATHER_WRITE_MAX`); 0 sends every write at once.
+    pub gather_wait_ms: u64,
 }
 
 impl ClientConfig {
@@ -52,6 +58,7 @@ impl ClientConfig {
             dirty_bytes_max: DIRTY_BYTES_MAX_DEFAULT,
             size_commit_interval_ms: SIZE_COMMIT_INTERVAL_MS_DEFAULT,
             readahead_bytes: READAHEAD_BYTES_DEFAULT,
+            gather_wait_ms: GATHER_WAIT_MS_DEFAULT,
         }
     }
 
@@ -67,7 +74,13 @@ impl ClientConfig {
             dirty_bytes_max,
             size_commit_interval_ms: _,
             readahead_bytes: _,
+            gather_wait_ms,
         } = self;
+        if *gather_wait_ms > GATHER_WAIT_MS_MAX {
+            return Err(ClientError::Config(format!(
+                "gather_wait_ms is {gather_wait_ms}, above the largest {GATHER_WAIT_MS_MAX}"
+            )));
+        }
         if meta_address.is_empty() {
             return Err(ClientError::Config("meta_address is empty".into()));
         }
@@ -104,6 +117,7 @@ impl std::fmt::Debug for ClientConfig {
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("dirty_bytes_max", &self.dirty_bytes_max)
             .field("size_commit_interval_ms", &self.size_commit_interval_ms)
+            .field("gather_wait_ms", &self.gather_wait_ms)
             .field("readahead_bytes", &self.readahead_bytes)
             .finish_non_exhaustive()
     }

@@ -2,7 +2,11 @@
 //!
 //! A write is cut into object requests ([`crate::plan`]) that are all sent at once, each on a
 //! spawned task, and `write_at` returns as soon as they are in flight (write-behind). Their
-//! payloads are slices of the caller's buffer, never copies. The bytes in flight over the
+//! payloads are slices of the caller's buffer, never copies. Small writes are the exception:
+//! one shorter than [`GATHER_WRITE_MAX`] is copied into the handle's gathering buffer, which
+//! adjacent small writes join (the mount's session threads append to it directly,
+//! `write_gathered`), and which goes out as one write at most `gather_wait_ms` later, or as
+//! soon as anything must see it (every path that waits for earlier writes sends it first). The bytes in flight over the
 //! whole client are bounded by a semaphore of `dirty_bytes_max` bytes: a writer past it waits.
 //! The first failure of a write is kept on the handle and returned by every later write,
 //! flush, fsync and close (it is never lost, and the handle stays failed: the data is gone).
@@ -53,6 +57,17 @@ use crate::{Client, ClientError};
 /// Largest single `read_at`, after clamping to the file size: the bound on the buffer one
 /// read allocates.
 pub const READ_LENGTH_MAX: u64 = 256 << 20;
+
+/// Writes shorter than this are gathered: a write that starts where the gathered ones end
+/// joins them; the gathered bytes go out as one request when a write that cannot join
+/// comes, when anything must see them (a read, flush, fsync, close, truncation, fallocate,
+/// copy, or another client's recall), or `gather_wait_ms` (client config) after gathering
+/// started.
+pub const GATHER_WRITE_MAX: usize = 128 << 10;
+/// Most bytes gathered before they are sent.
+pub const GATHER_BYTES_MAX: usize = 1 << 20;
+/// Room first made for gathering (it grows up to `GATHER_BYTES_MAX`).
+const GATHER_CAPACITY_START: usize = 64 << 10;
 
 /// Most bytes one `copy_range_from` copies; callers loop, as with `copy_file_range(2)`.
 pub const COPY_LENGTH_MAX: u64 = 1 << 30;
@@ -154,6 +169,9 @@ pub(crate) struct HandleShared {
     state: Mutex<HandleState>,
     /// Bumped after each write completes; tasks waiting on in-flight writes re-check then.
     completions: watch::Sender<u64>,
+    /// Held from deciding what a write does (gather, or send what is gathered and then
+    /// itself) until its requests are in flight, so that writes go out in call order.
+    send_order: tokio::sync::Mutex<()>,
     closed: AtomicBool,
 }
 
@@ -191,6 +209,17 @@ struct HandleState {
     /// with every size commit so `st_blocks` follows what the servers store. Bounded by the
     /// stripe count.
     stripe_space: BTreeMap<u32, ObjectSpace>,
+    /// Small writes gathered and not sent yet (see [`GATHER_WRITE_MAX`]); not counted in
+    /// `writes_started` until they are sent.
+    gathered: Option<Gathered>,
+    /// Bumped each time gathering starts, so a timer sends only what it was set for.
+    gather_generation: u64,
+}
+
+/// Small adjacent writes gathered into one request.
+struct Gathered {
+    offset: u64,
+    data: BytesMut,
 }
 
 /// A size commit between its computation and its reply.
@@ -303,6 +332,10 @@ impl Truncation {
     /// Wait for the writes through `handles` that started before this call, stop new size
     /// commits, and wait for those already sent.
     pub(crate) async fn begin(handles: Vec<Arc<HandleShared>>) -> Truncation {
+        for handle in &handles {
+            // A failure is kept on the handle, reported by its next call.
+            let _ = handle.send_gathered().await;
+        }
         let snapshots: Vec<u64> = handles
             .iter()
             .map(|handle| handle.lock().writes_started)
@@ -353,6 +386,156 @@ impl Drop for Truncation {
             handle.lock().truncates_pending -= 1;
             handle.notify();
         }
+    }
+}
+
+impl HandleShared {
+    /// Cut a write into requests and send them, each on its own task; returns once all are
+    /// in flight. The caller holds `send_order`.
+    async fn start_write(self: &Arc<Self>, offset: u64, data: Bytes) -> Result<(), ClientError> {
+        let shared = self;
+        shared.check_no_failed_write()?;
+        let layout = shared.data_layout()?;
+        let length = data.len() as u64;
+        let end = offset + length;
+        let requests = plan_requests(layout, offset, length, u64::from(IO_REQUEST_BYTES_MAX));
+        let sequence = {
+            let mut state = shared.lock();
+            state.known_size = state.known_size.max(end);
+            state.written_end = state.written_end.max(end);
+            state.writes_started += 1;
+            let sequence = state.writes_started;
+            state.writes_outstanding.insert(sequence, requests.len());
+            sequence
+        };
+        let mut unsent = UnsentRequests {
+            shared,
+            sequence,
+            count: requests.len(),
+        };
+        let dirty = &shared.client.shared.dirty;
+        for request in requests {
+            let start = (request.file_offset - offset) as usize;
+            let payload = data.slice(start..start + request.length as usize);
+            // The semaphore is never closed; a request (≤ IO_REQUEST_BYTES_MAX) fits u32 and
+            // config validation keeps dirty_bytes_max at least that large.
+            let permit = match dirty.clone().try_acquire_many_owned(request.length as u32) {
+                Ok(permit) => permit,
+                Err(_) => {
+                    let _throttled = shared.client.shared.pool.metrics.throttled();
+                    dirty
+                        .clone()
+                        .acquire_many_owned(request.length as u32)
+                        .await
+                        .expect("dirty semaphore never closed")
+                }
+            };
+            shared.begin_write(&request).await;
+            unsent.count -= 1;
+            tokio::spawn(shared.clone().send_write(
+                layout.clone(),
+                request,
+                sequence,
+                payload,
+                permit,
+            ));
+        }
+        drop(unsent);
+        shared.commit_if_due();
+        Ok(())
+    }
+
+    /// Whether a write of `length` bytes at `offset` may be made: Some(its end), None when
+    /// there is nothing to write.
+    fn check_write(&self, offset: u64, length: usize) -> Result<Option<u64>, ClientError> {
+        self.check_open()?;
+        if !self.access.write {
+            return Err(ClientError::inode(
+                self.inode,
+                ErrorCode::BadHandle,
+                "the handle is not open for writing",
+            ));
+        }
+        self.check_no_failed_write()?;
+        self.data_layout()?;
+        if length == 0 {
+            return Ok(None);
+        }
+        let length = length as u64;
+        let end = offset.checked_add(length).filter(|end| *end <= FILE_SIZE_MAX).ok_or_else(|| {
+            ClientError::inode(
+                self.inode,
+                ErrorCode::FileTooBig,
+                format!("a write of {length} bytes at {offset} ends beyond the largest file size {FILE_SIZE_MAX}"),
+            )
+        })?;
+        Ok(Some(end))
+    }
+
+    /// Append a small write to what is gathered if it starts where that ends (and fits);
+    /// false if it does not.
+    fn try_gather(&self, offset: u64, data: &[u8], end: u64) -> bool {
+        let mut state = self.lock();
+        let Some(gathered) = state.gathered.as_mut() else {
+            return false;
+        };
+        if data.len() >= GATHER_WRITE_MAX
+            || offset != gathered.offset + gathered.data.len() as u64
+            || gathered.data.len() + data.len() > GATHER_BYTES_MAX
+        {
+            return false;
+        }
+        gathered.data.extend_from_slice(data);
+        state.known_size = state.known_size.max(end);
+        state.written_end = state.written_end.max(end);
+        true
+    }
+
+    /// Gather a small write (none is gathered now); it is sent by the next call that needs
+    /// it on its way, or after `gather_wait_ms` at most.
+    fn start_gathering(self: &Arc<Self>, offset: u64, data: &[u8], end: u64) {
+        let generation = {
+            let mut state = self.lock();
+            let mut gathered = BytesMut::with_capacity(data.len().max(GATHER_CAPACITY_START));
+            gathered.extend_from_slice(data);
+            state.gathered = Some(Gathered {
+                offset,
+                data: gathered,
+            });
+            state.gather_generation += 1;
+            state.known_size = state.known_size.max(end);
+            state.written_end = state.written_end.max(end);
+            state.gather_generation
+        };
+        // Holds the handle: gathered bytes are sent even if it is dropped without a close.
+        let shared = self.clone();
+        let wait = Duration::from_millis(self.client.shared.config.gather_wait_ms);
+        tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            let _order = shared.send_order.lock().await;
+            if shared.lock().gather_generation == generation {
+                // A failure is kept on the handle like any write's.
+                let _ = shared.send_gathered_ordered().await;
+            }
+        });
+    }
+
+    /// Send what is gathered, if anything, ahead of any later write.
+    pub(crate) async fn send_gathered(self: &Arc<Self>) -> Result<(), ClientError> {
+        if self.lock().gathered.is_none() {
+            return Ok(());
+        }
+        let _order = self.send_order.lock().await;
+        self.send_gathered_ordered().await
+    }
+
+    /// As `send_gathered`, the caller holding `send_order`.
+    async fn send_gathered_ordered(self: &Arc<Self>) -> Result<(), ClientError> {
+        let Some(gathered) = self.lock().gathered.take() else {
+            return Ok(());
+        };
+        self.start_write(gathered.offset, gathered.data.freeze())
+            .await
     }
 }
 
@@ -439,7 +622,10 @@ impl HandleShared {
     /// what it takes is consistent with what it checked.
     /// Wait until every write started through this handle so far is answered by its I/O
     /// servers (or failed): what another client's truncation recalls (`leases::watch`).
-    pub(crate) async fn wait_for_started_writes(&self) {
+    pub(crate) async fn wait_for_started_writes(self: &Arc<Self>) {
+        // Gathered writes were made before the recall too: they go out first.
+        // A failure is kept on the handle, reported by its next call.
+        let _ = self.send_gathered().await;
         let sequence = self.lock().writes_started;
         self.wait_then(|state| state.writes_done_through(sequence).then_some(()))
             .await;
@@ -682,6 +868,7 @@ impl HandleShared {
     }
 
     async fn flush(self: &Arc<Self>) -> Result<(), ClientError> {
+        self.send_gathered().await?;
         self.flush_through(self.writes_started(), false).await
     }
 
@@ -690,6 +877,7 @@ impl HandleShared {
             // Nothing of this handle's to sync; the file's own metadata still must be.
             return self.client.shared.pool.sync_meta().await;
         }
+        self.send_gathered().await?;
         let through = self.writes_started();
         let layout = self.data_layout()?.clone();
         // Taken under the lock that sees the writes done: every write acknowledged by then
@@ -795,8 +983,10 @@ impl HandleShared {
                 "the handle is already closed",
             ));
         }
-        // No write starts after `closed` is set, so waiting for all of them ends.
-        let flushed = self.flush_through(u64::MAX, false).await;
+        // No write starts after `closed` is set (but what was gathered before), so waiting
+        // for all of them ends.
+        let sent = self.send_gathered().await;
+        let flushed = self.flush_through(u64::MAX, false).await.and(sent);
         let (session_id, handle_id) = (self.session_id, self.handle_id);
         let closed = self
             .client
@@ -866,7 +1056,10 @@ impl FileHandle {
                 writes_outstanding: BTreeMap::new(),
                 unsynced_stripes: BTreeSet::new(),
                 stripe_space: BTreeMap::new(),
+                gathered: None,
+                gather_generation: 0,
             }),
+            send_order: tokio::sync::Mutex::new(()),
             completions,
             closed: AtomicBool::new(false),
             client: client.clone(),
@@ -951,7 +1144,8 @@ impl FileHandle {
             .meta_call(&GetAttr { inode }, || format!("inode {inode}"))
             .await?;
         let mut state = self.shared.lock();
-        let uncommitted = state.writes_started != state.writes_committed;
+        let uncommitted =
+            state.writes_started != state.writes_committed || state.gathered.is_some();
         state.known_size = if uncommitted {
             attr.size_bytes.max(state.written_end)
         } else {
@@ -991,6 +1185,7 @@ impl FileHandle {
         }
         let requests = plan_requests(layout, offset, length, u64::from(IO_REQUEST_BYTES_MAX));
         // This handle's own writes to the range land first, so it reads what it wrote.
+        shared.send_gathered().await?;
         shared
             .wait_until(|state| {
                 requests
@@ -1028,64 +1223,31 @@ impl FileHandle {
                 "the handle is not open for writing",
             ));
         }
-        shared.check_no_failed_write()?;
-        let layout = shared.data_layout()?;
-        if data.is_empty() {
+        let Some(end) = shared.check_write(offset, data.len())? else {
+            return Ok(());
+        };
+        // Small writes just past what is gathered join it, and are sent with it.
+        let _order = shared.send_order.lock().await;
+        if shared.try_gather(offset, &data, end) {
             return Ok(());
         }
-        let length = data.len() as u64;
-        let end = offset.checked_add(length).filter(|end| *end <= FILE_SIZE_MAX).ok_or_else(|| {
-            ClientError::inode(
-                shared.inode,
-                ErrorCode::FileTooBig,
-                format!("a write of {length} bytes at {offset} ends beyond the largest file size {FILE_SIZE_MAX}"),
-            )
-        })?;
-        let requests = plan_requests(layout, offset, length, u64::from(IO_REQUEST_BYTES_MAX));
-        let sequence = {
-            let mut state = shared.lock();
-            state.known_size = state.known_size.max(end);
-            state.written_end = state.written_end.max(end);
-            state.writes_started += 1;
-            let sequence = state.writes_started;
-            state.writes_outstanding.insert(sequence, requests.len());
-            sequence
-        };
-        let mut unsent = UnsentRequests {
-            shared,
-            sequence,
-            count: requests.len(),
-        };
-        let dirty = &shared.client.shared.dirty;
-        for request in requests {
-            let start = (request.file_offset - offset) as usize;
-            let payload = data.slice(start..start + request.length as usize);
-            // The semaphore is never closed; a request (≤ IO_REQUEST_BYTES_MAX) fits u32 and
-            // config validation keeps dirty_bytes_max at least that large.
-            let permit = match dirty.clone().try_acquire_many_owned(request.length as u32) {
-                Ok(permit) => permit,
-                Err(_) => {
-                    let _throttled = shared.client.shared.pool.metrics.throttled();
-                    dirty
-                        .clone()
-                        .acquire_many_owned(request.length as u32)
-                        .await
-                        .expect("dirty semaphore never closed")
-                }
-            };
-            shared.begin_write(&request).await;
-            unsent.count -= 1;
-            tokio::spawn(shared.clone().send_write(
-                layout.clone(),
-                request,
-                sequence,
-                payload,
-                permit,
-            ));
+        shared.send_gathered_ordered().await?;
+        if data.len() < GATHER_WRITE_MAX && shared.client.shared.config.gather_wait_ms > 0 {
+            shared.start_gathering(offset, &data, end);
+            return Ok(());
         }
-        drop(unsent);
-        shared.commit_if_due();
-        Ok(())
+        shared.start_write(offset, data).await
+    }
+
+    /// Write `data` at `offset` without waiting, if it can join the small writes this
+    /// handle is gathering (it starts where they end, and fits): the mount's fast path for
+    /// a stream of small writes. Ok(false): nothing was done, use [`FileHandle::write_at`].
+    pub fn write_gathered(&self, offset: u64, data: &[u8]) -> Result<bool, ClientError> {
+        let shared = &self.shared;
+        let Some(end) = shared.check_write(offset, data.len())? else {
+            return Ok(true);
+        };
+        Ok(shared.try_gather(offset, data, end))
     }
 
     /// Change the storage of a range without writing through it: preallocate, punch a
@@ -1101,6 +1263,7 @@ impl FileHandle {
         let shared = &self.shared;
         shared.check_open()?;
         shared.require_write()?;
+        shared.send_gathered().await?;
         shared.check_no_failed_write()?;
         let layout = shared.data_layout()?.clone();
         if length == 0 {
@@ -1198,6 +1361,8 @@ impl FileHandle {
         target.check_open()?;
         origin.check_open()?;
         target.require_write()?;
+        target.send_gathered().await?;
+        origin.send_gathered().await?;
         if !origin.access.read {
             return Err(ClientError::inode(
                 origin.inode,

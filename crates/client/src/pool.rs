@@ -16,7 +16,7 @@ use bytes::Bytes;
 use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::io::{ReadObject, SyncObjects, WriteObject};
 use freeflow_proto::meta::{
-    is_mutation, ListServers, ReplayDone, ReplayOf, ReplyStamp, ServerRecord, Sync,
+    is_mutation, CloseSession, ListServers, ReplayDone, ReplayOf, ReplyStamp, ServerRecord, Sync,
 };
 use freeflow_proto::{decode, encode, Request, WireError};
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RawFrame, RpcError};
@@ -396,6 +396,33 @@ impl Pool {
     }
 
     /// The meta connection; a new server epoch first gets what this client kept replayed.
+    /// Close `session_id` at the meta server this client knows, once, best effort: never
+    /// over a connection to a server that restarted since (the session died with it, and
+    /// this must not replay anything: a dropped client is gone).
+    pub(crate) async fn close_session_quietly(&self, session_id: u64) {
+        let Ok(connection) = self.meta.get(&self.key, &self.options).await else {
+            return;
+        };
+        if connection.epoch() != self.kept().epoch {
+            return;
+        }
+        let request_id = self.next_meta_request.fetch_add(1, Ordering::Relaxed);
+        let request = CloseSession { session_id };
+        let sent = connection
+            .call_raw(
+                CloseSession::OPCODE,
+                CloseSession::NAME,
+                request_id,
+                0,
+                encode(&request),
+                Bytes::new(),
+            )
+            .await;
+        if let Err(error) = sent {
+            tracing::debug!(%error, session_id, "closing the session of a dropped client failed");
+        }
+    }
+
     async fn meta_connection(&self) -> Result<Connection, RpcError> {
         let connection = self.meta.get(&self.key, &self.options).await?;
         if connection.epoch() != self.kept().epoch {

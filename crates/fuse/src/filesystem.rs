@@ -789,6 +789,16 @@ impl fuser::Filesystem for FreeflowFs {
         // kernel has made the decision, so it is carried out as root: a writer who is not
         // the owner could not chmod the file itself.
         let kill_privileges = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        if !kill_privileges {
+            // A small write that joins those gathered is answered here, on the session
+            // thread, without a task or a request of its own.
+            match handle.write_gathered(offset, data) {
+                // Gathered writes are shorter than GATHER_WRITE_MAX: the length fits.
+                Ok(true) => return reply.written(data.len() as u32),
+                Ok(false) => {}
+                Err(error) => return reply.error(errno(&error)),
+            }
+        }
         let privileged_client = kill_privileges.then(|| {
             self.state
                 .client
