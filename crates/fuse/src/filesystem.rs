@@ -1054,10 +1054,10 @@ impl fuser::Filesystem for FreeflowFs {
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             let mut listing = listing.lock().await;
-            // "." and ".." need attributes too (the kernel ignores them).
+            // "." and ".." need attributes too (the kernel ignores them): leased ones do.
             let directory = if offset < 2 {
-                match state.client.getattr(inode.0).await {
-                    Ok(attr) => Some(state.kernel_attr(&attr)),
+                match state.client.getattr_leased(inode.0).await {
+                    Ok((attr, _)) => Some(state.kernel_attr(&attr)),
                     Err(error) => return reply.error(errno(&error)),
                 }
             } else {
