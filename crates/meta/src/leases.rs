@@ -337,26 +337,14 @@ impl Leases {
                     }
                 }
             }
-            let id = inner.next_seq;
-            inner.next_seq += 1;
-            let Some(target) = inner.clients.get_mut(&client) else {
-                continue;
-            };
-            if target.queue.len() >= REVOCATIONS_QUEUED_MAX {
-                // The client is not keeping up: it will be waited for until its leases
-                // run out, like a client that is gone.
-                pending.waits.push((client, u64::MAX, until));
-                continue;
-            }
-            target.queue.push_back(Revocation {
-                id,
+            let revocation = Revocation {
+                id: 0,
                 inode,
                 names,
                 attributes,
                 whole_directory,
-            });
-            target.wake.notify_waiters();
-            pending.waits.push((client, id, until));
+            };
+            queue_revocation(&mut inner, &mut pending, client, revocation, until);
         }
         pending
     }
@@ -385,24 +373,14 @@ impl Leases {
                     held.attributes = false;
                 }
             }
-            let id = inner.next_seq;
-            inner.next_seq += 1;
-            let Some(target) = inner.clients.get_mut(&client) else {
-                continue;
-            };
-            if target.queue.len() >= REVOCATIONS_QUEUED_MAX {
-                pending.waits.push((client, u64::MAX, until));
-                continue;
-            }
-            target.queue.push_back(Revocation {
-                id,
+            let revocation = Revocation {
+                id: 0,
                 inode,
                 names: Vec::new(),
                 attributes: true,
                 whole_directory: false,
-            });
-            target.wake.notify_waiters();
-            pending.waits.push((client, id, until));
+            };
+            queue_revocation(&mut inner, &mut pending, client, revocation, until);
         }
         pending
     }
@@ -541,6 +519,32 @@ impl Leases {
             .map(|holders| holders.iter().filter(|held| held.until > now).count())
             .sum()
     }
+}
+
+/// Number `revocation`, queue it to `client` and note in `pending` that it is to be waited
+/// for until `until`.
+fn queue_revocation(
+    inner: &mut Inner,
+    pending: &mut Pending,
+    client: u64,
+    mut revocation: Revocation,
+    until: Instant,
+) {
+    revocation.id = inner.next_seq;
+    inner.next_seq += 1;
+    let Some(target) = inner.clients.get_mut(&client) else {
+        return;
+    };
+    if target.queue.len() >= REVOCATIONS_QUEUED_MAX {
+        // The client is not keeping up: it will be waited for until `until`, like a client
+        // that is gone.
+        pending.waits.push((client, u64::MAX, until));
+        return;
+    }
+    let id = revocation.id;
+    target.queue.push_back(revocation);
+    target.wake.notify_waiters();
+    pending.waits.push((client, id, until));
 }
 
 /// Drop expired leases and count again what each client holds.
