@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use crate::json::Value;
+use crate::json::{self, Value};
 
 /// The schema name written into every report; bump the number when a field changes meaning.
 pub const SCHEMA: &str = "freeflow-bench/1";
@@ -234,16 +234,9 @@ impl Report {
 
     /// The report as JSON (the schema is in docs/BENCHMARKS.md).
     pub fn to_json(&self) -> Value {
-        let object = |members: Vec<(&str, Value)>| {
-            Value::Object(
-                members
-                    .into_iter()
-                    .map(|(key, value)| (key.to_string(), value))
-                    .collect(),
-            )
-        };
+        let object = |members: Vec<(&str, Value)>| json::object(members);
         let optional = |text: &Option<String>| match text {
-            Some(text) => Value::string(text.clone()),
+            Some(text) => json::string(text.clone()),
             None => Value::Null,
         };
         let scenarios = self
@@ -259,31 +252,31 @@ impl Report {
                             .iter()
                             .map(|stats| {
                                 object(vec![
-                                    ("subject", Value::string(stats.subject.clone())),
+                                    ("subject", json::string(stats.subject.clone())),
                                     (
                                         "samples",
                                         Value::Array(
                                             stats
                                                 .samples
                                                 .iter()
-                                                .map(|v| Value::number(*v))
+                                                .map(|v| json::number(*v))
                                                 .collect(),
                                         ),
                                     ),
-                                    ("median", Value::number(stats.median)),
-                                    ("min", Value::number(stats.min)),
-                                    ("max", Value::number(stats.max)),
+                                    ("median", json::number(stats.median)),
+                                    ("min", json::number(stats.min)),
+                                    ("max", json::number(stats.max)),
                                     (
                                         "ratio_to_first",
-                                        stats.ratio_to_first.map_or(Value::Null, Value::number),
+                                        stats.ratio_to_first.map_or(Value::Null, json::number),
                                     ),
                                 ])
                             })
                             .collect();
                         object(vec![
-                            ("name", Value::string(metric.spec.name.clone())),
-                            ("unit", Value::string(metric.spec.unit)),
-                            ("better", Value::string(metric.spec.better.as_str())),
+                            ("name", json::string(metric.spec.name.clone())),
+                            ("unit", json::string(metric.spec.unit)),
+                            ("better", json::string(metric.spec.better.as_str())),
                             ("results", Value::Array(results)),
                         ])
                     })
@@ -293,23 +286,23 @@ impl Report {
                     .iter()
                     .map(|failure| {
                         object(vec![
-                            ("subject", Value::string(failure.subject.clone())),
-                            ("repeat", Value::number(f64::from(failure.repeat))),
-                            ("step", Value::string(failure.step.clone())),
-                            ("message", Value::string(failure.message.clone())),
+                            ("subject", json::string(failure.subject.clone())),
+                            ("repeat", json::number(f64::from(failure.repeat))),
+                            ("step", json::string(failure.step.clone())),
+                            ("message", json::string(failure.message.clone())),
                         ])
                     })
                     .collect();
                 object(vec![
-                    ("name", Value::string(scenario.name.clone())),
-                    ("parameters", Value::Object(scenario.parameters.clone())),
+                    ("name", json::string(scenario.name.clone())),
+                    ("parameters", json::object(scenario.parameters.clone())),
                     (
                         "subjects",
                         Value::Array(
                             scenario
                                 .subjects
                                 .iter()
-                                .map(|s| Value::string(s.clone()))
+                                .map(|s| json::string(s.clone()))
                                 .collect(),
                         ),
                     ),
@@ -320,11 +313,11 @@ impl Report {
                             scenario
                                 .notes
                                 .iter()
-                                .map(|n| Value::string(n.clone()))
+                                .map(|n| json::string(n.clone()))
                                 .collect(),
                         ),
                     ),
-                    ("elapsed_ms", Value::number(scenario.elapsed_ms as f64)),
+                    ("elapsed_ms", json::number(scenario.elapsed_ms as f64)),
                     ("metrics", Value::Array(metrics)),
                     ("failures", Value::Array(failures)),
                 ])
@@ -335,35 +328,32 @@ impl Report {
             .iter()
             .map(|info| {
                 object(vec![
-                    ("name", Value::string(info.target.name.clone())),
-                    (
-                        "path",
-                        Value::string(info.target.path.display().to_string()),
-                    ),
-                    ("fs_type", Value::string(info.fs_type.clone())),
+                    ("name", json::string(info.target.name.clone())),
+                    ("path", json::string(info.target.path.display().to_string())),
+                    ("fs_type", json::string(info.fs_type.clone())),
                 ])
             })
             .collect();
         object(vec![
-            ("schema", Value::string(SCHEMA)),
-            ("started_unix_s", Value::number(self.started_unix_s as f64)),
-            ("command", Value::string(self.command.clone())),
-            ("size", Value::string(self.size.clone())),
-            ("repeat", Value::number(f64::from(self.repeat))),
+            ("schema", json::string(SCHEMA)),
+            ("started_unix_s", json::number(self.started_unix_s as f64)),
+            ("command", json::string(self.command.clone())),
+            ("size", json::string(self.size.clone())),
+            ("repeat", json::number(f64::from(self.repeat))),
             (
                 "host",
                 object(vec![
-                    ("hostname", Value::string(self.host.hostname.clone())),
-                    ("kernel", Value::string(self.host.kernel.clone())),
-                    ("cpus", Value::number(self.host.cpus as f64)),
-                    ("memory_bytes", Value::number(self.host.memory_bytes as f64)),
+                    ("hostname", json::string(self.host.hostname.clone())),
+                    ("kernel", json::string(self.host.kernel.clone())),
+                    ("cpus", json::number(self.host.cpus as f64)),
+                    ("memory_bytes", json::number(self.host.memory_bytes as f64)),
                 ]),
             ),
             (
                 "caches",
                 object(vec![
                     ("dropped", Value::Bool(self.caches.dropped)),
-                    ("drops", Value::number(self.caches.drops as f64)),
+                    ("drops", json::number(self.caches.drops as f64)),
                     ("reason", optional(&self.caches.reason)),
                 ]),
             ),

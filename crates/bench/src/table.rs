@@ -46,8 +46,11 @@ fn cell(stats: &SubjectStats, first: bool) -> String {
 
 fn parameter_text(value: &Value) -> String {
     match value {
-        Value::Number(number) if number.fract() == 0.0 => format!("{number:.0}"),
-        Value::Number(number) => format_number(*number),
+        Value::Number(number) => match number.as_f64() {
+            Some(number) if number.fract() == 0.0 => format!("{number:.0}"),
+            Some(number) => format_number(number),
+            None => number.to_string(),
+        },
         Value::String(text) => text.clone(),
         Value::Array(items) => format!(
             "[{}]",
@@ -57,7 +60,7 @@ fn parameter_text(value: &Value) -> String {
                 .collect::<Vec<_>>()
                 .join(",")
         ),
-        other => other.to_pretty().trim().to_string(),
+        other => other.to_string(),
     }
 }
 

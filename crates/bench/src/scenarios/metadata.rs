@@ -16,7 +16,7 @@ use super::{
     check_target, fresh_dir, parameter, parameter_list, span_seconds, Env, Scenario, Subject,
 };
 use crate::error::{SetupError, StepContext, StepError};
-use crate::json::Value;
+use crate::json::{self, Value};
 use crate::model::{Better, Measurement, MetricSpec, Target};
 use crate::sizes::Sizes;
 
@@ -68,7 +68,7 @@ impl Scenario for Metadata {
             parameter("files", self.files),
             parameter_list("workers", self.workers.iter().map(|&w| u64::from(w))),
             parameter("files_per_dir", self.files_per_dir),
-            ("workers_are".into(), Value::string("threads")),
+            ("workers_are".into(), json::string("threads")),
         ]
     }
 

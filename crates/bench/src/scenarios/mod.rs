@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use crate::error::{SetupError, StepError};
-use crate::json::Value;
+use crate::json::{self, Value};
 use crate::model::{Measurement, MetricSpec, Target};
 use crate::sizes::Sizes;
 
@@ -194,19 +194,14 @@ pub(crate) fn span_seconds(intervals: &[(std::time::Instant, std::time::Instant)
 
 /// A number for the parameters list.
 pub(crate) fn parameter(name: &str, value: u64) -> (String, Value) {
-    (name.to_string(), Value::number(value as f64))
+    (name.to_string(), json::number(value as f64))
 }
 
 /// A list of numbers for the parameters list.
 pub(crate) fn parameter_list(name: &str, values: impl IntoIterator<Item = u64>) -> (String, Value) {
     (
         name.to_string(),
-        Value::Array(
-            values
-                .into_iter()
-                .map(|v| Value::number(v as f64))
-                .collect(),
-        ),
+        Value::Array(values.into_iter().map(|v| json::number(v as f64)).collect()),
     )
 }
 

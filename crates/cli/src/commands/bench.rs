@@ -77,7 +77,7 @@ pub async fn run(arguments: BenchArgs) -> anyhow::Result<()> {
         .context("the bench thread failed")??;
     print!("{}", table::render(&report));
     if let Some(path) = &arguments.json {
-        std::fs::write(path, report.to_json().to_pretty())
+        std::fs::write(path, freeflow_bench::json::to_pretty(&report.to_json()))
             .with_context(|| format!("cannot write the JSON report {}", path.display()))?;
         println!("\nreport saved to {}", path.display());
     }

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use freeflow_metrics::text::{HistogramData, Snapshot};
+use serde_json::{json, Value};
 
 use crate::cluster_file::{self, ClientFile};
 use crate::failure::ConfigError;
@@ -509,89 +510,74 @@ fn render_text(panel: &Panel) -> String {
     out
 }
 
-fn json_string(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 2);
-    out.push('"');
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-fn json_number(value: f64) -> String {
-    if value.is_finite() {
-        format!("{}", (value * 1000.0).round() / 1000.0)
+/// A figure rounded to thousandths as JSON: a whole one without a fraction, null if not
+/// finite.
+fn json_number(value: f64) -> Value {
+    let rounded = (value * 1000.0).round() / 1000.0;
+    if rounded.is_finite() && rounded.fract() == 0.0 && rounded.abs() < 1e15 {
+        Value::from(rounded as i64)
     } else {
-        "null".to_string()
+        Value::from(rounded)
     }
 }
 
-fn json_option(value: Option<f64>) -> String {
-    value.map_or("null".to_string(), json_number)
+fn json_option(value: Option<f64>) -> Value {
+    value.map_or(Value::Null, json_number)
 }
 
 fn render_json(panel: &Panel) -> String {
-    let servers: Vec<String> = panel
+    let servers: Vec<Value> = panel
         .servers
         .iter()
         .map(|row| {
-            format!(
-                "{{\"name\":{},\"address\":{},\"reachable\":{},\"read_mb_per_s\":{},\"write_mb_per_s\":{},\"iops\":{},\"queue_depth\":{},\"p50_ms\":{},\"p99_ms\":{},\"buffer_waits_per_s\":{}}}",
-                json_string(&row.name),
-                json_string(&row.address),
-                row.reachable,
-                json_number(row.read_mb_per_s),
-                json_number(row.write_mb_per_s),
-                json_number(row.iops),
-                json_number(row.queue_depth),
-                json_option(row.p50_ms),
-                json_option(row.p99_ms),
-                json_number(row.buffer_waits_per_s),
-            )
+            json!({
+                "name": row.name,
+                "address": row.address,
+                "reachable": row.reachable,
+                "read_mb_per_s": json_number(row.read_mb_per_s),
+                "write_mb_per_s": json_number(row.write_mb_per_s),
+                "iops": json_number(row.iops),
+                "queue_depth": json_number(row.queue_depth),
+                "p50_ms": json_option(row.p50_ms),
+                "p99_ms": json_option(row.p99_ms),
+                "buffer_waits_per_s": json_number(row.buffer_waits_per_s),
+            })
         })
         .collect();
-    let meta = match &panel.meta {
-        None => "null".to_string(),
-        Some(meta) => {
-            let operations: Vec<String> = meta
-                .operations
-                .iter()
-                .map(|(name, per_s)| format!("{}:{}", json_string(name), json_number(*per_s)))
-                .collect();
-            format!(
-                "{{\"address\":{},\"reachable\":{},\"ops_per_s\":{},\"ops\":{{{}}},\"commits_per_s\":{},\"batch_average\":{},\"p50_ms\":{},\"p99_ms\":{},\"inodes\":{},\"sessions\":{},\"leases\":{},\"revocations_per_s\":{},\"revocation_p99_ms\":{}}}",
-                json_string(&meta.address),
-                meta.reachable,
-                json_number(meta.operations_per_s),
-                operations.join(","),
-                json_number(meta.commits_per_s),
-                json_option(meta.batch_average),
-                json_option(meta.p50_ms),
-                json_option(meta.p99_ms),
-                json_number(meta.inodes),
-                json_number(meta.sessions),
-                json_number(meta.leases),
-                json_number(meta.revocations_per_s),
-                json_option(meta.revocation_p99_ms),
-            )
-        }
-    };
-    format!(
-        "{{\"interval_s\":{},\"servers\":[{}],\"meta\":{},\"total\":{{\"read_mb_per_s\":{},\"write_mb_per_s\":{},\"iops\":{},\"queue_depth\":{}}}}}",
-        json_number(panel.interval_s),
-        servers.join(","),
-        meta,
-        json_number(panel.total_read_mb_per_s),
-        json_number(panel.total_write_mb_per_s),
-        json_number(panel.total_iops),
-        json_number(panel.total_queue_depth),
-    )
+    let meta = panel.meta.as_ref().map_or(Value::Null, |meta| {
+        let operations: serde_json::Map<String, Value> = meta
+            .operations
+            .iter()
+            .map(|(name, per_s)| (name.clone(), json_number(*per_s)))
+            .collect();
+        json!({
+            "address": meta.address,
+            "reachable": meta.reachable,
+            "ops_per_s": json_number(meta.operations_per_s),
+            "ops": operations,
+            "commits_per_s": json_number(meta.commits_per_s),
+            "batch_average": json_option(meta.batch_average),
+            "p50_ms": json_option(meta.p50_ms),
+            "p99_ms": json_option(meta.p99_ms),
+            "inodes": json_number(meta.inodes),
+            "sessions": json_number(meta.sessions),
+            "leases": json_number(meta.leases),
+            "revocations_per_s": json_number(meta.revocations_per_s),
+            "revocation_p99_ms": json_option(meta.revocation_p99_ms),
+        })
+    });
+    json!({
+        "interval_s": json_number(panel.interval_s),
+        "servers": servers,
+        "meta": meta,
+        "total": {
+            "read_mb_per_s": json_number(panel.total_read_mb_per_s),
+            "write_mb_per_s": json_number(panel.total_write_mb_per_s),
+            "iops": json_number(panel.total_iops),
+            "queue_depth": json_number(panel.total_queue_depth),
+        },
+    })
+    .to_string()
 }
 
 fn is_terminal(descriptor: libc::c_int) -> bool {
@@ -727,6 +713,5 @@ mod tests {
     fn unspecified_hosts_are_replaced_by_the_meta_host() {
         assert_eq!(reachable("0.0.0.0:7701", "meta-host"), "meta-host:7701");
         assert_eq!(reachable("10.0.0.2:7801", "meta-host"), "10.0.0.2:7801");
-        assert_eq!(json_string("a\"b\n"), "\"a\\\"b\\u000a\"");
     }
 }
