@@ -1504,6 +1504,22 @@ impl FileHandle {
         self.shared.flush().await
     }
 
+    /// Whether [`FileHandle::flush`] would do nothing now: open, nothing gathered, no write
+    /// in flight or uncommitted, no truncation or size commit running, no failure to report
+    /// (a file closed without being written).
+    pub fn flush_is_empty(&self) -> bool {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return false;
+        }
+        let state = self.shared.lock();
+        state.gathered.is_none()
+            && state.writes_outstanding.is_empty()
+            && state.truncates_pending == 0
+            && state.commits_running == 0
+            && state.first_error.is_none()
+            && state.writes_committed >= state.writes_started
+    }
+
     /// Flush and close.
     pub async fn close(self) -> Result<(), ClientError> {
         self.shared.close().await

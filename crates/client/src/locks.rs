@@ -213,18 +213,21 @@ impl Client {
             .await
     }
 
+    /// What [`Client::release_owner_locks`] does without a request: a lock request of
+    /// `owner` on `inode` still in progress gives up. Returns whether the owner holds locks
+    /// there (which only `release_owner_locks` gives back).
+    pub fn owner_holds_locks(&self, inode: InodeId, owner: u64) -> bool {
+        let mut held = self.shared.held_locks();
+        let key = (inode, owner);
+        held.unlocked(key);
+        held.held.contains_key(&key)
+    }
+
     /// Release every lock `owner` holds on `inode`, and end its requests still waiting (a
     /// close: POSIX locks of the closing process, or `flock` locks at the last close). Asks
     /// the meta server only if the owner holds something there.
     pub async fn release_owner_locks(&self, inode: InodeId, owner: u64) -> Result<(), ClientError> {
-        let holds = {
-            let mut held = self.shared.held_locks();
-            let key = (inode, owner);
-            // A request of it still in progress gives up.
-            held.unlocked(key);
-            held.held.contains_key(&key)
-        };
-        if !holds {
+        if !self.owner_holds_locks(inode, owner) {
             return Ok(());
         }
         let spec = LockSpec {

@@ -832,6 +832,14 @@ impl fuser::Filesystem for FreeflowFs {
     ) {
         let handle = self.state.files.get(inode.0);
         let (state, sync) = (self.state.clone(), self.state.sync_on_close);
+        // Nothing to release or flush (a file closed unwritten): answered here, without a
+        // task.
+        if !sync
+            && !state.client.owner_holds_locks(inode.0, lock_owner.0)
+            && handle.as_ref().is_none_or(|handle| handle.flush_is_empty())
+        {
+            return reply.ok();
+        }
         self.spawn(async move {
             // A close releases the POSIX locks its process holds on the file (the kernel
             // leaves that to file systems with their own locks).
