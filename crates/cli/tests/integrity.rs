@@ -14,6 +14,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -258,6 +259,67 @@ async fn another_clients_truncation_recalls_writes_without_a_lease() {
             read.iter().filter(|byte| **byte == b'A').count()
         );
         file.close().await.expect("close");
+    }
+}
+
+/// A read sees small writes made before it even while they are on their way out: taken
+/// from the gathering buffer by the timer but not in flight yet (the I/O server is stopped
+/// and the dirty-byte bound is full), or by a caller that was then cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gathered_writes_on_their_way_are_read_and_never_dropped() {
+    const FULL: usize = freeflow_types::limits::IO_REQUEST_BYTES_MAX as usize;
+    let cluster = Cluster::start(1).await;
+    for (round, gather_wait_ms) in [(0, 1), (1, 1_000)] {
+        // One request fills the dirty-byte bound: a later write waits for it to land.
+        let client = cluster
+            .client_with(|config| {
+                config.dirty_bytes_max = FULL as u64;
+                config.gather_wait_ms = gather_wait_ms;
+            })
+            .await;
+        let path = format!("/on-their-way-{round}");
+        let options = ClusterOpen::new().read(true).write(true).create(true);
+        let file = Arc::new(client.open_path(&path, &options).await.expect("create"));
+        cluster.signal_io(0, libc::SIGSTOP);
+        file.write_at(0, Bytes::from(vec![b'A'; FULL]))
+            .await
+            .expect("a write filling the bound");
+        let far = 2 * FULL as u64;
+        file.write_at(far, Bytes::from_static(b"gathered"))
+            .await
+            .expect("a small write, gathered");
+        if round == 0 {
+            // The timer takes the bytes and waits for room to send them.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        } else {
+            // A read sends the bytes, then is given up while they wait for room.
+            let given_up =
+                tokio::time::timeout(Duration::from_millis(100), file.read_at(far, 8)).await;
+            assert!(given_up.is_err(), "the read waited for the stopped server");
+        }
+        let reader = file.clone();
+        let read = tokio::spawn(async move { reader.read_at(far, 8).await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        cluster.signal_io(0, libc::SIGCONT);
+        let read = read.await.expect("read task").expect("read");
+        assert_eq!(
+            &read[..],
+            b"gathered",
+            "round {round}: the read missed the gathered bytes"
+        );
+        Arc::into_inner(file)
+            .expect("one owner")
+            .close()
+            .await
+            .expect("close reports no lost write");
+        let reopened = client
+            .open_path(&path, &ClusterOpen::new().read(true))
+            .await
+            .expect("open");
+        assert_eq!(
+            &reopened.read_at(far, 8).await.expect("read")[..],
+            b"gathered"
+        );
     }
 }
 

@@ -169,9 +169,11 @@ pub(crate) struct HandleShared {
     state: Mutex<HandleState>,
     /// Bumped after each write completes; tasks waiting on in-flight writes re-check then.
     completions: watch::Sender<u64>,
-    /// Held from deciding what a write does (gather, or send what is gathered and then
-    /// itself) until its requests are in flight, so that writes go out in call order.
-    send_order: tokio::sync::Mutex<()>,
+    /// The turn to send: held from deciding what a write does (gather, or send what is
+    /// gathered and then itself) until its requests are in flight, so that writes go out
+    /// in call order, and by everything that must see every earlier write in flight (reads,
+    /// flushes, truncations, recalls, close). See [`SendTurn`].
+    send_order: Arc<tokio::sync::Mutex<()>>,
     closed: AtomicBool,
 }
 
@@ -221,6 +223,10 @@ struct Gathered {
     offset: u64,
     data: BytesMut,
 }
+
+/// The turn to send writes of one handle (its `send_order` lock), owned so that it can
+/// move into the task that sends gathered bytes.
+type SendTurn = tokio::sync::OwnedMutexGuard<()>;
 
 /// A size commit between its computation and its reply.
 struct CommitTicket {
@@ -512,30 +518,51 @@ impl HandleShared {
         let wait = Duration::from_millis(self.client.shared.config.gather_wait_ms);
         tokio::spawn(async move {
             tokio::time::sleep(wait).await;
-            let _order = shared.send_order.lock().await;
+            let turn = shared.send_turn().await;
             if shared.lock().gather_generation == generation {
                 // A failure is kept on the handle like any write's.
-                let _ = shared.send_gathered_ordered().await;
+                let _ = shared.send_gathered_ordered(turn).await;
             }
         });
     }
 
-    /// Send what is gathered, if anything, ahead of any later write.
-    pub(crate) async fn send_gathered(self: &Arc<Self>) -> Result<(), ClientError> {
-        if self.lock().gathered.is_none() {
-            return Ok(());
-        }
-        let _order = self.send_order.lock().await;
-        self.send_gathered_ordered().await
+    /// Wait for the turn to send: once it is taken, every write of an earlier call is in
+    /// flight or gathered.
+    async fn send_turn(&self) -> SendTurn {
+        self.send_order.clone().lock_owned().await
     }
 
-    /// As `send_gathered`, the caller holding `send_order`.
-    async fn send_gathered_ordered(self: &Arc<Self>) -> Result<(), ClientError> {
+    /// Send what is gathered, if anything, ahead of any later write. Returns once every
+    /// write of an earlier call is in flight (`in_flight` shows them all): bytes another
+    /// task took from the gathering buffer and is still sending are waited for too.
+    pub(crate) async fn send_gathered(self: &Arc<Self>) -> Result<(), ClientError> {
+        let turn = self.send_turn().await;
+        self.send_gathered_ordered(turn).await.0
+    }
+
+    /// As `send_gathered`, given the turn, which it hands back. The bytes were acknowledged
+    /// to their writers already, so they are sent on a task of their own that keeps the
+    /// turn until they are in flight: a caller cancelled meanwhile (a dropped future) loses
+    /// nothing, and no later write overtakes them.
+    async fn send_gathered_ordered(
+        self: &Arc<Self>,
+        turn: SendTurn,
+    ) -> (Result<(), ClientError>, SendTurn) {
         let Some(gathered) = self.lock().gathered.take() else {
-            return Ok(());
+            return (Ok(()), turn);
         };
-        self.start_write(gathered.offset, gathered.data.freeze())
-            .await
+        let shared = self.clone();
+        let sending = tokio::spawn(async move {
+            let sent = shared
+                .start_write(gathered.offset, gathered.data.freeze())
+                .await;
+            (sent, turn)
+        });
+        match sending.await {
+            Ok(sent) => sent,
+            // start_write does not panic; if it did, the panic is the caller's too.
+            Err(error) => std::panic::resume_unwind(error.into_panic()),
+        }
     }
 }
 
@@ -617,9 +644,6 @@ impl HandleShared {
         }
     }
 
-    /// Wait until `ready` gives a value, re-checking after each change of the state (write
-    /// finished, commit answered, truncation over). `ready` runs under the state lock, so
-    /// what it takes is consistent with what it checked.
     /// Wait until every write started through this handle so far is answered by its I/O
     /// servers (or failed): what another client's truncation recalls (`leases::watch`).
     pub(crate) async fn wait_for_started_writes(self: &Arc<Self>) {
@@ -631,6 +655,9 @@ impl HandleShared {
             .await;
     }
 
+    /// Wait until `ready` gives a value, re-checking after each change of the state (write
+    /// finished, commit answered, truncation over). `ready` runs under the state lock, so
+    /// what it takes is consistent with what it checked.
     async fn wait_then<T>(&self, mut ready: impl FnMut(&mut HandleState) -> Option<T>) -> T {
         loop {
             let mut receiver = {
@@ -983,8 +1010,9 @@ impl HandleShared {
                 "the handle is already closed",
             ));
         }
-        // No write starts after `closed` is set (but what was gathered before), so waiting
-        // for all of them ends.
+        // No write starts after `closed` is set: a `write_at` that took the turn to send
+        // before this call does is gathered or in flight when `send_gathered` has its turn,
+        // and one that takes it after fails. So waiting for all of them ends.
         let sent = self.send_gathered().await;
         let flushed = self.flush_through(u64::MAX, false).await.and(sent);
         let (session_id, handle_id) = (self.session_id, self.handle_id);
@@ -1059,7 +1087,7 @@ impl FileHandle {
                 gathered: None,
                 gather_generation: 0,
             }),
-            send_order: tokio::sync::Mutex::new(()),
+            send_order: Arc::new(tokio::sync::Mutex::new(())),
             completions,
             closed: AtomicBool::new(false),
             client: client.clone(),
@@ -1226,12 +1254,16 @@ impl FileHandle {
         let Some(end) = shared.check_write(offset, data.len())? else {
             return Ok(());
         };
+        let turn = shared.send_turn().await;
+        // A close that took the turn first has flushed without this write: it must fail
+        // (close takes the turn after marking the handle closed).
+        shared.check_open()?;
         // Small writes just past what is gathered join it, and are sent with it.
-        let _order = shared.send_order.lock().await;
         if shared.try_gather(offset, &data, end) {
             return Ok(());
         }
-        shared.send_gathered_ordered().await?;
+        let (sent, _turn) = shared.send_gathered_ordered(turn).await;
+        sent?;
         if data.len() < GATHER_WRITE_MAX && shared.client.shared.config.gather_wait_ms > 0 {
             shared.start_gathering(offset, &data, end);
             return Ok(());

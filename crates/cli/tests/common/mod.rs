@@ -611,6 +611,17 @@ impl Cluster {
         child.wait().expect("reap the I/O server");
     }
 
+    /// Send `signal` to the I/O server (SIGSTOP to make it silent, SIGCONT to wake it).
+    pub fn signal_io(&self, index: usize, signal: libc::c_int) {
+        let child = self.io[index]
+            .child
+            .as_ref()
+            .unwrap_or_else(|| panic!("I/O server {index} is not running"));
+        // SAFETY: sending a signal to our own child process.
+        let sent = unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+        assert_eq!(sent, 0, "signal {signal} to I/O server {index}");
+    }
+
     /// SIGKILL the meta server and reap it.
     pub fn kill_meta(&mut self) {
         let mut child = self.meta.take().expect("meta server is not running");
