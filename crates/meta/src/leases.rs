@@ -63,6 +63,19 @@ struct CallbackClient {
     wake: std::sync::Arc<Notify>,
 }
 
+impl CallbackClient {
+    fn new() -> CallbackClient {
+        CallbackClient {
+            queue: VecDeque::new(),
+            acknowledged: 0,
+            delivered: 0,
+            leases: 0,
+            polls: 0,
+            wake: std::sync::Arc::new(Notify::new()),
+        }
+    }
+}
+
 /// The last change of an inode: its sequence, by whom, and whether several clients
 /// changed it recently.
 #[derive(Clone, Copy)]
@@ -350,10 +363,14 @@ impl Leases {
     }
 
     /// A truncation by `changer` is about to cut `inode`, which `writers` have open for
-    /// writing: each of them that polls gets a revocation of its attributes, lease or not,
-    /// and acknowledges it only once the writes it has in flight on the file are answered
-    /// (the client's `leases::watch`). Waited for up to `bound` (the session lease: a
-    /// client that stops answering loses its session, and is then forgotten, by then).
+    /// writing: each of them gets a revocation of its attributes, lease or not, and
+    /// acknowledges it only once the writes it has in flight on the file are answered (the
+    /// client's `leases::watch`). A writer that has not polled yet (just connected, or
+    /// back after a restart of this server while its writes were in flight) is entered
+    /// here and finds the revocation at its first poll. Waited for up to `bound` (the
+    /// session lease: a client that stops answering loses its session, and is then
+    /// forgotten, by then). The caller forgets again a writer whose last session ended
+    /// meanwhile.
     pub fn recall_writes(
         &self,
         changer: u64,
@@ -365,9 +382,10 @@ impl Leases {
         let mut inner = self.inner();
         let mut pending = Pending::default();
         for client in writers.iter().copied().filter(|client| *client != changer) {
-            if !inner.clients.contains_key(&client) {
-                continue;
-            }
+            inner
+                .clients
+                .entry(client)
+                .or_insert_with(CallbackClient::new);
             if let Some(holders) = inner.holders.get_mut(&inode) {
                 for held in holders.iter_mut().filter(|held| held.client == client) {
                     held.attributes = false;
@@ -437,14 +455,7 @@ impl Leases {
             let entry = inner
                 .clients
                 .entry(client)
-                .or_insert_with(|| CallbackClient {
-                    queue: VecDeque::new(),
-                    acknowledged: 0,
-                    delivered: 0,
-                    leases: 0,
-                    polls: 0,
-                    wake: std::sync::Arc::new(Notify::new()),
-                });
+                .or_insert_with(CallbackClient::new);
             entry.polls += 1;
             entry.acknowledged = entry.acknowledged.max(acknowledged.min(entry.delivered));
             let done = entry.acknowledged;
@@ -668,6 +679,36 @@ mod tests {
         // A read that began after the change is granted.
         let since = leases.seq();
         assert_eq!(leases.grant(7, &read(&[], &[5]), since).lease_ms, 10_000);
+    }
+
+    #[tokio::test]
+    async fn a_writer_that_never_polled_finds_the_recall_at_its_first_poll() {
+        let leases = std::sync::Arc::new(Leases::new(10_000));
+        // Client 7 writes but has not polled yet (it just connected, or this server just
+        // restarted); client 8 truncates.
+        let pending = leases.recall_writes(8, 5, &[7, 8], Duration::from_secs(10));
+        assert_eq!(
+            pending.len(),
+            1,
+            "the writer is recalled, the truncator is not"
+        );
+        let waiter = {
+            let leases = leases.clone();
+            tokio::spawn(async move { leases.wait(pending).await })
+        };
+        // It acknowledges as if it had seen revocations of an earlier run of the server:
+        // nothing past what it was handed counts.
+        let revocations = leases.poll(7, 99, Duration::from_secs(5)).await;
+        assert_eq!(revocations.len(), 1);
+        assert!(revocations[0].inode == 5 && revocations[0].attributes);
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "the cut waits for the writer");
+        leases.poll(7, revocations[0].id, Duration::ZERO).await;
+        let expired = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("acknowledged: the cut goes on")
+            .unwrap();
+        assert_eq!(expired, 0);
     }
 
     #[tokio::test]

@@ -783,6 +783,12 @@ async fn set_attributes(
         let recall = shared
             .leases
             .recall_writes(id.client, inode, &writers, bound);
+        for writer in &writers {
+            // Its last session ended between the two looks: its entry must not stay.
+            if !shared.sessions().has_sessions_of(*writer) {
+                shared.leases.forget_client(*writer);
+            }
+        }
         if !recall.is_empty() {
             let (started, sent) = (std::time::Instant::now(), recall.len());
             let expired = shared.leases.wait(recall).await;
