@@ -49,10 +49,22 @@ struct ClientFile {
     call_timeout_ms: u64,
 }
 
-/// A loopback port that was free a moment ago (bind to port 0, read it, release it).
+/// A loopback port that was free a moment ago (bind to port 0, read it, release it), and
+/// never handed out before in this test process: the kernel may give one port to two
+/// binds in a row once the first is released, and two servers of one cluster then collide.
 pub fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-    listener.local_addr().expect("local address").port()
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut handed_out = HANDED_OUT
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    loop {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+        let port = listener.local_addr().expect("local address").port();
+        if !handed_out.contains(&port) {
+            handed_out.push(port);
+            return port;
+        }
+    }
 }
 
 /// A base port `P` such that `P + offset` is free for every offset (checked by binding
