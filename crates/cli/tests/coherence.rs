@@ -343,6 +343,26 @@ async fn creates_ask_no_lookup_where_the_mount_knows_every_name_and_a_warm_stat_
         meta_requests(&before, &after, &["Create"]) >= FILES as f64,
         "the creates reached the server"
     );
+    // The closes (the kernel's releases, after close(2) returned) go out gathered, and
+    // all of them arrive.
+    assert_eq!(
+        meta_requests(&before, &after, &["Close"]),
+        0.0,
+        "no single Close"
+    );
+    let gathered = meta_requests(&before, &after, &["CloseHandles"]);
+    assert!(
+        gathered > 0.0 && gathered < FILES as f64,
+        "{gathered} CloseHandles for {FILES} closes"
+    );
+    let still_open = common::poll_until(10_000, || async {
+        let open = scrape_meta(&cluster)
+            .await
+            .sum("freeflow_meta_open_handles", &[]);
+        (open == 0.0).then_some(())
+    })
+    .await;
+    assert!(still_open.is_some(), "every gathered close arrived");
 
     // In one another mount made, one lookup per name at most.
     let before = scrape_meta(&cluster).await;

@@ -61,6 +61,8 @@ pub(crate) struct Shared {
     pub(crate) revocation_handler: Mutex<Option<crate::leases::RevocationHandler>>,
     /// The file locks this client holds (see `locks.rs`).
     pub(crate) locks: Mutex<crate::locks::HeldLocks>,
+    /// Closes nobody waits for (see `closer.rs`).
+    pub(crate) closer: Arc<crate::closer::Closer>,
 }
 
 impl Shared {
@@ -195,9 +197,11 @@ impl Client {
         // The semaphore's permit count is usize; validation bounds dirty_bytes_max to 1 TiB.
         let dirty = Arc::new(Semaphore::new(config.dirty_bytes_max as usize));
         let caller = config.caller.clone();
+        let pool = Arc::new(pool);
         let shared = Arc::new(Shared {
             config,
-            pool: Arc::new(pool),
+            closer: Arc::new(crate::closer::Closer::new(pool.clone())),
+            pool,
             session_id: AtomicU64::new(grant.session_id),
             closed: AtomicBool::new(false),
             dirty,

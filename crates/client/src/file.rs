@@ -1001,8 +1001,10 @@ impl HandleShared {
         self.lock().known_size
     }
 
-    /// Flush and close at the meta server; the handle is unusable afterwards.
-    async fn close(self: &Arc<Self>) -> Result<(), ClientError> {
+    /// Flush and close at the meta server; the handle is unusable afterwards. With
+    /// `deferred`, the close at the meta server is queued (see `closer.rs`) and not waited
+    /// for: the flush is.
+    async fn close(self: &Arc<Self>, deferred: bool) -> Result<(), ClientError> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Err(ClientError::inode(
                 self.inode,
@@ -1016,6 +1018,18 @@ impl HandleShared {
         let sent = self.send_gathered().await;
         let flushed = self.flush_through(u64::MAX, false).await.and(sent);
         let (session_id, handle_id) = (self.session_id, self.handle_id);
+        if deferred {
+            self.client.unregister_handle(self.inode, self);
+            // A handle of a replaced session is gone with it already.
+            if session_id == self.client.session_id() {
+                self.client
+                    .shared
+                    .closer
+                    .close_later(session_id, handle_id)
+                    .await;
+            }
+            return flushed;
+        }
         let closed = self
             .client
             .shared
@@ -1554,13 +1568,21 @@ impl FileHandle {
 
     /// Flush and close.
     pub async fn close(self) -> Result<(), ClientError> {
-        self.shared.close().await
+        self.shared.close(false).await
     }
 
-    /// Flush and close a handle shared through an `Arc` (the mount's release); any later
-    /// call on it fails with `BadHandle`.
+    /// Flush and close a handle shared through an `Arc`; any later call on it fails with
+    /// `BadHandle`.
     pub async fn close_shared(&self) -> Result<(), ClientError> {
-        self.shared.close().await
+        self.shared.close(false).await
+    }
+
+    /// As [`FileHandle::close_shared`], but the close at the meta server is gathered with
+    /// others and not waited for (the flush is, and its errors are returned): for closes
+    /// nobody waits for, like the mount's `release`. Until it arrives, the meta server
+    /// counts the file open.
+    pub async fn close_deferred(&self) -> Result<(), ClientError> {
+        self.shared.close(true).await
     }
 }
 
@@ -1574,7 +1596,7 @@ impl Drop for FileHandle {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let shared = self.shared.clone();
             runtime.spawn(async move {
-                if let Err(error) = shared.close().await {
+                if let Err(error) = shared.close(false).await {
                     tracing::warn!(inode = shared.inode, %error, "closing a dropped handle failed");
                 }
             });

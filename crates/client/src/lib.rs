@@ -10,6 +10,7 @@
 //! - [`ClientError::code`] is the one table from errors to errno.
 
 mod client;
+mod closer;
 mod config;
 mod error;
 mod file;

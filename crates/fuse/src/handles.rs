@@ -136,7 +136,7 @@ impl OpenFiles {
             last
         };
         match last {
-            Some(handle) => handle.close_shared().await,
+            Some(handle) => handle.close_deferred().await,
             None => Ok(()),
         }
     }

@@ -17,15 +17,16 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::meta::{
-    is_mutation, Close, CloseSession, ClusterReport, ClusterStatus, CommitSize, Create,
-    CreateReply, FsStats, GetAttr, GetLock, GetXattr, Link, ListServers, ListXattr, LockConflict,
-    Lookup, LookupEntry, Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink, RegisterReply,
-    RegisterServer, RemoveXattr, Rename, RenewSession, ReplayDone, ReplayOf, ReplyStamp, Rmdir,
-    SessionGrant, SetAttributes, SetDirLayout, SetLock, SetXattr, StatFs, Symlink, Sync, Unlink,
-    WaitRevocations,
+    is_mutation, Close, CloseHandles, CloseSession, ClusterReport, ClusterStatus, CommitSize,
+    Create, CreateReply, FsStats, GetAttr, GetLock, GetXattr, Link, ListServers, ListXattr,
+    LockConflict, Lookup, LookupEntry, Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink,
+    RegisterReply, RegisterServer, RemoveXattr, Rename, RenewSession, ReplayDone, ReplayOf,
+    ReplyStamp, Rmdir, SessionGrant, SetAttributes, SetDirLayout, SetLock, SetXattr, StatFs,
+    Symlink, Sync, Unlink, WaitRevocations,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
+use freeflow_types::limits::CLOSE_HANDLES_MAX;
 use freeflow_types::{Attr, FileKind, InodeId};
 use serde::Serialize;
 
@@ -421,6 +422,13 @@ impl Service for MetaService {
                 })
                 .await
             }
+            CloseHandles::OPCODE => {
+                handle(frame, |request: CloseHandles, _| {
+                    let result = close_handles(shared, &request);
+                    async move { unstamped(shared, result) }
+                })
+                .await
+            }
             StatFs::OPCODE => {
                 handle(frame, |_: StatFs, _| {
                     let result = Ok(stat_fs(shared));
@@ -679,6 +687,9 @@ async fn close_session(shared: &Shared, session_id: u64) -> Result<(), WireError
 
 /// Wake the reaper if any of these inodes (just left without open handles) is an orphan.
 fn wake_reaper_for(shared: &Shared, inodes: &[InodeId]) {
+    if inodes.is_empty() {
+        return;
+    }
     let any_orphan = shared
         .read(|read| {
             for inode in inodes {
@@ -859,6 +870,34 @@ async fn create(
             Err(error)
         }
     }
+}
+
+/// `CloseHandles`: close each listed handle of the session; returns the ids that were not
+/// open in it.
+fn close_handles(shared: &Shared, request: &CloseHandles) -> Result<Vec<u64>, WireError> {
+    if request.handle_ids.len() > CLOSE_HANDLES_MAX {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "CloseHandles lists {} handles, more than {CLOSE_HANDLES_MAX}",
+                request.handle_ids.len()
+            ),
+        ));
+    }
+    let mut not_open = Vec::new();
+    let mut last_closed = Vec::new();
+    {
+        let mut sessions = shared.sessions();
+        for &handle_id in &request.handle_ids {
+            match sessions.close_handle(request.session_id, handle_id) {
+                Ok(Some(inode)) => last_closed.push(inode),
+                Ok(None) => {}
+                Err(_) => not_open.push(handle_id),
+            }
+        }
+    }
+    wake_reaper_for(shared, &last_closed);
+    Ok(not_open)
 }
 
 /// Close a handle of a failed open or create (it may already be gone with its session).

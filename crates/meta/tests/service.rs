@@ -9,7 +9,7 @@ use bytes::Bytes;
 use freeflow_meta::{start, MetaConfig, RunningMeta};
 use freeflow_proto::io::{RemoveObjects, TruncateObject};
 use freeflow_proto::meta::{
-    Caller, Close, ClusterStatus, Create, GetAttr, Mkdir, OpenAccess, OpenSession, ReadDir,
+    Caller, CloseHandles, ClusterStatus, Create, GetAttr, Mkdir, OpenAccess, OpenSession, ReadDir,
     RegisterServer, SetAttributes, Unlink,
 };
 use freeflow_proto::{ErrorCode, Request};
@@ -215,11 +215,21 @@ async fn reaper_removes_data_after_the_last_close_and_restart_keeps_the_namespac
         .unwrap();
     assert_eq!(status.orphan_count, 1);
 
-    let close = Close {
+    // Gathered closes: more than the bound is refused whole; an id not open is named
+    // back and the others are closed all the same (the last close makes the reaper go).
+    let too_many = CloseHandles {
         session_id: session.session_id,
-        handle_id,
+        handle_ids: vec![handle_id; freeflow_types::limits::CLOSE_HANDLES_MAX + 1],
     };
-    connection.call(&close, Bytes::new()).await.unwrap();
+    let refused = connection.call(&too_many, Bytes::new()).await.unwrap_err();
+    assert_eq!(remote_code(refused), ErrorCode::InvalidArgument);
+    assert_eq!(meta.orphan_count(), 1, "a refused request closed nothing");
+    let close = CloseHandles {
+        session_id: session.session_id,
+        handle_ids: vec![handle_id + 1000, handle_id],
+    };
+    let (not_open, _) = connection.call(&close, Bytes::new()).await.unwrap();
+    assert_eq!(not_open, vec![handle_id + 1000]);
     let deadline = Instant::now() + Duration::from_secs(5);
     while meta.orphan_count() > 0 {
         assert!(Instant::now() < deadline, "orphan not reaped");

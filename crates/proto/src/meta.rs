@@ -346,6 +346,11 @@ requests! {
         start: u64,
         end: u64,
     }
+    /// Close several handles of one session at once (closes nobody waits for, gathered by
+    /// the client: the mount's releases). At most `CLOSE_HANDLES_MAX` ids. Replies with
+    /// the ids that were not open in the session (already gone with a restart); the others
+    /// are closed whatever happens to those.
+    CloseHandles = 140 => Vec<u64> { session_id: u64, handle_ids: Vec<u64> }
 }
 
 /// A lock that stands in the way (the reply to `GetLock`).

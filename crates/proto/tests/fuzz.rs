@@ -76,6 +76,7 @@ fn every_meta_message(bytes: &[u8]) {
         LookupEntry,
         SetLock,
         GetLock,
+        CloseHandles,
     );
 }
 

@@ -1,6 +1,9 @@
 //! Hard limits of the file system. Each one is a bound that requests are checked against
 //! before any work is done (TigerBeetle's "a limit on everything").
 
+/// Most handles one `CloseHandles` request closes.
+pub const CLOSE_HANDLES_MAX: usize = 1024;
+
 /// Longest name of one directory entry, in bytes (POSIX `NAME_MAX`).
 pub const NAME_LENGTH_MAX: usize = 255;
 
