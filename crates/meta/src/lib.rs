@@ -378,6 +378,8 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         last_txn: AtomicU64::new(state.recovered_txn),
         durable: tokio::sync::watch::Sender::new(state.recovered_txn),
         dirty: Mutex::new(HashMap::new()),
+        answered_txn: AtomicU64::new(0),
+        visible_txn: tokio::sync::watch::Sender::new(0),
         registered_clients: Mutex::new(clients.clone()),
         // At least one cache lease: a client that does not come back may still trust
         // what the old server leased to it until then, so nothing may change before.

@@ -254,6 +254,8 @@ impl MetaService {
         let _in_progress = begin_mutation(shared, key).await;
         let resent = frame.flags & (FLAG_RESEND | FLAG_REPLAY) != 0;
         if resent {
+            // The first copy may have been answered with its commit still running.
+            shared.visible().await;
             match recorded_reply(shared, client, frame.request_id) {
                 Ok(Some(record)) => {
                     let answered = Answered {

@@ -50,6 +50,11 @@ pub struct Shared {
     pub last_txn: AtomicU64,
     /// The last transaction known durable; waiters watch it.
     pub durable: watch::Sender<u64>,
+    /// The newest transaction whose callers were answered (some before its commit
+    /// finished, `writer.rs`), and the newest committed (visible to new read
+    /// transactions): a read waits for the one to reach the other ([`Shared::visible`]).
+    pub answered_txn: AtomicU64,
+    pub visible_txn: watch::Sender<u64>,
     /// Inodes changed in transactions not durable yet: inode → (client, transaction).
     /// Emptied at each durable commit; bounded by `writer::DIRTY_INODES_MAX`.
     pub dirty: Mutex<HashMap<InodeId, (u64, u64)>>,
@@ -211,40 +216,6 @@ impl Shared {
         operation(&read).map_err(|error| error.to_wire())
     }
 
-    /// The attributes now of the inodes a mutation of `client` changed, for its reply (only
-    /// to clients that cache: the others would not use them).
-    fn changed_attributes(
-        &self,
-        client: u64,
-        touches: &crate::store::Touches,
-    ) -> (Vec<freeflow_types::Attr>, bool) {
-        if !self.leases.is_capable(client) {
-            return (Vec::new(), false);
-        }
-        let mut inodes = touches.attributes_changed.clone();
-        inodes.sort_unstable();
-        inodes.dedup();
-        if touches.overflowed || inodes.len() > CHANGED_ATTRIBUTES_MAX {
-            return (Vec::new(), false);
-        }
-        let read = self.read(|read| {
-            let mut found = Vec::with_capacity(inodes.len());
-            for inode in &inodes {
-                // An inode deleted by the mutation has no attributes left to keep.
-                match crate::ops::lookup::attr_of(read, *inode) {
-                    Ok(Some(attr)) => found.push(attr),
-                    Ok(None) => {}
-                    Err(error) => return Err(error),
-                }
-            }
-            Ok(found)
-        });
-        match read {
-            Ok(found) => (found, true),
-            Err(_) => (Vec::new(), false),
-        }
-    }
-
     /// Queue a mutation of the server's own (the reaper, the cutter, registrations) and
     /// wait until it is committed (or refused) and clients' leases on what it changed are
     /// revoked.
@@ -280,7 +251,11 @@ impl Shared {
             self.metrics.revoked(sent, expired, started);
         }
         let grant = self.leases.grant(client, &committed.touches, since);
-        let (changed, changed_complete) = self.changed_attributes(client, &committed.touches);
+        // Read in the mutation's own transaction: no wait for its commit.
+        let (changed, changed_complete) = match committed.changed {
+            Some(changed) => (changed, true),
+            None => (Vec::new(), false),
+        };
         Ok((
             value,
             Answered {
@@ -350,6 +325,22 @@ impl Shared {
         Ok(self.durable_txn())
     }
 
+    /// Wait until every transaction answered before this call is committed, so that a
+    /// read begun now sees whatever any caller was told: one non-durable commit at most
+    /// (a durable one answers after its commit instead). `read` does not wait: a read
+    /// for a client goes through `read_as`, which does.
+    pub async fn visible(&self) {
+        self.visible_through(self.answered_txn.load(Ordering::Acquire))
+            .await;
+    }
+
+    /// Wait until transaction `txn` is committed.
+    pub async fn visible_through(&self, txn: u64) {
+        let mut visible = self.visible_txn.subscribe();
+        // Fails only if the sender is gone, and `self` owns it.
+        let _ = visible.wait_for(|committed| *committed >= txn).await;
+    }
+
     pub fn dirty(&self) -> MutexGuard<'_, HashMap<InodeId, (u64, u64)>> {
         self.dirty
             .lock()
@@ -403,6 +394,7 @@ impl Shared {
         operation: impl FnOnce(&RedbRead) -> OpResult<T>,
     ) -> Result<(T, Answered), WireError> {
         let since = self.leases.seq();
+        self.visible().await;
         let (result, touched) = {
             let store = self.store()?;
             let read = store

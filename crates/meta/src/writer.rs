@@ -22,6 +22,13 @@
 //! - `commit_interval_ms` has passed since the oldest transaction not yet durable, or the
 //!   table of non-durable inodes reached its bound.
 //!
+//! A batch that need not be durable is answered before its commit (after its changes are
+//! marked in `Shared::dirty` and `Shared::answered_txn` is raised): the commit, most of a
+//! small mutation's time here, then runs while the replies travel. A read waits until
+//! every answered transaction is committed (`Shared::visible`), so a change is visible to
+//! whoever learns of it. If such a commit fails, the server stops (exit status 74): its
+//! callers were told, and only a restart makes them replay what it lost.
+//!
 //! A periodic `Flush` (from a ticker task) makes an idle server durable within the interval
 //! with an empty durable commit; a `Sync` does the same at once.
 //!
@@ -34,12 +41,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use freeflow_proto::{ErrorCode, WireError};
-use freeflow_types::InodeId;
+use freeflow_types::{Attr, InodeId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::ops::{now, OpContext, OpError, OpResult, WriterState};
 use crate::records::{encode_versioned, ClientRecord};
-use crate::shared::Shared;
+use crate::shared::{Shared, CHANGED_ATTRIBUTES_MAX};
 use crate::store::{
     MetaStore, RedbWrite, StoreError, StoreRead, StoreWrite, TableId, TouchedInodes, Touches,
     TOUCHED_ALL,
@@ -48,6 +55,9 @@ use crate::store::{
 /// Most inodes remembered as changed by a transaction not durable yet; reaching it makes
 /// the next batch durable (which empties the table).
 pub const DIRTY_INODES_MAX: usize = 262_144;
+
+/// The exit status of a server whose store failed a commit it had answered for (EX_IOERR).
+const EXIT_STORE_FAILED: i32 = 74;
 
 /// Most reply records forgotten per durable commit (the rest wait for the next one).
 const REPLY_PRUNE_PER_COMMIT: usize = 4096;
@@ -67,8 +77,9 @@ pub trait BatchJob: Send {
     ) -> Result<(), StoreError>;
     /// Whether `apply` changed anything (a refused operation did not).
     fn applied(&self) -> bool;
-    /// What `apply` touched, handed back to the caller with the reply.
-    fn set_touches(&mut self, touches: Touches);
+    /// What `apply` touched, handed back to the caller with the reply, and the changed
+    /// inodes' attributes as it left them (None: not gathered, see [`Committed`]).
+    fn set_touches(&mut self, touches: Touches, changed: Option<Vec<Attr>>);
     /// Reply once the batch's fate is known.
     fn finish(self: Box<Self>, batch: &Result<u64, WireError>);
 }
@@ -79,6 +90,10 @@ pub trait BatchJob: Send {
 pub struct Committed {
     pub txn: u64,
     pub touches: Touches,
+    /// The attributes of the inodes it changed, as it left them, read in its own
+    /// transaction (so the reply need not wait for the commit): for a client that caches,
+    /// when they are few (`CHANGED_ATTRIBUTES_MAX`). An inode it removed is left out.
+    pub changed: Option<Vec<Attr>>,
 }
 
 pub enum WriterMessage {
@@ -97,6 +112,7 @@ struct TypedJob<T, F> {
     operation: Option<F>,
     result: Option<Result<T, WireError>>,
     touches: Touches,
+    changed: Option<Vec<Attr>>,
     reply: oneshot::Sender<Result<(T, Committed), WireError>>,
 }
 
@@ -133,8 +149,9 @@ where
         matches!(self.result, Some(Ok(_)))
     }
 
-    fn set_touches(&mut self, touches: Touches) {
+    fn set_touches(&mut self, touches: Touches, changed: Option<Vec<Attr>>) {
         self.touches = touches;
+        self.changed = changed;
     }
 
     fn finish(self: Box<Self>, batch: &Result<u64, WireError>) {
@@ -145,6 +162,7 @@ where
                 Committed {
                     txn: *txn,
                     touches: self.touches,
+                    changed: self.changed,
                 },
             )),
             (Ok(_), Some(Err(error))) => Err(error),
@@ -176,6 +194,7 @@ where
         operation: Some(operation),
         result: None,
         touches: Touches::default(),
+        changed: None,
         reply,
     };
     (Box::new(job), receiver)
@@ -297,7 +316,10 @@ impl Writer {
         let mut durable =
             must_be_durable || self.interval_passed() || shared.dirty().len() >= DIRTY_INODES_MAX;
         let prune_limit = self.prune_limit();
-        let outcome = (|| -> Result<u64, StoreError> {
+        let operations = batch.len();
+        // Applied, not committed yet: the transaction, its number, and whether it must be
+        // durable before its callers are answered.
+        let applied = (|| -> Result<(RedbWrite, u64, bool), StoreError> {
             let store = shared.store().map_err(|_| StoreError::Closed)?;
             let mut write = store.begin_write()?;
             self.state.high_water_moved = false;
@@ -310,7 +332,7 @@ impl Writer {
                 durable |= job.wants_durable();
                 let client = job.client();
                 if client == 0 || !job.applied() {
-                    job.set_touches(touched);
+                    job.set_touches(touched, None);
                     continue;
                 }
                 if !durable && shared_with_another(&shared, client, &touched.inodes, &batch_changes)
@@ -320,7 +342,8 @@ impl Writer {
                 for inode in &touched.inodes {
                     batch_changes.insert(*inode, client);
                 }
-                job.set_touches(touched);
+                let changed = changed_attributes(&shared, client, &write, &touched)?;
+                job.set_touches(touched, changed);
                 if !shared.client_registered(client) && !new_clients.contains(&client) {
                     new_clients.push(client);
                 }
@@ -351,13 +374,44 @@ impl Writer {
                     dirty.insert(*inode, (*client, txn));
                 }
             }
-            write.commit()?;
-            Ok(txn)
+            Ok((write, txn, durable))
         })();
+        // A batch that need not be durable is answered before its commit, which then runs
+        // while the replies travel (most of a small mutation's time at this server). Reads
+        // wait for the commit meanwhile (`Shared::wait_visible`), so nobody told of a
+        // change reads from before it; the changes are not durable either way, and a
+        // crash loses them only as it would a moment later (clients replay them).
+        let mut answered_early = false;
+        let outcome = applied.and_then(|(write, txn, durable)| {
+            if !durable {
+                shared.answered_txn.fetch_max(txn, Ordering::AcqRel);
+                for job in batch.drain(..) {
+                    job.finish(&Ok(txn));
+                }
+                answered_early = true;
+            }
+            let committed = write.commit();
+            if answered_early {
+                if let Err(error) = &committed {
+                    // Callers were told these changes happened and the store refused
+                    // them: stop, so that clients replay them to a restarted server
+                    // rather than see them vanish from a running one.
+                    tracing::error!(
+                        %error,
+                        txn,
+                        "metadata commit failed after its callers were answered; stopping \
+                         so that clients replay to a restarted server"
+                    );
+                    std::process::exit(EXIT_STORE_FAILED);
+                }
+            }
+            committed.map(|()| txn)
+        });
         let outcome = match outcome {
             Ok(txn) => {
                 shared.commit_count.fetch_add(1, Ordering::Relaxed);
                 shared.last_txn.store(txn, Ordering::Release);
+                shared.visible_txn.send_replace(txn);
                 shared
                     .inode_count
                     .store(self.state.inode_count, Ordering::Relaxed);
@@ -375,7 +429,7 @@ impl Writer {
                 Ok(txn)
             }
             Err(error) => {
-                tracing::error!(%error, operations = batch.len(), "metadata batch failed; aborted");
+                tracing::error!(%error, operations, "metadata batch failed; aborted");
                 self.state = saved;
                 // The changes never became visible: forget them.
                 let failed_txn = self.state.next_txn;
@@ -388,7 +442,7 @@ impl Writer {
         };
         shared
             .metrics
-            .batch_done(batch.len(), started, outcome.is_ok());
+            .batch_done(operations, started, outcome.is_ok());
         if durable && outcome.is_ok() {
             shared.metrics.durable_commit();
         }
@@ -440,6 +494,38 @@ impl Writer {
             Err(error) => tracing::error!(%error, "making the metadata durable failed"),
         }
     }
+}
+
+/// The attributes of the inodes a mutation of `client` changed, read in its transaction,
+/// for its reply: only for a client that caches (the others would not use them), and
+/// only a few (`CHANGED_ATTRIBUTES_MAX`). What it reads is not counted as touched by the
+/// next mutation (each job's touches are taken afresh).
+fn changed_attributes(
+    shared: &Shared,
+    client: u64,
+    write: &RedbWrite,
+    touches: &Touches,
+) -> Result<Option<Vec<Attr>>, StoreError> {
+    if !shared.leases.is_capable(client) {
+        return Ok(None);
+    }
+    let mut inodes = touches.attributes_changed.clone();
+    inodes.sort_unstable();
+    inodes.dedup();
+    if touches.overflowed || inodes.len() > CHANGED_ATTRIBUTES_MAX {
+        return Ok(None);
+    }
+    let mut found = Vec::with_capacity(inodes.len());
+    for inode in inodes {
+        match crate::ops::lookup::attr_of(write, inode) {
+            Ok(Some(attr)) => found.push(attr),
+            // Removed by the mutation: nothing left to keep.
+            Ok(None) => {}
+            Err(OpError::Store(error)) => return Err(error),
+            Err(OpError::Refused(_)) => return Ok(None),
+        }
+    }
+    Ok(Some(found))
 }
 
 /// Whether an inode touched by `client` was changed by another client in a transaction not

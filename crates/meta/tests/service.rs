@@ -9,8 +9,8 @@ use bytes::Bytes;
 use freeflow_meta::{start, MetaConfig, RunningMeta};
 use freeflow_proto::io::{RemoveObjects, TruncateObject};
 use freeflow_proto::meta::{
-    Caller, CloseHandles, ClusterStatus, Create, GetAttr, Mkdir, OpenAccess, OpenSession, ReadDir,
-    RegisterServer, SetAttributes, Unlink,
+    Caller, CloseHandles, ClusterStatus, Create, GetAttr, Lookup, Mkdir, OpenAccess, OpenSession,
+    ReadDir, RegisterServer, SetAttributes, Unlink,
 };
 use freeflow_proto::{ErrorCode, Request};
 use freeflow_rpc::{
@@ -137,6 +137,49 @@ async fn concurrent_mutations_share_commits() {
     let (page, _) = connection.call(&listing, Bytes::new()).await.unwrap();
     assert_eq!(page.entries.len(), count as usize);
     assert_eq!(meta.inode_count(), 1 + count);
+    meta.shutdown().await;
+}
+
+/// A mutation is answered before its commit finishes (the commit runs while the reply
+/// travels): whoever reads after the reply still sees it, on this connection or another
+/// client's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_answered_before_its_commit_is_seen_by_every_later_read() {
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let meta = start(config(directory.path()), key.clone()).await.unwrap();
+    let writer = connect(&meta, &key).await;
+    let reader = connect(&meta, &key).await;
+    for index in 0..1000 {
+        let name = format!("d-{index}");
+        let mkdir = Mkdir {
+            caller: Caller::root(),
+            parent: ROOT_INODE,
+            name: name.clone(),
+            permissions: 0o755,
+        };
+        let (made, _) = writer.call(&mkdir, Bytes::new()).await.expect("mkdir");
+        let connection = if index % 2 == 0 { &reader } else { &writer };
+        let lookup = Lookup {
+            caller: Caller::root(),
+            parent: ROOT_INODE,
+            name,
+        };
+        let (found, _) = connection
+            .call(&lookup, Bytes::new())
+            .await
+            .unwrap_or_else(|error| panic!("lookup {index} right after its mkdir: {error}"));
+        assert_eq!(found.inode, made.inode);
+        let (root, _) = connection
+            .call(&GetAttr { inode: ROOT_INODE }, Bytes::new())
+            .await
+            .expect("getattr");
+        assert_eq!(
+            root.link_count,
+            2 + index + 1,
+            "the parent's count after mkdir {index}"
+        );
+    }
     meta.shutdown().await;
 }
 
