@@ -561,7 +561,18 @@ impl HandleShared {
         match sending.await {
             Ok(sent) => sent,
             // start_write does not panic; if it did, the panic is the caller's too.
-            Err(error) => std::panic::resume_unwind(error.into_panic()),
+            Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+            // The runtime is shutting down: the turn went with the task.
+            Err(_) => {
+                let error = ClientError::inode(
+                    self.inode,
+                    ErrorCode::Io,
+                    "the runtime stopped while gathered writes were being sent",
+                );
+                self.lock().first_error.get_or_insert(error.clone());
+                let turn = self.send_turn().await;
+                (Err(error), turn)
+            }
         }
     }
 }

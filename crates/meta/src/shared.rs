@@ -320,8 +320,12 @@ impl Shared {
 
     /// Make everything committed so far durable.
     pub async fn sync(&self) -> Result<u64, WireError> {
-        self.make_durable(self.last_txn.load(Ordering::Acquire))
-            .await?;
+        // Answered includes what is still committing (`writer.rs`): it is made durable too.
+        let through = self
+            .last_txn
+            .load(Ordering::Acquire)
+            .max(self.answered_txn.load(Ordering::Acquire));
+        self.make_durable(through).await?;
         Ok(self.durable_txn())
     }
 

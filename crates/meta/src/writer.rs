@@ -22,7 +22,8 @@
 //! - `commit_interval_ms` has passed since the oldest transaction not yet durable, or the
 //!   table of non-durable inodes reached its bound.
 //!
-//! A batch that need not be durable is answered before its commit (after its changes are
+//! A batch of clients' mutations that need not be durable is answered before its commit
+//! (after its changes are
 //! marked in `Shared::dirty` and `Shared::answered_txn` is raised): the commit, most of a
 //! small mutation's time here, then runs while the replies travel. A read waits until
 //! every answered transaction is committed (`Shared::visible`), so a change is visible to
@@ -342,7 +343,7 @@ impl Writer {
                 for inode in &touched.inodes {
                     batch_changes.insert(*inode, client);
                 }
-                let changed = changed_attributes(&shared, client, &write, &touched)?;
+                let changed = changed_attributes(&shared, client, &write, &touched);
                 job.set_touches(touched, changed);
                 if !shared.client_registered(client) && !new_clients.contains(&client) {
                     new_clients.push(client);
@@ -381,9 +382,12 @@ impl Writer {
         // wait for the commit meanwhile (`Shared::wait_visible`), so nobody told of a
         // change reads from before it; the changes are not durable either way, and a
         // crash loses them only as it would a moment later (clients replay them).
+        // The server's own changes (client 0: the reaper, the cutter, registrations) are
+        // answered after their commit, so that its next read sees them.
+        let clients_only = batch.iter().all(|job| job.client() != 0);
         let mut answered_early = false;
         let outcome = applied.and_then(|(write, txn, durable)| {
-            if !durable {
+            if !durable && clients_only {
                 shared.answered_txn.fetch_max(txn, Ordering::AcqRel);
                 for job in batch.drain(..) {
                     job.finish(&Ok(txn));
@@ -505,15 +509,15 @@ fn changed_attributes(
     client: u64,
     write: &RedbWrite,
     touches: &Touches,
-) -> Result<Option<Vec<Attr>>, StoreError> {
+) -> Option<Vec<Attr>> {
     if !shared.leases.is_capable(client) {
-        return Ok(None);
+        return None;
     }
     let mut inodes = touches.attributes_changed.clone();
     inodes.sort_unstable();
     inodes.dedup();
     if touches.overflowed || inodes.len() > CHANGED_ATTRIBUTES_MAX {
-        return Ok(None);
+        return None;
     }
     let mut found = Vec::with_capacity(inodes.len());
     for inode in inodes {
@@ -521,11 +525,12 @@ fn changed_attributes(
             Ok(Some(attr)) => found.push(attr),
             // Removed by the mutation: nothing left to keep.
             Ok(None) => {}
-            Err(OpError::Store(error)) => return Err(error),
-            Err(OpError::Refused(_)) => return Ok(None),
+            // The reply goes without them (the client asks when it needs them); the
+            // batch is not failed for them.
+            Err(_) => return None,
         }
     }
-    Ok(Some(found))
+    Some(found)
 }
 
 /// Whether an inode touched by `client` was changed by another client in a transaction not

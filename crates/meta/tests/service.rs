@@ -10,7 +10,7 @@ use freeflow_meta::{start, MetaConfig, RunningMeta};
 use freeflow_proto::io::{RemoveObjects, TruncateObject};
 use freeflow_proto::meta::{
     Caller, CloseHandles, ClusterStatus, Create, GetAttr, Lookup, Mkdir, OpenAccess, OpenSession,
-    ReadDir, RegisterServer, SetAttributes, Unlink,
+    ReadDir, RegisterServer, ReplyStamp, SetAttributes, Sync, Unlink,
 };
 use freeflow_proto::{ErrorCode, Request};
 use freeflow_rpc::{
@@ -142,15 +142,25 @@ async fn concurrent_mutations_share_commits() {
 
 /// A mutation is answered before its commit finishes (the commit runs while the reply
 /// travels): whoever reads after the reply still sees it, on this connection or another
-/// client's.
+/// client's, and a `Sync` sent after the reply makes it durable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_answered_before_its_commit_is_seen_by_every_later_read() {
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
     let meta = start(config(directory.path()), key.clone()).await.unwrap();
-    let writer = connect(&meta, &key).await;
-    let reader = connect(&meta, &key).await;
-    for index in 0..1000 {
+    // Clients (not the server's own id 0, whose changes are answered after their commit).
+    let as_client = |client_id| ConnectOptions {
+        client_id,
+        ..ConnectOptions::default()
+    };
+    let address = meta.listen_address().to_string();
+    let writer = Connection::connect(&address, &key, &as_client(7))
+        .await
+        .expect("connect");
+    let reader = Connection::connect(&address, &key, &as_client(8))
+        .await
+        .expect("connect");
+    for index in 0..2000 {
         let name = format!("d-{index}");
         let mkdir = Mkdir {
             caller: Caller::root(),
@@ -158,7 +168,21 @@ async fn a_change_answered_before_its_commit_is_seen_by_every_later_read() {
             name: name.clone(),
             permissions: 0o755,
         };
-        let (made, _) = writer.call(&mkdir, Bytes::new()).await.expect("mkdir");
+        if index % 10 == 0 {
+            // Everything durable before: only this mkdir is not.
+            writer.call(&Sync {}, Bytes::new()).await.expect("sync");
+        }
+        let (made, stamp) = writer.call(&mkdir, Bytes::new()).await.expect("mkdir");
+        if index % 10 == 0 {
+            // A Sync right after the answer covers it, commit still running or not.
+            let stamp: ReplyStamp = freeflow_proto::decode(&stamp).expect("reply stamp");
+            writer.call(&Sync {}, Bytes::new()).await.expect("sync");
+            assert!(
+                meta.durable_txn() >= stamp.txn,
+                "sync returned with mkdir {index} (txn {}) not durable",
+                stamp.txn
+            );
+        }
         let connection = if index % 2 == 0 { &reader } else { &writer };
         let lookup = Lookup {
             caller: Caller::root(),
