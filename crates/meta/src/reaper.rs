@@ -26,7 +26,7 @@ use tokio::task::JoinSet;
 
 use crate::cutter::{carry_out, Reach};
 use crate::ops::orphan::{forget_orphan, list_orphans};
-use crate::ops::truncate::{list_truncations, settle_truncation};
+use crate::ops::truncate::{list_truncations, load_truncation, settle_truncation};
 use crate::ops::try_load_inode;
 use crate::records::{OrphanRecord, TruncationRecord};
 use crate::shared::Shared;
@@ -112,22 +112,42 @@ async fn cut_pass(shared: &Arc<Shared>) -> bool {
 }
 
 /// Retry the cuts of one truncation; true if none is pending any more (or they are not
-/// the reaper's to make).
-async fn retry_cuts(shared: &Arc<Shared>, inode: InodeId, record: &TruncationRecord) -> bool {
+/// the reaper's to make). `listed` is the record as the pass listed it, before the pin:
+/// the record is read again under the pin, because a set-attributes that held the pin
+/// meanwhile may have made and settled these cuts, answered, and let its client write past
+/// them (cutting again from the listed record would destroy those bytes).
+async fn retry_cuts(shared: &Arc<Shared>, inode: InodeId, listed: &TruncationRecord) -> bool {
     // A set-attributes in flight on this inode makes (or will make) these cuts itself.
     let Some(pin) = shared.try_pin_cuts(inode) else {
         return false;
     };
     let _exclusive = pin.exclusive().await;
     let step = shared.read(|read| {
-        Ok(match try_load_inode(read, inode)? {
+        let Some(record) = load_truncation(read, inode)? else {
+            return Ok(None);
+        };
+        let step = match try_load_inode(read, inode)? {
             None => CutStep::Forget,
             Some(found) if found.attr.link_count == 0 && !shared.sessions().is_open(inode) => {
                 CutStep::LeaveToOrphanPass
             }
             Some(_) => CutStep::Cut,
-        })
+        };
+        Ok(Some((step, record)))
     });
+    let (step, record) = match step {
+        Ok(None) => {
+            tracing::debug!(
+                inode,
+                generation = listed.generation,
+                "pending cuts were made and settled by their truncation meanwhile"
+            );
+            return true;
+        }
+        Ok(Some((step, record))) => (Ok(step), record),
+        Err(error) => (Err(error), listed.clone()),
+    };
+    let record = &record;
     match step {
         Err(error) => {
             tracing::warn!(inode, %error, "reaper cannot read an inode with pending cuts");
