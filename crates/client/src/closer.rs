@@ -9,13 +9,15 @@
 //!
 //! Until its close arrives the meta server counts the handle open: an unlink meanwhile
 //! keeps the file's data as an orphan, reaped at the close; a truncation by another client
-//! recalls this client's writes on it, and there are none. A close that fails (the server
-//! restarted and forgot the session) is only logged: the handle is gone with the session.
+//! recalls this client's writes on it, and there are none. A request that fails on its way
+//! (connection lost, timed out) is sent once more; one the server refuses is only logged
+//! (a restarted server forgot the session, and the handles are gone with it).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use freeflow_proto::meta::CloseHandles;
+use freeflow_proto::ErrorCode;
 use freeflow_types::limits::CLOSE_HANDLES_MAX;
 
 use crate::pool::Pool;
@@ -27,6 +29,14 @@ pub const CLOSE_WAIT_MS: u64 = 2;
 /// server cannot keep up or is away).
 pub const CLOSES_QUEUED_MAX: usize = 65_536;
 
+/// Whether the meta server answered and refused (nothing to gain by sending again).
+fn refused(error: &crate::ClientError) -> bool {
+    matches!(
+        error.code(),
+        ErrorCode::BadHandle | ErrorCode::InvalidArgument | ErrorCode::Protocol
+    )
+}
+
 /// The queue of closes not sent yet, and the task that sends them.
 pub(crate) struct Closer {
     pool: Arc<Pool>,
@@ -37,8 +47,8 @@ pub(crate) struct Closer {
 
 #[derive(Default)]
 struct Queue {
-    /// (session, handle), in close order.
-    pending: Vec<(u64, u64)>,
+    /// (session, handle, sent once already), in close order.
+    pending: Vec<(u64, u64, bool)>,
     /// A sender task is running (it sends everything queued before it stops).
     sending: bool,
 }
@@ -64,7 +74,7 @@ impl Closer {
             {
                 let mut queue = self.queue();
                 if queue.pending.len() < CLOSES_QUEUED_MAX {
-                    queue.pending.push((session_id, handle_id));
+                    queue.pending.push((session_id, handle_id, false));
                     if !queue.sending {
                         queue.sending = true;
                         tokio::spawn(self.clone().send());
@@ -90,19 +100,19 @@ impl Closer {
                 queue.pending.drain(..take).collect::<Vec<_>>()
             };
             self.room.notify_waiters();
-            let mut sessions: Vec<u64> = batch.iter().map(|(session, _)| *session).collect();
+            let mut sessions: Vec<u64> = batch.iter().map(|(session, _, _)| *session).collect();
             sessions.sort_unstable();
             sessions.dedup();
             for session_id in sessions {
-                let handle_ids: Vec<u64> = batch
+                let handles: Vec<(u64, bool)> = batch
                     .iter()
-                    .filter(|(session, _)| *session == session_id)
-                    .map(|(_, handle)| *handle)
+                    .filter(|(session, _, _)| *session == session_id)
+                    .map(|(_, handle, resent)| (*handle, *resent))
                     .collect();
-                let count = handle_ids.len();
+                let count = handles.len();
                 let request = CloseHandles {
                     session_id,
-                    handle_ids,
+                    handle_ids: handles.iter().map(|(handle, _)| *handle).collect(),
                 };
                 let closed = self
                     .pool
@@ -117,12 +127,28 @@ impl Closer {
                         handles = ?not_open,
                         "closed handles the meta server no longer had (a restart ended them)"
                     ),
-                    Err(error) => tracing::debug!(
+                    Err(error) if refused(&error) => tracing::debug!(
                         session_id,
                         count,
                         %error,
-                        "closing handles failed; they end with their session"
+                        "closing handles refused; they end with their session"
                     ),
+                    Err(error) => {
+                        // Lost on the way: once more (queued closes are bounded anyway).
+                        let again: Vec<(u64, u64, bool)> = handles
+                            .iter()
+                            .filter(|(_, resent)| !resent)
+                            .map(|(handle, _)| (session_id, *handle, true))
+                            .collect();
+                        tracing::debug!(
+                            session_id,
+                            count,
+                            again = again.len(),
+                            %error,
+                            "closing handles failed on the way; sending them once more"
+                        );
+                        self.queue().pending.extend(again);
+                    }
                 }
             }
         }
