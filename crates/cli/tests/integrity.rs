@@ -323,6 +323,139 @@ async fn gathered_writes_on_their_way_are_read_and_never_dropped() {
     }
 }
 
+/// ReadObject requests the I/O servers served so far.
+async fn io_reads(cluster: &Cluster) -> f64 {
+    let mut total = 0.0;
+    for index in 0..cluster.io_count() {
+        let address = cluster.io_metrics_address(index).expect("metrics are on");
+        let text = freeflow_metrics::scrape(address, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|error| panic!("scrape {address}: {error}"));
+        total += freeflow_metrics::text::Snapshot::parse(&text)
+            .sum("freeflow_rpc_requests_total", &[("op", "ReadObject")]);
+    }
+    total
+}
+
+/// A sequential reader of small pieces is served from what the library fetched ahead
+/// (far fewer, larger requests), and never from before a change: a write through its
+/// handle into what was fetched ahead, and another client's truncation, are both seen by
+/// the next read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_ahead_serves_sequential_readers_and_never_hides_a_change() {
+    const SIZE: usize = 24 << 20;
+    const READ: u64 = 64 << 10;
+    // Stripe units of 1 MiB: a request per unit, so the request count shows the reads'
+    // size (64 KiB units would make every read one request whatever is fetched ahead).
+    let cluster = Cluster::start_with(ClusterOptions {
+        metrics: true,
+        stripe_unit_bytes: 1 << 20,
+        ..ClusterOptions::new(3)
+    })
+    .await;
+    let writer = cluster.client().await;
+    let mut random = Xorshift::new(7);
+    let original = random.bytes(SIZE);
+    let options = ClusterOpen::new().read(true).write(true).create(true);
+    let file = writer
+        .open_path("/sequential", &options)
+        .await
+        .expect("create");
+    file.write_at(0, Bytes::from(original.clone()))
+        .await
+        .expect("write");
+    file.close().await.expect("close");
+
+    // Read-ahead on (the default): 384 reads of 64 KiB in far fewer requests, with a
+    // write through the handle just ahead of the reader, into what it fetched ahead.
+    let reader = cluster.client().await;
+    let before = io_reads(&cluster).await;
+    let file = reader
+        .open_path("/sequential", &ClusterOpen::new().read(true).write(true))
+        .await
+        .expect("open");
+    let mut current = original.clone();
+    // Four pieces (of one 3 MiB stripe row) past the reader: fetched ahead by then.
+    let patch_at = (12 << 20) + 17;
+    let mut offset = 0u64;
+    let mut requests = 0.0;
+    while offset < SIZE as u64 {
+        if offset == 8 << 20 {
+            // The first 8 MiB (128 reads) without a change: counted.
+            requests = io_reads(&cluster).await - before;
+            file.write_at(patch_at, Bytes::from(vec![0xAB; 100_000]))
+                .await
+                .expect("patch");
+            current[patch_at as usize..patch_at as usize + 100_000].fill(0xAB);
+        }
+        let data = file.read_at(offset, READ).await.expect("read");
+        assert!(!data.is_empty(), "short file at {offset}");
+        let end = offset as usize + data.len();
+        assert_bytes_eq(
+            &data,
+            &current[offset as usize..end],
+            &format!("read at {offset}"),
+        );
+        offset += data.len() as u64;
+    }
+    assert!(
+        requests <= 40.0,
+        "{requests} requests for 128 reads of 64 KiB"
+    );
+
+    // Read sequentially to 4 MiB again (what lies past it is fetched ahead); another
+    // client cuts the file there and writes new bytes past the cut; after a refresh (what
+    // an open does: close-to-open) the next sequential read sees them, not the old bytes
+    // it had fetched ahead.
+    let mut offset = 0u64;
+    while offset < 4 << 20 {
+        offset += file.read_at(offset, READ).await.expect("read").len() as u64;
+    }
+    writer
+        .truncate_path("/sequential", 4 << 20)
+        .await
+        .expect("truncate");
+    let other = writer
+        .open_path("/sequential", &ClusterOpen::new().write(true))
+        .await
+        .expect("open to write");
+    other
+        .write_at(4 << 20, Bytes::from(vec![0xCD; READ as usize]))
+        .await
+        .expect("write past the cut");
+    other.close().await.expect("close");
+    file.refresh().await.expect("refresh");
+    let after = file
+        .read_at(4 << 20, READ)
+        .await
+        .expect("read past the cut");
+    assert!(
+        after.iter().all(|byte| *byte == 0xCD) && after.len() == READ as usize,
+        "the read past the cut returned what was fetched before it"
+    );
+    file.close().await.expect("close");
+
+    // Read-ahead off: one request per read (the count above could have failed).
+    let plain = cluster
+        .client_with(|config| config.readahead_bytes = 0)
+        .await;
+    let before = io_reads(&cluster).await;
+    let file = plain
+        .open_path("/sequential", &ClusterOpen::new().read(true))
+        .await
+        .expect("open");
+    let mut offset = 0;
+    while offset < 4 << 20 {
+        offset += file.read_at(offset, READ).await.expect("read").len() as u64;
+    }
+    let requests = io_reads(&cluster).await - before;
+    assert!(
+        requests >= (4 << 20) as f64 / READ as f64,
+        "{requests} requests without read-ahead"
+    );
+    file.close().await.expect("close");
+}
+
 /// POSIX judges a size change through a descriptor by the descriptor: a user who creates a
 /// file with mode 0 may still truncate it through the descriptor the create gave.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

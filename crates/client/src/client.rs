@@ -45,6 +45,8 @@ pub(crate) struct Shared {
     closed: AtomicBool,
     /// Write bytes in flight over the whole client (`dirty_bytes_max` permits).
     pub dirty: Arc<Semaphore>,
+    /// Bytes fetched ahead over the whole client (see `readahead.rs`).
+    pub readahead_room: Arc<Semaphore>,
     /// Open handles by inode, so a truncate can wait for their writes and reset their
     /// sizes. Bounded by the number of open handles.
     handles: Mutex<HashMap<InodeId, Vec<Weak<HandleShared>>>>,
@@ -205,6 +207,7 @@ impl Client {
             session_id: AtomicU64::new(grant.session_id),
             closed: AtomicBool::new(false),
             dirty,
+            readahead_room: Arc::new(Semaphore::new(crate::readahead::READAHEAD_CLIENT_BYTES_MAX)),
             handles: Mutex::new(HashMap::new()),
             renewer: Mutex::new(None),
             reopening: tokio::sync::Mutex::new(()),

@@ -16,8 +16,8 @@ pub const SIZE_COMMIT_INTERVAL_MS_DEFAULT: u64 = 3000;
 pub const CALL_TIMEOUT_MS_DEFAULT: u64 = 30_000;
 /// Default time a connection attempt may take: 5 s.
 pub const CONNECT_TIMEOUT_MS_DEFAULT: u64 = 5_000;
-/// Default sequential read-ahead: 0 (off; reads fetch exactly what is asked).
-pub const READAHEAD_BYTES_DEFAULT: u64 = 0;
+/// Default sequential read-ahead per handle: 16 MiB (see `readahead.rs`; 0 turns it off).
+pub const READAHEAD_BYTES_DEFAULT: u64 = 16 << 20;
 pub const GATHER_WAIT_MS_DEFAULT: u64 = 2;
 /// Gathered bytes are not acknowledged by anyone: they must not wait long.
 pub const GATHER_WAIT_MS_MAX: u64 = 1_000;

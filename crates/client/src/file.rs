@@ -52,6 +52,7 @@ use futures::StreamExt;
 use tokio::sync::{watch, OwnedSemaphorePermit};
 
 use crate::plan::{plan_requests, ObjectRequest};
+use crate::readahead::{Piece, ReadAhead};
 use crate::{Client, ClientError};
 
 /// Largest single `read_at`, after clamping to the file size: the bound on the buffer one
@@ -216,6 +217,8 @@ struct HandleState {
     gathered: Option<Gathered>,
     /// Bumped each time gathering starts, so a timer sends only what it was set for.
     gather_generation: u64,
+    /// What a sequential reader has fetched ahead (see `readahead.rs`).
+    readahead: ReadAhead,
 }
 
 /// Small adjacent writes gathered into one request.
@@ -355,6 +358,7 @@ impl Truncation {
             let mut state = handle.lock();
             state.truncates_pending += 1;
             state.truncate_epoch += 1;
+            state.readahead.clear();
         }
         // Made before the next await, so a cancelled call still lets the commits go.
         let truncation = Truncation { handles };
@@ -380,6 +384,7 @@ impl Truncation {
                 // Reports from before the cut are stale; the meta server has the cut's own.
                 state.stripe_space.clear();
                 state.attr = attr.clone();
+                state.readahead.clear();
             }
             handle.notify();
         }
@@ -407,6 +412,8 @@ impl HandleShared {
         let requests = plan_requests(layout, offset, length, u64::from(IO_REQUEST_BYTES_MAX));
         let sequence = {
             let mut state = shared.lock();
+            // What was fetched ahead may be older than this write.
+            state.readahead.clear();
             state.known_size = state.known_size.max(end);
             state.written_end = state.written_end.max(end);
             state.writes_started += 1;
@@ -661,7 +668,12 @@ impl HandleShared {
         // Gathered writes were made before the recall too: they go out first.
         // A failure is kept on the handle, reported by its next call.
         let _ = self.send_gathered().await;
-        let sequence = self.lock().writes_started;
+        let sequence = {
+            let mut state = self.lock();
+            // The file is about to change under what was fetched ahead.
+            state.readahead.clear();
+            state.writes_started
+        };
         self.wait_then(|state| state.writes_done_through(sequence).then_some(()))
             .await;
     }
@@ -1008,6 +1020,201 @@ impl HandleShared {
         self.inode
     }
 
+    /// Read `length` bytes at `offset` from the servers, every request at once; holes and
+    /// short objects read as zeros (the caller clamped the range to the size).
+    async fn fetch(&self, layout: &Layout, offset: u64, length: u64) -> Result<Bytes, ClientError> {
+        let requests = plan_requests(layout, offset, length, u64::from(IO_REQUEST_BYTES_MAX));
+        let mut pieces = futures::future::try_join_all(
+            requests
+                .iter()
+                .map(|request| self.read_piece(layout, request)),
+        )
+        .await?;
+        if pieces.len() == 1 && pieces[0].len() as u64 == length {
+            return Ok(pieces.pop().expect("one piece"));
+        }
+        // `length` ≤ READ_LENGTH_MAX, so it fits usize.
+        let mut buffer = BytesMut::zeroed(length as usize);
+        for (request, piece) in requests.iter().zip(pieces) {
+            let at = (request.file_offset - offset) as usize;
+            buffer[at..at + piece.len()].copy_from_slice(&piece);
+        }
+        Ok(buffer.freeze())
+    }
+
+    /// A read with read-ahead (see `readahead.rs`): the pieces covering the range, taken
+    /// from what was fetched ahead or fetched now, and, for a sequential reader, the next
+    /// `readahead_bytes` fetched ahead. The caller waited for this handle's writes to the
+    /// range.
+    async fn read_ahead(
+        self: &Arc<Self>,
+        layout: &Layout,
+        offset: u64,
+        length: u64,
+    ) -> Result<Bytes, ClientError> {
+        let piece_bytes = readahead_piece_bytes(layout);
+        let end = offset + length;
+        let (first, last) = (offset / piece_bytes, (end - 1) / piece_bytes);
+        let taken = {
+            let mut state = self.lock();
+            // Sequential: this read starts where the last one ended (the first read of a
+            // handle never is, so a file read once at its start costs no read-ahead).
+            let sequential = state.readahead.next == offset;
+            state.readahead.next = end;
+            if !sequential {
+                state.readahead.clear();
+                None
+            } else {
+                let before: Vec<u64> = state
+                    .readahead
+                    .pieces
+                    .range(..first)
+                    .map(|(index, _)| *index)
+                    .collect();
+                for index in before {
+                    if let Some(Piece::Fetching(task, _)) = state.readahead.pieces.remove(&index) {
+                        task.abort();
+                    }
+                }
+                let needed: Vec<(u64, Option<Piece>)> = (first..=last)
+                    .map(|index| (index, state.readahead.pieces.remove(&index)))
+                    .collect();
+                // What is fetched now past this read's range is kept only if no change
+                // of this handle is under way (the read waited only for its own range).
+                let quiet = state.gathered.is_none()
+                    && state.writes_outstanding.is_empty()
+                    && state.truncates_pending == 0;
+                Some((needed, state.readahead.generation, quiet))
+            }
+        };
+        let Some((needed, generation, quiet)) = taken else {
+            return self.fetch(layout, offset, length).await;
+        };
+        let size = self.local_size();
+        // The next pieces start on their way before this read waits for its own; what it
+        // needs and was not fetched ahead is fetched now, whole pieces (the rest of the
+        // last one serves the next read).
+        self.fetch_ahead(layout, last + 1, end);
+        let mut datas = Vec::with_capacity(needed.len());
+        for (index, piece) in needed {
+            let start = index * piece_bytes;
+            let piece_end = (start + piece_bytes).min(size).max(end);
+            let (data, permit) = match piece {
+                Some(Piece::Fetched(data, permit)) => (data, Some(permit)),
+                Some(Piece::Fetching(task, permit)) => match task.await {
+                    Ok(fetched) => (fetched?, Some(permit)),
+                    // Stopped by a change meanwhile: fetch it again.
+                    Err(_) => (
+                        self.fetch(layout, start, piece_end.saturating_sub(start))
+                            .await?,
+                        None,
+                    ),
+                },
+                None => (
+                    self.fetch(layout, start, piece_end.saturating_sub(start))
+                        .await?,
+                    None,
+                ),
+            };
+            datas.push((start, data, permit));
+        }
+        // The range from the pieces; anything they do not cover (the file grew meanwhile)
+        // is read directly.
+        let covered = datas
+            .iter()
+            .map(|(start, data, _)| start + data.len() as u64)
+            .max()
+            .unwrap_or(0);
+        let mut result = if covered >= end && datas.len() == 1 {
+            // Within one piece: a view of it, no copy.
+            let (start, data, _) = &datas[0];
+            Some(data.slice((offset - start) as usize..(end - start) as usize))
+        } else if covered >= end {
+            let mut buffer = BytesMut::with_capacity(length as usize);
+            for (start, data, _) in &datas {
+                let from = offset.max(*start) - start;
+                let to = end.min(start + data.len() as u64) - start;
+                if from < to {
+                    buffer.extend_from_slice(&data[from as usize..to as usize]);
+                }
+            }
+            Some(buffer.freeze())
+        } else {
+            None
+        };
+        if result
+            .as_ref()
+            .is_some_and(|bytes| bytes.len() as u64 != length)
+        {
+            result = None;
+        }
+        // The last piece is kept for the next read if nothing changed meanwhile.
+        if let Some((start, data, permit)) = datas.pop() {
+            if quiet && start + data.len() as u64 > end {
+                let permit = match permit {
+                    Some(permit) => Some(permit),
+                    None => self
+                        .client
+                        .shared
+                        .readahead_room
+                        .clone()
+                        .try_acquire_many_owned(data.len() as u32)
+                        .ok(),
+                };
+                let mut state = self.lock();
+                if let (Some(permit), true) = (permit, state.readahead.generation == generation) {
+                    state
+                        .readahead
+                        .pieces
+                        .insert(start / piece_bytes, Piece::Fetched(data, permit));
+                }
+            }
+        }
+        match result {
+            Some(bytes) => Ok(bytes),
+            None => self.fetch(layout, offset, length).await,
+        }
+    }
+
+    /// Fetch ahead the pieces from index `from` on, up to `readahead_bytes` past `end`
+    /// and within the size; not while this handle has a change under way, and not past
+    /// the client's room.
+    fn fetch_ahead(self: &Arc<Self>, layout: &Layout, from: u64, end: u64) {
+        let piece_bytes = readahead_piece_bytes(layout);
+        let window_end = end.saturating_add(self.client.shared.config.readahead_bytes);
+        let mut state = self.lock();
+        if state.gathered.is_some()
+            || !state.writes_outstanding.is_empty()
+            || state.truncates_pending > 0
+        {
+            return;
+        }
+        let size = state.known_size;
+        let mut index = from;
+        while index * piece_bytes < window_end.min(size) {
+            if let std::collections::btree_map::Entry::Vacant(vacant) =
+                state.readahead.pieces.entry(index)
+            {
+                let start = index * piece_bytes;
+                let length = (start + piece_bytes).min(size) - start;
+                // A piece is at most 16 MiB, well within u32.
+                let Ok(permit) = self
+                    .client
+                    .shared
+                    .readahead_room
+                    .clone()
+                    .try_acquire_many_owned(length as u32)
+                else {
+                    return;
+                };
+                let (shared, layout) = (self.clone(), layout.clone());
+                let task = tokio::spawn(async move { shared.fetch(&layout, start, length).await });
+                vacant.insert(Piece::Fetching(task, permit));
+            }
+            index += 1;
+        }
+    }
+
     pub(crate) fn local_size(&self) -> u64 {
         self.lock().known_size
     }
@@ -1077,6 +1284,13 @@ impl HandleShared {
     }
 }
 
+/// The size of a piece fetched ahead: one stripe row (every server of the layout reads at
+/// once), within 1-16 MiB.
+fn readahead_piece_bytes(layout: &Layout) -> u64 {
+    (u64::from(layout.stripe_unit_bytes) * u64::from(layout.stripe_count()))
+        .clamp(1 << 20, 16 << 20)
+}
+
 impl FileHandle {
     pub(crate) fn new(
         client: Client,
@@ -1111,6 +1325,7 @@ impl FileHandle {
                 stripe_space: BTreeMap::new(),
                 gathered: None,
                 gather_generation: 0,
+                readahead: ReadAhead::default(),
             }),
             send_order: Arc::new(tokio::sync::Mutex::new(())),
             completions,
@@ -1197,6 +1412,8 @@ impl FileHandle {
             .meta_call(&GetAttr { inode }, || format!("inode {inode}"))
             .await?;
         let mut state = self.shared.lock();
+        // A refresh sees other clients' changes: so must the next read.
+        state.readahead.clear();
         let uncommitted =
             state.writes_started != state.writes_committed || state.gathered.is_some();
         state.known_size = if uncommitted {
@@ -1246,22 +1463,10 @@ impl FileHandle {
                     .all(|request| !state.overlaps_in_flight(request))
             })
             .await;
-        let mut pieces = futures::future::try_join_all(
-            requests
-                .iter()
-                .map(|request| shared.read_piece(layout, request)),
-        )
-        .await?;
-        if pieces.len() == 1 && pieces[0].len() as u64 == length {
-            return Ok(pieces.pop().expect("one piece"));
+        if shared.client.shared.config.readahead_bytes > 0 {
+            return shared.read_ahead(layout, offset, length).await;
         }
-        // `length` ≤ READ_LENGTH_MAX, so it fits usize.
-        let mut buffer = BytesMut::zeroed(length as usize);
-        for (request, piece) in requests.iter().zip(pieces) {
-            let at = (request.file_offset - offset) as usize;
-            buffer[at..at + piece.len()].copy_from_slice(&piece);
-        }
-        Ok(buffer.freeze())
+        shared.fetch(layout, offset, length).await
     }
 
     /// Write `data` at `offset`. Returns once every request is in flight; a failure is
@@ -1394,6 +1599,7 @@ impl FileHandle {
             }
             // A change like a write: the next flush commits the size and the space.
             state.writes_started += 1;
+            state.readahead.clear();
         }
         shared.notify();
         Ok(())
@@ -1527,6 +1733,7 @@ impl FileHandle {
             state.known_size = state.known_size.max(end);
             state.written_end = state.written_end.max(end);
             state.writes_started += 1;
+            state.readahead.clear();
         }
         target.notify();
         Ok(length)

@@ -21,6 +21,7 @@ mod path;
 mod paths;
 mod plan;
 mod pool;
+mod readahead;
 mod replay;
 
 pub use client::Client;

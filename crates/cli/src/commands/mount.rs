@@ -175,6 +175,9 @@ async fn connect(
     let mut config = freeflow_client::ClientConfig::new(file.meta_address.clone(), key);
     config.call_timeout_ms = file.call_timeout_ms.min(call_timeout_ms);
     config.client_name = format!("freeflow-mount-{}", std::process::id());
+    // The kernel reads ahead for the mount (several reads in flight, not in order): the
+    // library's own read-ahead would see them as random and only get in the way.
+    config.readahead_bytes = 0;
     freeflow_client::Client::connect(config)
         .await
         .with_context(|| {
