@@ -90,13 +90,18 @@ fn meta_requests(before: &Snapshot, after: &Snapshot, operations: &[&str]) -> f6
         .sum()
 }
 
-/// Every operation but those clients send on their own clock: revocation polls and
-/// session renewals.
+/// Every operation but those sent on their own clock: clients' revocation polls and
+/// session renewals, and the I/O servers' heartbeats.
 fn all_but_periodic(snapshot: &Snapshot) -> Vec<String> {
     snapshot
         .label_values("freeflow_rpc_requests_total", "op")
         .into_iter()
-        .filter(|op| op != "WaitRevocations" && op != "RenewSession")
+        .filter(|op| {
+            !matches!(
+                op.as_str(),
+                "WaitRevocations" | "RenewSession" | "RegisterServer"
+            )
+        })
         .collect()
 }
 
