@@ -52,7 +52,7 @@ use futures::StreamExt;
 use tokio::sync::{watch, OwnedSemaphorePermit};
 
 use crate::plan::{plan_requests, ObjectRequest};
-use crate::readahead::{Piece, ReadAhead};
+use crate::readahead::{Fetch, Piece, ReadAhead};
 use crate::{Client, ClientError};
 
 /// Largest single `read_at`, after clamping to the file size: the bound on the buffer one
@@ -230,6 +230,28 @@ struct Gathered {
 /// The turn to send writes of one handle (its `send_order` lock), owned so that it can
 /// move into the task that sends gathered bytes.
 type SendTurn = tokio::sync::OwnedMutexGuard<()>;
+
+/// A change of the file's data made through a handle without a write (fallocate, a copy
+/// into it): while it lasts nothing is fetched ahead, and what was is dropped at its start
+/// and at its end, however it ends (an error, a cancelled call).
+struct ChangeUnderWay<'a>(&'a HandleShared);
+
+impl<'a> ChangeUnderWay<'a> {
+    fn begin(shared: &'a HandleShared) -> ChangeUnderWay<'a> {
+        let mut state = shared.lock();
+        state.readahead.clear();
+        state.readahead.changing += 1;
+        ChangeUnderWay(shared)
+    }
+}
+
+impl Drop for ChangeUnderWay<'_> {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.readahead.changing -= 1;
+        state.readahead.clear();
+    }
+}
 
 /// A size commit between its computation and its reply.
 struct CommitTicket {
@@ -670,8 +692,10 @@ impl HandleShared {
         let _ = self.send_gathered().await;
         let sequence = {
             let mut state = self.lock();
-            // The file is about to change under what was fetched ahead.
+            // The file is about to change under what was fetched ahead: nothing more is
+            // fetched ahead until the handle learns the change (refresh).
             state.readahead.clear();
+            state.readahead.suspended = true;
             state.writes_started
         };
         self.wait_then(|state| state.writes_done_through(sequence).then_some(()))
@@ -1061,7 +1085,13 @@ impl HandleShared {
             // handle never is, so a file read once at its start costs no read-ahead).
             let sequential = state.readahead.next == offset;
             state.readahead.next = end;
-            if !sequential {
+            // Reads longer than a piece are fetched as they are (all their requests at
+            // once already), without read-ahead.
+            if !sequential
+                || state.readahead.suspended
+                || state.readahead.changing > 0
+                || length > piece_bytes
+            {
                 state.readahead.clear();
                 None
             } else {
@@ -1072,9 +1102,7 @@ impl HandleShared {
                     .map(|(index, _)| *index)
                     .collect();
                 for index in before {
-                    if let Some(Piece::Fetching(task, _)) = state.readahead.pieces.remove(&index) {
-                        task.abort();
-                    }
+                    state.readahead.pieces.remove(&index);
                 }
                 let needed: Vec<(u64, Option<Piece>)> = (first..=last)
                     .map(|index| (index, state.readahead.pieces.remove(&index)))
@@ -1083,7 +1111,8 @@ impl HandleShared {
                 // of this handle is under way (the read waited only for its own range).
                 let quiet = state.gathered.is_none()
                     && state.writes_outstanding.is_empty()
-                    && state.truncates_pending == 0;
+                    && state.truncates_pending == 0
+                    && state.readahead.changing == 0;
                 Some((needed, state.readahead.generation, quiet))
             }
         };
@@ -1098,13 +1127,13 @@ impl HandleShared {
         let mut datas = Vec::with_capacity(needed.len());
         for (index, piece) in needed {
             let start = index * piece_bytes;
-            let piece_end = (start + piece_bytes).min(size).max(end);
+            let piece_end = (start + piece_bytes).min(size.max(end));
             let (data, permit) = match piece {
                 Some(Piece::Fetched(data, permit)) => (data, Some(permit)),
-                Some(Piece::Fetching(task, permit)) => match task.await {
-                    Ok(fetched) => (fetched?, Some(permit)),
-                    // Stopped by a change meanwhile: fetch it again.
-                    Err(_) => (
+                Some(Piece::Fetching(fetch, permit)) => match fetch.wait().await {
+                    Some(fetched) => (fetched, Some(permit)),
+                    // Stopped by a change meanwhile, or failed: fetch it again.
+                    None => (
                         self.fetch(layout, start, piece_end.saturating_sub(start))
                             .await?,
                         None,
@@ -1186,6 +1215,8 @@ impl HandleShared {
         if state.gathered.is_some()
             || !state.writes_outstanding.is_empty()
             || state.truncates_pending > 0
+            || state.readahead.suspended
+            || state.readahead.changing > 0
         {
             return;
         }
@@ -1209,7 +1240,7 @@ impl HandleShared {
                 };
                 let (shared, layout) = (self.clone(), layout.clone());
                 let task = tokio::spawn(async move { shared.fetch(&layout, start, length).await });
-                vacant.insert(Piece::Fetching(task, permit));
+                vacant.insert(Piece::Fetching(Fetch(task), permit));
             }
             index += 1;
         }
@@ -1414,6 +1445,7 @@ impl FileHandle {
         let mut state = self.shared.lock();
         // A refresh sees other clients' changes: so must the next read.
         state.readahead.clear();
+        state.readahead.suspended = false;
         let uncommitted =
             state.writes_started != state.writes_committed || state.gathered.is_some();
         state.known_size = if uncommitted {
@@ -1525,6 +1557,7 @@ impl FileHandle {
         let shared = &self.shared;
         shared.check_open()?;
         shared.require_write()?;
+        let _change = ChangeUnderWay::begin(shared);
         shared.send_gathered().await?;
         shared.check_no_failed_write()?;
         let layout = shared.data_layout()?.clone();
@@ -1624,6 +1657,7 @@ impl FileHandle {
         target.check_open()?;
         origin.check_open()?;
         target.require_write()?;
+        let _change = ChangeUnderWay::begin(target);
         target.send_gathered().await?;
         origin.send_gathered().await?;
         if !origin.access.read {

@@ -28,8 +28,28 @@ pub const READAHEAD_CLIENT_BYTES_MAX: usize = 256 << 20;
 
 /// A piece fetched ahead, by its index (file offset / piece size).
 pub(crate) enum Piece {
-    Fetching(JoinHandle<Result<Bytes, ClientError>>, OwnedSemaphorePermit),
+    Fetching(Fetch, OwnedSemaphorePermit),
     Fetched(Bytes, OwnedSemaphorePermit),
+}
+
+/// A fetch on its task, stopped when dropped (a cancelled read, a cleared read-ahead):
+/// nothing keeps fetching once its room in the bound is given back.
+pub(crate) struct Fetch(pub JoinHandle<Result<Bytes, ClientError>>);
+
+impl Fetch {
+    /// Its result; None if the task was stopped or failed (fetch the range again).
+    pub async fn wait(mut self) -> Option<Bytes> {
+        match (&mut self.0).await {
+            Ok(Ok(bytes)) => Some(bytes),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Fetch {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The read-ahead state of one handle.
@@ -40,6 +60,13 @@ pub(crate) struct ReadAhead {
     pub pieces: BTreeMap<u64, Piece>,
     /// Bumped at each `clear`: a piece a read took before it is not put back after.
     pub generation: u64,
+    /// Another client is changing the file (its truncation recalled this handle): nothing
+    /// is fetched ahead until the handle learns the new size (`refresh`), or what is
+    /// fetched between the recall and the change would be served after it.
+    pub suspended: bool,
+    /// Changes of the file's data under way through the handle other than writes
+    /// (fallocate, a copy into it): nothing is fetched ahead meanwhile.
+    pub changing: u32,
 }
 
 impl Default for ReadAhead {
@@ -49,6 +76,8 @@ impl Default for ReadAhead {
             next: u64::MAX,
             pieces: BTreeMap::new(),
             generation: 0,
+            suspended: false,
+            changing: 0,
         }
     }
 }
@@ -57,16 +86,7 @@ impl ReadAhead {
     /// Forget every piece (stopping those on their way).
     pub fn clear(&mut self) {
         self.generation += 1;
-        for (_, piece) in std::mem::take(&mut self.pieces) {
-            if let Piece::Fetching(task, _) = piece {
-                task.abort();
-            }
-        }
-    }
-}
-
-impl Drop for ReadAhead {
-    fn drop(&mut self) {
-        self.clear();
+        // Fetches on their way stop as they are dropped.
+        self.pieces.clear();
     }
 }
