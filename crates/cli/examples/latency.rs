@@ -1,5 +1,7 @@
 //! Round-trip latency of metadata calls through the client library (no FUSE): the floor
 //! under the mount's per-operation cost. `cargo run --release --example latency -- CLIENT_TOML N`
+mod common;
+
 use std::time::Instant;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -12,17 +14,8 @@ async fn measure() {
     let arguments: Vec<String> = std::env::args().collect();
     let path = std::path::PathBuf::from(&arguments[1]);
     let count: usize = arguments[2].parse().unwrap();
-    let text = std::fs::read_to_string(&path).unwrap();
-    let table: toml::Table = text.parse().unwrap();
-    let meta = table["meta_address"].as_str().unwrap().to_string();
-    let key_file = path
-        .parent()
-        .unwrap()
-        .join(table["key_file"].as_str().unwrap());
-    let key = freeflow_client::ClusterKey::load(&key_file).unwrap();
-    let client = freeflow_client::Client::connect(freeflow_client::ClientConfig::new(meta, key))
-        .await
-        .unwrap();
+    let config = common::client_config(&path).expect("the cluster's client.toml");
+    let client = freeflow_client::Client::connect(config).await.unwrap();
     let started = Instant::now();
     for _ in 0..count {
         client.getattr(freeflow_client::ROOT_INODE).await.unwrap();

@@ -7,7 +7,9 @@
 
 use std::sync::Arc;
 
-use freeflow_client::{Client, ClientConfig, ClusterKey, FileKind};
+mod common;
+
+use freeflow_client::{Client, FileKind};
 
 const DIRECTORIES: u64 = 100;
 const CREATES_IN_FLIGHT: usize = 64;
@@ -18,21 +20,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let usage = "usage: populate CLIENT_TOML FILE_COUNT";
     let client_file = std::path::PathBuf::from(arguments.next().ok_or(usage)?);
     let count: u64 = arguments.next().ok_or(usage)?.parse()?;
-    let text = std::fs::read_to_string(&client_file)?;
-    let table: toml::Table = toml::from_str(&text)?;
-    let meta_address = table["meta_address"]
-        .as_str()
-        .ok_or("meta_address missing")?
-        .to_string();
-    let key_file = client_file
-        .parent()
-        .unwrap_or(std::path::Path::new("."))
-        .join(table["key_file"].as_str().ok_or("key_file missing")?);
-    let client = Client::connect(ClientConfig::new(
-        meta_address,
-        ClusterKey::load(&key_file)?,
-    ))
-    .await?;
+    let client = Client::connect(common::client_config(&client_file)?).await?;
 
     let started = std::time::Instant::now();
     let top = format!("/populate-{}", std::process::id());

@@ -1,6 +1,8 @@
 //! Sequential read of one cluster file through the library with reads of a fixed size, one
 //! at a time (a naive reader, as most application code is):
 //! `cargo run --release --example seqread -- CLIENT_TOML /path READ_BYTES [READAHEAD_BYTES]`
+mod common;
+
 use std::time::Instant;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -10,15 +12,7 @@ async fn main() {
     let file_path = arguments[2].clone();
     let read_bytes: u64 = arguments[3].parse().unwrap();
     let readahead: u64 = arguments.get(4).map_or(0, |text| text.parse().unwrap());
-    let text = std::fs::read_to_string(&path).unwrap();
-    let table: toml::Table = text.parse().unwrap();
-    let meta = table["meta_address"].as_str().unwrap().to_string();
-    let key_file = path
-        .parent()
-        .unwrap()
-        .join(table["key_file"].as_str().unwrap());
-    let key = freeflow_client::ClusterKey::load(&key_file).unwrap();
-    let mut config = freeflow_client::ClientConfig::new(meta, key);
+    let mut config = common::client_config(&path).expect("the cluster's client.toml");
     config.readahead_bytes = readahead;
     let client = freeflow_client::Client::connect(config).await.unwrap();
     tokio::spawn(async move {

@@ -264,6 +264,16 @@ struct CommitTicket {
 }
 
 impl HandleState {
+    /// Whether a change of the file's data through this handle is under way (gathered or
+    /// in flight, a truncation, fallocate or a copy): what is read past the reader's range
+    /// now may predate it, so it is not fetched ahead or kept.
+    fn changing_data(&self) -> bool {
+        self.gathered.is_some()
+            || !self.writes_outstanding.is_empty()
+            || self.truncates_pending > 0
+            || self.readahead.changing > 0
+    }
+
     fn overlaps_in_flight(&self, request: &ObjectRequest) -> bool {
         // No request is longer than IO_REQUEST_BYTES_MAX, so any overlapping one starts
         // at most that far before this one.
@@ -1109,10 +1119,7 @@ impl HandleShared {
                     .collect();
                 // What is fetched now past this read's range is kept only if no change
                 // of this handle is under way (the read waited only for its own range).
-                let quiet = state.gathered.is_none()
-                    && state.writes_outstanding.is_empty()
-                    && state.truncates_pending == 0
-                    && state.readahead.changing == 0;
+                let quiet = !state.changing_data();
                 Some((needed, state.readahead.generation, quiet))
             }
         };
@@ -1212,12 +1219,7 @@ impl HandleShared {
         let piece_bytes = readahead_piece_bytes(layout);
         let window_end = end.saturating_add(self.client.shared.config.readahead_bytes);
         let mut state = self.lock();
-        if state.gathered.is_some()
-            || !state.writes_outstanding.is_empty()
-            || state.truncates_pending > 0
-            || state.readahead.suspended
-            || state.readahead.changing > 0
-        {
+        if state.changing_data() || state.readahead.suspended {
             return;
         }
         let size = state.known_size;
@@ -1632,7 +1634,6 @@ impl FileHandle {
             }
             // A change like a write: the next flush commits the size and the space.
             state.writes_started += 1;
-            state.readahead.clear();
         }
         shared.notify();
         Ok(())
@@ -1767,7 +1768,6 @@ impl FileHandle {
             state.known_size = state.known_size.max(end);
             state.written_end = state.written_end.max(end);
             state.writes_started += 1;
-            state.readahead.clear();
         }
         target.notify();
         Ok(length)

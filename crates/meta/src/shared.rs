@@ -334,15 +334,10 @@ impl Shared {
     /// (a durable one answers after its commit instead). `read` does not wait: a read
     /// for a client goes through `read_as`, which does.
     pub async fn visible(&self) {
-        self.visible_through(self.answered_txn.load(Ordering::Acquire))
-            .await;
-    }
-
-    /// Wait until transaction `txn` is committed.
-    pub async fn visible_through(&self, txn: u64) {
+        let answered = self.answered_txn.load(Ordering::Acquire);
         let mut visible = self.visible_txn.subscribe();
         // Fails only if the sender is gone, and `self` owns it.
-        let _ = visible.wait_for(|committed| *committed >= txn).await;
+        let _ = visible.wait_for(|committed| *committed >= answered).await;
     }
 
     pub fn dirty(&self) -> MutexGuard<'_, HashMap<InodeId, (u64, u64)>> {

@@ -23,9 +23,9 @@
 //!   table of non-durable inodes reached its bound.
 //!
 //! A batch of clients' mutations that need not be durable is answered before its commit
-//! (after its changes are
-//! marked in `Shared::dirty` and `Shared::answered_txn` is raised): the commit, most of a
-//! small mutation's time here, then runs while the replies travel. A read waits until
+//! (after its changes are marked in `Shared::dirty` and `Shared::answered_txn` is
+//! raised): the commit, most of a small mutation's time here, then runs while the replies
+//! travel. A read waits until
 //! every answered transaction is committed (`Shared::visible`), so a change is visible to
 //! whoever learns of it. If such a commit fails, the server stops (exit status 74): its
 //! callers were told, and only a restart makes them replay what it lost.
@@ -379,7 +379,7 @@ impl Writer {
         })();
         // A batch that need not be durable is answered before its commit, which then runs
         // while the replies travel (most of a small mutation's time at this server). Reads
-        // wait for the commit meanwhile (`Shared::wait_visible`), so nobody told of a
+        // wait for the commit meanwhile (`Shared::visible`), so nobody told of a
         // change reads from before it; the changes are not durable either way, and a
         // crash loses them only as it would a moment later (clients replay them).
         // The server's own changes (client 0: the reaper, the cutter, registrations) are
