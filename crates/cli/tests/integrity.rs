@@ -928,6 +928,86 @@ async fn the_exercise_command_reports_its_run() {
     assert!(stderr.contains("seed 3, operation #"), "{stderr}");
 }
 
+/// A file shrunk while one of its I/O servers was down leaves a cut owed on that server.
+/// When the server comes back it serves no data until the meta server has made that cut:
+/// no byte the truncate removed is read back after the file grows again, and no write made
+/// after the server's return is destroyed by the late cut. The meta server is stopped while
+/// the server comes back, so the server cannot learn of the cut; reads and writes wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_back_from_an_outage_makes_its_owed_cuts_before_serving_data() {
+    const SIZE: usize = 4 << 20;
+    const PATCH: std::ops::Range<usize> = (64 << 10)..(64 << 10) + 1000;
+    let mut cluster = Cluster::start(2).await;
+    let client = cluster.client().await;
+    let options = ClusterOpen::new().read(true).write(true).create(true);
+    let file = client.open_path("/owed", &options).await.expect("create");
+    // 64 KiB stripe units: half of it on each server.
+    file.write_at(0, Bytes::from(vec![b'A'; SIZE]))
+        .await
+        .expect("write");
+    file.close().await.expect("close");
+
+    cluster.kill_io(1);
+    let refused = client
+        .truncate_path("/owed", 0)
+        .await
+        .expect_err("a cut on a down server cannot be made");
+    assert!(refused.to_string().contains("pending"), "{refused}");
+    client
+        .truncate_path("/owed", SIZE as u64)
+        .await
+        .expect("grow again");
+    let reader = client
+        .open_path("/owed", &ClusterOpen::new().read(true).write(true))
+        .await
+        .expect("open");
+    assert_eq!(reader.attr().size_bytes, SIZE as u64);
+
+    cluster.signal_meta(libc::SIGSTOP);
+    cluster.respawn_io(1).await;
+    let reader = Arc::new(reader);
+    // A write into the stripe the down server holds, and a read of the whole file.
+    let writing = {
+        let reader = Arc::clone(&reader);
+        tokio::spawn(async move {
+            reader
+                .write_at(PATCH.start as u64, Bytes::from(vec![b'B'; PATCH.len()]))
+                .await
+        })
+    };
+    let reading = {
+        let reader = Arc::clone(&reader);
+        tokio::spawn(async move { reader.read_at(0, SIZE as u64).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !reading.is_finished(),
+        "a server that may owe cuts served a read before the meta server answered it"
+    );
+    cluster.signal_meta(libc::SIGCONT);
+    writing.await.expect("write task").expect("write");
+    let read = reading.await.expect("read task").expect("read");
+    let stale = read.iter().filter(|byte| **byte == b'A').count();
+    assert_eq!(stale, 0, "{stale} bytes the truncate removed came back");
+
+    let reader = Arc::into_inner(reader).expect("tasks done");
+    reader.close().await.expect("close");
+    let check = client
+        .open_path("/owed", &ClusterOpen::new().read(true))
+        .await
+        .expect("open");
+    let mut expected = vec![0u8; SIZE];
+    expected[PATCH].fill(b'B');
+    let read = check.read_at(0, SIZE as u64).await.expect("read");
+    assert_bytes_eq(&read, &expected, "after the owed cut");
+    check.close().await.expect("close");
+    assert!(
+        cluster.io_log(1).contains("serving data"),
+        "{}",
+        cluster.io_log(1)
+    );
+}
+
 /// An I/O server that is down makes reads of its stripes fail with EIO (not ENOTCONN,
 /// which reads as "the mount is gone"), and the mount's log names the server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,7 +18,7 @@ use freeflow_proto::io::{ReadObject, SyncObjects, WriteObject};
 use freeflow_proto::meta::{
     is_mutation, CloseSession, ListServers, ReplayDone, ReplayOf, ReplyStamp, ServerRecord, Sync,
 };
-use freeflow_proto::{decode, encode, Request, WireError};
+use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RawFrame, RpcError};
 use freeflow_types::{Attr, InodeId, ServerId};
 
@@ -649,12 +649,23 @@ impl Pool {
         target: impl Fn() -> String,
     ) -> Result<(R::Reply, Bytes), ClientError> {
         let mut retried = false;
+        let busy_deadline = Instant::now() + Duration::from_millis(self.options.call_timeout_ms);
+        let mut busy_wait_ms = IO_BUSY_WAIT_MIN_MS;
         loop {
             let connection = self.io_connection(server_id, inode).await?;
             match connection.call(request, payload.clone()).await {
                 Ok(reply) => return Ok(reply),
                 Err(RpcError::Disconnected { .. }) if !retried && resend_is_safe(R::OPCODE) => {
                     retried = true
+                }
+                // Refused before it did anything (the server owes truncation cuts, see
+                // `ioserver/src/gate.rs`): sent again, whatever it is. A write of this
+                // handle that overlaps it waits for it, so no later bytes can pass it.
+                Err(RpcError::Remote(error))
+                    if error.code == ErrorCode::Busy && Instant::now() < busy_deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(busy_wait_ms)).await;
+                    busy_wait_ms = (busy_wait_ms * 2).min(IO_BUSY_WAIT_MAX_MS);
                 }
                 Err(source) => {
                     let address = connection.address().to_string();
@@ -670,6 +681,11 @@ impl Pool {
         }
     }
 }
+
+/// The first and longest wait before sending again a request an I/O server refused as
+/// `Busy` (it serves no data until its owed truncation cuts are made).
+const IO_BUSY_WAIT_MIN_MS: u64 = 5;
+const IO_BUSY_WAIT_MAX_MS: u64 = 200;
 
 /// Whether an I/O request may be sent again after its connection broke (or it timed out)
 /// with no reply. Only requests that change nothing: reads, and syncs (which only wait for

@@ -17,6 +17,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod fd_cache;
+pub mod gate;
 pub mod identity;
 pub mod metrics;
 pub mod register;
@@ -74,6 +75,7 @@ pub struct RunningIo {
     engine_name: &'static str,
     store: Arc<ObjectStore>,
     registered: Arc<AtomicBool>,
+    gate: Arc<gate::DataGate>,
     serve: JoinHandle<std::io::Result<()>>,
     registration: JoinHandle<()>,
     metrics: Arc<Registry>,
@@ -144,7 +146,11 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         requests_in_flight_max: config.requests_in_flight_max,
         ..ServerOptions::new(format!("io:{}", config.server_id))
     };
-    let service = Arc::new(service::IoService::new(Arc::clone(&store)));
+    let gate = Arc::new(gate::DataGate::new(config.server_id));
+    let service = Arc::new(service::IoService::new(
+        Arc::clone(&store),
+        Arc::clone(&gate),
+    ));
     let serve = tokio::spawn(freeflow_rpc::serve(listener, key.clone(), options, service));
 
     let (metrics_address, metrics_task) = match metrics_listener {
@@ -191,6 +197,7 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
             }),
         },
         Arc::clone(&registered),
+        Arc::clone(&gate),
     ));
 
     Ok(RunningIo {
@@ -198,6 +205,7 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         engine_name,
         store,
         registered,
+        gate,
         serve,
         registration,
         metrics: registry,
@@ -243,6 +251,12 @@ impl RunningIo {
     /// True when the last registration with the meta server succeeded.
     pub fn is_registered(&self) -> bool {
         self.registered.load(Ordering::Acquire)
+    }
+
+    /// True when the meta server said this server owes no truncation cut, so it serves
+    /// data (see [`gate`]).
+    pub fn serves_data(&self) -> bool {
+        self.gate.is_open()
     }
 
     pub fn store(&self) -> &Arc<ObjectStore> {

@@ -3,8 +3,9 @@
 //! space and object count. The meta server uses it to know which servers are up and how full
 //! they are for placement.
 //!
-//! The I/O server serves whether or not the meta server is reachable (clients that already
-//! hold layouts keep working). Failed attempts are retried with exponential backoff bounded
+//! Data is served only once a registration was answered with no truncation cut owed here
+//! (see `gate.rs`); after that, the I/O server goes on serving while the meta server is
+//! unreachable (clients that already hold layouts keep working). Failed attempts are retried with exponential backoff bounded
 //! by `retry_backoff_max_ms`, and logged once per change of state, never once per attempt,
 //! so a meta server that is down for an hour does not fill the log.
 
@@ -16,6 +17,7 @@ use bytes::Bytes;
 use freeflow_proto::meta::RegisterServer;
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RpcError};
 
+use crate::gate::DataGate;
 use crate::service::IoService;
 use crate::store::ObjectStore;
 
@@ -41,6 +43,8 @@ pub struct RegistrationOptions {
 enum LinkState {
     Starting,
     Registered,
+    /// Registered, but truncation cuts are still owed here: no data is served.
+    OwesCuts,
     /// The meta server could not be reached (connect, timeout, lost connection).
     Unreachable,
     /// The meta server answered with an error.
@@ -49,12 +53,15 @@ enum LinkState {
     LocalFailure,
 }
 
-/// Registers forever; `registered` follows whether the last attempt succeeded.
+/// Registers forever; `registered` follows whether the last attempt succeeded, `gate`
+/// what the last reply said of the truncation cuts owed here (a reply that says some are
+/// owed is followed by the next attempt after the shortest retry delay, not a heartbeat).
 pub async fn run_registration(
     store: Arc<ObjectStore>,
     key: ClusterKey,
     options: RegistrationOptions,
     registered: Arc<AtomicBool>,
+    gate: Arc<DataGate>,
 ) {
     let connect_options = ConnectOptions {
         client_name: format!("io:{}", store.server_id()),
@@ -69,9 +76,14 @@ pub async fn run_registration(
         let attempt =
             register_once(&store, &key, &options, &connect_options, &mut connection).await;
         let (next_state, delay_ms) = match &attempt {
-            Ok(heartbeat_interval_ms) => {
+            Ok(reply) => {
                 backoff_ms = RETRY_BACKOFF_INITIAL_MS;
-                (LinkState::Registered, *heartbeat_interval_ms)
+                gate.set_owed(reply.cuts_owed);
+                if reply.cuts_owed > 0 {
+                    (LinkState::OwesCuts, RETRY_BACKOFF_INITIAL_MS)
+                } else {
+                    (LinkState::Registered, reply.heartbeat_interval_ms)
+                }
             }
             Err(error) => {
                 let delay_ms = backoff_ms;
@@ -84,7 +96,10 @@ pub async fn run_registration(
                 (next, delay_ms)
             }
         };
-        registered.store(next_state == LinkState::Registered, Ordering::Release);
+        registered.store(
+            matches!(next_state, LinkState::Registered | LinkState::OwesCuts),
+            Ordering::Release,
+        );
         if next_state != state {
             log_transition(&store, &options, next_state, &attempt);
             state = next_state;
@@ -101,14 +116,22 @@ enum RegisterError {
     Stats(crate::error::StoreError),
 }
 
-/// One registration; returns the heartbeat interval to wait before the next.
+/// What a registration was answered.
+#[derive(Debug)]
+struct Registered {
+    /// The heartbeat interval to wait before the next, within bounds.
+    heartbeat_interval_ms: u64,
+    cuts_owed: u32,
+}
+
+/// One registration.
 async fn register_once(
     store: &ObjectStore,
     key: &ClusterKey,
     options: &RegistrationOptions,
     connect_options: &ConnectOptions,
     connection: &mut Option<Connection>,
-) -> Result<u64, RegisterError> {
+) -> Result<Registered, RegisterError> {
     let stats = IoService::stats(store).map_err(RegisterError::Stats)?;
     if connection.as_ref().is_none_or(Connection::is_closed) {
         *connection = None;
@@ -134,25 +157,34 @@ async fn register_once(
         }
         RegisterError::Rpc(error)
     })?;
-    Ok(u64::from(reply.heartbeat_interval_ms)
-        .clamp(HEARTBEAT_INTERVAL_MIN_MS, HEARTBEAT_INTERVAL_MAX_MS))
+    Ok(Registered {
+        heartbeat_interval_ms: u64::from(reply.heartbeat_interval_ms)
+            .clamp(HEARTBEAT_INTERVAL_MIN_MS, HEARTBEAT_INTERVAL_MAX_MS),
+        cuts_owed: reply.cuts_owed,
+    })
 }
 
 fn log_transition(
     store: &ObjectStore,
     options: &RegistrationOptions,
     state: LinkState,
-    attempt: &Result<u64, RegisterError>,
+    attempt: &Result<Registered, RegisterError>,
 ) {
     let server_id = store.server_id();
     let meta = options.meta_address.as_str();
     match (state, attempt) {
-        (LinkState::Registered, Ok(heartbeat_interval_ms)) => tracing::info!(
+        (LinkState::Registered, Ok(reply)) => tracing::info!(
             server_id,
             meta,
             address = options.advertise_address.as_str(),
-            heartbeat_interval_ms,
-            "registered with the meta server"
+            heartbeat_interval_ms = reply.heartbeat_interval_ms,
+            "registered with the meta server; serving data"
+        ),
+        (LinkState::OwesCuts, Ok(reply)) => tracing::warn!(
+            server_id,
+            meta,
+            cuts_owed = reply.cuts_owed,
+            "registered, but truncation cuts are still owed here; serving no data until the meta server has made them"
         ),
         (LinkState::Refused, Err(error)) => tracing::error!(
             server_id,

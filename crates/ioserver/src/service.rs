@@ -14,15 +14,18 @@ use freeflow_proto::{Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
 
 use crate::error::StoreError;
+use crate::gate::DataGate;
 use crate::store::ObjectStore;
 
 pub struct IoService {
     store: Arc<ObjectStore>,
+    /// Closed until the meta server says no truncation cut is owed here (see `gate.rs`).
+    gate: Arc<DataGate>,
 }
 
 impl IoService {
-    pub fn new(store: Arc<ObjectStore>) -> IoService {
-        IoService { store }
+    pub fn new(store: Arc<ObjectStore>, gate: Arc<DataGate>) -> IoService {
+        IoService { store, gate }
     }
 
     /// The reply to `ServerStats`, also what the registration sends.
@@ -41,9 +44,11 @@ impl IoService {
 impl Service for IoService {
     async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
         let store = &*self.store;
+        let gate = &*self.gate;
         match frame.opcode {
             WriteObject::OPCODE => {
                 handle(frame, |request: WriteObject, payload| async move {
+                    gate.check()?;
                     let space = store.write(request.object, request.offset, payload).await?;
                     Ok((space, Bytes::new()))
                 })
@@ -51,6 +56,7 @@ impl Service for IoService {
             }
             ReadObject::OPCODE => {
                 handle(frame, |request: ReadObject, _| async move {
+                    gate.check()?;
                     let data = store
                         .read(request.object, request.offset, request.length)
                         .await?;
@@ -71,6 +77,7 @@ impl Service for IoService {
             }
             AllocateObject::OPCODE => {
                 handle(frame, |request: AllocateObject, _| async move {
+                    gate.check()?;
                     let space = store
                         .allocate(request.object, request.offset, request.length, request.mode)
                         .await?;
@@ -80,6 +87,7 @@ impl Service for IoService {
             }
             CopyObjectRange::OPCODE => {
                 handle(frame, |request: CopyObjectRange, _| async move {
+                    gate.check()?;
                     let space = store
                         .copy_range(
                             request.source,

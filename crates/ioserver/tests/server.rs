@@ -2,6 +2,7 @@
 //! the wire, the data directory's identity, and registration with a (fake) meta server,
 //! including a meta server that only appears after the I/O server started.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,12 +44,13 @@ async fn dead_address() -> String {
 async fn requests_over_rpc(engine: EngineKind) {
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
-    let server = start(
-        config(&directory, engine, dead_address().await),
-        key.clone(),
-    )
-    .await
-    .unwrap();
+    let meta_address = dead_address().await;
+    let (meta, meta_task) = start_fake_meta(&meta_address, &key).await;
+    let server = start(config(&directory, engine, meta_address), key.clone())
+        .await
+        .unwrap();
+    wait_until("serving data", || server.serves_data()).await;
+    assert!(!meta.registrations.lock().unwrap().is_empty());
     let expected_engine = if engine == EngineKind::Uring {
         "io_uring"
     } else {
@@ -186,8 +188,9 @@ async fn requests_over_rpc(engine: EngineKind) {
         .await
         .unwrap();
 
-    assert!(!server.is_registered());
+    assert!(server.is_registered());
     server.shutdown().await;
+    meta_task.abort();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -225,9 +228,10 @@ async fn a_data_dir_of_another_server_is_refused() {
     ));
 }
 
-/// A meta server that records registrations.
+/// A meta server that records registrations and answers them with `cuts_owed`.
 struct FakeMeta {
     registrations: Mutex<Vec<RegisterServer>>,
+    cuts_owed: AtomicU32,
 }
 
 impl Service for FakeMeta {
@@ -240,6 +244,7 @@ impl Service for FakeMeta {
             Ok((
                 RegisterReply {
                     heartbeat_interval_ms: 50,
+                    cuts_owed: self.cuts_owed.load(Ordering::SeqCst),
                 },
                 Bytes::new(),
             ))
@@ -248,8 +253,43 @@ impl Service for FakeMeta {
     }
 }
 
+async fn start_fake_meta(
+    address: &str,
+    key: &ClusterKey,
+) -> (Arc<FakeMeta>, tokio::task::JoinHandle<std::io::Result<()>>) {
+    let meta = Arc::new(FakeMeta {
+        registrations: Mutex::new(Vec::new()),
+        cuts_owed: AtomicU32::new(0),
+    });
+    let listener = tokio::net::TcpListener::bind(address).await.unwrap();
+    let task = tokio::spawn(freeflow_rpc::serve(
+        listener,
+        key.clone(),
+        freeflow_rpc::ServerOptions::new("meta"),
+        Arc::clone(&meta),
+    ));
+    (meta, task)
+}
+
+async fn wait_until(what: &str, condition: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !condition() {
+        assert!(tokio::time::Instant::now() < deadline, "never {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The `Busy` refusal a data request gets while the gate is closed, with its message.
+async fn refused_busy(connection: &Connection, object: ObjectId) -> String {
+    let write = WriteObject { object, offset: 0 };
+    match connection.call(&write, Bytes::from_static(b"early")).await {
+        Err(RpcError::Remote(error)) if error.code == ErrorCode::Busy => error.message,
+        other => panic!("a write before the gate opened was not refused: {other:?}"),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn registers_once_the_meta_server_appears_and_keeps_heartbeating() {
+async fn registers_once_the_meta_server_appears_and_serves_data_only_when_no_cut_is_owed() {
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
     let meta_address = dead_address().await;
@@ -259,31 +299,79 @@ async fn registers_once_the_meta_server_appears_and_keeps_heartbeating() {
     )
     .await
     .unwrap();
-    // The meta server is away: the I/O server serves anyway.
+    let connection = Connection::connect(
+        &server.listen_address().to_string(),
+        &key,
+        &ConnectOptions::default(),
+    )
+    .await
+    .unwrap();
+    let object = ObjectId {
+        inode: 7,
+        stripe_index: 0,
+    };
+    // The meta server is away: the I/O server answers, but serves no data, since it cannot
+    // know whether a file was shrunk while it was down.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!server.is_registered());
+    assert!(!server.serves_data());
+    let refusal = refused_busy(&connection, object).await;
+    assert!(refusal.contains("has not answered"), "{refusal}");
+    let read = ReadObject {
+        object,
+        offset: 0,
+        length: 10,
+    };
+    let refused = connection.call(&read, Bytes::new()).await.unwrap_err();
+    assert_eq!(refused.code(), ErrorCode::Busy);
+    // The meta server's own requests pass: the cuts themselves, and statistics.
+    connection
+        .call(&TruncateObject { object, length: 0 }, Bytes::new())
+        .await
+        .unwrap();
+    connection
+        .call(&ServerStats {}, Bytes::new())
+        .await
+        .unwrap();
 
-    let meta = Arc::new(FakeMeta {
-        registrations: Mutex::new(Vec::new()),
-    });
-    let listener = tokio::net::TcpListener::bind(&meta_address).await.unwrap();
-    let meta_task = tokio::spawn(freeflow_rpc::serve(
-        listener,
-        key,
-        freeflow_rpc::ServerOptions::new("meta"),
-        Arc::clone(&meta),
-    ));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while meta.registrations.lock().unwrap().len() < 3 {
-        assert!(tokio::time::Instant::now() < deadline, "no heartbeats");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(server.is_registered());
+    // It appears, but says two cuts are still owed here.
+    let (meta, meta_task) = start_fake_meta(&meta_address, &key).await;
+    meta.cuts_owed.store(2, Ordering::SeqCst);
+    wait_until("registered", || server.is_registered()).await;
+    let refusal = refused_busy(&connection, object).await;
+    assert!(refusal.contains("2 truncation cut(s)"), "{refusal}");
+    assert!(!server.serves_data());
+
+    // Owed cuts made: data flows.
+    meta.cuts_owed.store(0, Ordering::SeqCst);
+    wait_until("serving data", || server.serves_data()).await;
+    connection
+        .call(
+            &WriteObject { object, offset: 0 },
+            Bytes::from_static(b"after"),
+        )
+        .await
+        .unwrap();
+    let (_, data) = connection.call(&read, Bytes::new()).await.unwrap();
+    assert_eq!(&data[..], b"after");
+
+    // A later heartbeat that reports a cut owed closes the gate again.
+    meta.cuts_owed.store(1, Ordering::SeqCst);
+    wait_until("refusing data again", || !server.serves_data()).await;
+    let refused = connection.call(&read, Bytes::new()).await.unwrap_err();
+    assert_eq!(refused.code(), ErrorCode::Busy);
+
+    let count = meta.registrations.lock().unwrap().len();
+    meta.cuts_owed.store(0, Ordering::SeqCst);
+    wait_until("heartbeating", || {
+        meta.registrations.lock().unwrap().len() >= count + 3
+    })
+    .await;
+    assert!(server.serves_data());
     let last = meta.registrations.lock().unwrap().last().cloned().unwrap();
     assert_eq!(last.server_id, 5);
     assert_eq!(last.address, server.listen_address().to_string());
     assert!(last.capacity_bytes > 0);
-    assert_eq!(last.object_count, 0);
     server.shutdown().await;
     meta_task.abort();
 }

@@ -5,12 +5,16 @@
 //!
 //! Ordering with writes: the client waits for its own writes in flight before sending the
 //! set-attributes, and the meta server replies only after the cuts, so a write sent after
-//! the reply is never cut. The remaining edge: a cut left pending because its server was
-//! unreachable is retried by the reaper when the server is back (it is retried as soon as
-//! the server re-registers, before a client is likely to write to it). A client cannot
-//! write to a down server, but if the server comes back between two retries and a client
-//! writes beyond the cut size to that stripe before the retry lands, the retry cuts that
-//! write. The caller of the failed truncate was told (`Unreachable`, "cut pending").
+//! the reply is never cut. A cut left pending because its server was unreachable is made
+//! before that server serves data again: its registration is answered only after the meta
+//! server tried the cuts it owes (`reaper::cuts_owed_by`), and the server refuses reads and
+//! writes until a reply says none is owed (`ioserver/src/gate.rs`). So no write made after
+//! its return is cut, and no byte the truncate removed is read back when the file grows.
+//! The caller of the failed truncate was told (`Unreachable`, "cut pending").
+//!
+//! What is left: a server cut off from the meta server but not from clients goes on
+//! serving until its next heartbeat reaches the meta server (it cannot know it owes a cut
+//! before then). Replicated data with versioned chain membership (issue 11) closes that.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

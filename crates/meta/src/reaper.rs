@@ -11,8 +11,9 @@
 //!
 //! Each pass first retries pending truncations (cuts a set-attributes could not make
 //! because a server was unreachable; they survive crashes in the `truncations` table), only
-//! on servers that are up: a server's re-registration wakes the reaper, so its cuts are
-//! made as soon as it is back (see `cutter.rs` for the edge this leaves). Inodes pinned by
+//! on servers that are up. A returning server's registration makes the cuts it owes
+//! before it is answered (`cuts_owed_by`), and the server serves no data until then (see
+//! `cutter.rs`). Inodes pinned by
 //! a set-attributes in flight are left alone, both their cuts and their orphan data.
 
 use std::collections::BTreeMap;
@@ -107,6 +108,49 @@ async fn cut_pass(shared: &Arc<Shared>) -> bool {
         }
         if page_len < CUT_PAGE_TRUNCATIONS {
             return pending;
+        }
+    }
+}
+
+/// Make the pending cuts that `server` owes (files shrunk while it could not be reached)
+/// and return how many truncations still owe it a cut. The registration of `server` calls
+/// this before answering, and the server serves no data until the answer is 0: a client
+/// write accepted before such a cut would be destroyed by it.
+pub async fn cuts_owed_by(shared: &Arc<Shared>, server: ServerId) -> u32 {
+    let owes = |record: &TruncationRecord| {
+        record
+            .cuts
+            .iter()
+            .any(|(stripe, _)| record.layout.servers.get(*stripe as usize) == Some(&server))
+    };
+    let mut owed = 0u32;
+    let mut after = None;
+    loop {
+        let page = match shared.read(|read| list_truncations(read, after, CUT_PAGE_TRUNCATIONS)) {
+            Ok(page) => page,
+            Err(error) => {
+                tracing::warn!(%error, server, "cannot list the cuts a registering server owes");
+                return owed.max(1);
+            }
+        };
+        let Some((last, _)) = page.last() else {
+            return owed;
+        };
+        after = Some(*last);
+        let page_len = page.len();
+        for (inode, record) in page.into_iter().filter(|(_, record)| owes(record)) {
+            if retry_cuts(shared, inode, &record).await {
+                continue;
+            }
+            // Not all done: some other server may be the one still missing.
+            match shared.read(|read| Ok(load_truncation(read, inode)?)) {
+                Ok(Some(record)) if !owes(&record) => {}
+                Ok(None) => {}
+                _ => owed = owed.saturating_add(1),
+            }
+        }
+        if page_len < CUT_PAGE_TRUNCATIONS {
+            return owed;
         }
     }
 }

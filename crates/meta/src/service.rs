@@ -932,7 +932,7 @@ fn cluster_status(shared: &Shared) -> ClusterReport {
 }
 
 async fn register_server(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     request: RegisterServer,
 ) -> Result<RegisterReply, WireError> {
     if request.address.is_empty() || request.address.len() > SERVER_ADDRESS_LENGTH_MAX {
@@ -986,10 +986,20 @@ async fn register_server(
         came_up
     };
     if came_up {
-        // Cuts and orphans waiting for this server are retried at once.
+        // Orphans waiting for this server are removed at once.
         shared.reaper_wake.notify_one();
+    }
+    // The cuts it owes are made before it is told it may serve data.
+    let cuts_owed = crate::reaper::cuts_owed_by(shared, request.server_id).await;
+    if cuts_owed > 0 {
+        tracing::info!(
+            server_id = request.server_id,
+            cuts_owed,
+            "registering I/O server still owes truncation cuts; it serves no data until they are made"
+        );
     }
     Ok(RegisterReply {
         heartbeat_interval_ms: shared.config.heartbeat_interval_ms,
+        cuts_owed,
     })
 }

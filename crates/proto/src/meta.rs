@@ -112,6 +112,11 @@ pub struct ServerRecord {
 pub struct RegisterReply {
     /// How often the I/O server should send `RegisterServer` again.
     pub heartbeat_interval_ms: u32,
+    /// Truncation cuts this server still owes after the meta server tried them while
+    /// answering: an object of a file that was shrunk while the server could not be
+    /// reached. Until a reply says 0, the server serves no data (reads, writes), so no
+    /// write lands before a cut that would destroy it and no stale byte is read.
+    pub cuts_owed: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

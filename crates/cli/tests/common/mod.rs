@@ -634,6 +634,21 @@ impl Cluster {
         assert_eq!(sent, 0, "signal {signal} to I/O server {index}");
     }
 
+    /// Send `signal` to the meta server (SIGSTOP to make it silent, SIGCONT to wake it).
+    pub fn signal_meta(&self, signal: libc::c_int) {
+        let child = self.meta.as_ref().expect("meta server is not running");
+        // SAFETY: sending a signal to our own child process.
+        let sent = unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+        assert_eq!(sent, 0, "signal {signal} to the meta server");
+    }
+
+    /// Start the I/O server again and wait only until it accepts connections, not for its
+    /// registration (the meta server may be stopped).
+    pub async fn respawn_io(&mut self, index: usize) {
+        self.spawn_io(index);
+        self.wait_io_serving(index, None).await;
+    }
+
     /// SIGKILL the meta server and reap it.
     pub fn kill_meta(&mut self) {
         let mut child = self.meta.take().expect("meta server is not running");
