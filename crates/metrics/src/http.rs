@@ -1,21 +1,28 @@
-//! The metrics endpoint: just enough HTTP/1.1 for Prometheus and `freeflow top`.
-//!
-//! [`serve_http`] answers `GET /metrics` with [`Registry::render`] and anything else with
-//! 404, one response per connection (`Connection: close`). It reads at most
-//! [`REQUEST_BYTES_MAX`] of request within [`REQUEST_TIMEOUT_MS`] and serves at most
-//! [`CONNECTIONS_MAX`] connections at once, so a slow or hostile peer costs a bounded amount.
-//! [`scrape`] is the matching client.
+//! The metrics endpoint over HTTP/1.1, with hyper: [`serve_http`] answers `GET /metrics`
+//! with [`Registry::render`] and anything else with 404, then closes the connection (a scrape
+//! every few seconds gains nothing from keep-alive). A request head may be at most
+//! [`REQUEST_BYTES_MAX`] (a larger one is refused with 431), the whole exchange must finish
+//! within [`REQUEST_TIMEOUT_MS`], and at most [`CONNECTIONS_MAX`] connections are served at
+//! once, so a slow or hostile peer costs a bounded amount. [`scrape`] is the matching
+//! client.
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{CONTENT_TYPE, HOST};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
 use crate::Registry;
 
-/// Largest request head read; a scrape's is about 100 bytes.
+/// Largest request head read (hyper's smallest allowed buffer); a scrape's is about 100
+/// bytes.
 pub const REQUEST_BYTES_MAX: usize = 8 << 10;
 /// Time a peer has to send its request and take the response.
 pub const REQUEST_TIMEOUT_MS: u64 = 5_000;
@@ -23,6 +30,9 @@ pub const REQUEST_TIMEOUT_MS: u64 = 5_000;
 pub const CONNECTIONS_MAX: usize = 16;
 /// Largest response [`scrape`] accepts.
 pub const SCRAPE_BYTES_MAX: usize = 16 << 20;
+
+/// The content type of the Prometheus text exposition format this registry renders.
+const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Serves `registry` on `listener` until the task is aborted. Accept errors (out of
 /// descriptors) are retried after a pause.
@@ -47,53 +57,40 @@ pub async fn serve_http(listener: TcpListener, registry: Arc<Registry>) -> std::
         let registry = Arc::clone(&registry);
         connections.spawn(async move {
             let timeout = Duration::from_millis(REQUEST_TIMEOUT_MS);
-            let _ = tokio::time::timeout(timeout, respond(stream, &registry)).await;
+            let service = hyper::service::service_fn(move |request| {
+                let registry = Arc::clone(&registry);
+                async move { Ok::<_, Infallible>(respond(&request, &registry)) }
+            });
+            let connection = hyper::server::conn::http1::Builder::new()
+                .keep_alive(false)
+                .title_case_headers(true)
+                .max_buf_size(REQUEST_BYTES_MAX)
+                .timer(TokioTimer::new())
+                .header_read_timeout(timeout)
+                .serve_connection(TokioIo::new(stream), service);
+            // A peer that stops reading the response is cut off too.
+            let _ = tokio::time::timeout(timeout, connection).await;
             drop(slot);
         });
     }
 }
 
-async fn respond(mut stream: TcpStream, registry: &Registry) -> std::io::Result<()> {
-    let mut head = Vec::with_capacity(512);
-    let mut chunk = [0u8; 1024];
-    while !head.windows(4).any(|window| window == b"\r\n\r\n") {
-        if head.len() >= REQUEST_BYTES_MAX {
-            return write_response(&mut stream, "431 Request Header Fields Too Large", "").await;
-        }
-        let read = stream.read(&mut chunk).await?;
-        if read == 0 {
-            return Ok(());
-        }
-        head.extend_from_slice(&chunk[..read]);
-    }
-    let request_line = head
-        .split(|byte| *byte == b'\r')
-        .next()
-        .and_then(|line| std::str::from_utf8(line).ok())
-        .unwrap_or("");
-    let mut parts = request_line.split(' ');
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = target.split('?').next().unwrap_or("");
-    if method == "GET" && path == "/metrics" {
-        write_response(&mut stream, "200 OK", &registry.render()).await
+fn respond(request: &Request<Incoming>, registry: &Registry) -> Response<Full<Bytes>> {
+    let (status, body) = if request.method() == Method::GET && request.uri().path() == "/metrics" {
+        (StatusCode::OK, registry.render())
     } else {
-        write_response(
-            &mut stream,
-            "404 Not Found",
-            "not found; try GET /metrics\n",
+        (
+            StatusCode::NOT_FOUND,
+            "not found; try GET /metrics\n".to_owned(),
         )
-        .await
-    }
-}
-
-async fn write_response(stream: &mut TcpStream, status: &str, body: &str) -> std::io::Result<()> {
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(METRICS_CONTENT_TYPE),
     );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
+    response
 }
 
 /// Why a scrape failed.
@@ -106,11 +103,8 @@ pub enum ScrapeError {
     },
     #[error("{address} did not answer within {timeout_ms} ms")]
     TimedOut { address: String, timeout_ms: u64 },
-    #[error("reading from {address}: {source}")]
-    Read {
-        address: String,
-        source: std::io::Error,
-    },
+    #[error("reading from {address}: {reason}")]
+    Read { address: String, reason: String },
     #[error("{address} answered with more than {SCRAPE_BYTES_MAX} bytes")]
     TooLarge { address: String },
     #[error("{address} answered {status:?}, not 200 with a metrics page")]
@@ -129,40 +123,51 @@ pub async fn scrape(address: &str, timeout: Duration) -> Result<String, ScrapeEr
 }
 
 async fn scrape_unbounded(address: &str) -> Result<String, ScrapeError> {
-    let mut stream = TcpStream::connect(address)
+    let stream = TcpStream::connect(address)
         .await
         .map_err(|source| ScrapeError::Connect {
             address: address.to_string(),
             source,
         })?;
-    let read_error = |source| ScrapeError::Read {
+    let read_error = |reason: String| ScrapeError::Read {
         address: address.to_string(),
-        source,
+        reason,
     };
-    let request = format!("GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
-    stream
-        .write_all(request.as_bytes())
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
-        .map_err(read_error)?;
-    let mut response = Vec::new();
-    let mut limited = (&mut stream).take(SCRAPE_BYTES_MAX as u64 + 1);
-    limited
-        .read_to_end(&mut response)
-        .await
-        .map_err(read_error)?;
-    if response.len() > SCRAPE_BYTES_MAX {
-        return Err(ScrapeError::TooLarge {
-            address: address.to_string(),
-        });
+        .map_err(|error| read_error(error.to_string()))?;
+    let driving = tokio::spawn(connection);
+    let request = Request::get("/metrics")
+        .header(HOST, address)
+        .body(Empty::<Bytes>::new())
+        .map_err(|error| read_error(error.to_string()))?;
+    let outcome = async {
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|error| read_error(error.to_string()))?;
+        if response.status() != StatusCode::OK {
+            return Err(ScrapeError::Status {
+                address: address.to_string(),
+                status: response.status().to_string(),
+            });
+        }
+        let body = Limited::new(response.into_body(), SCRAPE_BYTES_MAX)
+            .collect()
+            .await
+            .map_err(|error| {
+                if error.is::<http_body_util::LengthLimitError>() {
+                    ScrapeError::TooLarge {
+                        address: address.to_string(),
+                    }
+                } else {
+                    read_error(error.to_string())
+                }
+            })?
+            .to_bytes();
+        Ok(String::from_utf8_lossy(&body).into_owned())
     }
-    let text = String::from_utf8_lossy(&response);
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.lines().next().unwrap_or("").to_string();
-    if !status.starts_with("HTTP/1.1 200 ") && !status.starts_with("HTTP/1.0 200 ") {
-        return Err(ScrapeError::Status {
-            address: address.to_string(),
-            status,
-        });
-    }
-    Ok(body.to_string())
+    .await;
+    driving.abort();
+    outcome
 }

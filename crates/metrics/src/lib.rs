@@ -9,7 +9,7 @@
 //!
 //! - [`registry`]: [`Registry`], [`Counter`], [`Gauge`], [`Histogram`] and
 //!   [`Registry::render`] to the Prometheus text exposition format (version 0.0.4).
-//! - [`http`]: [`serve_http`], a minimal HTTP/1.1 responder for `GET /metrics`, and
+//! - [`http`]: [`serve_http`], the HTTP/1.1 endpoint (hyper) answering `GET /metrics`, and
 //!   [`scrape`], its client side (used by `freeflow top`).
 //! - [`text`]: [`text::parse`] of that format back into samples, and histogram
 //!   quantiles from the difference of two scrapes.

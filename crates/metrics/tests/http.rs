@@ -84,3 +84,25 @@ async fn scraping_nothing_fails_with_the_address() {
     assert!(matches!(error, ScrapeError::Connect { .. }), "{error}");
     assert!(error.to_string().contains(&address), "{error}");
 }
+
+/// A peer that answers something other than a metrics page: the status is named.
+#[tokio::test]
+async fn a_scrape_of_something_else_names_its_status() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let peer = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut head = [0u8; 1024];
+        let _ = stream.read(&mut head).await.unwrap();
+        stream
+            .write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
+            .await
+            .unwrap();
+    });
+    let error = scrape(&address, Duration::from_secs(5)).await.unwrap_err();
+    assert!(
+        matches!(&error, ScrapeError::Status { status, .. } if status.contains("503")),
+        "{error}"
+    );
+    peer.await.unwrap();
+}
