@@ -55,6 +55,7 @@ fn meta_samples() -> Vec<(u16, Vec<u8>)> {
                 device: 0,
                 exclusive: false,
                 open: None,
+                inode: None,
             }),
         ),
         (

@@ -18,9 +18,9 @@ use std::time::Duration;
 use freeflow_proto::meta::{
     Caller, CloseSession, ClusterReport, ClusterStatus, Create, DirPage, FsStats, GetAttr,
     GetXattr, HandleRef, Link, ListXattr, Lookup, LookupEntry, Mkdir, Open, OpenAccess,
-    OpenSession, ReadDir, ReadLink, RemoveXattr, Rename, RenameMode, RenewSession, Revocation,
-    Rmdir, ServerRecord, SetAttributes, SetDirLayout, SetXattr, StatFs, Symlink, Unlink,
-    XattrSetMode,
+    OpenSession, ReadDir, ReadLink, RemoveXattr, Rename, RenameMode, RenewSession, ReserveInodes,
+    Revocation, Rmdir, ServerRecord, SetAttributes, SetDirLayout, SetXattr, StatFs, Symlink,
+    Unlink, XattrSetMode,
 };
 use freeflow_proto::ErrorCode;
 use freeflow_rpc::{ConnectOptions, RpcError};
@@ -65,6 +65,9 @@ pub(crate) struct Shared {
     pub(crate) locks: Mutex<crate::locks::HeldLocks>,
     /// Closes nobody waits for (see `closer.rs`).
     pub(crate) closer: Arc<crate::closer::Closer>,
+    /// Directories delegated to this client and the creates answered ahead in them (see
+    /// `delegation.rs`).
+    pub(crate) delegations: Arc<crate::delegation::Delegations>,
 }
 
 impl Shared {
@@ -203,6 +206,7 @@ impl Client {
         let shared = Arc::new(Shared {
             config,
             closer: Arc::new(crate::closer::Closer::new(pool.clone())),
+            delegations: Arc::new(crate::delegation::Delegations::default()),
             pool,
             session_id: AtomicU64::new(grant.session_id),
             closed: AtomicBool::new(false),
@@ -558,6 +562,7 @@ impl Client {
             device,
             exclusive,
             open: None,
+            inode: None,
         };
         let (reply, lease) = self
             .leased(&request, || format!("parent {parent} name {name:?}"))
@@ -599,6 +604,7 @@ impl Client {
             device: 0,
             exclusive,
             open: Some((session_id, access)),
+            inode: None,
         };
         let target = || format!("parent {parent} name {name:?}");
         // The meta server checks the session before it creates anything, so the retry
@@ -644,8 +650,118 @@ impl Client {
             name: name.to_string(),
             permissions,
         };
-        self.leased(&request, || format!("parent {parent} name {name:?}"))
-            .await
+        let (attr, lease) = self
+            .leased(&request, || format!("parent {parent} name {name:?}"))
+            .await?;
+        if lease.delegated {
+            self.shared.delegations.delegate(lease.epoch, attr.inode);
+        }
+        Ok((attr, lease))
+    }
+
+    /// Start a create in `parent` answered before the meta server has it, if `parent` is
+    /// delegated to this client and a reserved inode number is left (see `delegation.rs`).
+    /// The caller must know that the name is missing (under a lease on `parent`'s names
+    /// it still holds), answer with the returned number, then send the create with
+    /// [`Client::create_open_reserved`] and finish the returned token with its outcome.
+    /// Reserves more numbers in the background, on `runtime`, when few are left.
+    pub fn begin_ahead_create(
+        &self,
+        parent: InodeId,
+        runtime: &tokio::runtime::Handle,
+    ) -> Option<crate::delegation::AheadCreate> {
+        let epoch = self.shared.pool.lease_epoch();
+        let (ahead, reserve) = self.shared.delegations.begin(epoch, parent);
+        if reserve {
+            let client = self.clone();
+            runtime.spawn(async move {
+                let request = ReserveInodes {
+                    count: crate::delegation::INODES_PER_RESERVATION,
+                };
+                let epoch = client.shared.pool.lease_epoch();
+                match client.meta(&request, || "inode numbers".to_string()).await {
+                    Ok(range) => client
+                        .shared
+                        .delegations
+                        .reserved(epoch, Some((range.first, range.count))),
+                    Err(error) => {
+                        tracing::debug!(%error, "cannot reserve inode numbers; creates wait for their answers");
+                        client.shared.delegations.reserved(epoch, None);
+                    }
+                }
+            });
+        }
+        ahead
+    }
+
+    /// Send a create answered ahead (see [`Client::begin_ahead_create`]): exclusive, with
+    /// the reserved `inode`, opened with `access`.
+    pub async fn create_open_reserved(
+        &self,
+        parent: InodeId,
+        name: &str,
+        permissions: u32,
+        access: OpenAccess,
+        inode: InodeId,
+    ) -> Result<(FileHandle, Lease), ClientError> {
+        let session_id = self.session_id();
+        let request = Create {
+            caller: self.caller.clone(),
+            parent,
+            name: name.to_string(),
+            kind: FileKind::Regular,
+            permissions,
+            device: 0,
+            exclusive: true,
+            open: Some((session_id, access)),
+            inode: Some(inode),
+        };
+        let (reply, lease) = self
+            .leased(&request, || {
+                format!("parent {parent} name {name:?} (answered ahead)")
+            })
+            .await?;
+        let handle = match reply.handle_id {
+            Some(handle_id) => {
+                FileHandle::new(self.clone(), reply.attr, handle_id, session_id, access)
+            }
+            None => self.open(reply.attr.inode, access).await?,
+        };
+        Ok((handle, lease))
+    }
+
+    /// Whether a create answered ahead is still on its way in any of `inodes` (as
+    /// directories) or of them (as files).
+    pub fn ahead_unsettled(&self, inodes: &[InodeId]) -> bool {
+        self.shared.delegations.unsettled(inodes)
+    }
+
+    /// Wait until no create answered ahead is on its way in or of `inodes`: before a
+    /// request that names them, so the meta server sees what this client answered.
+    pub async fn settle_ahead(&self, inodes: &[InodeId]) {
+        self.shared.delegations.settle(inodes).await
+    }
+
+    /// Whether creates answered ahead are on their way in `directory`.
+    pub fn ahead_creating_in(&self, directory: InodeId) -> bool {
+        self.shared.delegations.creating_in(directory)
+    }
+
+    /// The attributes of `inode` this client keeps under a lease still good (from the
+    /// replies to its own mutations), if any: no request.
+    pub fn kept_attributes(&self, inode: InodeId) -> Option<Attr> {
+        let (attr, lease) = self.shared.pool.kept_attributes(inode)?;
+        self.lease_remaining(&lease, &[inode]).map(|_| attr)
+    }
+
+    /// Whether the create of `inode` answered ahead was refused by the meta server.
+    pub fn ahead_create_failed(&self, inode: InodeId) -> bool {
+        self.shared.delegations.failed(inode)
+    }
+
+    /// The caller forgot `inode` (a failed create answered ahead need not be remembered).
+    pub fn forget_ahead_failure(&self, inode: InodeId) {
+        self.shared.delegations.forget_failed(inode)
     }
 
     pub async fn unlink(&self, parent: InodeId, name: &str) -> Result<(), ClientError> {

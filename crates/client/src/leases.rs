@@ -141,6 +141,20 @@ pub(crate) async fn watch(shared: Weak<Shared>, pool: Arc<Pool>) {
                 handle.wait_for_started_writes().await;
             }
         }
+        // A directory's names revoked: no create is answered ahead there any more, and
+        // those answered are waited for (the recall of a delegation, see `delegation.rs`).
+        let mut directories: Vec<InodeId> = Vec::new();
+        for revocation in &revocations {
+            if revocation.whole_directory || !revocation.names.is_empty() || revocation.inode == 0 {
+                client.delegations.recall(revocation.inode);
+                if revocation.inode != 0 {
+                    directories.push(revocation.inode);
+                }
+            }
+        }
+        if !directories.is_empty() {
+            client.delegations.settle(&directories).await;
+        }
         let handler = client
             .revocation_handler
             .lock()
@@ -189,6 +203,7 @@ mod tests {
             until: Some(Instant::now() + Duration::from_secs(10)),
             seq: 50,
             epoch: 3,
+            delegated: false,
         };
         assert!(remaining(&lease, 3, &revoked, &[7, 8]).is_some());
         assert!(

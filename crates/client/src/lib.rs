@@ -12,6 +12,7 @@
 mod client;
 mod closer;
 mod config;
+mod delegation;
 mod error;
 mod file;
 mod leases;
@@ -29,6 +30,7 @@ pub use config::{
     ClientConfig, CALL_TIMEOUT_MS_DEFAULT, CONNECT_TIMEOUT_MS_DEFAULT, DIRTY_BYTES_MAX_DEFAULT,
     READAHEAD_BYTES_DEFAULT, SIZE_COMMIT_INTERVAL_MS_DEFAULT,
 };
+pub use delegation::AheadCreate;
 pub use error::ClientError;
 pub use file::{Allocation, FileHandle, COPY_LENGTH_MAX, READ_LENGTH_MAX};
 pub use leases::RevocationHandler;

@@ -37,6 +37,9 @@ pub struct Lease {
     pub seq: u64,
     /// The server epoch of the grant: leases die with a restart.
     pub epoch: u64,
+    /// The reply delegated a directory to this client (a mkdir: the new directory), see
+    /// `delegation.rs`.
+    pub delegated: bool,
 }
 
 /// Part of a lease the client gives up to allow for clock rates and scheduling.
@@ -52,6 +55,7 @@ impl Lease {
             until: Some(sent_at + Duration::from_millis(trusted_ms)),
             seq: stamp.lease_seq,
             epoch: stamp.epoch,
+            delegated: !stamp.delegated.is_empty(),
         }
     }
 }

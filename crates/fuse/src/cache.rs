@@ -41,6 +41,8 @@ pub const LISTED_NAMES_MAX: usize = 1 << 20;
 struct Listing {
     names: HashSet<String>,
     lease: Lease,
+    /// The group new files get there when it is not the creator's (a setgid directory).
+    group_of_new: Option<u32>,
 }
 
 /// What the kernel may hold under a lease, each until when.
@@ -121,8 +123,22 @@ impl Admission<'_> {
         (!listing.names.contains(name)).then_some(listing.lease)
     }
 
-    /// This mount made `directory` (empty) and holds the lease on its names.
-    pub fn listing_started(&mut self, directory: InodeId, lease: Lease) {
+    /// Like [`Admission::known_missing`], for a create answered ahead (`delegation.rs` in
+    /// the client): the lease and the group a new file there gets if not the creator's.
+    pub fn known_missing_for_create(
+        &mut self,
+        directory: InodeId,
+        name: &str,
+        left: impl Fn(&Lease) -> Option<Duration>,
+    ) -> Option<(Lease, Option<u32>)> {
+        let lease = self.known_missing(directory, name, left)?;
+        let listing = self.index.listings.get(&directory)?;
+        Some((lease, listing.group_of_new))
+    }
+
+    /// This mount made `directory` (empty) and holds the lease on its names; new files
+    /// there get group `group_of_new` if set (a setgid directory).
+    pub fn listing_started(&mut self, directory: InodeId, lease: Lease, group_of_new: Option<u32>) {
         self.index.drop_listing(directory);
         if !self.enabled || self.index.listed_names >= LISTED_NAMES_MAX {
             return;
@@ -132,6 +148,7 @@ impl Admission<'_> {
             Listing {
                 names: HashSet::new(),
                 lease,
+                group_of_new,
             },
         );
     }
@@ -378,6 +395,7 @@ mod tests {
             until: Some(Instant::now() + Duration::from_secs(10)),
             seq: 5,
             epoch: 1,
+            delegated: false,
         };
         let good = |lease: &Lease| {
             lease
@@ -391,7 +409,7 @@ mod tests {
                 None,
                 "nothing known yet"
             );
-            admission.listing_started(7, lease);
+            admission.listing_started(7, lease, None);
             assert_eq!(admission.known_missing(7, "a", good), Some(lease));
             admission.listing_added(7, "a", None, good);
             assert_eq!(
@@ -412,10 +430,10 @@ mod tests {
                 None,
                 "and the listing went with it"
             );
-            admission.listing_started(7, lease);
+            admission.listing_started(7, lease, None);
             admission.listing_unsure(7);
             assert_eq!(admission.known_missing(7, "a", good), None, "an error");
-            admission.listing_started(7, lease);
+            admission.listing_started(7, lease, None);
         }
         cache.take(&revocation(7, &["z"], false, false));
         assert_eq!(
@@ -426,7 +444,7 @@ mod tests {
         assert_eq!(cache.index().listed_names, 0);
         // Without a notifier (`--no-cache`) nothing is kept.
         let off = KernelCache::new();
-        off.admit().listing_started(7, lease);
+        off.admit().listing_started(7, lease, None);
         assert_eq!(off.admit().known_missing(7, "a", good), None);
     }
 }

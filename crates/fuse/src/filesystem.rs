@@ -72,6 +72,10 @@ fn lock_end_to_kernel(end: u64) -> u64 {
 /// Most entries fetched for one `readdirplus` reply (the kernel's buffer holds ~200 of
 /// 32 KiB; what does not fit is answered from the listing at the next call).
 const READDIRPLUS_GATHER_MAX: usize = 256;
+/// Least lease on a directory's names left for a create there to be answered ahead of the
+/// meta server: the create then has that long to reach it before the delegation could end.
+const AHEAD_LEASE_LEFT_MIN: Duration = Duration::from_secs(1);
+
 /// Free inodes reported by statfs: Freeflow has no inode table to run out of.
 pub const STATFS_FREE_INODES: u64 = 1 << 32;
 
@@ -230,21 +234,17 @@ impl MountState {
 
     /// Keep this mount's listing of `parent` right after it made `name` there (and, for a
     /// directory it made, start one of `made_directory`). Called before the reply.
-    fn note_made(
-        &self,
-        parent: InodeId,
-        name: &str,
-        lease: &Lease,
-        made_directory: Option<InodeId>,
-    ) {
+    fn note_made(&self, parent: InodeId, name: &str, lease: &Lease, made_directory: Option<&Attr>) {
         let mut admission = self.cache.admit();
         let client = &self.client;
         admission.listing_added(parent, name, Some(*lease), |lease| {
             client.lease_remaining(lease, &[parent])
         });
         if let Some(directory) = made_directory {
-            if client.lease_remaining(lease, &[directory]).is_some() {
-                admission.listing_started(directory, *lease);
+            if client.lease_remaining(lease, &[directory.inode]).is_some() {
+                let setgid = directory.permissions & 0o2000 != 0;
+                let group_of_new = setgid.then_some(directory.group_id);
+                admission.listing_started(directory.inode, *lease, group_of_new);
             }
         }
     }
@@ -292,6 +292,125 @@ impl FreeflowFs {
     }
 
     /// Run `task` on the runtime, waiting here first if too many are in flight.
+    /// Answer a create before the meta server has it (`delegation.rs` in the client):
+    /// when this mount made `parent` and knows all its names under a lease with at least
+    /// `AHEAD_LEASE_LEFT_MIN` left, `name` is not among them, the meta server delegated
+    /// `parent` to this client and a reserved inode number is left. The create is sent
+    /// after the answer; a refusal (no space, say) is logged, and the name and the file
+    /// vanish from this mount. Gives the reply back when it cannot answer ahead.
+    fn create_ahead(
+        &self,
+        request: &Request,
+        parent: InodeId,
+        name: &str,
+        mode: u32,
+        reply: ReplyCreate,
+    ) -> Option<ReplyCreate> {
+        let state = &self.state;
+        if state.sync_on_close {
+            return Some(reply);
+        }
+        let client = &state.client;
+        let mut admission = state.cache.admit();
+        let Some((lease, group_of_new)) =
+            admission.known_missing_for_create(parent, name, |lease| {
+                client.lease_remaining(lease, &[parent])
+            })
+        else {
+            return Some(reply);
+        };
+        if client
+            .lease_remaining(&lease, &[parent])
+            .is_none_or(|left| left < AHEAD_LEASE_LEFT_MIN)
+        {
+            return Some(reply);
+        }
+        let Some(ahead) = client.begin_ahead_create(parent, &state.runtime) else {
+            return Some(reply);
+        };
+        let inode = ahead.inode();
+        let now = convert::time_spec(std::time::SystemTime::now());
+        let attr = Attr {
+            inode,
+            kind: FileKind::Regular,
+            permissions: mode & 0o7777,
+            link_count: 1,
+            user_id: request.uid(),
+            group_id: group_of_new.unwrap_or(request.gid()),
+            size_bytes: 0,
+            access_time: now,
+            modify_time: now,
+            change_time: now,
+            birth_time: now,
+            device: 0,
+            layout: None,
+            generation: 1,
+            allocated_bytes: 0,
+        };
+        admission.listing_added(parent, name, None, |lease| {
+            client.lease_remaining(lease, &[parent])
+        });
+        state.remember(inode);
+        let (entry_ttl, attr_ttl) =
+            state.entry_time_outs(&mut admission, &lease, parent, name, Some(inode));
+        reply.created(
+            &attr_ttl.min(entry_ttl),
+            &file_attr(&attr, 0),
+            Generation(0),
+            FileHandle(inode),
+            FopenFlags::empty(),
+        );
+        drop(admission);
+        let (creator, state, name) = (self.caller(request), self.state.clone(), name.to_owned());
+        self.spawn(async move {
+            let access = freeflow_client::OpenAccess {
+                read: true,
+                write: true,
+            };
+            let created = creator
+                .create_open_reserved(parent, &name, mode & 0o7777, access, inode)
+                .await;
+            match created {
+                Ok((handle, lease)) => {
+                    if let Err(error) = state.files.adopt(Arc::new(handle)).await {
+                        tracing::warn!(inode, %error, "a file created ahead cannot be kept open");
+                    }
+                    state.note_made(parent, &name, &lease, None);
+                    ahead.finish(true);
+                }
+                Err(error) => {
+                    tracing::error!(
+                        parent,
+                        name = %name,
+                        inode,
+                        %error,
+                        "a create answered ahead of the meta server was refused; the file is gone from this mount"
+                    );
+                    state.note_unsure(&[parent]);
+                    state.cache.revoke(&[freeflow_client::Revocation {
+                        id: 0,
+                        inode: parent,
+                        names: vec![name.clone()],
+                        attributes: true,
+                        whole_directory: false,
+                    }]);
+                    ahead.finish(false);
+                }
+            }
+        });
+        None
+    }
+
+    /// Wait (on this kernel thread) until no create answered ahead of the meta server is
+    /// on its way in or of `inodes` (0: anywhere), so that what this request does or asks
+    /// sees it. Rare: only a request within moments of such a create waits.
+    fn settle(&self, inodes: &[InodeId]) {
+        let client = &self.state.client;
+        if client.ahead_unsettled(inodes) {
+            self.state.runtime.block_on(client.settle_ahead(inodes));
+        }
+    }
+
     fn spawn<F>(&self, task: F)
     where
         F: Future<Output = ()> + Send + 'static,
@@ -425,6 +544,7 @@ impl fuser::Filesystem for FreeflowFs {
         let Some(reply) = self.state.reply_if_known_missing(reply, parent.0, &name) else {
             return;
         };
+        self.settle(&[parent.0]);
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             match client.lookup_entry(parent.0, &name).await {
@@ -437,6 +557,7 @@ impl fuser::Filesystem for FreeflowFs {
 
     fn forget(&self, _request: &Request, inode: INodeNo, count: u64) {
         self.state.forget(inode.0, count);
+        self.state.client.forget_ahead_failure(inode.0);
     }
 
     fn getattr(
@@ -446,6 +567,20 @@ impl fuser::Filesystem for FreeflowFs {
         _handle: Option<FileHandle>,
         reply: ReplyAttr,
     ) {
+        // A directory with creates answered ahead on their way (the kernel asks for it at
+        // every create there, to check the creator's search permission): answered from the
+        // attributes kept under the lease, with the times of a change now, and not cached,
+        // so that once they landed it is asked again.
+        let client = &self.state.client;
+        if client.ahead_creating_in(inode.0) {
+            if let Some(mut attr) = client.kept_attributes(inode.0) {
+                let now = convert::time_spec(std::time::SystemTime::now());
+                attr.modify_time = attr.modify_time.max(now);
+                attr.change_time = attr.change_time.max(now);
+                return reply.attr(&Duration::ZERO, &self.state.kernel_attr(&attr));
+            }
+        }
+        self.settle(&[inode.0]);
         let state = self.state.clone();
         self.spawn(async move {
             match state.client.getattr_leased(inode.0).await {
@@ -473,6 +608,7 @@ impl fuser::Filesystem for FreeflowFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        self.settle(&[inode.0]);
         let changes = SetAttr {
             permissions: mode.map(|mode| mode & 0o7777),
             user_id,
@@ -524,6 +660,7 @@ impl fuser::Filesystem for FreeflowFs {
         device: u32,
         reply: ReplyEntry,
     ) {
+        self.settle(&[parent.0]);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -569,6 +706,7 @@ impl fuser::Filesystem for FreeflowFs {
         _umask: u32,
         reply: ReplyEntry,
     ) {
+        self.settle(&[parent.0]);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -577,7 +715,7 @@ impl fuser::Filesystem for FreeflowFs {
         self.spawn(async move {
             match client.mkdir_leased(parent.0, &name, mode & 0o7777).await {
                 Ok((attr, lease)) => {
-                    state.note_made(parent.0, &name, &lease, Some(attr.inode));
+                    state.note_made(parent.0, &name, &lease, Some(&attr));
                     state.reply_entry(reply, parent.0, &name, &attr, &lease)
                 }
                 Err(error) => {
@@ -589,6 +727,7 @@ impl fuser::Filesystem for FreeflowFs {
     }
 
     fn unlink(&self, request: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.settle(&[parent.0]);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -609,6 +748,7 @@ impl fuser::Filesystem for FreeflowFs {
     }
 
     fn rmdir(&self, request: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.settle(&[0]);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -636,6 +776,7 @@ impl fuser::Filesystem for FreeflowFs {
         target: &Path,
         reply: ReplyEntry,
     ) {
+        self.settle(&[parent.0]);
         let (name, target) = match (convert::name(link_name), target.to_str()) {
             (Ok(name), Some(target)) => (name.to_owned(), target.to_owned()),
             _ => return reply.error(Errno::EINVAL),
@@ -665,6 +806,7 @@ impl fuser::Filesystem for FreeflowFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        self.settle(&[0]);
         let (source, target) = match (convert::name(name), convert::name(new_name)) {
             (Ok(source), Ok(target)) => (source.to_owned(), target.to_owned()),
             _ => return reply.error(Errno::EINVAL),
@@ -703,6 +845,7 @@ impl fuser::Filesystem for FreeflowFs {
         new_name: &OsStr,
         reply: ReplyEntry,
     ) {
+        self.settle(&[inode.0, new_parent.0]);
         let name = match convert::name(new_name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -723,6 +866,7 @@ impl fuser::Filesystem for FreeflowFs {
     }
 
     fn open(&self, request: &Request, inode: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        self.settle(&[inode.0]);
         let truncate = flags.0 & libc::O_TRUNC != 0;
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
@@ -758,6 +902,7 @@ impl fuser::Filesystem for FreeflowFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        self.settle(&[inode.0]);
         let Some(handle) = self.state.files.get(inode.0) else {
             return reply.error(bad_handle());
         };
@@ -781,6 +926,7 @@ impl fuser::Filesystem for FreeflowFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        self.settle(&[inode.0]);
         let Some(handle) = self.state.files.get(inode.0) else {
             return reply.error(bad_handle());
         };
@@ -877,6 +1023,8 @@ impl fuser::Filesystem for FreeflowFs {
     ) {
         let state = self.state.clone();
         self.spawn(async move {
+            // A file created ahead of the meta server is released once it is there.
+            state.client.settle_ahead(&[inode.0]).await;
             // The last close of a file that held `flock` locks: they go with it.
             if let Some(owner) = lock_owner {
                 if let Err(error) = state.client.release_owner_locks(inode.0, owner.0).await {
@@ -919,6 +1067,7 @@ impl fuser::Filesystem for FreeflowFs {
         _pid: u32,
         reply: ReplyLock,
     ) {
+        self.settle(&[inode.0]);
         let kind = match lock_kind(kind) {
             Ok(Some(kind)) => kind,
             Ok(None) => return reply.error(Errno::EINVAL),
@@ -958,6 +1107,7 @@ impl fuser::Filesystem for FreeflowFs {
         sleep: bool,
         reply: ReplyEmpty,
     ) {
+        self.settle(&[inode.0]);
         let kind = match lock_kind(kind) {
             Ok(kind) => kind,
             Err(error) => return reply.error(error),
@@ -986,6 +1136,7 @@ impl fuser::Filesystem for FreeflowFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        self.settle(&[inode.0]);
         let Some(handle) = self.state.files.get(inode.0) else {
             return reply.error(bad_handle());
         };
@@ -998,6 +1149,7 @@ impl fuser::Filesystem for FreeflowFs {
     }
 
     fn opendir(&self, _request: &Request, inode: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        self.settle(&[inode.0]);
         match self.state.directories.open(inode.0) {
             Some(handle) => reply.opened(FileHandle(handle), FopenFlags::empty()),
             None => reply.error(Errno::EMFILE),
@@ -1012,6 +1164,7 @@ impl fuser::Filesystem for FreeflowFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        self.settle(&[inode.0]);
         let Some(listing) = self.state.directories.get(handle.0) else {
             return reply.error(bad_handle());
         };
@@ -1056,6 +1209,7 @@ impl fuser::Filesystem for FreeflowFs {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
+        self.settle(&[inode.0]);
         let Some(listing) = self.state.directories.get(handle.0) else {
             return reply.error(bad_handle());
         };
@@ -1147,6 +1301,7 @@ impl fuser::Filesystem for FreeflowFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        self.settle(&[0]);
         // Namespace changes are answered before they are durable: make them durable now.
         let state = self.state.clone();
         self.spawn(async move {
@@ -1189,6 +1344,7 @@ impl fuser::Filesystem for FreeflowFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        self.settle(&[inode.0]);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -1217,6 +1373,7 @@ impl fuser::Filesystem for FreeflowFs {
         size: u32,
         reply: ReplyXattr,
     ) {
+        self.settle(&[inode.0]);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -1231,6 +1388,7 @@ impl fuser::Filesystem for FreeflowFs {
     }
 
     fn listxattr(&self, request: &Request, inode: INodeNo, size: u32, reply: ReplyXattr) {
+        self.settle(&[inode.0]);
         let client = self.caller(request);
         self.spawn(async move {
             match client.list_xattr(inode.0).await {
@@ -1248,6 +1406,7 @@ impl fuser::Filesystem for FreeflowFs {
     }
 
     fn removexattr(&self, request: &Request, inode: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.settle(&[inode.0]);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -1280,6 +1439,10 @@ impl fuser::Filesystem for FreeflowFs {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
         };
+        let Some(reply) = self.create_ahead(request, parent.0, &name, mode, reply) else {
+            return;
+        };
+        self.settle(&[parent.0]);
         let exclusive = flags & libc::O_EXCL != 0;
         let truncate = flags & libc::O_TRUNC != 0;
         let (client, state) = (self.caller(request), self.state.clone());
@@ -1344,6 +1507,7 @@ impl fuser::Filesystem for FreeflowFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        self.settle(&[inode.0]);
         let how = match allocation_of_mode(mode) {
             Ok(how) => how,
             Err(error) => return reply.error(error),
@@ -1372,6 +1536,7 @@ impl fuser::Filesystem for FreeflowFs {
         flags: fuser::CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
+        self.settle(&[source_inode.0, target_inode.0]);
         if !flags.is_empty() {
             return reply.error(Errno::EINVAL);
         }

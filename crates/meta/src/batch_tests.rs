@@ -24,6 +24,7 @@ fn create(open: Option<(u64, OpenAccess)>, exclusive: bool) -> Create {
         device: 0,
         exclusive,
         open,
+        inode: None,
     }
 }
 

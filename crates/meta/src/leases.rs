@@ -40,6 +40,8 @@ pub const REVOCATIONS_QUEUED_MAX: usize = 65_536;
 pub const CHANGED_INODES_MAX: usize = 1 << 20;
 /// Most names one revocation carries (more: the whole directory).
 pub const REVOCATION_NAMES_MAX: usize = 256;
+/// Most directories delegated at once (past it, no new delegation: creates go the long way).
+pub const DELEGATIONS_MAX: usize = 65_536;
 
 #[derive(Clone, Copy, Debug)]
 struct Held {
@@ -92,6 +94,11 @@ struct Inner {
     holders: HashMap<InodeId, Vec<Held>>,
     changed: HashMap<InodeId, Change>,
     changed_order: VecDeque<(Instant, InodeId, u64)>,
+    /// Directories delegated to one client, by directory: it answers creates in them
+    /// before this server has them, so no other client may read or change their names
+    /// before the delegation is recalled (see [`Leases::recall_delegations`]). Good while
+    /// the holder's names lease on the directory is.
+    delegations: HashMap<InodeId, u64>,
 }
 
 /// Revocations a mutation must see acknowledged (or expired) before it replies.
@@ -252,6 +259,20 @@ impl Leases {
                 .map(|(directory, name)| (*directory, Some(name.as_str())))
                 .collect()
         };
+        for (directory, _) in &all_names {
+            if inner
+                .delegations
+                .get(directory)
+                .is_some_and(|holder| *holder != changer)
+            {
+                // The recall before the change made this one go already; a change that
+                // came another way takes it all the same (its revocation follows below).
+                inner.delegations.remove(directory);
+            }
+        }
+        if touches.overflowed {
+            inner.delegations.retain(|_, holder| *holder == changer);
+        }
         let mut changed_inodes: Vec<InodeId> = all_names.iter().map(|(inode, _)| *inode).collect();
         changed_inodes.extend(&touches.attributes_changed);
         if touches.overflowed {
@@ -360,6 +381,123 @@ impl Leases {
             queue_revocation(&mut inner, &mut pending, client, revocation, until);
         }
         pending
+    }
+
+    /// Delegate `directory` to `client`, which just made it and holds the lease on its
+    /// names: true if it is now delegated. Refused when another client holds a lease on its
+    /// names, or past `DELEGATIONS_MAX`.
+    pub fn delegate(&self, client: u64, directory: InodeId) -> bool {
+        let now = Instant::now();
+        let mut inner = self.inner();
+        if client == 0 || !inner.clients.contains_key(&client) {
+            return false;
+        }
+        let holds_names = |holders: &[Held], holder: u64| {
+            holders
+                .iter()
+                .any(|held| held.client == holder && held.names && held.until > now)
+        };
+        let (mine, others) = {
+            let holders = inner
+                .holders
+                .get(&directory)
+                .map(Vec::as_slice)
+                .unwrap_or(&[]);
+            let others = holders
+                .iter()
+                .any(|held| held.client != client && held.names && held.until > now);
+            (holds_names(holders, client), others)
+        };
+        if !mine || others {
+            return false;
+        }
+        if inner.delegations.len() >= DELEGATIONS_MAX {
+            let Inner {
+                delegations,
+                holders,
+                ..
+            } = &mut *inner;
+            delegations.retain(|directory, holder| {
+                holders
+                    .get(directory)
+                    .is_some_and(|held| holds_names(held, *holder))
+            });
+            if delegations.len() >= DELEGATIONS_MAX {
+                return false;
+            }
+        }
+        inner.delegations.insert(directory, client);
+        true
+    }
+
+    /// Whether any directory is delegated now.
+    pub fn has_delegations(&self) -> bool {
+        !self.inner().delegations.is_empty()
+    }
+
+    /// Whether any of `inodes` is a directory delegated to another client than `requester`
+    /// (cheap: a read asks this after every lookup and listing).
+    pub fn delegated_elsewhere(&self, requester: u64, inodes: &[InodeId]) -> bool {
+        let inner = self.inner();
+        if inner.delegations.is_empty() {
+            return false;
+        }
+        inodes.iter().any(|inode| {
+            *inode == crate::store::TOUCHED_ALL
+                || inner
+                    .delegations
+                    .get(inode)
+                    .is_some_and(|holder| *holder != requester)
+        })
+    }
+
+    /// Before `requester` reads or changes `inodes`: recall the delegations other clients
+    /// hold on any of them. Each holder gets a revocation of the directory's names, which it
+    /// acknowledges only once the creates it answered there are answered by this server;
+    /// the caller waits for that (or one lease, for a holder that does not answer) and then
+    /// reads what they made. A delegation whose names lease ran out is just dropped.
+    pub fn recall_delegations(&self, requester: u64, inodes: &[InodeId]) -> Pending {
+        let now = Instant::now();
+        let mut inner = self.inner();
+        let mut pending = Pending::default();
+        if inner.delegations.is_empty() {
+            return pending;
+        }
+        let everything = inodes.contains(&crate::store::TOUCHED_ALL);
+        let recalled: Vec<(InodeId, u64)> = inner
+            .delegations
+            .iter()
+            .filter(|(directory, holder)| {
+                **holder != requester && (everything || inodes.contains(directory))
+            })
+            .map(|(directory, holder)| (*directory, *holder))
+            .collect();
+        for (directory, holder) in recalled {
+            inner.delegations.remove(&directory);
+            let Some(held) = inner.holders.get_mut(&directory).and_then(|holders| {
+                holders
+                    .iter_mut()
+                    .find(|held| held.client == holder && held.names && held.until > now)
+            }) else {
+                continue;
+            };
+            held.names = false;
+            let until = held.until;
+            let revocation = Revocation {
+                id: 0,
+                inode: directory,
+                names: Vec::new(),
+                attributes: false,
+                whole_directory: true,
+            };
+            queue_revocation(&mut inner, &mut pending, holder, revocation, until);
+        }
+        pending
+    }
+
+    /// Directories delegated now (for metrics).
+    pub fn delegation_count(&self) -> usize {
+        self.inner().delegations.len()
     }
 
     /// A truncation by `changer` is about to cut `inode`, which `writers` have open for
@@ -506,6 +644,7 @@ impl Leases {
             holders.retain(|held| held.client != client);
         }
         inner.holders.retain(|_, holders| !holders.is_empty());
+        inner.delegations.retain(|_, holder| *holder != client);
         drop(inner);
         self.acknowledged.notify_waiters();
     }

@@ -18,15 +18,15 @@ use bytes::Bytes;
 use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::meta::{
     is_mutation, Close, CloseHandles, CloseSession, ClusterReport, ClusterStatus, CommitSize,
-    Create, CreateReply, FsStats, GetAttr, GetLock, GetXattr, Link, ListServers, ListXattr,
-    LockConflict, Lookup, LookupEntry, Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink,
-    RegisterReply, RegisterServer, RemoveXattr, Rename, RenewSession, ReplayDone, ReplayOf,
-    ReplyStamp, Rmdir, SessionGrant, SetAttributes, SetDirLayout, SetLock, SetXattr, StatFs,
-    Symlink, Sync, Unlink, WaitRevocations,
+    Create, CreateReply, FsStats, GetAttr, GetLock, GetXattr, InodeRange, Link, ListServers,
+    ListXattr, LockConflict, Lookup, LookupEntry, Mkdir, Open, OpenGrant, OpenSession, ReadDir,
+    ReadLink, RegisterReply, RegisterServer, RemoveXattr, Rename, RenewSession, ReplayDone,
+    ReplayOf, ReplyStamp, ReserveInodes, Rmdir, SessionGrant, SetAttributes, SetDirLayout, SetLock,
+    SetXattr, StatFs, Symlink, Sync, Unlink, WaitRevocations,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
-use freeflow_types::limits::CLOSE_HANDLES_MAX;
+use freeflow_types::limits::{CLOSE_HANDLES_MAX, INODE_RESERVE_MAX};
 use freeflow_types::{Attr, FileKind, InodeId};
 use serde::Serialize;
 
@@ -58,6 +58,7 @@ fn stamp(shared: &Shared, answered: Answered) -> Bytes {
         lease_seq: answered.grant.seq,
         changed: answered.changed,
         changed_complete: answered.changed_complete,
+        delegated: answered.delegated,
     }))
 }
 
@@ -142,6 +143,8 @@ struct MutationId {
     forced_inode: Option<InodeId>,
     /// A replay after a restart (a create then opens nothing: its session is gone).
     replay: bool,
+    /// Sent again after a lost connection (perhaps to a server that restarted since).
+    resent: bool,
 }
 
 /// A mutation through the writer, its reply recorded in its transaction.
@@ -153,11 +156,12 @@ async fn mutation<R, F>(
     operation: F,
 ) -> Result<Reply, String>
 where
-    R: Request,
+    R: Request + NamesInodes,
     R::Reply: Serialize,
     F: FnOnce(&mut RedbWrite, &mut OpContext<'_>, &R) -> OpResult<R::Reply> + Send + 'static,
 {
     handle(frame, |request: R, _payload| async move {
+        recall_delegations(shared, id.client, request.named(shared)).await;
         let durable = durable(&request);
         let result = shared
             .mutate(id.client, durable, move |write, context| {
@@ -170,6 +174,100 @@ where
         stamped(shared, result)
     })
     .await
+}
+
+/// The inodes a mutation request acts on, by number or by name: a directory among them
+/// delegated to another client is recalled before the mutation is applied (that client may
+/// have answered creates there that this server does not have yet).
+trait NamesInodes {
+    fn named(&self, shared: &Shared) -> Vec<InodeId>;
+}
+
+/// The inodes `names` (directory, name) stand for now, as far as they exist: a directory
+/// removed or replaced by name is delegated under its own number.
+fn named_children(shared: &Shared, names: &[(InodeId, &str)]) -> Vec<InodeId> {
+    if !shared.leases.has_delegations() {
+        return Vec::new();
+    }
+    shared
+        .read(|read| {
+            let mut found = Vec::new();
+            for (parent, name) in names {
+                if let Some((inode, FileKind::Directory)) = ops::lookup_entry(read, *parent, name)?
+                {
+                    found.push(inode);
+                }
+            }
+            Ok(found)
+        })
+        .unwrap_or_default()
+}
+
+macro_rules! names_parent {
+    ($($request:ty),*) => {$(
+        impl NamesInodes for $request {
+            fn named(&self, _shared: &Shared) -> Vec<InodeId> {
+                vec![self.parent]
+            }
+        }
+    )*};
+}
+names_parent!(Mkdir, Unlink, Symlink, Create);
+
+macro_rules! names_inode {
+    ($($request:ty),*) => {$(
+        impl NamesInodes for $request {
+            fn named(&self, _shared: &Shared) -> Vec<InodeId> {
+                vec![self.inode]
+            }
+        }
+    )*};
+}
+names_inode!(
+    SetXattr,
+    RemoveXattr,
+    CommitSize,
+    SetDirLayout,
+    SetAttributes
+);
+
+impl NamesInodes for Rmdir {
+    fn named(&self, shared: &Shared) -> Vec<InodeId> {
+        let mut named = named_children(shared, &[(self.parent, &self.name)]);
+        named.push(self.parent);
+        named
+    }
+}
+
+impl NamesInodes for Rename {
+    fn named(&self, shared: &Shared) -> Vec<InodeId> {
+        let mut named = named_children(
+            shared,
+            &[
+                (self.source_parent, &self.source_name),
+                (self.target_parent, &self.target_name),
+            ],
+        );
+        named.extend([self.source_parent, self.target_parent]);
+        named
+    }
+}
+
+impl NamesInodes for Link {
+    fn named(&self, _shared: &Shared) -> Vec<InodeId> {
+        vec![self.target_parent, self.inode]
+    }
+}
+
+/// Recall the delegations other clients than `client` hold on `inodes`, and wait until
+/// their holders have answered what they made there (or one lease).
+async fn recall_delegations(shared: &Shared, client: u64, inodes: Vec<InodeId>) {
+    let pending = shared.leases.recall_delegations(client, &inodes);
+    if !pending.is_empty() {
+        let (started, sent) = (Instant::now(), pending.len());
+        let expired = shared.leases.wait(pending).await;
+        shared.metrics.revoked(sent, expired, started);
+    }
 }
 
 /// The durability wish of most mutations: none (durable within the commit interval).
@@ -304,6 +402,7 @@ impl MetaService {
             request_id: frame.request_id,
             forced_inode,
             replay,
+            resent,
         };
         self.apply_mutation(frame, id).await
     }
@@ -312,7 +411,12 @@ impl MetaService {
     async fn apply_mutation(&self, frame: Frame, id: MutationId) -> Result<Reply, String> {
         let shared = &self.shared;
         match frame.opcode {
-            Mkdir::OPCODE => mutation(shared, frame, id, not_durable, ops::create::mkdir).await,
+            Mkdir::OPCODE => {
+                handle(frame, |request: Mkdir, _| async move {
+                    stamped(shared, mkdir(shared, request, id).await)
+                })
+                .await
+            }
             Unlink::OPCODE => mutation(shared, frame, id, not_durable, ops::remove::unlink).await,
             Rmdir::OPCODE => mutation(shared, frame, id, not_durable, ops::remove::rmdir).await,
             Rename::OPCODE => mutation(shared, frame, id, not_durable, ops::rename::rename).await,
@@ -333,6 +437,7 @@ impl MetaService {
             }
             SetAttributes::OPCODE => {
                 handle(frame, |request: SetAttributes, _| async move {
+                    recall_delegations(shared, id.client, request.named(shared)).await;
                     stamped(shared, set_attributes(shared, request, id).await)
                 })
                 .await
@@ -343,6 +448,7 @@ impl MetaService {
                         // The session the original opened in is gone with the restart.
                         request.open = None;
                     }
+                    recall_delegations(shared, id.client, request.named(shared)).await;
                     stamped(shared, create(shared, request, id).await)
                 })
                 .await
@@ -369,6 +475,7 @@ impl Service for MetaService {
                 request_id: frame.request_id,
                 forced_inode: None,
                 replay: false,
+                resent: false,
             };
             return self.apply_mutation(frame, id).await;
         }
@@ -455,6 +562,12 @@ impl Service for MetaService {
             RegisterServer::OPCODE => {
                 handle(frame, |request: RegisterServer, _| async move {
                     unstamped(shared, register_server(shared, request).await)
+                })
+                .await
+            }
+            ReserveInodes::OPCODE => {
+                handle(frame, |request: ReserveInodes, _| async move {
+                    unstamped(shared, reserve_inodes(shared, client, request).await)
                 })
                 .await
             }
@@ -827,8 +940,23 @@ async fn set_attributes(
 async fn create(
     shared: &Arc<Shared>,
     request: Create,
-    id: MutationId,
+    mut id: MutationId,
 ) -> Result<(CreateReply, Answered), WireError> {
+    if let Some(inode) = request.inode {
+        // A replay keeps the number of its original reply; a first send takes one this
+        // client reserved in this run of the server. A copy sent again after a lost
+        // connection may come from a reservation of the run before a restart: the checks
+        // of `OpContext::allocate_inode` (below the allocator, not in use) still hold.
+        if !id.replay {
+            if !id.resent && !shared.owns_reserved_inode(id.client, inode) {
+                return Err(WireError::new(
+                    ErrorCode::InvalidArgument,
+                    format!("inode {inode} was not reserved by this client in this run of the meta server"),
+                ));
+            }
+            id.forced_inode = Some(inode);
+        }
+    }
     let reserved = match request.open {
         Some((session_id, access)) => Some((
             session_id,
@@ -872,6 +1000,61 @@ async fn create(
             Err(error)
         }
     }
+}
+
+/// A mkdir; a client that polls for revocations and was leased the new directory's names
+/// is also delegated it (`Leases::delegate`): it may answer creates there before this
+/// server has them.
+async fn mkdir(
+    shared: &Arc<Shared>,
+    request: Mkdir,
+    id: MutationId,
+) -> Result<(Attr, Answered), WireError> {
+    recall_delegations(shared, id.client, request.named(shared)).await;
+    let (attr, mut answered) = shared
+        .mutate(id.client, false, move |write, context| {
+            context.forced_inode = id.forced_inode;
+            let attr = ops::create::mkdir(write, context, &request)?;
+            record_reply(write, id.client, id.request_id, context.txn, &attr)?;
+            Ok(attr)
+        })
+        .await?;
+    if answered.grant.lease_ms > 0 && shared.leases.delegate(id.client, attr.inode) {
+        answered.delegated.push(attr.inode);
+    }
+    Ok((attr, answered))
+}
+
+/// `ReserveInodes`: `count` numbers from the allocator, kept for this client until this
+/// server stops (see `Shared::reserve_inodes`).
+async fn reserve_inodes(
+    shared: &Arc<Shared>,
+    client: u64,
+    request: ReserveInodes,
+) -> Result<InodeRange, WireError> {
+    if client == 0 {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            "a peer without a client id cannot reserve inode numbers",
+        ));
+    }
+    if request.count == 0 || request.count > INODE_RESERVE_MAX {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "ReserveInodes asks for {} numbers; 1..={INODE_RESERVE_MAX} may be reserved at once",
+                request.count
+            ),
+        ));
+    }
+    let count = request.count;
+    let (first, _) = shared
+        .write_as(client, false, move |write, context| {
+            Ok(context.state.reserve_inodes(write, u64::from(count))?)
+        })
+        .await?;
+    shared.note_reserved_inodes(client, first, count);
+    Ok(InodeRange { first, count })
 }
 
 /// `CloseHandles`: close each listed handle of the session; returns the ids that were not

@@ -224,6 +224,7 @@ async fn reaper_removes_data_after_the_last_close_and_restart_keeps_the_namespac
         device: 0,
         exclusive: true,
         open,
+        inode: None,
     };
     let refused = connection
         .call(&create(None), Bytes::new())
@@ -374,6 +375,7 @@ async fn orphans_survive_a_restart_and_wait_one_lease_before_reaping() {
         device: 0,
         exclusive: true,
         open: None,
+        inode: None,
     };
     let (created, _) = connection.call(&create, Bytes::new()).await.unwrap();
     let unlink = Unlink {
@@ -443,6 +445,7 @@ fn create_file(name: &str) -> Create {
         device: 0,
         exclusive: true,
         open: None,
+        inode: None,
     }
 }
 

@@ -176,6 +176,12 @@ pub struct ReplyStamp {
     /// Whether `changed` lists every inode the mutation changed (false: more changed than
     /// are listed; the client forgets every attribute it kept).
     pub changed_complete: bool,
+    /// Directories delegated to this client by this reply (a `Mkdir` of a client that
+    /// polls for revocations: the new directory): until its names lease ends or is
+    /// revoked, no other client reads or changes its names without first revoking that
+    /// lease, and the client answers creates in it before the meta server has them (it
+    /// acknowledges the revocation only once they are answered).
+    pub delegated: Vec<InodeId>,
 }
 
 /// What a client must stop trusting (the reply to `WaitRevocations`): some names of a
@@ -253,6 +259,9 @@ requests! {
         exclusive: bool,
         /// Also open the new file for this session with this access.
         open: Option<(u64, OpenAccess)>,
+        /// The inode number the new file must get: one this client reserved with
+        /// `ReserveInodes` (an answer it gave before sending, see `ReserveInodes`).
+        inode: Option<InodeId>,
     }
     Mkdir = 114 => Attr { caller: Caller, parent: InodeId, name: String, permissions: u32 }
     Unlink = 115 => () { caller: Caller, parent: InodeId, name: String }
@@ -356,6 +365,19 @@ requests! {
     /// the ids that were not open in the session (already gone with a restart); the others
     /// are closed whatever happens to those.
     CloseHandles = 140 => Vec<u64> { session_id: u64, handle_ids: Vec<u64> }
+    /// Reserve `count` inode numbers (at most `INODE_RESERVE_MAX`) for this client's
+    /// creates with a chosen inode: a mount answers a create in a directory delegated to it
+    /// before the meta server has the file, so it must know the number already. Reserved
+    /// numbers are never given to anyone else; they are good for creates until this server
+    /// restarts (replays of creates answered before keep theirs).
+    ReserveInodes = 141 => InodeRange { count: u32 }
+}
+
+/// Inode numbers reserved for one client: `first` up to, not including, `first + count`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InodeRange {
+    pub first: InodeId,
+    pub count: u32,
 }
 
 /// A lock that stands in the way (the reply to `GetLock`).

@@ -77,6 +77,7 @@ fn every_meta_message(bytes: &[u8]) {
         SetLock,
         GetLock,
         CloseHandles,
+        ReserveInodes,
     );
 }
 
@@ -133,6 +134,7 @@ fn samples() -> Vec<Vec<u8>> {
                     write: true,
                 },
             )),
+            inode: Some(4096),
         }),
         encode(&Rename {
             caller: caller.clone(),
@@ -251,6 +253,12 @@ fn samples() -> Vec<Vec<u8>> {
                 allocated_bytes: 0,
             }],
             changed_complete: true,
+            delegated: vec![12],
+        }),
+        encode(&ReserveInodes { count: 1024 }),
+        encode(&InodeRange {
+            first: 4096,
+            count: 1024,
         }),
         encode(&ReplayOf {
             epoch: 2,

@@ -3,6 +3,8 @@
 
 /// Most handles one `CloseHandles` request closes.
 pub const CLOSE_HANDLES_MAX: usize = 1024;
+/// Most inode numbers one `ReserveInodes` takes.
+pub const INODE_RESERVE_MAX: u32 = 4096;
 
 /// Longest name of one directory entry, in bytes (POSIX `NAME_MAX`).
 pub const NAME_LENGTH_MAX: usize = 255;

@@ -188,6 +188,30 @@ impl WriterState {
         Ok(())
     }
 
+    /// `count` fresh ids for a client to choose from (`ReserveInodes`): the first is
+    /// returned. They lie below the persisted high-water mark, so no crash gives them out
+    /// again; they count as inodes only once created.
+    pub fn reserve_inodes<W: StoreWrite>(
+        &mut self,
+        write: &mut W,
+        count: u64,
+    ) -> Result<InodeId, StoreError> {
+        let first = self.next_inode;
+        let end = first + count;
+        if end > self.reserved_until {
+            let high_water = end + INODE_RESERVE_BATCH;
+            write.put(
+                TableId::Counters,
+                COUNTER_INODE_HIGH_WATER,
+                &high_water.to_be_bytes(),
+            )?;
+            self.reserved_until = high_water;
+            self.high_water_moved = true;
+        }
+        self.next_inode = end;
+        Ok(first)
+    }
+
     /// A fresh id; persists a new high-water mark every `INODE_RESERVE_BATCH` ids.
     pub fn allocate_inode<W: StoreWrite>(&mut self, write: &mut W) -> Result<InodeId, StoreError> {
         if self.next_inode >= self.reserved_until {

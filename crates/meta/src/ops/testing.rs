@@ -125,6 +125,7 @@ impl Harness {
             device: 0,
             exclusive: true,
             open: None,
+            inode: None,
         };
         self.write(|write, context| super::create::create(write, context, &request))
             .map(|outcome| outcome.reply.attr)
