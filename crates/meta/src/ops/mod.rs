@@ -197,9 +197,20 @@ impl WriterState {
         count: u64,
     ) -> Result<InodeId, StoreError> {
         let first = self.next_inode;
-        let end = first + count;
+        self.cover_inodes_until(write, first + count, first + count + INODE_RESERVE_BATCH)?;
+        self.next_inode = first + count;
+        Ok(first)
+    }
+
+    /// Persist `high_water` as the new high-water mark if ids up to `end` (excluded) are
+    /// not covered yet.
+    fn cover_inodes_until<W: StoreWrite>(
+        &mut self,
+        write: &mut W,
+        end: InodeId,
+        high_water: InodeId,
+    ) -> Result<(), StoreError> {
         if end > self.reserved_until {
-            let high_water = end + INODE_RESERVE_BATCH;
             write.put(
                 TableId::Counters,
                 COUNTER_INODE_HIGH_WATER,
@@ -208,22 +219,16 @@ impl WriterState {
             self.reserved_until = high_water;
             self.high_water_moved = true;
         }
-        self.next_inode = end;
-        Ok(first)
+        Ok(())
     }
 
     /// A fresh id; persists a new high-water mark every `INODE_RESERVE_BATCH` ids.
     pub fn allocate_inode<W: StoreWrite>(&mut self, write: &mut W) -> Result<InodeId, StoreError> {
-        if self.next_inode >= self.reserved_until {
-            let high_water = self.next_inode + INODE_RESERVE_BATCH;
-            write.put(
-                TableId::Counters,
-                COUNTER_INODE_HIGH_WATER,
-                &high_water.to_be_bytes(),
-            )?;
-            self.reserved_until = high_water;
-            self.high_water_moved = true;
-        }
+        self.cover_inodes_until(
+            write,
+            self.next_inode + 1,
+            self.next_inode + INODE_RESERVE_BATCH,
+        )?;
         let inode = self.next_inode;
         self.next_inode += 1;
         self.inode_count += 1;
