@@ -113,7 +113,8 @@ async fn cut_pass(shared: &Arc<Shared>) -> bool {
 }
 
 /// Make the pending cuts that `server` owes (files shrunk while it could not be reached)
-/// and return how many truncations still owe it a cut. The registration of `server` calls
+/// and return how many truncations still owe it a cut. Truncations a set-attributes is
+/// carrying out right now are not owed: it makes their cuts itself. The registration of `server` calls
 /// this before answering, and the server serves no data until the answer is 0: a client
 /// write accepted before such a cut would be destroyed by it.
 pub async fn cuts_owed_by(shared: &Arc<Shared>, server: ServerId) -> u32 {
@@ -139,6 +140,12 @@ pub async fn cuts_owed_by(shared: &Arc<Shared>, server: ServerId) -> u32 {
         after = Some(*last);
         let page_len = page.len();
         for (inode, record) in page.into_iter().filter(|(_, record)| owes(record)) {
+            // A set-attributes in flight makes these cuts itself, ordered after the writes
+            // it recalls. Counting them would close this server's gate under those very
+            // writes, which would then land after the cut.
+            if shared.size_change_pinned(inode) {
+                continue;
+            }
             if retry_cuts(shared, inode, &record).await {
                 continue;
             }

@@ -100,6 +100,8 @@ pub const CHANGED_ATTRIBUTES_MAX: usize = 8;
 /// cuts for it.
 pub struct CutGate {
     pins: u32,
+    /// Of those, the pins of set-attributes (which make their own cuts).
+    size_changes: u32,
     lock: Arc<tokio::sync::Mutex<()>>,
 }
 
@@ -112,6 +114,7 @@ pub struct CutPin<'a> {
     shared: &'a Shared,
     inode: InodeId,
     lock: Arc<tokio::sync::Mutex<()>>,
+    size_change: bool,
 }
 
 impl CutPin<'_> {
@@ -126,6 +129,9 @@ impl Drop for CutPin<'_> {
         let mut gates = self.shared.cut_gates();
         if let Some(gate) = gates.get_mut(&self.inode) {
             gate.pins = gate.pins.saturating_sub(1);
+            if self.size_change {
+                gate.size_changes = gate.size_changes.saturating_sub(1);
+            }
             if gate.pins == 0 {
                 gates.remove(&self.inode);
             }
@@ -169,13 +175,16 @@ impl Shared {
         let mut gates = self.cut_gates();
         let gate = gates.entry(inode).or_insert_with(|| CutGate {
             pins: 0,
+            size_changes: 0,
             lock: Arc::new(tokio::sync::Mutex::new(())),
         });
         gate.pins += 1;
+        gate.size_changes += 1;
         CutPin {
             shared: self,
             inode,
             lock: gate.lock.clone(),
+            size_change: true,
         }
     }
 
@@ -189,6 +198,7 @@ impl Shared {
         let lock = Arc::new(tokio::sync::Mutex::new(()));
         let gate = CutGate {
             pins: 1,
+            size_changes: 0,
             lock: lock.clone(),
         };
         gates.insert(inode, gate);
@@ -196,7 +206,15 @@ impl Shared {
             shared: self,
             inode,
             lock,
+            size_change: false,
         })
+    }
+
+    /// Whether a set-attributes in flight has `inode` pinned (it makes its cuts itself).
+    pub fn size_change_pinned(&self, inode: InodeId) -> bool {
+        self.cut_gates()
+            .get(&inode)
+            .is_some_and(|gate| gate.size_changes > 0)
     }
 
     pub fn is_pinned(&self, inode: InodeId) -> bool {
