@@ -428,10 +428,11 @@ async fn creates_ask_no_lookup_where_the_mount_knows_every_name_and_a_warm_stat_
     );
 }
 
-/// Creates answered by the mount before the meta server has them (in a directory the meta
-/// server delegated to it, issue 10) are seen by another mount at once: by name, in a
-/// listing, with their data; and the mount's own later requests about them (a write, an
-/// unlink, an rmdir of their directory) find them there.
+/// Creates and unlinks answered by the mount before the meta server has them (in a
+/// directory the meta server delegated to it, issue 10) are seen by another mount at once:
+/// by name, in a listing, with their data; and the mount's own later requests about them
+/// (a write, an unlink, a create of a removed name, an rmdir of their directory) find them
+/// there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn creates_answered_ahead_are_seen_by_every_mount_at_once() {
     if !fuse_available() {
@@ -477,6 +478,33 @@ async fn creates_answered_ahead_are_seen_by_every_mount_at_once() {
         FILES,
         "a listing right after"
     );
+
+    // Unlinks answered ahead as well: gone on the other mount at once, and a name
+    // removed that way can be made again at once.
+    fs::create_dir(mount.path("u")).unwrap();
+    for index in 0..100 {
+        File::create_new(mount.path(&format!("u/file-{index}"))).unwrap();
+    }
+    for index in 0..100 {
+        fs::remove_file(mount.path(&format!("u/file-{index}"))).unwrap();
+    }
+    assert_eq!(
+        names_of(&other.path("u")),
+        Vec::<String>::new(),
+        "unlinked at once"
+    );
+    fs::create_dir(mount.path("v")).unwrap();
+    File::create_new(mount.path("v/again")).unwrap();
+    assert!(other.path("v/again").exists());
+    fs::create_dir(mount.path("v2")).unwrap();
+    for round in 0..20 {
+        let path = mount.path("v2/again");
+        fs::write(&path, format!("round {round}")).unwrap();
+        fs::remove_file(&path).unwrap();
+        assert!(gone(&path), "round {round}: removed here");
+    }
+    fs::write(mount.path("v2/again"), b"last").unwrap();
+    assert_eq!(read_all(&other.path("v2/again")), b"last");
 
     fs::create_dir(mount.path("w")).unwrap();
     // Written at once after its create, and read by the other mount after close.

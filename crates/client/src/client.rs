@@ -668,10 +668,11 @@ impl Client {
     pub fn begin_ahead_create(
         &self,
         parent: InodeId,
+        name: &str,
         runtime: &tokio::runtime::Handle,
     ) -> Option<crate::delegation::AheadCreate> {
         let epoch = self.shared.pool.lease_epoch();
-        let (ahead, reserve) = self.shared.delegations.begin(epoch, parent);
+        let (ahead, reserve) = self.shared.delegations.begin(epoch, parent, name);
         if reserve {
             let client = self.clone();
             runtime.spawn(async move {
@@ -692,6 +693,23 @@ impl Client {
             });
         }
         ahead
+    }
+
+    /// Start an unlink of `name` (file `inode`) in `parent` answered before the meta server
+    /// has it, if `parent` is delegated to this client and nothing about the file is on its
+    /// way (see `delegation.rs`). The caller must know the name is there, and the kernel
+    /// that it is not a directory; it answers, then sends the unlink with
+    /// [`Client::unlink_leased`] and finishes the returned token with its outcome.
+    pub fn begin_ahead_unlink(
+        &self,
+        parent: InodeId,
+        name: &str,
+        inode: InodeId,
+    ) -> Option<crate::delegation::AheadOp> {
+        let epoch = self.shared.pool.lease_epoch();
+        self.shared
+            .delegations
+            .begin_unlink(epoch, parent, name, inode)
     }
 
     /// Send a create answered ahead (see [`Client::begin_ahead_create`]): exclusive, with
@@ -765,13 +783,19 @@ impl Client {
     }
 
     pub async fn unlink(&self, parent: InodeId, name: &str) -> Result<(), ClientError> {
+        self.unlink_leased(parent, name).await.map(|_| ())
+    }
+
+    /// [`Client::unlink`] with the lease on the directory's names it was granted.
+    pub async fn unlink_leased(&self, parent: InodeId, name: &str) -> Result<Lease, ClientError> {
         let request = Unlink {
             caller: self.caller.clone(),
             parent,
             name: name.to_string(),
         };
-        self.meta(&request, || format!("parent {parent} name {name:?}"))
+        self.leased(&request, || format!("parent {parent} name {name:?}"))
             .await
+            .map(|((), lease)| lease)
     }
 
     pub async fn rmdir(&self, parent: InodeId, name: &str) -> Result<(), ClientError> {

@@ -47,6 +47,8 @@ struct Inner {
     /// (kept until forgotten by [`Delegations::forget_failed`]).
     in_flight: HashSet<InodeId>,
     failed: HashSet<InodeId>,
+    /// Names whose unlink answered ahead is on its way: a create of one waits for it.
+    unlinking: HashSet<(InodeId, String)>,
     /// Reserved numbers not used yet: ranges (next, end).
     reserved: VecDeque<(InodeId, InodeId)>,
     reserving: bool,
@@ -68,30 +70,39 @@ impl Inner {
     }
 }
 
-/// A create answered ahead of the meta server: dropped when its answer arrived.
-pub struct AheadCreate {
+/// A create or an unlink answered ahead of the meta server: finished (or dropped) when its
+/// answer arrived.
+pub struct AheadOp {
     delegations: Arc<Delegations>,
     directory: InodeId,
     inode: InodeId,
+    /// Set for an unlink: the name it removes.
+    unlinked: Option<String>,
     done: bool,
 }
 
-impl AheadCreate {
+/// The create kind of [`AheadOp`], as the mount names it.
+pub type AheadCreate = AheadOp;
+
+impl AheadOp {
+    /// The new file's number (a create), or the unlinked file's (an unlink).
     pub fn inode(&self) -> InodeId {
         self.inode
     }
 
-    /// The meta server answered: `created` says whether the file exists now.
-    pub fn finish(mut self, created: bool) {
+    /// The meta server answered: `done` says whether it did what was answered.
+    pub fn finish(mut self, done: bool) {
         self.done = true;
-        self.delegations.end(self.directory, self.inode, created);
+        self.delegations
+            .end(self.directory, self.inode, self.unlinked.take(), done);
     }
 }
 
-impl Drop for AheadCreate {
+impl Drop for AheadOp {
     fn drop(&mut self) {
         if !self.done {
-            self.delegations.end(self.directory, self.inode, false);
+            self.delegations
+                .end(self.directory, self.inode, self.unlinked.take(), false);
         }
     }
 }
@@ -131,17 +142,26 @@ impl Delegations {
         }
     }
 
-    /// Start a create in `directory` answered ahead, with a reserved number: None when the
-    /// directory is not delegated in `epoch`, no number is left, or too many are in flight.
-    /// The second value says whether more numbers should be reserved now.
-    pub fn begin(self: &Arc<Self>, epoch: u64, directory: InodeId) -> (Option<AheadCreate>, bool) {
+    /// Start a create of `name` in `directory` answered ahead, with a reserved number: None
+    /// when the directory is not delegated in `epoch`, an unlink of the name is on its way,
+    /// no number is left, or too many are in flight. The second value says whether more
+    /// numbers should be reserved now.
+    pub fn begin(
+        self: &Arc<Self>,
+        epoch: u64,
+        directory: InodeId,
+        name: &str,
+    ) -> (Option<AheadOp>, bool) {
         let mut inner = self.inner();
         inner.reset_if_new_epoch(epoch);
         let reserve = !inner.reserving && inner.reserved_left() < INODES_LOW_WATER;
         if reserve {
             inner.reserving = true;
         }
-        if !inner.delegated.contains(&directory) || inner.in_flight.len() >= CREATES_IN_FLIGHT_MAX {
+        if !inner.delegated.contains(&directory)
+            || inner.in_flight.len() >= CREATES_IN_FLIGHT_MAX
+            || inner.unlinking.contains(&(directory, name.to_string()))
+        {
             return (None, reserve);
         }
         let Some((next, end)) = inner.reserved.front_mut() else {
@@ -154,13 +174,46 @@ impl Delegations {
         }
         *inner.in_directory.entry(directory).or_insert(0) += 1;
         inner.in_flight.insert(inode);
-        let ahead = AheadCreate {
+        let ahead = AheadOp {
             delegations: Arc::clone(self),
             directory,
             inode,
+            unlinked: None,
             done: false,
         };
         (Some(ahead), reserve)
+    }
+
+    /// Start an unlink of `name` (file `inode`) in `directory` answered ahead: None when the
+    /// directory is not delegated in `epoch`, the file's own create or another request
+    /// about it is still on its way, or too many are in flight.
+    pub fn begin_unlink(
+        self: &Arc<Self>,
+        epoch: u64,
+        directory: InodeId,
+        name: &str,
+        inode: InodeId,
+    ) -> Option<AheadOp> {
+        let mut inner = self.inner();
+        let key = (directory, name.to_string());
+        if inner.epoch != epoch
+            || !inner.delegated.contains(&directory)
+            || inner.in_flight.len() >= CREATES_IN_FLIGHT_MAX
+            || inner.in_flight.contains(&inode)
+            || inner.unlinking.contains(&key)
+        {
+            return None;
+        }
+        *inner.in_directory.entry(directory).or_insert(0) += 1;
+        inner.in_flight.insert(inode);
+        inner.unlinking.insert(key);
+        Some(AheadOp {
+            delegations: Arc::clone(self),
+            directory,
+            inode,
+            unlinked: Some(name.to_string()),
+            done: false,
+        })
     }
 
     /// A reservation finished: its numbers, if the server of `epoch` gave them.
@@ -173,7 +226,7 @@ impl Delegations {
         }
     }
 
-    fn end(&self, directory: InodeId, inode: InodeId, created: bool) {
+    fn end(&self, directory: InodeId, inode: InodeId, unlinked: Option<String>, done: bool) {
         let mut inner = self.inner();
         if let Some(count) = inner.in_directory.get_mut(&directory) {
             *count -= 1;
@@ -182,8 +235,14 @@ impl Delegations {
             }
         }
         inner.in_flight.remove(&inode);
-        if !created {
-            inner.failed.insert(inode);
+        match unlinked {
+            Some(name) => {
+                inner.unlinking.remove(&(directory, name));
+            }
+            None if !done => {
+                inner.failed.insert(inode);
+            }
+            None => {}
         }
         drop(inner);
         self.landed.notify_waiters();
@@ -201,7 +260,8 @@ impl Delegations {
         })
     }
 
-    /// Whether creates answered ahead are on their way in `directory` (itself not one).
+    /// Whether creates or unlinks answered ahead are on their way in `directory` (itself
+    /// not one).
     pub fn creating_in(&self, directory: InodeId) -> bool {
         let inner = self.inner();
         inner.in_directory.contains_key(&directory) && !inner.in_flight.contains(&directory)
@@ -237,22 +297,25 @@ mod tests {
     #[test]
     fn creates_start_only_in_delegated_directories_with_numbers_left() {
         let delegations = Arc::new(Delegations::default());
-        let (none, reserve) = delegations.begin(1, 10);
+        let (none, reserve) = delegations.begin(1, 10, "n");
         assert!(none.is_none());
         assert!(reserve, "no numbers: reserve");
-        let (_, again) = delegations.begin(1, 10);
+        let (_, again) = delegations.begin(1, 10, "n");
         assert!(!again, "one reservation at a time");
         delegations.reserved(1, Some((500, 2)));
-        assert!(delegations.begin(1, 10).0.is_none(), "not delegated");
+        assert!(delegations.begin(1, 10, "n").0.is_none(), "not delegated");
         delegations.delegate(1, 10);
-        let first = delegations.begin(1, 10).0.expect("delegated, numbers left");
+        let first = delegations
+            .begin(1, 10, "n")
+            .0
+            .expect("delegated, numbers left");
         assert_eq!(first.inode(), 500);
         assert!(delegations.unsettled(&[10]));
         assert!(delegations.unsettled(&[500]));
         assert!(!delegations.unsettled(&[11]));
-        let second = delegations.begin(1, 10).0.expect("one number left");
+        let second = delegations.begin(1, 10, "n").0.expect("one number left");
         assert_eq!(second.inode(), 501);
-        assert!(delegations.begin(1, 10).0.is_none(), "numbers used up");
+        assert!(delegations.begin(1, 10, "n").0.is_none(), "numbers used up");
         first.finish(true);
         assert!(
             delegations.unsettled(&[10]),
@@ -268,19 +331,47 @@ mod tests {
     }
 
     #[test]
+    fn an_unlink_ahead_waits_for_its_create_and_holds_back_a_create_of_its_name() {
+        let delegations = Arc::new(Delegations::default());
+        delegations.reserved(1, Some((100, 10)));
+        delegations.delegate(1, 10);
+        let create = delegations.begin(1, 10, "a").0.expect("create ahead");
+        assert!(
+            delegations.begin_unlink(1, 10, "a", 100).is_none(),
+            "its create is on its way"
+        );
+        create.finish(true);
+        let unlink = delegations
+            .begin_unlink(1, 10, "a", 100)
+            .expect("unlink ahead");
+        assert!(delegations.unsettled(&[10]) && delegations.unsettled(&[100]));
+        assert!(
+            delegations.begin(1, 10, "a").0.is_none(),
+            "the name is being unlinked"
+        );
+        assert!(
+            delegations.begin(1, 10, "b").0.is_some(),
+            "another name is not"
+        );
+        unlink.finish(true);
+        assert!(delegations.begin(1, 10, "a").0.is_some());
+        assert!(!delegations.failed(100));
+    }
+
+    #[test]
     fn a_recall_or_a_new_epoch_ends_the_delegation() {
         let delegations = Arc::new(Delegations::default());
         delegations.reserved(1, Some((100, 10)));
         delegations.delegate(1, 10);
         delegations.delegate(1, 11);
         delegations.recall(10);
-        assert!(delegations.begin(1, 10).0.is_none());
-        assert!(delegations.begin(1, 11).0.is_some());
+        assert!(delegations.begin(1, 10, "n").0.is_none());
+        assert!(delegations.begin(1, 11, "n").0.is_some());
         // A restarted server: neither the delegation nor the numbers are good.
-        assert!(delegations.begin(2, 11).0.is_none());
+        assert!(delegations.begin(2, 11, "n").0.is_none());
         delegations.delegate(2, 11);
         assert!(
-            delegations.begin(2, 11).0.is_none(),
+            delegations.begin(2, 11, "n").0.is_none(),
             "numbers of epoch 1 are gone"
         );
     }

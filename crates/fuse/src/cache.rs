@@ -40,6 +40,9 @@ pub const LISTED_NAMES_MAX: usize = 1 << 20;
 /// Every name of a directory, known under `lease` on its names.
 struct Listing {
     names: HashSet<String>,
+    /// The inodes of the names this mount made or learned with them (for unlinks answered
+    /// ahead, which must know the file they remove).
+    children: HashMap<String, InodeId>,
     lease: Lease,
     /// The group new files get there when it is not the creator's (a setgid directory).
     group_of_new: Option<u32>,
@@ -136,6 +139,24 @@ impl Admission<'_> {
         Some((lease, listing.group_of_new))
     }
 
+    /// The file `name` of `directory` stands for, when this mount holds a complete listing
+    /// of it under a lease still good (`left`) and made or learned that name itself: the
+    /// lease and the inode (for an unlink answered ahead).
+    pub fn known_child(
+        &mut self,
+        directory: InodeId,
+        name: &str,
+        left: impl Fn(&Lease) -> Option<Duration>,
+    ) -> Option<(Lease, InodeId)> {
+        let listing = self.index.listings.get(&directory)?;
+        if left(&listing.lease).is_none() {
+            self.index.drop_listing(directory);
+            return None;
+        }
+        let child = *listing.children.get(name)?;
+        Some((listing.lease, child))
+    }
+
     /// This mount made `directory` (empty) and holds the lease on its names; new files
     /// there get group `group_of_new` if set (a setgid directory).
     pub fn listing_started(&mut self, directory: InodeId, lease: Lease, group_of_new: Option<u32>) {
@@ -147,6 +168,7 @@ impl Admission<'_> {
             directory,
             Listing {
                 names: HashSet::new(),
+                children: HashMap::new(),
                 lease,
                 group_of_new,
             },
@@ -159,6 +181,7 @@ impl Admission<'_> {
         &mut self,
         directory: InodeId,
         name: &str,
+        child: Option<InodeId>,
         lease: Option<Lease>,
         left: impl Fn(&Lease) -> Option<Duration>,
     ) {
@@ -173,8 +196,34 @@ impl Admission<'_> {
         if listing.names.insert(name.to_string()) {
             index.listed_names += 1;
         }
+        match child {
+            Some(child) => {
+                listing.children.insert(name.to_string(), child);
+            }
+            None => {
+                listing.children.remove(name);
+            }
+        }
         // Renewed only without a gap: the old lease still good, the new one newer.
         if let Some(lease) = lease {
+            if lease.seq > listing.lease.seq
+                && left(&listing.lease).is_some()
+                && left(&lease).is_some()
+            {
+                listing.lease = lease;
+            }
+        }
+    }
+
+    /// `lease` came with a change of `directory` by this mount: it renews the listing's
+    /// lease if newer, without a gap (as in [`Admission::listing_added`]).
+    pub fn listing_renewed(
+        &mut self,
+        directory: InodeId,
+        lease: Lease,
+        left: impl Fn(&Lease) -> Option<Duration>,
+    ) {
+        if let Some(listing) = self.index.listings.get_mut(&directory) {
             if lease.seq > listing.lease.seq
                 && left(&listing.lease).is_some()
                 && left(&lease).is_some()
@@ -191,6 +240,7 @@ impl Admission<'_> {
             if listing.names.remove(name) {
                 index.listed_names -= 1;
             }
+            listing.children.remove(name);
         }
     }
 
@@ -411,7 +461,7 @@ mod tests {
             );
             admission.listing_started(7, lease, None);
             assert_eq!(admission.known_missing(7, "a", good), Some(lease));
-            admission.listing_added(7, "a", None, good);
+            admission.listing_added(7, "a", None, None, good);
             assert_eq!(
                 admission.known_missing(7, "a", good),
                 None,

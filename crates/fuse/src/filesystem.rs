@@ -234,10 +234,17 @@ impl MountState {
 
     /// Keep this mount's listing of `parent` right after it made `name` there (and, for a
     /// directory it made, start one of `made_directory`). Called before the reply.
-    fn note_made(&self, parent: InodeId, name: &str, lease: &Lease, made_directory: Option<&Attr>) {
+    fn note_made(
+        &self,
+        parent: InodeId,
+        name: &str,
+        child: Option<InodeId>,
+        lease: &Lease,
+        made_directory: Option<&Attr>,
+    ) {
         let mut admission = self.cache.admit();
         let client = &self.client;
-        admission.listing_added(parent, name, Some(*lease), |lease| {
+        admission.listing_added(parent, name, child, Some(*lease), |lease| {
             client.lease_remaining(lease, &[parent])
         });
         if let Some(directory) = made_directory {
@@ -325,7 +332,7 @@ impl FreeflowFs {
         {
             return Some(reply);
         }
-        let Some(ahead) = client.begin_ahead_create(parent, &state.runtime) else {
+        let Some(ahead) = client.begin_ahead_create(parent, name, &state.runtime) else {
             return Some(reply);
         };
         let inode = ahead.inode();
@@ -347,7 +354,7 @@ impl FreeflowFs {
             generation: 1,
             allocated_bytes: 0,
         };
-        admission.listing_added(parent, name, None, |lease| {
+        admission.listing_added(parent, name, Some(inode), None, |lease| {
             client.lease_remaining(lease, &[parent])
         });
         state.remember(inode);
@@ -375,7 +382,7 @@ impl FreeflowFs {
                     if let Err(error) = state.files.adopt(Arc::new(handle)).await {
                         tracing::warn!(inode, %error, "a file created ahead cannot be kept open");
                     }
-                    state.note_made(parent, &name, &lease, None);
+                    state.note_made(parent, &name, Some(inode), &lease, None);
                     ahead.finish(true);
                 }
                 Err(error) => {
@@ -392,6 +399,72 @@ impl FreeflowFs {
                         inode: parent,
                         names: vec![name.clone()],
                         attributes: true,
+                        whole_directory: false,
+                    }]);
+                    ahead.finish(false);
+                }
+            }
+        });
+        None
+    }
+
+    /// Answer an unlink before the meta server has it, under the same conditions as a
+    /// create (`create_ahead`), when this mount knows which file the name stands for and
+    /// nothing about that file is on its way. The kernel has checked already that it is
+    /// not a directory and that the caller may remove it. Gives the reply back otherwise.
+    fn unlink_ahead(
+        &self,
+        request: &Request,
+        parent: InodeId,
+        name: &str,
+        reply: ReplyEmpty,
+    ) -> Option<ReplyEmpty> {
+        let state = &self.state;
+        if state.sync_on_close {
+            return Some(reply);
+        }
+        let client = &state.client;
+        let mut admission = state.cache.admit();
+        let Some((lease, child)) = admission.known_child(parent, name, |lease| {
+            client.lease_remaining(lease, &[parent])
+        }) else {
+            return Some(reply);
+        };
+        if client
+            .lease_remaining(&lease, &[parent])
+            .is_none_or(|left| left < AHEAD_LEASE_LEFT_MIN)
+        {
+            return Some(reply);
+        }
+        let Some(ahead) = client.begin_ahead_unlink(parent, name, child) else {
+            return Some(reply);
+        };
+        admission.listing_removed(parent, name);
+        reply.ok();
+        drop(admission);
+        let (remover, state, name) = (self.caller(request), self.state.clone(), name.to_owned());
+        self.spawn(async move {
+            match remover.unlink_leased(parent, &name).await {
+                Ok(lease) => {
+                    state.cache.admit().listing_renewed(parent, lease, |lease| {
+                        state.client.lease_remaining(lease, &[parent])
+                    });
+                    ahead.finish(true);
+                }
+                Err(error) => {
+                    tracing::error!(
+                        parent,
+                        name = %name,
+                        inode = child,
+                        %error,
+                        "an unlink answered ahead of the meta server was refused; the name is asked for again"
+                    );
+                    state.note_unsure(&[parent]);
+                    state.cache.revoke(&[freeflow_client::Revocation {
+                        id: 0,
+                        inode: parent,
+                        names: vec![name.clone()],
+                        attributes: false,
                         whole_directory: false,
                     }]);
                     ahead.finish(false);
@@ -686,7 +759,7 @@ impl fuser::Filesystem for FreeflowFs {
                 .await;
             match created {
                 Ok((attr, lease)) => {
-                    state.note_made(parent.0, &name, &lease, None);
+                    state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
                     state.reply_entry(reply, parent.0, &name, &attr, &lease)
                 }
                 Err(error) => {
@@ -715,7 +788,7 @@ impl fuser::Filesystem for FreeflowFs {
         self.spawn(async move {
             match client.mkdir_leased(parent.0, &name, mode & 0o7777).await {
                 Ok((attr, lease)) => {
-                    state.note_made(parent.0, &name, &lease, Some(&attr));
+                    state.note_made(parent.0, &name, Some(attr.inode), &lease, Some(&attr));
                     state.reply_entry(reply, parent.0, &name, &attr, &lease)
                 }
                 Err(error) => {
@@ -727,11 +800,14 @@ impl fuser::Filesystem for FreeflowFs {
     }
 
     fn unlink(&self, request: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.settle(&[parent.0]);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
         };
+        let Some(reply) = self.unlink_ahead(request, parent.0, &name, reply) else {
+            return;
+        };
+        self.settle(&[parent.0]);
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             match client.unlink(parent.0, &name).await {
@@ -785,7 +861,7 @@ impl fuser::Filesystem for FreeflowFs {
         self.spawn(async move {
             match client.symlink_leased(parent.0, &name, &target).await {
                 Ok((attr, lease)) => {
-                    state.note_made(parent.0, &name, &lease, None);
+                    state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
                     state.reply_entry(reply, parent.0, &name, &attr, &lease)
                 }
                 Err(error) => {
@@ -825,7 +901,7 @@ impl fuser::Filesystem for FreeflowFs {
                     // An exchange leaves both names in place.
                     if mode != RenameMode::Exchange {
                         state.note_removed(parent.0, &source);
-                        state.note_made(new_parent.0, &target, &Lease::default(), None);
+                        state.note_made(new_parent.0, &target, None, &Lease::default(), None);
                     }
                     reply.ok()
                 }
@@ -854,7 +930,7 @@ impl fuser::Filesystem for FreeflowFs {
         self.spawn(async move {
             match client.link_leased(inode.0, new_parent.0, &name).await {
                 Ok((attr, lease)) => {
-                    state.note_made(new_parent.0, &name, &lease, None);
+                    state.note_made(new_parent.0, &name, Some(attr.inode), &lease, None);
                     state.reply_entry(reply, new_parent.0, &name, &attr, &lease)
                 }
                 Err(error) => {
@@ -1450,7 +1526,7 @@ impl fuser::Filesystem for FreeflowFs {
             match create_and_open(&state, &client, parent.0, &name, mode, exclusive, truncate).await
             {
                 Ok((attr, lease)) => {
-                    state.note_made(parent.0, &name, &lease, None);
+                    state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
                     state.remember(attr.inode);
                     // One time-out covers both the entry and the attributes here: under a
                     // lease, what is left of it; without, the shorter of the two, so the
