@@ -772,16 +772,6 @@ impl Client {
         self.lease_remaining(&lease, &[inode]).map(|_| attr)
     }
 
-    /// Whether the create of `inode` answered ahead was refused by the meta server.
-    pub fn ahead_create_failed(&self, inode: InodeId) -> bool {
-        self.shared.delegations.failed(inode)
-    }
-
-    /// The caller forgot `inode` (a failed create answered ahead need not be remembered).
-    pub fn forget_ahead_failure(&self, inode: InodeId) {
-        self.shared.delegations.forget_failed(inode)
-    }
-
     pub async fn unlink(&self, parent: InodeId, name: &str) -> Result<(), ClientError> {
         self.unlink_leased(parent, name).await.map(|_| ())
     }

@@ -33,7 +33,8 @@ pub const CREATES_IN_FLIGHT_MAX: usize = 1024;
 /// Numbers asked for per `ReserveInodes`, and how few left start the next reservation.
 pub const INODES_PER_RESERVATION: u32 = 1024;
 pub const INODES_LOW_WATER: u64 = 256;
-/// Most directories remembered as delegated (each is one mkdir of this client).
+/// Most directories remembered as delegated (each is one mkdir of this client); past it
+/// they are all forgotten.
 pub const DELEGATED_DIRECTORIES_MAX: usize = 65_536;
 
 #[derive(Default)]
@@ -43,10 +44,8 @@ struct Inner {
     delegated: HashSet<InodeId>,
     /// Creates answered ahead, by directory.
     in_directory: HashMap<InodeId, usize>,
-    /// Inodes of creates answered ahead, and those whose create the meta server refused
-    /// (kept until forgotten by [`Delegations::forget_failed`]).
+    /// Inodes of creates and unlinks answered ahead.
     in_flight: HashSet<InodeId>,
-    failed: HashSet<InodeId>,
     /// Names whose unlink answered ahead is on its way: a create of one waits for it.
     unlinking: HashSet<(InodeId, String)>,
     /// Reserved numbers not used yet: ranges (next, end).
@@ -57,8 +56,10 @@ struct Inner {
 impl Inner {
     fn reset_if_new_epoch(&mut self, epoch: u64) {
         if epoch != self.epoch {
-            // A new server: delegations died with the old one, and reserved numbers are only
-            // good in the run that reserved them. Creates in flight are replayed by the pool.
+            // A new server: delegations died with the old one. Reserved numbers stay good
+            // (no run gives them out again), but are dropped with the rest. Ops on their
+            // way are sent again by the pool: those the old server answered are replayed
+            // within the recovery window, the others after it (see docs/consistency.md).
             self.epoch = epoch;
             self.delegated.clear();
             self.reserved.clear();
@@ -90,11 +91,11 @@ impl AheadOp {
         self.inode
     }
 
-    /// The meta server answered: `done` says whether it did what was answered.
-    pub fn finish(mut self, done: bool) {
+    /// The meta server answered (a refusal is the caller's to report).
+    pub fn finish(mut self) {
         self.done = true;
         self.delegations
-            .end(self.directory, self.inode, self.unlinked.take(), done);
+            .end(self.directory, self.inode, self.unlinked.take());
     }
 }
 
@@ -102,7 +103,7 @@ impl Drop for AheadOp {
     fn drop(&mut self) {
         if !self.done {
             self.delegations
-                .end(self.directory, self.inode, self.unlinked.take(), false);
+                .end(self.directory, self.inode, self.unlinked.take());
         }
     }
 }
@@ -126,9 +127,12 @@ impl Delegations {
     pub fn delegate(&self, epoch: u64, directory: InodeId) {
         let mut inner = self.inner();
         inner.reset_if_new_epoch(epoch);
-        if inner.delegated.len() < DELEGATED_DIRECTORIES_MAX {
-            inner.delegated.insert(directory);
+        if inner.delegated.len() >= DELEGATED_DIRECTORIES_MAX {
+            // Most are directories long gone (removed by this client, which recalls
+            // nothing): forget them all; those still here just go the long way.
+            inner.delegated.clear();
         }
+        inner.delegated.insert(directory);
     }
 
     /// A revocation of `directory`'s names arrived (inode 0: everything, the server
@@ -226,7 +230,7 @@ impl Delegations {
         }
     }
 
-    fn end(&self, directory: InodeId, inode: InodeId, unlinked: Option<String>, done: bool) {
+    fn end(&self, directory: InodeId, inode: InodeId, unlinked: Option<String>) {
         let mut inner = self.inner();
         if let Some(count) = inner.in_directory.get_mut(&directory) {
             *count -= 1;
@@ -235,14 +239,8 @@ impl Delegations {
             }
         }
         inner.in_flight.remove(&inode);
-        match unlinked {
-            Some(name) => {
-                inner.unlinking.remove(&(directory, name));
-            }
-            None if !done => {
-                inner.failed.insert(inode);
-            }
-            None => {}
+        if let Some(name) = unlinked {
+            inner.unlinking.remove(&(directory, name));
         }
         drop(inner);
         self.landed.notify_waiters();
@@ -278,16 +276,6 @@ impl Delegations {
             let _ = tokio::time::timeout(Duration::from_millis(50), landed).await;
         }
     }
-
-    /// Whether the create of `inode` answered ahead was refused by the meta server.
-    pub fn failed(&self, inode: InodeId) -> bool {
-        self.inner().failed.contains(&inode)
-    }
-
-    /// The kernel forgot `inode`: its failure need not be remembered.
-    pub fn forget_failed(&self, inode: InodeId) {
-        self.inner().failed.remove(&inode);
-    }
 }
 
 #[cfg(test)]
@@ -316,18 +304,16 @@ mod tests {
         let second = delegations.begin(1, 10, "n").0.expect("one number left");
         assert_eq!(second.inode(), 501);
         assert!(delegations.begin(1, 10, "n").0.is_none(), "numbers used up");
-        first.finish(true);
+        first.finish();
         assert!(
             delegations.unsettled(&[10]),
             "the second is still on its way"
         );
         drop(second);
-        assert!(!delegations.unsettled(&[10]));
         assert!(
-            delegations.failed(501),
-            "dropped unanswered counts as failed"
+            !delegations.unsettled(&[10]),
+            "a dropped op counts as landed"
         );
-        assert!(!delegations.failed(500));
     }
 
     #[test]
@@ -340,7 +326,7 @@ mod tests {
             delegations.begin_unlink(1, 10, "a", 100).is_none(),
             "its create is on its way"
         );
-        create.finish(true);
+        create.finish();
         let unlink = delegations
             .begin_unlink(1, 10, "a", 100)
             .expect("unlink ahead");
@@ -353,9 +339,8 @@ mod tests {
             delegations.begin(1, 10, "b").0.is_some(),
             "another name is not"
         );
-        unlink.finish(true);
+        unlink.finish();
         assert!(delegations.begin(1, 10, "a").0.is_some());
-        assert!(!delegations.failed(100));
     }
 
     #[test]

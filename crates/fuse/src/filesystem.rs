@@ -256,6 +256,22 @@ impl MountState {
         }
     }
 
+    /// Make the kernel forget `name` in `parent` (and the directory's attributes with
+    /// `attributes`) after an op answered ahead was refused: on a blocking task not waited
+    /// for, since the kernel may hold the directory's lock for a request of this mount.
+    fn forget_name(self: &Arc<Self>, parent: InodeId, name: String, attributes: bool) {
+        let cache = self.cache.clone();
+        self.runtime.spawn_blocking(move || {
+            cache.revoke(&[freeflow_client::Revocation {
+                id: 0,
+                inode: parent,
+                names: vec![name],
+                attributes,
+                whole_directory: false,
+            }])
+        });
+    }
+
     fn note_removed(&self, parent: InodeId, name: &str) {
         self.cache.admit().listing_removed(parent, name);
     }
@@ -383,7 +399,7 @@ impl FreeflowFs {
                         tracing::warn!(inode, %error, "a file created ahead cannot be kept open");
                     }
                     state.note_made(parent, &name, Some(inode), &lease, None);
-                    ahead.finish(true);
+                    ahead.finish();
                 }
                 Err(error) => {
                     tracing::error!(
@@ -394,14 +410,11 @@ impl FreeflowFs {
                         "a create answered ahead of the meta server was refused; the file is gone from this mount"
                     );
                     state.note_unsure(&[parent]);
-                    state.cache.revoke(&[freeflow_client::Revocation {
-                        id: 0,
-                        inode: parent,
-                        names: vec![name.clone()],
-                        attributes: true,
-                        whole_directory: false,
-                    }]);
-                    ahead.finish(false);
+                    // Finished first: a request of this mount in the directory may be
+                    // waiting for it while the kernel holds the directory's lock, which
+                    // the invalidation needs.
+                    ahead.finish();
+                    state.forget_name(parent, name, true);
                 }
             }
         });
@@ -449,7 +462,7 @@ impl FreeflowFs {
                     state.cache.admit().listing_renewed(parent, lease, |lease| {
                         state.client.lease_remaining(lease, &[parent])
                     });
-                    ahead.finish(true);
+                    ahead.finish();
                 }
                 Err(error) => {
                     tracing::error!(
@@ -460,14 +473,8 @@ impl FreeflowFs {
                         "an unlink answered ahead of the meta server was refused; the name is asked for again"
                     );
                     state.note_unsure(&[parent]);
-                    state.cache.revoke(&[freeflow_client::Revocation {
-                        id: 0,
-                        inode: parent,
-                        names: vec![name.clone()],
-                        attributes: false,
-                        whole_directory: false,
-                    }]);
-                    ahead.finish(false);
+                    ahead.finish();
+                    state.forget_name(parent, name, false);
                 }
             }
         });
@@ -630,7 +637,6 @@ impl fuser::Filesystem for FreeflowFs {
 
     fn forget(&self, _request: &Request, inode: INodeNo, count: u64) {
         self.state.forget(inode.0, count);
-        self.state.client.forget_ahead_failure(inode.0);
     }
 
     fn getattr(

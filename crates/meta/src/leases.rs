@@ -453,10 +453,17 @@ impl Leases {
 
     /// Before `requester` reads or changes `inodes`: recall the delegations other clients
     /// hold on any of them. Each holder gets a revocation of the directory's names, which it
-    /// acknowledges only once the creates it answered there are answered by this server;
-    /// the caller waits for that (or one lease, for a holder that does not answer) and then
-    /// reads what they made. A delegation whose names lease ran out is just dropped.
-    pub fn recall_delegations(&self, requester: u64, inodes: &[InodeId]) -> Pending {
+    /// acknowledges only once the creates and unlinks it answered there are answered by this
+    /// server; the caller waits for that, up to `bound` (the session lease: a holder that
+    /// does not answer by then has lost its session and its ops with it), and then reads
+    /// what they did. The revocation goes even when the holder's names lease ran out: its
+    /// ops may still be on their way (queued behind others, or behind a reconnect).
+    pub fn recall_delegations(
+        &self,
+        requester: u64,
+        inodes: &[InodeId],
+        bound: Duration,
+    ) -> Pending {
         let now = Instant::now();
         let mut inner = self.inner();
         let mut pending = Pending::default();
@@ -474,15 +481,13 @@ impl Leases {
             .collect();
         for (directory, holder) in recalled {
             inner.delegations.remove(&directory);
-            let Some(held) = inner.holders.get_mut(&directory).and_then(|holders| {
-                holders
-                    .iter_mut()
-                    .find(|held| held.client == holder && held.names && held.until > now)
-            }) else {
-                continue;
-            };
-            held.names = false;
-            let until = held.until;
+            if let Some(held) = inner
+                .holders
+                .get_mut(&directory)
+                .and_then(|holders| holders.iter_mut().find(|held| held.client == holder))
+            {
+                held.names = false;
+            }
             let revocation = Revocation {
                 id: 0,
                 inode: directory,
@@ -490,7 +495,7 @@ impl Leases {
                 attributes: false,
                 whole_directory: true,
             };
-            queue_revocation(&mut inner, &mut pending, holder, revocation, until);
+            queue_revocation(&mut inner, &mut pending, holder, revocation, now + bound);
         }
         pending
     }

@@ -392,7 +392,6 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
             ),
         ),
         mutations_in_progress: Mutex::new(HashSet::new()),
-        reserved_inodes: Mutex::new(HashMap::new()),
         mutation_finished: Notify::new(),
         leases: leases::Leases::new(config.cache_lease_ms),
         locks: locks::LockTable::new(),

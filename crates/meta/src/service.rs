@@ -143,8 +143,6 @@ struct MutationId {
     forced_inode: Option<InodeId>,
     /// A replay after a restart (a create then opens nothing: its session is gone).
     replay: bool,
-    /// Sent again after a lost connection (perhaps to a server that restarted since).
-    resent: bool,
 }
 
 /// A mutation through the writer, its reply recorded in its transaction.
@@ -262,7 +260,8 @@ impl NamesInodes for Link {
 /// Recall the delegations other clients than `client` hold on `inodes`, and wait until
 /// their holders have answered what they made there (or one lease).
 async fn recall_delegations(shared: &Shared, client: u64, inodes: Vec<InodeId>) {
-    let pending = shared.leases.recall_delegations(client, &inodes);
+    let bound = Duration::from_millis(u64::from(shared.config.lease_ms));
+    let pending = shared.leases.recall_delegations(client, &inodes, bound);
     if !pending.is_empty() {
         let (started, sent) = (Instant::now(), pending.len());
         let expired = shared.leases.wait(pending).await;
@@ -402,7 +401,6 @@ impl MetaService {
             request_id: frame.request_id,
             forced_inode,
             replay,
-            resent,
         };
         self.apply_mutation(frame, id).await
     }
@@ -475,7 +473,6 @@ impl Service for MetaService {
                 request_id: frame.request_id,
                 forced_inode: None,
                 replay: false,
-                resent: false,
             };
             return self.apply_mutation(frame, id).await;
         }
@@ -943,17 +940,12 @@ async fn create(
     mut id: MutationId,
 ) -> Result<(CreateReply, Answered), WireError> {
     if let Some(inode) = request.inode {
-        // A replay keeps the number of its original reply; a first send takes one this
-        // client reserved in this run of the server. A copy sent again after a lost
-        // connection may come from a reservation of the run before a restart: the checks
-        // of `OpContext::allocate_inode` (below the allocator, not in use) still hold.
+        // The number the client reserved (`ReserveInodes`), or, for a replay, the one its
+        // original reply gave. `OpContext::allocate_inode` checks that it lies below the
+        // allocator (reserved numbers are never given out again, in this run or a later
+        // one) and is not in use. A first send may come after a restart of this server,
+        // so this run's reservations are not asked for.
         if !id.replay {
-            if !id.resent && !shared.owns_reserved_inode(id.client, inode) {
-                return Err(WireError::new(
-                    ErrorCode::InvalidArgument,
-                    format!("inode {inode} was not reserved by this client in this run of the meta server"),
-                ));
-            }
             id.forced_inode = Some(inode);
         }
     }
@@ -1025,8 +1017,8 @@ async fn mkdir(
     Ok((attr, answered))
 }
 
-/// `ReserveInodes`: `count` numbers from the allocator, kept for this client until this
-/// server stops (see `Shared::reserve_inodes`).
+/// `ReserveInodes`: `count` numbers from the allocator for this client's creates with a
+/// chosen inode (never given to anyone else: the allocator moved past them).
 async fn reserve_inodes(
     shared: &Arc<Shared>,
     client: u64,
@@ -1053,7 +1045,6 @@ async fn reserve_inodes(
             Ok(context.state.reserve_inodes(write, u64::from(count))?)
         })
         .await?;
-    shared.note_reserved_inodes(client, first, count);
     Ok(InodeRange { first, count })
 }
 

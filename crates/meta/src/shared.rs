@@ -66,9 +66,6 @@ pub struct Shared {
     /// waits for the first instead of applying it twice. Bounded by the requests in flight.
     pub mutations_in_progress: Mutex<HashSet<(u64, u64)>>,
     pub mutation_finished: Notify,
-    /// Inode numbers reserved per client (`ReserveInodes`), bounded per client by
-    /// `RESERVED_RANGES_MAX` and in clients by the sessions' bound.
-    pub reserved_inodes: Mutex<HashMap<u64, Vec<(InodeId, InodeId)>>>,
     /// What clients cache, and its revocation (see `leases.rs`).
     pub leases: crate::leases::Leases,
     /// The cluster's file locks (see `locks.rs`).
@@ -88,9 +85,6 @@ pub struct Answered {
     /// Directories delegated to the client by this reply (`ReplyStamp::delegated`).
     pub delegated: Vec<InodeId>,
 }
-
-/// Most ranges of reserved inode numbers kept per client (`ReserveInodes`).
-pub const RESERVED_RANGES_MAX: usize = 16;
 
 /// Most post-operation attributes a reply carries (a rename changes four inodes at most;
 /// more: the client forgets what it kept instead).
@@ -392,7 +386,6 @@ impl Shared {
     /// removal becomes durable no earlier than they do).
     pub async fn forget_client(&self, client: u64) {
         self.leases.forget_client(client);
-        self.forget_reserved_inodes(client);
         let registered = self
             .registered_clients
             .lock()
@@ -434,7 +427,10 @@ impl Shared {
             if self.leases.delegated_elsewhere(client, &touched.inodes) {
                 // Another client may have answered creates there that are still on their
                 // way: recall the delegation, wait until they are here, read again.
-                let pending = self.leases.recall_delegations(client, &touched.inodes);
+                let bound = std::time::Duration::from_millis(u64::from(self.config.lease_ms));
+                let pending = self
+                    .leases
+                    .recall_delegations(client, &touched.inodes, bound);
                 if !pending.is_empty() {
                     let (started, sent) = (std::time::Instant::now(), pending.len());
                     let expired = self.leases.wait(pending).await;
@@ -456,42 +452,6 @@ impl Shared {
                 },
             ));
         }
-    }
-
-    /// Note that numbers `first..first + count` were reserved for `client` (kept in memory:
-    /// they are good for first sends of creates until this server stops). At most
-    /// `RESERVED_RANGES_MAX` ranges per client are kept, the oldest forgotten first.
-    pub fn note_reserved_inodes(&self, client: u64, first: InodeId, count: u32) {
-        let mut reserved = self
-            .reserved_inodes
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let ranges = reserved.entry(client).or_default();
-        if ranges.len() >= RESERVED_RANGES_MAX {
-            ranges.remove(0);
-        }
-        ranges.push((first, first + u64::from(count)));
-    }
-
-    /// Whether `inode` lies in a range reserved for `client` in this run.
-    pub fn owns_reserved_inode(&self, client: u64, inode: InodeId) -> bool {
-        self.reserved_inodes
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .get(&client)
-            .is_some_and(|ranges| {
-                ranges
-                    .iter()
-                    .any(|(first, end)| (*first..*end).contains(&inode))
-            })
-    }
-
-    /// A client is gone: its reserved numbers are never used (they are not given again).
-    pub fn forget_reserved_inodes(&self, client: u64) {
-        self.reserved_inodes
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .remove(&client);
     }
 
     /// The newest transaction not durable yet in which another client than `client`
