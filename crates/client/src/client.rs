@@ -594,6 +594,20 @@ impl Client {
         exclusive: bool,
         access: OpenAccess,
     ) -> Result<(FileHandle, bool, Lease), ClientError> {
+        self.create_open_as(parent, name, permissions, exclusive, access, None)
+            .await
+    }
+
+    /// A create that also opens, with a chosen (reserved) inode number or not.
+    async fn create_open_as(
+        &self,
+        parent: InodeId,
+        name: &str,
+        permissions: u32,
+        exclusive: bool,
+        access: OpenAccess,
+        inode: Option<InodeId>,
+    ) -> Result<(FileHandle, bool, Lease), ClientError> {
         let mut session_id = self.session_id();
         let mut request = Create {
             caller: self.caller.clone(),
@@ -604,7 +618,7 @@ impl Client {
             device: 0,
             exclusive,
             open: Some((session_id, access)),
-            inode: None,
+            inode,
         };
         let target = || format!("parent {parent} name {name:?}");
         // The meta server checks the session before it creates anything, so the retry
@@ -722,30 +736,9 @@ impl Client {
         access: OpenAccess,
         inode: InodeId,
     ) -> Result<(FileHandle, Lease), ClientError> {
-        let session_id = self.session_id();
-        let request = Create {
-            caller: self.caller.clone(),
-            parent,
-            name: name.to_string(),
-            kind: FileKind::Regular,
-            permissions,
-            device: 0,
-            exclusive: true,
-            open: Some((session_id, access)),
-            inode: Some(inode),
-        };
-        let (reply, lease) = self
-            .leased(&request, || {
-                format!("parent {parent} name {name:?} (answered ahead)")
-            })
-            .await?;
-        let handle = match reply.handle_id {
-            Some(handle_id) => {
-                FileHandle::new(self.clone(), reply.attr, handle_id, session_id, access)
-            }
-            None => self.open(reply.attr.inode, access).await?,
-        };
-        Ok((handle, lease))
+        self.create_open_as(parent, name, permissions, true, access, Some(inode))
+            .await
+            .map(|(handle, _, lease)| (handle, lease))
     }
 
     /// Whether a create answered ahead is still on its way in any of `inodes` (as

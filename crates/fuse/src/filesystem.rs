@@ -353,23 +353,14 @@ impl FreeflowFs {
         };
         let inode = ahead.inode();
         let now = convert::time_spec(std::time::SystemTime::now());
-        let attr = Attr {
+        let attr = Attr::new_inode(
             inode,
-            kind: FileKind::Regular,
-            permissions: mode & 0o7777,
-            link_count: 1,
-            user_id: request.uid(),
-            group_id: group_of_new.unwrap_or(request.gid()),
-            size_bytes: 0,
-            access_time: now,
-            modify_time: now,
-            change_time: now,
-            birth_time: now,
-            device: 0,
-            layout: None,
-            generation: 1,
-            allocated_bytes: 0,
-        };
+            FileKind::Regular,
+            mode & 0o7777,
+            request.uid(),
+            group_of_new.unwrap_or(request.gid()),
+            now,
+        );
         admission.listing_added(parent, name, Some(inode), None, |lease| {
             client.lease_remaining(lease, &[parent])
         });

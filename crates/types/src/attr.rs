@@ -92,6 +92,35 @@ pub struct Attr {
 }
 
 impl Attr {
+    /// The attributes of a new, empty inode: every time `now`, two links for a directory
+    /// and one otherwise, no layout yet, generation 1.
+    pub fn new_inode(
+        inode: InodeId,
+        kind: FileKind,
+        permissions: u32,
+        user_id: u32,
+        group_id: u32,
+        now: TimeSpec,
+    ) -> Attr {
+        Attr {
+            inode,
+            kind,
+            permissions,
+            link_count: if kind == FileKind::Directory { 2 } else { 1 },
+            user_id,
+            group_id,
+            size_bytes: 0,
+            access_time: now,
+            modify_time: now,
+            change_time: now,
+            birth_time: now,
+            device: 0,
+            layout: None,
+            generation: 1,
+            allocated_bytes: 0,
+        }
+    }
+
     /// The full `st_mode`: kind bits and permission bits.
     pub fn mode(&self) -> u32 {
         self.kind.mode_bits() | (self.permissions & 0o7777)

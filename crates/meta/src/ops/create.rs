@@ -79,28 +79,19 @@ fn new_attr(
     if kind == FileKind::Directory && parent_setgid {
         permissions |= MODE_SET_GROUP_ID;
     }
-    let now = context.now;
-    Attr {
+    let group_id = if parent_setgid {
+        parent.group_id
+    } else {
+        caller.group_id
+    };
+    Attr::new_inode(
         inode,
         kind,
         permissions,
-        link_count: if kind == FileKind::Directory { 2 } else { 1 },
-        user_id: caller.user_id,
-        group_id: if parent_setgid {
-            parent.group_id
-        } else {
-            caller.group_id
-        },
-        size_bytes: 0,
-        access_time: now,
-        modify_time: now,
-        change_time: now,
-        birth_time: now,
-        device: 0,
-        layout: None,
-        generation: 1,
-        allocated_bytes: 0,
-    }
+        caller.user_id,
+        group_id,
+        context.now,
+    )
 }
 
 fn already_exists(parent: InodeId, name: &str) -> super::OpError {

@@ -243,23 +243,14 @@ pub fn initialise<W: StoreWrite>(write: &mut W, now: TimeSpec) -> Result<WriterS
         Some(state) => state,
         None => {
             let root = InodeRecord {
-                attr: freeflow_types::Attr {
-                    inode: freeflow_types::ROOT_INODE,
-                    kind: FileKind::Directory,
-                    permissions: 0o755,
-                    link_count: 2,
-                    user_id: 0,
-                    group_id: 0,
-                    size_bytes: 0,
-                    access_time: now,
-                    modify_time: now,
-                    change_time: now,
-                    birth_time: now,
-                    device: 0,
-                    layout: None,
-                    generation: 1,
-                    allocated_bytes: 0,
-                },
+                attr: freeflow_types::Attr::new_inode(
+                    freeflow_types::ROOT_INODE,
+                    FileKind::Directory,
+                    0o755,
+                    0,
+                    0,
+                    now,
+                ),
                 parent: freeflow_types::ROOT_INODE,
                 stripe_space: Vec::new(),
             };
