@@ -444,6 +444,11 @@ async fn creates_answered_ahead_are_seen_by_every_mount_at_once() {
     let other = Mount::start(&cluster, "b", &[]);
     fs::create_dir(mount.path("d")).unwrap();
     let before = scrape_meta(&cluster).await;
+    assert_eq!(
+        before.sum("freeflow_meta_delegated_directories", &[]),
+        1.0,
+        "the new directory is delegated to the mount that made it"
+    );
     for index in 0..FILES {
         let name = format!("d/file-{index}");
         File::create_new(mount.path(&name)).unwrap();

@@ -136,6 +136,11 @@ pub fn register_state_gauges(registry: &Registry, shared: &Arc<Shared>, inode_co
         "Clients polling for revocations (their reads are leased).",
         &[],
     );
+    let delegations = registry.gauge(
+        "freeflow_meta_delegated_directories",
+        "Directories delegated to one client, which answers creates and unlinks there before this server has them.",
+        &[],
+    );
     let lock_ranges = registry.gauge(
         "freeflow_meta_lock_ranges",
         "Byte-range and flock locks held over the cluster (ranges).",
@@ -163,6 +168,7 @@ pub fn register_state_gauges(registry: &Registry, shared: &Arc<Shared>, inode_co
         ready.set(shared.ready_ms.load(Ordering::Relaxed));
         leases.set(shared.leases.held() as u64);
         lease_clients.set(shared.leases.client_count() as u64);
+        delegations.set(shared.leases.delegation_count() as u64);
         lock_ranges.set(shared.locks.range_count() as u64);
         {
             let sessions_now = shared.sessions();
