@@ -598,6 +598,22 @@ impl Client {
             .await
     }
 
+    async fn send_create(
+        &self,
+        request: &Create,
+        patient: bool,
+        target: impl FnOnce() -> String,
+    ) -> Result<(freeflow_proto::meta::CreateReply, Lease), ClientError> {
+        if patient {
+            self.shared
+                .pool
+                .meta_call_leased_patient(request, target)
+                .await
+        } else {
+            self.shared.pool.meta_call_leased(request, target).await
+        }
+    }
+
     /// A create that also opens, with a chosen (reserved) inode number or not.
     async fn create_open_as(
         &self,
@@ -623,11 +639,13 @@ impl Client {
         let target = || format!("parent {parent} name {name:?}");
         // The meta server checks the session before it creates anything, so the retry
         // cannot find its own file and fail an exclusive create.
-        let (reply, lease) = match self.leased(&request, target).await {
+        // A create answered ahead must reach the server: it is sent patiently.
+        let patient = inode.is_some();
+        let (reply, lease) = match self.send_create(&request, patient, target).await {
             Err(error) if is_open_session_unknown(&error) => {
                 session_id = self.shared.reopen_session(session_id).await?;
                 request.open = Some((session_id, access));
-                self.leased(&request, target).await?
+                self.send_create(&request, patient, target).await?
             }
             reply => reply?,
         };
@@ -713,7 +731,7 @@ impl Client {
     /// has it, if `parent` is delegated to this client and nothing about the file is on its
     /// way (see `delegation.rs`). The caller must know the name is there, and the kernel
     /// that it is not a directory; it answers, then sends the unlink with
-    /// [`Client::unlink_leased`] and finishes the returned token with its outcome.
+    /// [`Client::unlink_ahead_sent`] and finishes the returned token with its outcome.
     pub fn begin_ahead_unlink(
         &self,
         parent: InodeId,
@@ -777,6 +795,27 @@ impl Client {
             name: name.to_string(),
         };
         self.leased(&request, || format!("parent {parent} name {name:?}"))
+            .await
+            .map(|((), lease)| lease)
+    }
+
+    /// Send an unlink answered ahead (see [`Client::begin_ahead_unlink`]): patiently, since
+    /// its caller was told it is done.
+    pub async fn unlink_ahead_sent(
+        &self,
+        parent: InodeId,
+        name: &str,
+    ) -> Result<Lease, ClientError> {
+        let request = Unlink {
+            caller: self.caller.clone(),
+            parent,
+            name: name.to_string(),
+        };
+        self.shared
+            .pool
+            .meta_call_leased_patient(&request, || {
+                format!("parent {parent} name {name:?} (answered ahead)")
+            })
             .await
             .map(|((), lease)| lease)
     }

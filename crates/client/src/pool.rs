@@ -282,8 +282,28 @@ impl Pool {
         request: &R,
         target: impl FnOnce() -> String,
     ) -> Result<(R::Reply, Lease), ClientError> {
+        self.meta_call_leased_as(request, target, false).await
+    }
+
+    /// [`Pool::meta_call_leased`] for a mutation its caller already answered (a create or
+    /// unlink answered ahead, `delegation.rs`): a server that cannot be reached is tried
+    /// again until the call timeout, as a broken connection is, instead of failing at once.
+    pub async fn meta_call_leased_patient<R: Request>(
+        &self,
+        request: &R,
+        target: impl FnOnce() -> String,
+    ) -> Result<(R::Reply, Lease), ClientError> {
+        self.meta_call_leased_as(request, target, true).await
+    }
+
+    async fn meta_call_leased_as<R: Request>(
+        &self,
+        request: &R,
+        target: impl FnOnce() -> String,
+        patient: bool,
+    ) -> Result<(R::Reply, Lease), ClientError> {
         let started = Instant::now();
-        let result = self.meta_call_unmetered(request).await;
+        let result = self.meta_call_unmetered(request, patient).await;
         self.metrics
             .request_done(R::OPCODE, started, result.is_ok());
         result
@@ -303,6 +323,7 @@ impl Pool {
     async fn meta_call_unmetered<R: Request>(
         &self,
         request: &R,
+        patient: bool,
     ) -> Result<(R::Reply, ReplyStamp), RpcError> {
         let mutation = is_mutation(R::OPCODE);
         if mutation {
@@ -337,7 +358,7 @@ impl Pool {
                     error @ (RpcError::Disconnected { .. }
                     | RpcError::Connect { .. }
                     | RpcError::Handshake { .. }),
-                ) if (flags != 0 || matches!(error, RpcError::Disconnected { .. }))
+                ) if (flags != 0 || patient || matches!(error, RpcError::Disconnected { .. }))
                     && Instant::now() < deadline =>
                 {
                     tracing::debug!(%error, request = R::NAME, request_id, "sending again");
@@ -388,7 +409,7 @@ impl Pool {
     /// Wait until the kept log has room for one more mutation: ask for a durable commit.
     async fn make_room(&self) -> Result<(), RpcError> {
         while !self.kept().has_room() {
-            Box::pin(self.meta_call_unmetered(&Sync {})).await?;
+            Box::pin(self.meta_call_unmetered(&Sync {}, false)).await?;
         }
         Ok(())
     }

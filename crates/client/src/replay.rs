@@ -39,8 +39,9 @@ pub struct KeptLog {
     pub epoch: u64,
     /// The last durable transaction the server reported in that epoch.
     pub durable_txn: u64,
-    /// By transaction.
-    entries: BTreeMap<u64, Kept>,
+    /// By transaction, then request id: one transaction (a batch of the server's group
+    /// commit) may answer several mutations of this client sent at once.
+    entries: BTreeMap<(u64, u64), Kept>,
     bytes: usize,
 }
 
@@ -63,7 +64,7 @@ impl KeptLog {
         self.durable_txn = self.durable_txn.max(durable_txn);
         let durable = self.durable_txn;
         while let Some(entry) = self.entries.first_entry() {
-            if *entry.key() > durable {
+            if entry.key().0 > durable {
                 break;
             }
             self.bytes -= entry.get().bytes();
@@ -77,7 +78,7 @@ impl KeptLog {
             return;
         }
         self.bytes += kept.bytes();
-        if let Some(replaced) = self.entries.insert(txn, kept) {
+        if let Some(replaced) = self.entries.insert((txn, kept.request_id), kept) {
             self.bytes -= replaced.bytes();
         }
     }
@@ -86,7 +87,7 @@ impl KeptLog {
     pub fn entries(&self) -> Vec<(u64, Kept)> {
         self.entries
             .iter()
-            .map(|(txn, kept)| (*txn, kept.clone()))
+            .map(|((txn, _), kept)| (*txn, kept.clone()))
             .collect()
     }
 
@@ -138,5 +139,26 @@ mod tests {
         log.start_epoch(8);
         assert!(log.len() == 0 && log.has_room());
         assert_eq!(log.epoch, 8);
+    }
+
+    /// One batch of the server's group commit answers several mutations this client sent
+    /// at once (the mount's creates answered ahead): every one is kept, none replaces
+    /// another.
+    #[test]
+    fn mutations_answered_by_one_transaction_are_all_kept() {
+        let mut log = KeptLog::default();
+        log.start_epoch(3);
+        log.answered(3, 40, kept(9));
+        log.answered(3, 40, kept(7));
+        log.answered(3, 41, kept(8));
+        assert_eq!(log.len(), 3);
+        let order: Vec<(u64, u64)> = log
+            .entries()
+            .iter()
+            .map(|(txn, kept)| (*txn, kept.request_id))
+            .collect();
+        assert_eq!(order, vec![(40, 7), (40, 9), (41, 8)]);
+        log.durable(3, 40);
+        assert_eq!(log.len(), 1);
     }
 }

@@ -448,7 +448,7 @@ impl FreeflowFs {
         drop(admission);
         let (remover, state, name) = (self.caller(request), self.state.clone(), name.to_owned());
         self.spawn(async move {
-            match remover.unlink_leased(parent, &name).await {
+            match remover.unlink_ahead_sent(parent, &name).await {
                 Ok(lease) => {
                     state.cache.admit().listing_renewed(parent, lease, |lease| {
                         state.client.lease_remaining(lease, &[parent])
