@@ -344,7 +344,9 @@ async fn creates_and_unlinks_answered_ahead_survive_a_meta_kill() {
                 if index % 3 == 2 {
                     let name = format!("f{}", index - 1);
                     let path = directory.join(&name);
-                    retried(&format!("unlink {name}"), &mut || std::fs::remove_file(&path));
+                    retried(&format!("unlink {name}"), &mut || {
+                        std::fs::remove_file(&path)
+                    });
                     model.remove(&name);
                 }
                 *progress.lock().unwrap() = index;

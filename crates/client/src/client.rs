@@ -605,9 +605,23 @@ impl Client {
         target: impl FnOnce() -> String,
     ) -> Result<(freeflow_proto::meta::CreateReply, Lease), ClientError> {
         if patient {
+            // What the caller answered: the file, with its reserved number.
+            let answered = freeflow_proto::meta::CreateReply {
+                attr: Attr::new_inode(
+                    request.inode.unwrap_or(0),
+                    FileKind::Regular,
+                    request.permissions,
+                    request.caller.user_id,
+                    request.caller.group_id,
+                    freeflow_types::TimeSpec::default(),
+                ),
+                created: true,
+                handle_id: None,
+            };
+            let answered = freeflow_proto::encode(&Ok::<_, freeflow_proto::WireError>(answered));
             self.shared
                 .pool
-                .meta_call_leased_patient(request, target)
+                .meta_call_leased_patient(request, target, answered)
                 .await
         } else {
             self.shared.pool.meta_call_leased(request, target).await
@@ -811,11 +825,14 @@ impl Client {
             parent,
             name: name.to_string(),
         };
+        let answered = freeflow_proto::encode(&Ok::<(), freeflow_proto::WireError>(()));
         self.shared
             .pool
-            .meta_call_leased_patient(&request, || {
-                format!("parent {parent} name {name:?} (answered ahead)")
-            })
+            .meta_call_leased_patient(
+                &request,
+                || format!("parent {parent} name {name:?} (answered ahead)"),
+                answered,
+            )
             .await
             .map(|((), lease)| lease)
     }

@@ -7,7 +7,7 @@
 //! restarted elsewhere). Every call ends within the connect timeout plus the call timeout:
 //! a server that is down gives an error naming it, never a hang.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -57,6 +57,31 @@ impl Lease {
             epoch: stamp.epoch,
             delegated: !stamp.delegated.is_empty(),
         }
+    }
+}
+
+/// A mutation sent patiently and not answered yet (see `Pool::patient`).
+#[derive(Clone)]
+struct PatientMutation {
+    opcode: u16,
+    name: &'static str,
+    request: Vec<u8>,
+    /// The reply its caller answered with, as the server would have given it (a replay
+    /// carries its original reply: a create's holds its inode number).
+    answered: Vec<u8>,
+    /// Replayed to a restarted server already: its own send is then a resend.
+    replayed: bool,
+}
+
+/// Removes a patient mutation from the pool's table when its call ends.
+struct PatientEntry<'a> {
+    pool: &'a Pool,
+    request_id: u64,
+}
+
+impl Drop for PatientEntry<'_> {
+    fn drop(&mut self) {
+        self.pool.patient().remove(&self.request_id);
     }
 }
 
@@ -136,6 +161,11 @@ pub(crate) struct Pool {
     next_meta_request: AtomicU64,
     /// Mutations answered but not known durable (see `replay.rs`).
     kept: Mutex<KeptLog>,
+    /// Mutations sent patiently (their caller answered them already, `delegation.rs`) and
+    /// not answered yet, by request id. At a restart of the meta server they are replayed
+    /// right after the kept ones, inside the recovery window, so that no other client acts
+    /// on their directory before them. Bounded by the ops answered ahead at once.
+    patient: Mutex<BTreeMap<u64, PatientMutation>>,
     /// Held while kept mutations are replayed to a restarted meta server.
     replaying: tokio::sync::Mutex<()>,
     /// The transaction that applied the last mutation answered (0: none yet).
@@ -181,6 +211,7 @@ impl Pool {
             refreshing: tokio::sync::Mutex::new(()),
             next_meta_request: AtomicU64::new(1),
             kept: Mutex::new(KeptLog::default()),
+            patient: Mutex::new(BTreeMap::new()),
             replaying: tokio::sync::Mutex::new(()),
             last_mutation_txn: AtomicU64::new(0),
             on_new_epoch: Mutex::new(None),
@@ -251,6 +282,10 @@ impl Pool {
         self.last_mutation_txn.load(Ordering::Acquire)
     }
 
+    fn patient(&self) -> MutexGuard<'_, BTreeMap<u64, PatientMutation>> {
+        self.patient.lock().expect("patient table not poisoned")
+    }
+
     fn kept(&self) -> MutexGuard<'_, KeptLog> {
         self.kept.lock().expect("kept log not poisoned")
     }
@@ -282,25 +317,29 @@ impl Pool {
         request: &R,
         target: impl FnOnce() -> String,
     ) -> Result<(R::Reply, Lease), ClientError> {
-        self.meta_call_leased_as(request, target, false).await
+        self.meta_call_leased_as(request, target, None).await
     }
 
     /// [`Pool::meta_call_leased`] for a mutation its caller already answered (a create or
     /// unlink answered ahead, `delegation.rs`): a server that cannot be reached is tried
     /// again until the call timeout, as a broken connection is, instead of failing at once.
+    /// `answered` is the reply the caller gave, as the server would encode it: replayed
+    /// to a restarted server with the request (see `Pool::patient`).
     pub async fn meta_call_leased_patient<R: Request>(
         &self,
         request: &R,
         target: impl FnOnce() -> String,
+        answered: Vec<u8>,
     ) -> Result<(R::Reply, Lease), ClientError> {
-        self.meta_call_leased_as(request, target, true).await
+        self.meta_call_leased_as(request, target, Some(answered))
+            .await
     }
 
     async fn meta_call_leased_as<R: Request>(
         &self,
         request: &R,
         target: impl FnOnce() -> String,
-        patient: bool,
+        patient: Option<Vec<u8>>,
     ) -> Result<(R::Reply, Lease), ClientError> {
         let started = Instant::now();
         let result = self.meta_call_unmetered(request, patient).await;
@@ -323,7 +362,7 @@ impl Pool {
     async fn meta_call_unmetered<R: Request>(
         &self,
         request: &R,
-        patient: bool,
+        patient: Option<Vec<u8>>,
     ) -> Result<(R::Reply, ReplyStamp), RpcError> {
         let mutation = is_mutation(R::OPCODE);
         if mutation {
@@ -333,9 +372,35 @@ impl Pool {
         let request_id = self.next_meta_request.fetch_add(1, Ordering::Relaxed);
         let deadline = Instant::now() + Duration::from_millis(self.options.call_timeout_ms);
         let mut flags = 0;
+        let is_patient = patient.is_some();
+        let _entry = patient.map(|answered| {
+            self.patient().insert(
+                request_id,
+                PatientMutation {
+                    opcode: R::OPCODE,
+                    name: R::NAME,
+                    request: header.clone(),
+                    answered,
+                    replayed: false,
+                },
+            );
+            PatientEntry {
+                pool: self,
+                request_id,
+            }
+        });
         loop {
             let attempt = match self.meta_connection().await {
                 Ok(connection) => {
+                    if is_patient
+                        && self
+                            .patient()
+                            .get(&request_id)
+                            .is_some_and(|entry| entry.replayed)
+                    {
+                        // Replayed by the recovery already: answered from its record.
+                        flags = FLAG_RESEND;
+                    }
                     connection
                         .call_raw(
                             R::OPCODE,
@@ -358,7 +423,9 @@ impl Pool {
                     error @ (RpcError::Disconnected { .. }
                     | RpcError::Connect { .. }
                     | RpcError::Handshake { .. }),
-                ) if (flags != 0 || patient || matches!(error, RpcError::Disconnected { .. }))
+                ) if (flags != 0
+                    || is_patient
+                    || matches!(error, RpcError::Disconnected { .. }))
                     && Instant::now() < deadline =>
                 {
                     tracing::debug!(%error, request = R::NAME, request_id, "sending again");
@@ -409,7 +476,7 @@ impl Pool {
     /// Wait until the kept log has room for one more mutation: ask for a durable commit.
     async fn make_room(&self) -> Result<(), RpcError> {
         while !self.kept().has_room() {
-            Box::pin(self.meta_call_unmetered(&Sync {}, false)).await?;
+            Box::pin(self.meta_call_unmetered(&Sync {}, None)).await?;
         }
         Ok(())
     }
@@ -519,6 +586,47 @@ impl Pool {
                     self.metrics.replayed(false);
                     replayed.push((stamp, kept));
                 }
+            }
+        }
+        // Then what this client answered ahead and the old server had not answered: inside
+        // the window too, so that nobody acts on its directory before it lands.
+        let patient: Vec<(u64, PatientMutation)> = self
+            .patient()
+            .iter_mut()
+            .map(|(request_id, entry)| {
+                entry.replayed = true;
+                (*request_id, entry.clone())
+            })
+            .collect();
+        for (request_id, entry) in patient {
+            let name = entry.name;
+            let original = ReplayOf {
+                epoch: old_epoch,
+                txn: 0,
+                reply: entry.answered,
+            };
+            let frame = connection
+                .call_raw(
+                    entry.opcode,
+                    name,
+                    request_id,
+                    FLAG_REPLAY,
+                    entry.request,
+                    Bytes::from(encode(&original)),
+                )
+                .await?;
+            match decode::<Result<(), WireError>>(&frame.header) {
+                Ok(Err(error)) => tracing::error!(
+                    request = name,
+                    request_id,
+                    %error,
+                    "a change answered ahead before the metadata server restarted was refused"
+                ),
+                _ => tracing::debug!(
+                    request = name,
+                    request_id,
+                    "a change answered ahead, unanswered by the old server, replayed"
+                ),
             }
         }
         // Leases of the old server are void: drop what was cached under them first.
