@@ -716,7 +716,7 @@ impl Client {
         parent: InodeId,
         name: &str,
         runtime: &tokio::runtime::Handle,
-    ) -> Option<crate::delegation::AheadCreate> {
+    ) -> Option<crate::delegation::AheadOp> {
         let epoch = self.shared.pool.lease_epoch();
         let (ahead, reserve) = self.shared.delegations.begin(epoch, parent, name);
         if reserve {

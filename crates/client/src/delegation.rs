@@ -21,6 +21,7 @@
 //! meta server's grants (one per mkdir), creates in flight by `CREATES_IN_FLIGHT_MAX`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -82,9 +83,6 @@ pub struct AheadOp {
     done: bool,
 }
 
-/// The create kind of [`AheadOp`], as the mount names it.
-pub type AheadCreate = AheadOp;
-
 impl AheadOp {
     /// The new file's number (a create), or the unlinked file's (an unlink).
     pub fn inode(&self) -> InodeId {
@@ -112,6 +110,9 @@ impl Drop for AheadOp {
 #[derive(Default)]
 pub struct Delegations {
     inner: Mutex<Inner>,
+    /// `inner.in_flight.len()`, read without the lock: every FUSE request of the mount
+    /// asks whether something is unsettled, and almost always nothing is.
+    in_flight: AtomicUsize,
     /// Woken when a create answered ahead gets its answer.
     landed: Notify,
 }
@@ -178,6 +179,8 @@ impl Delegations {
         }
         *inner.in_directory.entry(directory).or_insert(0) += 1;
         inner.in_flight.insert(inode);
+        self.in_flight
+            .store(inner.in_flight.len(), Ordering::Release);
         let ahead = AheadOp {
             delegations: Arc::clone(self),
             directory,
@@ -210,6 +213,8 @@ impl Delegations {
         }
         *inner.in_directory.entry(directory).or_insert(0) += 1;
         inner.in_flight.insert(inode);
+        self.in_flight
+            .store(inner.in_flight.len(), Ordering::Release);
         inner.unlinking.insert(key);
         Some(AheadOp {
             delegations: Arc::clone(self),
@@ -239,6 +244,8 @@ impl Delegations {
             }
         }
         inner.in_flight.remove(&inode);
+        self.in_flight
+            .store(inner.in_flight.len(), Ordering::Release);
         if let Some(name) = unlinked {
             inner.unlinking.remove(&(directory, name));
         }
@@ -249,6 +256,9 @@ impl Delegations {
     /// Whether anything answered ahead is still on its way in `inodes` (as directories)
     /// or of them (as files).
     pub fn unsettled(&self, inodes: &[InodeId]) -> bool {
+        if self.in_flight.load(Ordering::Acquire) == 0 {
+            return false;
+        }
         let inner = self.inner();
         if inner.in_flight.is_empty() {
             return false;

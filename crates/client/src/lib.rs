@@ -30,7 +30,7 @@ pub use config::{
     ClientConfig, CALL_TIMEOUT_MS_DEFAULT, CONNECT_TIMEOUT_MS_DEFAULT, DIRTY_BYTES_MAX_DEFAULT,
     READAHEAD_BYTES_DEFAULT, SIZE_COMMIT_INTERVAL_MS_DEFAULT,
 };
-pub use delegation::{AheadCreate, AheadOp};
+pub use delegation::AheadOp;
 pub use error::ClientError;
 pub use file::{Allocation, FileHandle, COPY_LENGTH_MAX, READ_LENGTH_MAX};
 pub use leases::RevocationHandler;
