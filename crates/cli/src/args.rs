@@ -25,6 +25,12 @@ pub struct MountFlags {
     /// the meta server's leases (revoked before another client's change returns).
     #[arg(long)]
     pub no_cache: bool,
+    /// Let the kernel gather small writes in its page cache (FUSE writeback cache): much
+    /// faster small writes, but the kernel owns the size of a file it holds open, so a
+    /// descriptor kept open here while another client shortens the file keeps the old size
+    /// until it is closed (docs/consistency.md, "Writeback mounts"). Not with --no-cache.
+    #[arg(long, conflicts_with = "no_cache")]
+    pub writeback: bool,
     /// Kernel channels (threads reading requests).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub threads: u32,

@@ -597,6 +597,99 @@ async fn small_writes_are_gathered_and_every_mount_reads_them() {
     );
 }
 
+/// A writeback mount (`--writeback`: the kernel gathers writes in its page cache and owns
+/// the sizes of the files it holds) beside a plain one. Its writes reach the other mount at
+/// close and survive its SIGKILL once fsynced; another mount's changes evict the files its
+/// kernel holds (a stale size there would come back as old bytes or zeros); and another
+/// mount's truncation recalls its dirty pages before the cut, so no byte written before the
+/// truncate comes back after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writeback_mount_sees_other_mounts_changes_and_loses_no_write() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = coherence_cluster(LONG_LEASE_MS).await;
+    let mut writeback = Mount::start(&cluster, "a", &["--writeback"]);
+    let plain = Mount::start(&cluster, "b", &[]);
+    let mut random = Xorshift::new(31);
+
+    // Small writes, read back mid-stream, then seen elsewhere after the close.
+    let expected = random.bytes(4_000 * 100);
+    let mut file = open_rw(&writeback.path("log"));
+    for (index, record) in expected.chunks(100).enumerate() {
+        file.write_all(record).unwrap();
+        if index == 2_000 {
+            let mut back = vec![0u8; 100];
+            file.read_exact_at(&mut back, 200_000).unwrap();
+            assert_eq!(back, record, "the writer reads what it just wrote");
+        }
+    }
+    drop(file);
+    assert_bytes_eq(&read_all(&plain.path("log")), &expected, "after the close");
+
+    // Another mount shortens and extends a file this kernel holds (warm, closed): the next
+    // calls here see its size and bytes, and an append here lands at its end.
+    warm(&writeback, "log");
+    let file = OpenOptions::new()
+        .write(true)
+        .open(plain.path("log"))
+        .unwrap();
+    file.set_len(1_000).unwrap();
+    file.write_all_at(b"XYZ", 1_000).unwrap();
+    drop(file);
+    let mut now = expected[..1_000].to_vec();
+    now.extend_from_slice(b"XYZ");
+    assert_eq!(fs::metadata(writeback.path("log")).unwrap().len(), 1_003);
+    assert_bytes_eq(
+        &read_all(&writeback.path("log")),
+        &now,
+        "after a cut elsewhere",
+    );
+    let tail = random.bytes(100);
+    let mut file = OpenOptions::new()
+        .append(true)
+        .open(writeback.path("log"))
+        .unwrap();
+    file.write_all(&tail).unwrap();
+    drop(file);
+    now.extend_from_slice(&tail);
+    assert_bytes_eq(&read_all(&plain.path("log")), &now, "an append here");
+
+    // Dirty pages of a file held open here, then a truncation elsewhere: they are written
+    // back before the cut, so none of those bytes is read after it, before or after the
+    // writer's close.
+    let mut held = open_rw(&writeback.path("held"));
+    held.write_all(&random.bytes(65_536)).unwrap();
+    OpenOptions::new()
+        .write(true)
+        .open(plain.path("held"))
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    assert_eq!(fs::metadata(plain.path("held")).unwrap().len(), 0);
+    drop(held);
+    let after = read_all(&plain.path("held"));
+    assert!(
+        after.iter().all(|byte| *byte == 0),
+        "{} of {} bytes written before the truncate came back after it",
+        after.iter().filter(|byte| **byte != 0).count(),
+        after.len()
+    );
+
+    // An fsync makes the kernel's pages durable: they survive the mount's SIGKILL.
+    let durable = random.bytes(1 << 20);
+    let mut file = open_rw(&writeback.path("durable"));
+    file.write_all(&durable).unwrap();
+    file.sync_all().unwrap();
+    writeback.kill9();
+    drop(file);
+    assert_bytes_eq(
+        &read_all(&plain.path("durable")),
+        &durable,
+        "after fsync and kill",
+    );
+}
+
 fn flock(file: &File, operation: libc::c_int) -> Result<(), i32> {
     use std::os::fd::AsRawFd;
     // SAFETY: a valid descriptor and a flock operation.

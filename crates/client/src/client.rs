@@ -61,6 +61,8 @@ pub(crate) struct Shared {
     /// The revocation poll (started at connect) and who is told of revocations.
     watcher: Mutex<Option<JoinHandle<()>>>,
     pub(crate) revocation_handler: Mutex<Option<crate::leases::RevocationHandler>>,
+    /// Who writes back what it holds of a recalled file before the acknowledgement.
+    pub(crate) recall_handler: Mutex<Option<crate::leases::RecallHandler>>,
     /// The file locks this client holds (see `locks.rs`).
     pub(crate) locks: Mutex<crate::locks::HeldLocks>,
     /// Closes nobody waits for (see `closer.rs`).
@@ -219,6 +221,7 @@ impl Client {
             revoked: crate::leases::new_revoked(),
             watcher: Mutex::new(None),
             revocation_handler: Mutex::new(None),
+            recall_handler: Mutex::new(None),
             locks: crate::locks::new_held(),
         });
         // After a meta server restart, the locks held here are taken again before the
@@ -316,6 +319,15 @@ impl Client {
             }])
         }));
         *self.shared.revocation_handler.lock().expect("not poisoned") = Some(handler);
+    }
+
+    /// Hear when another client's change recalls this client's writes to files (a
+    /// revocation of their attributes): `handler` is called with those inodes before the
+    /// writes this client started on them are waited for, so that whatever it holds
+    /// unsent (a mount's kernel with its writeback cache) is written through this client
+    /// first. It is waited for up to the call time-out, then the recall goes on.
+    pub fn watch_recalls(&self, handler: crate::leases::RecallHandler) {
+        *self.shared.recall_handler.lock().expect("not poisoned") = Some(handler);
     }
 
     /// How long `lease` can still be trusted for what it covers (`inodes`), if at all.

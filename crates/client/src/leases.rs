@@ -33,6 +33,9 @@ const REVOKED_REMEMBERED_MAX: usize = 1 << 20;
 
 /// What to call with revocations (inode 0: everything, the server restarted).
 pub type RevocationHandler = Arc<dyn Fn(&[Revocation]) + Send + Sync>;
+/// Called with the files whose writes another client's change recalls (see
+/// `Client::watch_recalls`).
+pub type RecallHandler = Arc<dyn Fn(&[InodeId]) + Send + Sync>;
 
 /// Revocations seen in one server epoch: the newest id by inode.
 #[derive(Default)]
@@ -136,8 +139,20 @@ pub(crate) async fn watch(shared: Weak<Shared>, pool: Arc<Pool>) {
             .collect();
         recalled.sort_unstable();
         recalled.dedup();
-        for inode in recalled {
-            for handle in client.open_handles(inode) {
+        let recall_handler = client.recall_handler.lock().expect("not poisoned").clone();
+        if let Some(handler) = recall_handler.filter(|_| !recalled.is_empty()) {
+            let inodes = recalled.clone();
+            let written = tokio::task::spawn_blocking(move || handler(&inodes));
+            let bound = Duration::from_millis(pool.call_timeout_ms());
+            if tokio::time::timeout(bound, written).await.is_err() {
+                tracing::warn!(
+                    files = recalled.len(),
+                    "writing back recalled files took longer than the call time-out"
+                );
+            }
+        }
+        for inode in &recalled {
+            for handle in client.open_handles(*inode) {
                 handle.wait_for_started_writes().await;
             }
         }

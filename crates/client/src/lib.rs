@@ -33,7 +33,7 @@ pub use config::{
 pub use delegation::AheadOp;
 pub use error::ClientError;
 pub use file::{Allocation, FileHandle, COPY_LENGTH_MAX, READ_LENGTH_MAX};
-pub use leases::RevocationHandler;
+pub use leases::{RecallHandler, RevocationHandler};
 pub use locks::LockSpec;
 pub use path::{join, normalize};
 pub use paths::{OpenOptions, StripePlacement};

@@ -19,7 +19,7 @@
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use freeflow_client::{InodeId, Lease, Revocation};
@@ -36,6 +36,10 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// Most names kept over all complete listings; a directory that would pass it is dropped
 /// (its lookups go to the meta server again).
 pub const LISTED_NAMES_MAX: usize = 1 << 20;
+
+/// Most names kept for one file in [`Index::held`] (hard links); past it the oldest is
+/// dropped, and a revocation cannot evict the file through that name.
+pub const HELD_NAMES_PER_FILE_MAX: usize = 64;
 
 /// Every name of a directory, known under `lease` on its names.
 struct Listing {
@@ -57,6 +61,13 @@ struct Index {
     swept_at: Option<Instant>,
     listings: HashMap<InodeId, Listing>,
     listed_names: usize,
+    /// Writeback mounts: the names under which the kernel holds each regular file, leased
+    /// or not. The kernel owns such a file's size; a revocation of its attributes
+    /// invalidates every one of these names so that the kernel drops the inode (and that
+    /// size) unless a descriptor holds it open. The kernel's inode cache bounds the table
+    /// (an inode's names go when the kernel forgets it), and [`HELD_NAMES_PER_FILE_MAX`]
+    /// bounds each file's list.
+    held: HashMap<InodeId, Vec<(InodeId, String)>>,
 }
 
 impl Index {
@@ -98,6 +109,32 @@ pub struct KernelCache {
     /// Set with the notifier: without one (`--no-cache`) nothing is cached under a lease,
     /// as nothing could take it back from the kernel.
     enabled: AtomicBool,
+    /// The kernel's writeback cache is on: it owns regular files' sizes and holds dirty
+    /// pages, so a revocation also writes those back and evicts the file (see `revoke`).
+    writeback: bool,
+    /// Files this mount is truncating now (count of such requests by inode): the kernel
+    /// holds their write-back (and the inode's lock) until the truncation is answered, so
+    /// asking it to write them back would wait for that answer, which may itself wait for
+    /// this mount's acknowledgement (`write_back` skips them).
+    truncating: Mutex<HashMap<InodeId, usize>>,
+}
+
+/// A truncation of this mount under way (see `KernelCache::truncating`); ends on drop.
+pub struct Truncating {
+    cache: Arc<KernelCache>,
+    inode: InodeId,
+}
+
+impl Drop for Truncating {
+    fn drop(&mut self) {
+        let mut truncating = self.cache.truncating.lock().expect("not poisoned");
+        if let Some(count) = truncating.get_mut(&self.inode) {
+            *count -= 1;
+            if *count == 0 {
+                truncating.remove(&self.inode);
+            }
+        }
+    }
 }
 
 /// The right to hand the kernel something under a lease. Held from the lease check until
@@ -106,6 +143,7 @@ pub struct KernelCache {
 pub struct Admission<'a> {
     index: MutexGuard<'a, Index>,
     enabled: bool,
+    writeback: bool,
 }
 
 impl Admission<'_> {
@@ -281,6 +319,26 @@ impl Admission<'_> {
         Some(left)
     }
 
+    /// Note that the kernel holds the regular file `inode` under `name` in `parent`
+    /// (writeback mounts only; see [`Index::held`]). Called before the reply, like
+    /// [`Admission::entry`].
+    pub fn held_as(&mut self, inode: InodeId, parent: InodeId, name: &str) {
+        if !self.enabled || !self.writeback {
+            return;
+        }
+        let names = self.index.held.entry(inode).or_default();
+        if names
+            .iter()
+            .any(|(at, known)| *at == parent && known == name)
+        {
+            return;
+        }
+        if names.len() >= HELD_NAMES_PER_FILE_MAX {
+            names.remove(0);
+        }
+        names.push((parent, name.to_string()));
+    }
+
     /// Note that the kernel may cache `inode`'s attributes for `left`.
     pub fn attributes(&mut self, left: Option<Duration>, inode: InodeId) -> Option<Duration> {
         let left = left.filter(|_| self.enabled)?;
@@ -296,11 +354,68 @@ impl Admission<'_> {
 }
 
 impl KernelCache {
-    pub fn new() -> KernelCache {
+    pub fn new(writeback: bool) -> KernelCache {
         KernelCache {
             index: Mutex::new(Index::default()),
             notifier: Mutex::new(None),
             enabled: AtomicBool::new(false),
+            writeback,
+            truncating: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Note a truncation of `inode` by this mount until the returned guard is dropped.
+    pub fn truncating(self: &Arc<Self>, inode: InodeId) -> Truncating {
+        *self
+            .truncating
+            .lock()
+            .expect("not poisoned")
+            .entry(inode)
+            .or_insert(0) += 1;
+        Truncating {
+            cache: self.clone(),
+            inode,
+        }
+    }
+
+    fn notifier(&self) -> Option<Notifier> {
+        self.notifier.lock().expect("notifier not poisoned").clone()
+    }
+
+    /// Have the kernel write back and drop its pages of those of `inodes` it holds as
+    /// regular files (writeback mounts, at a recall of their writes): `inval_inode` from
+    /// offset 0 returns once each dirty page went out as a write through this mount.
+    pub fn write_back(&self, inodes: &[InodeId]) {
+        let Some(notifier) = self.notifier() else {
+            return;
+        };
+        let held: Vec<InodeId> = {
+            let truncating = self.truncating.lock().expect("not poisoned");
+            let index = self.index();
+            inodes
+                .iter()
+                .copied()
+                .filter(|inode| index.held.contains_key(inode) && !truncating.contains_key(inode))
+                .collect()
+        };
+        for inode in held {
+            let _ = notifier.inval_inode(INodeNo(inode), 0, 0);
+        }
+    }
+
+    /// The kernel forgot `inode` (its last lookup reference went).
+    pub fn forgotten(&self, inode: InodeId) {
+        if self.writeback {
+            self.index().held.remove(&inode);
+        }
+    }
+
+    /// Make the kernel drop `name` of `parent`, so that the regular file behind it is
+    /// evicted once nothing uses it (a writeback mount handed it out without a lease on
+    /// its attributes: the size the kernel took with it must not outlive this access).
+    pub fn evict_name(&self, parent: InodeId, name: &str) {
+        if let Some(notifier) = self.notifier() {
+            let _ = notifier.inval_entry(INodeNo(parent), OsStr::new(name));
         }
     }
 
@@ -313,6 +428,7 @@ impl KernelCache {
         Admission {
             index: self.index(),
             enabled: self.enabled.load(Ordering::Acquire),
+            writeback: self.writeback,
         }
     }
 
@@ -322,13 +438,25 @@ impl KernelCache {
     }
 
     /// Drop from the kernel what `revocations` name; returns once the kernel did.
+    ///
+    /// On a writeback mount a revoked regular file is first written back and its pages
+    /// dropped (`inval_inode` from offset 0: the kernel writes each dirty page through
+    /// this mount before it returns; the caller then waits for those writes), then every
+    /// name the kernel holds it under is invalidated, so that the kernel evicts it unless
+    /// a descriptor holds it open, and takes the size from the next lookup.
     pub fn revoke(&self, revocations: &[Revocation]) {
-        let notifier = self.notifier.lock().expect("notifier not poisoned").clone();
-        let Some(notifier) = notifier else {
+        let Some(notifier) = self.notifier() else {
             return;
         };
         for revocation in revocations {
-            let (entries, inodes) = self.take(revocation);
+            let Taken {
+                entries,
+                inodes,
+                files,
+            } = self.take(revocation);
+            for inode in files {
+                let _ = notifier.inval_inode(INodeNo(inode), 0, 0);
+            }
             for (parent, name) in entries {
                 // ENOENT: the kernel no longer had it. Nothing else can be done either way.
                 let _ = notifier.inval_entry(INodeNo(parent), OsStr::new(&name));
@@ -341,8 +469,37 @@ impl KernelCache {
     }
 
     /// What one revocation covers, taken out of the index.
-    fn take(&self, revocation: &Revocation) -> (Vec<(InodeId, String)>, Vec<InodeId>) {
+    fn take(&self, revocation: &Revocation) -> Taken {
         let mut index = self.index();
+        // Writeback: the files' pages and every name they are held under (kept: the
+        // kernel forgetting the file removes them).
+        let mut files = Vec::new();
+        let mut held_names = Vec::new();
+        if revocation.inode == 0 {
+            for (inode, names) in &index.held {
+                files.push(*inode);
+                held_names.extend(names.iter().cloned());
+            }
+        } else if revocation.attributes {
+            if let Some(names) = index.held.get(&revocation.inode) {
+                files.push(revocation.inode);
+                held_names.extend(names.iter().cloned());
+            }
+        }
+        let (mut entries, inodes) = Self::take_leased(&mut index, revocation);
+        entries.extend(held_names);
+        Taken {
+            entries,
+            inodes,
+            files,
+        }
+    }
+
+    /// The names and attributes a revocation covers among those handed out under leases.
+    fn take_leased(
+        index: &mut Index,
+        revocation: &Revocation,
+    ) -> (Vec<(InodeId, String)>, Vec<InodeId>) {
         let mut entries = Vec::new();
         let mut inodes = Vec::new();
         if revocation.inode == 0 {
@@ -393,6 +550,17 @@ impl KernelCache {
     }
 }
 
+/// What one revocation makes the kernel drop.
+#[derive(Default)]
+struct Taken {
+    /// Names (parent, name).
+    entries: Vec<(InodeId, String)>,
+    /// Inodes whose attributes go.
+    inodes: Vec<InodeId>,
+    /// Regular files whose pages go too, written back first (writeback mounts).
+    files: Vec<InodeId>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -409,7 +577,7 @@ mod tests {
 
     #[test]
     fn revocations_take_what_they_name_out_of_the_index() {
-        let cache = KernelCache::new();
+        let cache = KernelCache::new(false);
         cache.enabled.store(true, Ordering::Release);
         let lease = Some(Duration::from_secs(10));
         {
@@ -423,15 +591,21 @@ mod tests {
                 "no lease: not cached"
             );
         }
-        let (entries, inodes) = cache.take(&revocation(1, &["a", "zz"], false, false));
+        let Taken {
+            entries, inodes, ..
+        } = cache.take(&revocation(1, &["a", "zz"], false, false));
         assert_eq!(entries, vec![(1, "a".to_string()), (1, "zz".to_string())]);
         assert!(inodes.is_empty());
-        let (entries, inodes) = cache.take(&revocation(11, &[], true, false));
+        let Taken {
+            entries, inodes, ..
+        } = cache.take(&revocation(11, &[], true, false));
         assert!(entries.is_empty());
         assert_eq!(inodes, vec![11]);
-        let (entries, _) = cache.take(&revocation(1, &[], false, true));
+        let Taken { entries, .. } = cache.take(&revocation(1, &[], false, true));
         assert_eq!(entries, vec![(1, "b".to_string())]);
-        let (entries, inodes) = cache.take(&revocation(0, &[], true, true));
+        let Taken {
+            entries, inodes, ..
+        } = cache.take(&revocation(0, &[], true, true));
         assert_eq!(entries, vec![(2, "c".to_string())]);
         assert_eq!(inodes, vec![10]);
         assert_eq!(cache.index().name_count, 0);
@@ -439,7 +613,7 @@ mod tests {
 
     #[test]
     fn a_listing_answers_missing_names_until_its_lease_or_a_revocation_ends_it() {
-        let cache = KernelCache::new();
+        let cache = KernelCache::new(false);
         cache.enabled.store(true, Ordering::Release);
         let lease = Lease {
             until: Some(Instant::now() + Duration::from_secs(10)),
@@ -493,8 +667,55 @@ mod tests {
         );
         assert_eq!(cache.index().listed_names, 0);
         // Without a notifier (`--no-cache`) nothing is kept.
-        let off = KernelCache::new();
+        let off = KernelCache::new(false);
         off.admit().listing_started(7, lease, None);
         assert_eq!(off.admit().known_missing(7, "a", good), None);
+    }
+
+    #[test]
+    fn a_writeback_mount_evicts_a_revoked_file_under_every_name_it_was_held_as() {
+        let cache = KernelCache::new(true);
+        cache.enabled.store(true, Ordering::Release);
+        {
+            let mut admission = cache.admit();
+            admission.held_as(10, 1, "a");
+            admission.held_as(10, 1, "a");
+            admission.held_as(10, 2, "link");
+            admission.held_as(11, 1, "b");
+        }
+        let Taken { entries, files, .. } = cache.take(&revocation(10, &[], true, false));
+        assert_eq!(files, vec![10], "its pages are written back and dropped");
+        assert_eq!(
+            entries,
+            vec![(1, "a".to_string()), (2, "link".to_string())],
+            "each name once"
+        );
+        let Taken { files, .. } = cache.take(&revocation(1, &["a"], false, false));
+        assert!(files.is_empty(), "a change of names only: no file evicted");
+        cache.forgotten(10);
+        let Taken { files, entries, .. } = cache.take(&revocation(10, &[], true, false));
+        assert!(
+            files.is_empty() && entries.is_empty(),
+            "forgotten by the kernel"
+        );
+        let Taken { files, entries, .. } = cache.take(&revocation(0, &[], true, true));
+        assert_eq!((files, entries), (vec![11], vec![(1, "b".to_string())]));
+        // Past the bound, the oldest name goes.
+        let mut admission = cache.admit();
+        for at in 0..=HELD_NAMES_PER_FILE_MAX as u64 {
+            admission.held_as(12, at + 100, "n");
+        }
+        let names = &admission.index.held[&12];
+        assert_eq!(names.len(), HELD_NAMES_PER_FILE_MAX);
+        assert_eq!(names[0].0, 101);
+        drop(admission);
+        // Without writeback nothing is held.
+        let plain = KernelCache::new(false);
+        plain.enabled.store(true, Ordering::Release);
+        plain.admit().held_as(10, 1, "a");
+        assert!(plain
+            .take(&revocation(10, &[], true, false))
+            .files
+            .is_empty());
     }
 }

@@ -95,6 +95,8 @@ pub(crate) struct MountState {
     in_flight: Arc<Semaphore>,
     /// What the kernel caches under leases, and how to take it back (`cache.rs`).
     pub cache: Arc<KernelCache>,
+    /// The kernel's writeback cache is on (`MountOptions::writeback`).
+    pub writeback: bool,
 }
 
 impl MountState {
@@ -114,7 +116,20 @@ impl MountState {
             lookups: Mutex::new(HashMap::new()),
             runtime,
             in_flight: Arc::new(Semaphore::new(REQUESTS_IN_FLIGHT_MAX)),
-            cache: Arc::new(KernelCache::new()),
+            cache: Arc::new(KernelCache::new(options.writeback)),
+            writeback: options.writeback,
+        }
+    }
+
+    /// After handing the kernel the regular file `inode` as `name` of `parent` without a
+    /// lease on its attributes (`attr_ttl` zero), on a writeback mount: have the kernel
+    /// drop that name again, on a blocking task (the kernel may hold the directory's lock
+    /// for this very request), so that its size is taken afresh at the next lookup.
+    fn evict_unleased(&self, kind: FileKind, parent: InodeId, name: &str, attr_ttl: Duration) {
+        if self.writeback && kind == FileKind::Regular && attr_ttl.is_zero() {
+            let (cache, name) = (self.cache.clone(), name.to_owned());
+            self.runtime
+                .spawn_blocking(move || cache.evict_name(parent, &name));
         }
     }
 
@@ -177,6 +192,7 @@ impl MountState {
             *known = known.saturating_sub(count);
             if *known == 0 {
                 lookups.remove(&inode);
+                self.cache.forgotten(inode);
             }
         }
     }
@@ -195,12 +211,17 @@ impl MountState {
         let mut admission = self.cache.admit();
         let (entry_ttl, attr_ttl) =
             self.entry_time_outs(&mut admission, lease, parent, name, Some(attr.inode));
+        if attr.kind == FileKind::Regular {
+            admission.held_as(attr.inode, parent, name);
+        }
         reply.entry_with_ttls(
             &attr_ttl,
             &entry_ttl,
             &self.kernel_attr(attr),
             Generation(0),
         );
+        drop(admission);
+        self.evict_unleased(attr.kind, parent, name, attr_ttl);
     }
 
     /// Reply that `name` is not in `parent`: a negative entry the kernel keeps for what is
@@ -367,6 +388,7 @@ impl FreeflowFs {
         state.remember(inode);
         let (entry_ttl, attr_ttl) =
             state.entry_time_outs(&mut admission, &lease, parent, name, Some(inode));
+        admission.held_as(inode, parent, name);
         reply.created(
             &attr_ttl.min(entry_ttl),
             &file_attr(&attr, 0),
@@ -589,7 +611,6 @@ impl fuser::Filesystem for FreeflowFs {
             InitFlags::FUSE_PARALLEL_DIROPS,
             InitFlags::FUSE_ATOMIC_O_TRUNC,
             InitFlags::FUSE_ASYNC_DIO,
-            InitFlags::FUSE_AUTO_INVAL_DATA,
             InitFlags::FUSE_MAX_PAGES,
             InitFlags::FUSE_BIG_WRITES,
             // We clear setuid/setgid ourselves (write flag below; the meta server on truncate
@@ -603,6 +624,25 @@ impl fuser::Filesystem for FreeflowFs {
             if config.add_capabilities(wanted).is_err() {
                 tracing::debug!(?wanted, "the kernel lacks a FUSE capability");
             }
+        }
+        let data_cache = if self.state.writeback {
+            // The kernel gathers writes in its page cache and owns sizes and times of the
+            // files it holds; revocations write back and evict them (`cache.rs`). Not with
+            // automatic invalidation: it compares the kernel's own modify time with the
+            // meta server's and would write back and drop the pages at every attribute
+            // fetch.
+            InitFlags::FUSE_WRITEBACK_CACHE
+        } else {
+            // Pages are dropped when another client's change shows in the attributes.
+            InitFlags::FUSE_AUTO_INVAL_DATA
+        };
+        if config.add_capabilities(data_cache).is_err() {
+            if self.state.writeback {
+                return Err(std::io::Error::other(
+                    "the kernel does not offer FUSE's writeback cache: mount without --writeback",
+                ));
+            }
+            tracing::debug!(wanted = ?data_cache, "the kernel lacks a FUSE capability");
         }
         Ok(())
     }
@@ -670,7 +710,7 @@ impl fuser::Filesystem for FreeflowFs {
         size: Option<u64>,
         access_time: Option<TimeOrNow>,
         modify_time: Option<TimeOrNow>,
-        _change_time: Option<std::time::SystemTime>,
+        change_time: Option<std::time::SystemTime>,
         handle: Option<FileHandle>,
         _birth_time: Option<std::time::SystemTime>,
         _change_time_macos: Option<std::time::SystemTime>,
@@ -695,8 +735,26 @@ impl fuser::Filesystem for FreeflowFs {
             (Some(_), Some(_)) => self.state.files.get(inode.0),
             _ => None,
         };
-        let (client, state) = (self.caller(request), self.state.clone());
+        // A writeback mount's kernel keeps a file's times itself and sends them with the
+        // change time: at a write-back of the file, or as the explicit times of a `touch`
+        // (no "now" flag then). It checked the caller's right to either (default
+        // permissions) before sending, so they are set as root: a writer who is not the
+        // owner may set the times to now, which the meta server could not tell apart.
+        let kernel_times = change_time.is_some()
+            && mode.is_none()
+            && user_id.is_none()
+            && group_id.is_none()
+            && size.is_none();
+        let client = if kernel_times {
+            self.state.client.clone()
+        } else {
+            self.caller(request)
+        };
+        let state = self.state.clone();
+        // The kernel holds this file's write-back until a truncation is answered.
+        let truncating = size.map(|_| self.state.cache.truncating(inode.0));
         self.spawn(async move {
+            let _truncating = truncating;
             let result = if changes == SetAttr::default() {
                 client.getattr_leased(inode.0).await
             } else {
@@ -942,7 +1000,9 @@ impl fuser::Filesystem for FreeflowFs {
         self.settle(&[inode.0]);
         let truncate = flags.0 & libc::O_TRUNC != 0;
         let (client, state) = (self.caller(request), self.state.clone());
+        let truncating = truncate.then(|| self.state.cache.truncating(inode.0));
         self.spawn(async move {
+            let _truncating = truncating;
             let handle = match state.files.acquire(&state.client, inode.0).await {
                 Ok(handle) => handle,
                 Err(error) => return reply.error(errno(&error)),
@@ -1321,6 +1381,7 @@ impl fuser::Filesystem for FreeflowFs {
             }
             let ttl = state.attr_ttl.min(state.entry_ttl);
             let mut admission = state.cache.admit();
+            let mut unleased = Vec::new();
             let mut index = offset;
             if let Some(attr) = &directory {
                 if index == 0 && reply.add(inode, 1, ".", &ttl, attr, Generation(0)) {
@@ -1348,9 +1409,19 @@ impl fuser::Filesystem for FreeflowFs {
                 }
                 // The kernel counts a lookup for each entry it takes.
                 state.remember(attr.inode);
+                if attr.kind == FileKind::Regular {
+                    admission.held_as(attr.inode, inode.0, &name);
+                    if state.writeback && attr_ttl.min(entry_ttl).is_zero() {
+                        unleased.push(name);
+                    }
+                }
                 index += 1;
             }
             reply.ok();
+            drop(admission);
+            for name in unleased {
+                state.evict_unleased(FileKind::Regular, inode.0, &name, Duration::ZERO);
+            }
         });
     }
 
@@ -1538,6 +1609,7 @@ impl fuser::Filesystem for FreeflowFs {
                         &name,
                         Some(attr.inode),
                     );
+                    admission.held_as(attr.inode, parent.0, &name);
                     reply.created(
                         &attr_ttl.min(entry_ttl),
                         &state.kernel_attr(&attr),

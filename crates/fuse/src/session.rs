@@ -38,6 +38,11 @@ pub struct MountOptions {
     /// leases, revoked by callback before another client's conflicting change returns
     /// (default on; off: only the time-outs below).
     pub cache_leases: bool,
+    /// Let the kernel gather writes in its page cache and send them in large pieces
+    /// (FUSE writeback cache; default off). The kernel then owns each open file's size and
+    /// times on this host: see docs/consistency.md, "Writeback mounts", for what other
+    /// clients see and when. Needs `cache_leases` (revocations evict what the kernel holds).
+    pub writeback: bool,
     /// How long the kernel may reuse attributes given without a lease (default 0: with
     /// leases on, a reply without one raced another client's change and is not kept; a
     /// mount without leases may trade some staleness for fewer requests, as `freeflow
@@ -58,6 +63,7 @@ impl Default for MountOptions {
             allow_other: false,
             sync_on_close: false,
             cache_leases: true,
+            writeback: false,
             attr_timeout_ms: 0,
             entry_timeout_ms: 0,
             threads: 4,
@@ -71,7 +77,8 @@ impl MountOptions {
         let MountOptions {
             allow_other: _,
             sync_on_close: _,
-            cache_leases: _,
+            cache_leases,
+            writeback,
             attr_timeout_ms,
             entry_timeout_ms,
             threads,
@@ -81,6 +88,13 @@ impl MountOptions {
             return Err(FuseError::Options(format!(
                 "threads {threads} is not between 1 and 64"
             )));
+        }
+        if *writeback && !*cache_leases {
+            return Err(FuseError::Options(
+                "writeback needs the lease cache (it cannot be used with --no-cache): only a \
+                 revocation can make the kernel drop a size it owns"
+                    .into(),
+            ));
         }
         if *attr_timeout_ms > 3_600_000 || *entry_timeout_ms > 3_600_000 {
             return Err(FuseError::Options(
@@ -181,6 +195,14 @@ pub fn mount(
         state
             .client
             .watch_revocations(Arc::new(move |revocations| cache.revoke(revocations)));
+        if options.writeback {
+            // Another client's change recalls this mount's writes to a file: the kernel's
+            // dirty pages of it go out through the client before the acknowledgement.
+            let cache = state.cache.clone();
+            state
+                .client
+                .watch_recalls(Arc::new(move |inodes| cache.write_back(inodes)));
+        }
     }
     let device = mount_device(&mountpoint);
     match device {
@@ -380,5 +402,11 @@ mod tests {
             ..MountOptions::default()
         };
         assert!(bad_name.validate().is_err());
+        let writeback_without_leases = MountOptions {
+            writeback: true,
+            cache_leases: false,
+            ..MountOptions::default()
+        };
+        assert!(writeback_without_leases.validate().is_err());
     }
 }

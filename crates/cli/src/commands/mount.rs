@@ -21,6 +21,8 @@ pub struct Options {
     pub threads: u32,
     /// Cache under leases (false: `--no-cache`).
     pub cache_leases: bool,
+    /// The kernel's writeback cache (`--writeback`).
+    pub writeback: bool,
     /// Serve the client's metrics on this `host:port` (None: no endpoint).
     pub metrics_address: Option<String>,
 }
@@ -38,6 +40,7 @@ impl Options {
             call_timeout_ms: flags.call_timeout_ms,
             threads: flags.threads,
             cache_leases: !flags.no_cache,
+            writeback: flags.writeback,
             metrics_address,
         }
     }
@@ -51,6 +54,7 @@ impl Default for Options {
             call_timeout_ms: 10_000,
             threads: 4,
             cache_leases: true,
+            writeback: false,
             metrics_address: None,
         }
     }
@@ -126,6 +130,7 @@ pub async fn mount_cluster(
         sync_on_close: options.sync_on_close,
         threads: options.threads as usize,
         cache_leases: options.cache_leases,
+        writeback: options.writeback,
         // Without leases, attributes are kept a second (with them, a reply without a
         // lease is not kept at all).
         attr_timeout_ms: if options.cache_leases { 0 } else { 1_000 },
