@@ -130,6 +130,21 @@ pub enum Command {
     },
     /// Show the cluster's servers (up or down), capacity and file count.
     Status,
+    /// Check that the I/O servers' objects agree with the namespace: objects with no
+    /// inode, outside their file's layout, or longer than the file's size. Exit status 65
+    /// when problems are left (or a server could not be checked).
+    Fsck {
+        /// Fix what is safe: remove objects no file owns, cut objects to their file's size.
+        #[arg(long)]
+        repair: bool,
+        /// Leave alone objects written this recently (a create answered ahead may still be
+        /// on its way to the meta server).
+        #[arg(long, default_value_t = 60_000)]
+        grace_ms: u64,
+        /// No progress bar.
+        #[arg(short, long)]
+        quiet: bool,
+    },
     /// List a directory (`ff:/path` or `/path`).
     Ls {
         /// Long listing: kind, mode, links, size, inode.

@@ -51,6 +51,7 @@ pub fn exit_status(error: &anyhow::Error) -> u8 {
         if cause
             .downcast_ref::<crate::commands::ExerciseFailed>()
             .is_some()
+            || cause.downcast_ref::<crate::commands::FsckFound>().is_some()
         {
             return EXIT_DATA;
         }

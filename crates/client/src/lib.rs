@@ -9,6 +9,7 @@
 //!   all servers at once with bounded write-behind, parallel reads, size commits, `fsync`.
 //! - [`ClientError::code`] is the one table from errors to errno.
 
+mod check;
 mod client;
 mod closer;
 mod config;
@@ -40,12 +41,13 @@ pub use paths::{OpenOptions, StripePlacement};
 pub use pool::Lease;
 
 // The request and reply types of the API, so users need not name the proto crate.
+pub use freeflow_proto::io::{ListedObject, ObjectListing, LIST_OBJECTS_MAX};
 pub use freeflow_proto::meta::{
-    Caller, ClusterReport, DirEntry, DirPage, FsStats, HandleRef, LockConflict, OpenAccess,
-    RenameMode, Revocation, ServerRecord, XattrSetMode,
+    Caller, ClusterReport, DirEntry, DirPage, FsStats, HandleRef, InodeFacts, LockConflict,
+    OpenAccess, RenameMode, Revocation, ServerRecord, XattrSetMode, INSPECT_INODES_MAX,
 };
 pub use freeflow_proto::ErrorCode;
 pub use freeflow_rpc::ClusterKey;
 pub use freeflow_types::{
-    Attr, FileKind, InodeId, Layout, LockKind, SetAttr, TimeSpec, ROOT_INODE,
+    Attr, FileKind, InodeId, Layout, LockKind, ObjectId, ServerId, SetAttr, TimeSpec, ROOT_INODE,
 };

@@ -7,8 +7,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use freeflow_proto::io::{
-    AllocateObject, CopyObjectRange, IoStats, ReadObject, ReadReply, RemoveObjects, ServerStats,
-    SyncObjects, TruncateObject, WriteObject,
+    AllocateObject, CopyObjectRange, IoStats, ListObjects, ObjectListing, ReadObject, ReadReply,
+    RemoveObject, RemoveObjects, ServerStats, SyncObjects, TruncateObject, WriteObject,
+    LIST_OBJECTS_MAX,
 };
 use freeflow_proto::{Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
@@ -115,9 +116,44 @@ impl Service for IoService {
                 })
                 .await
             }
+            RemoveObject::OPCODE => {
+                handle(frame, |request: RemoveObject, _| async move {
+                    store.remove_one(request.object).await?;
+                    Ok(((), Bytes::new()))
+                })
+                .await
+            }
             ServerStats::OPCODE => {
                 handle(frame, |_: ServerStats, _| async move {
                     Ok((IoService::stats(store)?, Bytes::new()))
+                })
+                .await
+            }
+            ListObjects::OPCODE => {
+                handle(frame, |request: ListObjects, _| async move {
+                    let shard = usize::try_from(request.shard)
+                        .ok()
+                        .filter(|shard| *shard < crate::store::SHARD_COUNT)
+                        .ok_or_else(|| {
+                            WireError::new(
+                                freeflow_proto::ErrorCode::InvalidArgument,
+                                format!(
+                                    "shard {} is not below {}",
+                                    request.shard,
+                                    crate::store::SHARD_COUNT
+                                ),
+                            )
+                        })?;
+                    if request.limit == 0 || request.limit > LIST_OBJECTS_MAX {
+                        return Err(WireError::new(
+                            freeflow_proto::ErrorCode::InvalidArgument,
+                            format!("limit {} is not in 1..={LIST_OBJECTS_MAX}", request.limit),
+                        ));
+                    }
+                    let (objects, more) = store
+                        .list(shard, request.after, request.limit as usize)
+                        .await?;
+                    Ok((ObjectListing { objects, more }, Bytes::new()))
                 })
                 .await
             }

@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use bytes::Bytes;
-use freeflow_proto::io::{AllocateMode, ObjectSpace};
+use freeflow_proto::io::{AllocateMode, ListedObject, ObjectSpace};
 use freeflow_types::{limits, InodeId, ObjectId, ServerId};
 
 use crate::engine::DiskEngine;
@@ -496,6 +496,19 @@ impl ObjectStore {
         Ok(())
     }
 
+    /// Remove `object` alone, leaving its inode writable here (see `RemoveObject`).
+    pub async fn remove_one(&self, object: ObjectId) -> Result<(), StoreError> {
+        self.cache.remove(object);
+        let path = self.object_path(object);
+        let removed = {
+            let path = path.clone();
+            let shards = Arc::clone(&self.shards);
+            blocking(move || remove_object(&shards[shard_of(object.inode)], &path)).await
+        };
+        self.cache.remove(object);
+        removed.map_err(|error| StoreError::from_io(self.server_id, "remove", path, error))
+    }
+
     /// Statistics of the data directory's file system.
     pub fn space(&self) -> Result<Space, StoreError> {
         statvfs(&self.data_dir).map_err(|error| {
@@ -538,6 +551,58 @@ impl ObjectStore {
             "object count ready"
         );
         Ok(total)
+    }
+
+    /// The objects of shard directory `shard` after `after`, at most `limit`, in order,
+    /// with their lengths and ages; and whether more follow (for `freeflow fsck`). Reads the
+    /// whole directory each time (a shard holds a 256th of the objects): blocking, so it
+    /// runs on a blocking thread.
+    pub async fn list(
+        &self,
+        shard: usize,
+        after: Option<ObjectId>,
+        limit: usize,
+    ) -> Result<(Vec<ListedObject>, bool), StoreError> {
+        let directory = self.objects_dir.join(format!("{shard:02x}"));
+        let path = directory.clone();
+        let listed = blocking(move || -> io::Result<(Vec<ListedObject>, bool)> {
+            let mut objects: Vec<ObjectId> = Vec::new();
+            for entry in std::fs::read_dir(&directory)? {
+                let name = entry?.file_name();
+                if let Some(object) = parse_object_name(&name.to_string_lossy()) {
+                    if after.is_none_or(|after| object > after) {
+                        objects.push(object);
+                    }
+                }
+            }
+            objects.sort_unstable();
+            let more = objects.len() > limit;
+            objects.truncate(limit);
+            let now = std::time::SystemTime::now();
+            let mut listed = Vec::with_capacity(objects.len());
+            for object in objects {
+                let path = directory.join(object_name(object));
+                let metadata = match std::fs::metadata(&path) {
+                    Ok(metadata) => metadata,
+                    // Removed since the listing (the reaper, a truncation to nothing).
+                    Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
+                    Err(error) => return Err(error),
+                };
+                let age_ms = metadata
+                    .modified()
+                    .ok()
+                    .and_then(|modified| now.duration_since(modified).ok())
+                    .map_or(0, |age| age.as_millis() as u64);
+                listed.push(ListedObject {
+                    object,
+                    length: metadata.len(),
+                    age_ms,
+                });
+            }
+            Ok((listed, more))
+        })
+        .await;
+        listed.map_err(|error| StoreError::from_io(self.server_id, "list", path, error))
     }
 
     async fn open_existing(&self, object: ObjectId) -> Result<Option<Arc<File>>, StoreError> {
@@ -590,6 +655,18 @@ impl ObjectStore {
 /// The shard of an inode: `inode % 256`.
 pub fn shard_of(inode: InodeId) -> usize {
     (inode % SHARD_COUNT as u64) as usize
+}
+
+/// The object a file name in a shard directory stands for (`<16 hex>.<decimal stripe>`).
+fn parse_object_name(name: &str) -> Option<ObjectId> {
+    if !is_object_name(name) {
+        return None;
+    }
+    let (inode, stripe) = name.split_once('.')?;
+    Some(ObjectId {
+        inode: u64::from_str_radix(inode, 16).ok()?,
+        stripe_index: stripe.parse().ok()?,
+    })
 }
 
 /// True for `<16 hex>.<decimal stripe>`, the names objects have.

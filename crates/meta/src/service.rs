@@ -18,11 +18,12 @@ use bytes::Bytes;
 use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::meta::{
     is_mutation, Close, CloseHandles, CloseSession, ClusterReport, ClusterStatus, CommitSize,
-    Create, CreateReply, FsStats, GetAttr, GetLock, GetXattr, InodeRange, Link, ListServers,
-    ListXattr, LockConflict, Lookup, LookupEntry, Mkdir, Open, OpenGrant, OpenSession, ReadDir,
-    ReadLink, RegisterReply, RegisterServer, RemoveXattr, Rename, RenewSession, ReplayDone,
-    ReplayOf, ReplyStamp, ReserveInodes, Rmdir, SessionGrant, SetAttributes, SetDirLayout, SetLock,
-    SetXattr, StatFs, Symlink, Sync, Unlink, WaitRevocations,
+    Create, CreateReply, FsStats, GetAttr, GetLock, GetXattr, InodeFacts, InodeRange,
+    InspectInodes, Link, ListServers, ListXattr, LockConflict, Lookup, LookupEntry, Mkdir, Open,
+    OpenGrant, OpenSession, ReadDir, ReadLink, RegisterReply, RegisterServer, RemoveXattr, Rename,
+    RenewSession, ReplayDone, ReplayOf, ReplyStamp, ReserveInodes, Rmdir, SessionGrant,
+    SetAttributes, SetDirLayout, SetLock, SetXattr, StatFs, Symlink, Sync, Unlink, WaitRevocations,
+    INSPECT_INODES_MAX,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
@@ -545,6 +546,13 @@ impl Service for MetaService {
             ListServers::OPCODE => {
                 handle(frame, |_: ListServers, _| {
                     let result = Ok(shared.registry().records(Instant::now()));
+                    async move { unstamped(shared, result) }
+                })
+                .await
+            }
+            InspectInodes::OPCODE => {
+                handle(frame, |request: InspectInodes, _| {
+                    let result = inspect_inodes(shared, &request);
                     async move { unstamped(shared, result) }
                 })
                 .await
@@ -1092,6 +1100,50 @@ fn stat_fs(shared: &Shared) -> FsStats {
         servers_up: totals.servers_up,
         servers_total: totals.servers_total,
     }
+}
+
+/// `InspectInodes` (for `freeflow fsck`): each inode's record, orphan and truncation
+/// records, and whether a client has it open for writing, read in one transaction.
+fn inspect_inodes(shared: &Shared, request: &InspectInodes) -> Result<Vec<InodeFacts>, WireError> {
+    if request.inodes.len() > INSPECT_INODES_MAX {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "InspectInodes names {} inodes, more than {INSPECT_INODES_MAX}",
+                request.inodes.len()
+            ),
+        ));
+    }
+    let mut facts = shared.read(|read| {
+        let high_water = ops::inode_high_water(read)?;
+        let mut facts = Vec::with_capacity(request.inodes.len());
+        for inode in &request.inodes {
+            let record = ops::try_load_inode(read, *inode)?;
+            let orphan = read
+                .get(TableId::Orphans, &inode_key(*inode))?
+                .map(|bytes| {
+                    decode_versioned::<crate::records::OrphanRecord>(TableId::Orphans, &bytes)
+                })
+                .transpose()?;
+            let truncation = ops::truncate::load_truncation(read, *inode)?;
+            facts.push(InodeFacts {
+                inode: *inode,
+                kind: record.as_ref().map(|record| record.attr.kind),
+                size_bytes: record.as_ref().map_or(0, |record| record.attr.size_bytes),
+                layout: record.and_then(|record| record.attr.layout),
+                orphan: orphan.map(|orphan| orphan.layout),
+                pending_cuts: truncation.map(|record| record.cuts).unwrap_or_default(),
+                open_for_writing: false,
+                not_yet_allocated: *inode >= high_water,
+            });
+        }
+        Ok(facts)
+    })?;
+    let sessions = shared.sessions();
+    for fact in &mut facts {
+        fact.open_for_writing = sessions.has_writers(fact.inode);
+    }
+    Ok(facts)
 }
 
 fn cluster_status(shared: &Shared) -> ClusterReport {

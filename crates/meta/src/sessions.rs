@@ -143,6 +143,15 @@ impl Sessions {
     }
 
     /// The clients with a handle open for writing on `inode` (each once).
+    /// Whether any session (a client's or the server's own) has `inode` open for writing.
+    pub fn has_writers(&self, inode: InodeId) -> bool {
+        self.open_counts.contains_key(&inode)
+            && self
+                .handles
+                .values()
+                .any(|handle| handle.inode == Some(inode) && handle.access.write)
+    }
+
     pub fn writing_clients(&self, inode: InodeId) -> Vec<u64> {
         if !self.open_counts.contains_key(&inode) {
             return Vec::new();

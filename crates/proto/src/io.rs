@@ -73,4 +73,32 @@ requests! {
         target_offset: u64,
         length: u32,
     }
+    /// The objects of shard directory `shard` (0..256) that sort after `after`, at most
+    /// `limit` (up to [`LIST_OBJECTS_MAX`]), in order, for `freeflow fsck`.
+    ListObjects = 208 => ObjectListing { shard: u32, after: Option<ObjectId>, limit: u32 }
+    /// Remove one object whose inode's other objects stay writable here (unlike
+    /// `RemoveObjects`, which also refuses later writes to the inode): `freeflow fsck`'s
+    /// repair of an object outside its file's layout. A missing object is not an error.
+    RemoveObject = 209 => () { object: ObjectId }
+}
+
+/// Most objects one `ListObjects` returns.
+pub const LIST_OBJECTS_MAX: u32 = 4096;
+
+/// One object as its I/O server holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListedObject {
+    pub object: ObjectId,
+    /// Its length in bytes (`st_size`).
+    pub length: u64,
+    /// How long ago it was last written, on the server's clock (ms).
+    pub age_ms: u64,
+}
+
+/// The reply to `ListObjects`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectListing {
+    pub objects: Vec<ListedObject>,
+    /// More objects of the shard follow the last one.
+    pub more: bool,
 }

@@ -1,6 +1,6 @@
 //! Requests served by the metadata server (opcodes 100-199).
 
-use freeflow_types::{Attr, FileKind, InodeId, LockKind, ServerId, SetAttr, TimeSpec};
+use freeflow_types::{Attr, FileKind, InodeId, Layout, LockKind, ServerId, SetAttr, TimeSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::requests;
@@ -371,6 +371,33 @@ requests! {
     /// numbers are never given to anyone else; they are good for creates until this server
     /// restarts (replays of creates answered before keep theirs).
     ReserveInodes = 141 => InodeRange { count: u32 }
+    /// What the meta server knows of each of `inodes` (at most [`INSPECT_INODES_MAX`]), for
+    /// `freeflow fsck`: it compares them with the objects the I/O servers hold.
+    InspectInodes = 142 => Vec<InodeFacts> { inodes: Vec<InodeId> }
+}
+
+/// Most inodes one `InspectInodes` asks about.
+pub const INSPECT_INODES_MAX: usize = 4096;
+
+/// One inode as `freeflow fsck` needs it (the reply to `InspectInodes`, in request order).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InodeFacts {
+    pub inode: InodeId,
+    /// None: no inode of that number exists.
+    pub kind: Option<FileKind>,
+    pub size_bytes: u64,
+    /// Where a regular file's data lives.
+    pub layout: Option<Layout>,
+    /// Unlinked and waiting for the reaper to remove its data from these servers.
+    pub orphan: Option<Layout>,
+    /// A shrink whose cuts are not all made yet: (stripe index, size to cut it at).
+    pub pending_cuts: Vec<(u32, u64)>,
+    /// Some client has it open for writing: its objects may run past the size until the
+    /// writer commits it.
+    pub open_for_writing: bool,
+    /// The number is at or past the lowest one the server has not given out or reserved
+    /// for a create answered ahead (such a file may still be on its way).
+    pub not_yet_allocated: bool,
 }
 
 /// Inode numbers reserved for one client: `first` up to, not including, `first + count`.

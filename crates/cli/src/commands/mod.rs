@@ -3,6 +3,7 @@
 mod bench;
 mod copy;
 mod exercise;
+mod fsck;
 mod init;
 mod mount;
 mod namespace;
@@ -13,6 +14,7 @@ mod top;
 mod up;
 
 pub use exercise::ExerciseFailed;
+pub use fsck::FsckFound;
 
 use crate::args::{Cli, Command, StripeCommand};
 
@@ -58,6 +60,18 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
         Command::Meta { config } => servers::run_meta(&config).await,
         Command::Io { config } => servers::run_io(&config).await,
         Command::Status => status::run(cluster).await,
+        Command::Fsck {
+            repair,
+            grace_ms,
+            quiet,
+        } => {
+            let options = fsck::Options {
+                repair,
+                grace_ms,
+                quiet,
+            };
+            fsck::run(cluster, options).await
+        }
         Command::Ls { long, path } => namespace::ls(cluster, &path, long).await,
         Command::Stat { path } => namespace::stat(cluster, &path).await,
         Command::Mkdir { parents, path } => namespace::mkdir(cluster, &path, parents).await,

@@ -128,6 +128,12 @@ pub struct WriterState {
     pub high_water_moved: bool,
 }
 
+/// The persisted inode high-water mark: no inode at or past it was ever given out or
+/// reserved (0 if the store was never initialised).
+pub fn inode_high_water<R: StoreRead>(read: &R) -> Result<InodeId, StoreError> {
+    Ok(read_counter(read, COUNTER_INODE_HIGH_WATER)?.unwrap_or(0))
+}
+
 fn read_counter<R: StoreRead>(read: &R, name: &[u8]) -> Result<Option<u64>, StoreError> {
     read.get(TableId::Counters, name)?
         .map(|bytes| decode_counter(&bytes))
