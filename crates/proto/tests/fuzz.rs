@@ -78,6 +78,7 @@ fn every_meta_message(bytes: &[u8]) {
         GetLock,
         CloseHandles,
         ReserveInodes,
+        InspectInodes,
     );
 }
 
@@ -93,6 +94,8 @@ fn every_io_message(bytes: &[u8]) {
         ServerStats,
         AllocateObject,
         CopyObjectRange,
+        ListObjects,
+        RemoveObject,
     );
 }
 
@@ -256,6 +259,33 @@ fn samples() -> Vec<Vec<u8>> {
             delegated: vec![12],
         }),
         encode(&ReserveInodes { count: 1024 }),
+        encode(&InspectInodes {
+            inodes: vec![1, 77, u64::MAX],
+        }),
+        encode(&Ok::<Vec<InodeFacts>, WireError>(vec![InodeFacts {
+            inode: 77,
+            kind: Some(FileKind::Regular),
+            size_bytes: 1 << 20,
+            layout: Some(freeflow_types::Layout::new(4096, vec![0, 1]).unwrap()),
+            orphan: None,
+            pending_cuts: vec![(1, 4096)],
+            open_for_writing: true,
+            not_yet_allocated: false,
+        }])),
+        encode(&ListObjects {
+            shard: 255,
+            after: Some(object),
+            limit: 1024,
+        }),
+        encode(&Ok::<ObjectListing, WireError>(ObjectListing {
+            objects: vec![ListedObject {
+                object,
+                length: 5,
+                age_ms: 60_000,
+            }],
+            more: true,
+        })),
+        encode(&RemoveObject { object }),
         encode(&InodeRange {
             first: 4096,
             count: 1024,
