@@ -78,13 +78,18 @@ impl CallbackClient {
     }
 }
 
-/// The last change of an inode: its sequence, by whom, and whether several clients
-/// changed it recently.
+/// The last change of an inode: its sequence, by whom, and a bound on the sequence of the
+/// last change by anyone else (0: none remembered).
 #[derive(Clone, Copy)]
 struct Change {
     seq: u64,
     client: u64,
-    mixed: bool,
+    /// At least the sequence of every remembered change of the inode by a client other
+    /// than `client`: the previous change's sequence when another client made it, else
+    /// what that change carried. A grant to `client` for a read that began before it is
+    /// refused; one that began after it is not (a directory where several clients worked
+    /// long ago gets leases again).
+    others_seq: u64,
 }
 
 #[derive(Default)]
@@ -194,7 +199,7 @@ impl Leases {
             .collect();
         let raced = names.iter().chain(&attributes).any(|inode| {
             inner.changed.get(inode).is_some_and(|change| {
-                change.seq >= since && (change.client != client || change.mixed)
+                change.seq >= since && (change.client != client || change.others_seq >= since)
             })
         });
         if raced {
@@ -282,13 +287,17 @@ impl Leases {
         inner.next_seq += 1;
         for inode in &changed_inodes {
             let previous = inner.changed.get(inode).copied();
-            let mixed = previous.is_some_and(|change| change.client != changer || change.mixed);
+            let others_seq = match previous {
+                Some(change) if change.client != changer => change.seq,
+                Some(change) => change.others_seq,
+                None => 0,
+            };
             inner.changed.insert(
                 *inode,
                 Change {
                     seq,
                     client: changer,
-                    mixed,
+                    others_seq,
                 },
             );
             inner.changed_order.push_back((now, *inode, seq));
@@ -780,6 +789,38 @@ mod tests {
             .unwrap();
         // Its own changes are never revoked from a client.
         assert!(leases.changed(7, &changed(&[(1, "b")], &[])).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_directory_other_clients_changed_before_a_read_began_is_leased_again() {
+        let leases = Leases::new(10_000);
+        leases.poll(7, 0, Duration::ZERO).await;
+        leases.poll(8, 0, Duration::ZERO).await;
+        // Client 8 changes directory 1; then client 7 starts a mkdir there.
+        let _ = leases.changed(8, &changed(&[(1, "theirs")], &[1]));
+        let since = leases.seq();
+        let _ = leases.changed(7, &changed(&[(1, "mine")], &[1, 20]));
+        assert_eq!(
+            leases
+                .grant(7, &changed(&[(1, "mine")], &[1, 20]), since)
+                .lease_ms,
+            10_000,
+            "8's change came before 7's began"
+        );
+        // Client 8 changes it again while 7's next mutation is under way: no lease.
+        let since = leases.seq();
+        let _ = leases.changed(8, &changed(&[(1, "again")], &[1]));
+        let _ = leases.changed(7, &changed(&[(1, "mine2")], &[1]));
+        assert_eq!(
+            leases
+                .grant(7, &changed(&[(1, "mine2")], &[1]), since)
+                .lease_ms,
+            0,
+            "8 changed it after 7's began"
+        );
+        // And 7's own later changes do not hide that.
+        let _ = leases.changed(7, &changed(&[(1, "mine3")], &[1]));
+        assert_eq!(leases.grant(7, &read(&[1], &[1]), since).lease_ms, 0);
     }
 
     #[tokio::test]
