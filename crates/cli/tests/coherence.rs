@@ -597,6 +597,47 @@ async fn small_writes_are_gathered_and_every_mount_reads_them() {
     );
 }
 
+/// A reader that holds a file open on one mount sees another mount's appends once that
+/// mount closed the file (`tail -f`): the size at its next `fstat`, the bytes at its next
+/// read. Before, the handle answered short at the size it had at its open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_holding_a_file_open_sees_another_mounts_appends() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = coherence_cluster(LONG_LEASE_MS).await;
+    let reader_mount = Mount::start(&cluster, "a", &[]);
+    let writer_mount = Mount::start(&cluster, "b", &[]);
+    fs::write(writer_mount.path("log"), b"first line\n").unwrap();
+    let mut reader = File::open(reader_mount.path("log")).unwrap();
+    let mut seen = Vec::new();
+    reader.read_to_end(&mut seen).unwrap();
+    assert_eq!(seen, b"first line\n");
+    for round in 0..3 {
+        let line = format!("line {round} appended elsewhere\n");
+        let mut writer = OpenOptions::new()
+            .append(true)
+            .open(writer_mount.path("log"))
+            .unwrap();
+        writer.write_all(line.as_bytes()).unwrap();
+        drop(writer);
+        let expected = seen.len() + line.len();
+        assert_eq!(
+            reader.metadata().unwrap().len(),
+            expected as u64,
+            "round {round}: fstat of the held file"
+        );
+        let mut more = Vec::new();
+        reader.read_to_end(&mut more).unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&more),
+            line,
+            "round {round}: the appended bytes"
+        );
+        seen.extend_from_slice(&more);
+    }
+}
+
 /// A writeback mount (`--writeback`: the kernel gathers writes in its page cache and owns
 /// the sizes of the files it holds) beside a plain one. Its writes reach the other mount at
 /// close and survive its SIGKILL once fsynced; another mount's changes evict the files its

@@ -176,6 +176,11 @@ pub(crate) struct HandleShared {
     /// flushes, truncations, recalls, close). See [`SendTurn`].
     send_order: Arc<tokio::sync::Mutex<()>>,
     closed: AtomicBool,
+    /// Another client changed the file's attributes since this handle last read them (a
+    /// revocation named it): a read past the known end asks the meta server for the size
+    /// once before it answers short (a reader that holds the file open sees others'
+    /// appends, as `tail -f` expects).
+    changed_elsewhere: AtomicBool,
 }
 
 struct HandleState {
@@ -696,6 +701,11 @@ impl HandleShared {
 
     /// Wait until every write started through this handle so far is answered by its I/O
     /// servers (or failed): what another client's truncation recalls (`leases::watch`).
+    /// A revocation of the file's attributes arrived: see `changed_elsewhere`.
+    pub(crate) fn note_changed_elsewhere(&self) {
+        self.changed_elsewhere.store(true, Ordering::Release);
+    }
+
     pub(crate) async fn wait_for_started_writes(self: &Arc<Self>) {
         // Gathered writes were made before the recall too: they go out first.
         // A failure is kept on the handle, reported by its next call.
@@ -1363,6 +1373,7 @@ impl FileHandle {
             send_order: Arc::new(tokio::sync::Mutex::new(())),
             completions,
             closed: AtomicBool::new(false),
+            changed_elsewhere: AtomicBool::new(false),
             client: client.clone(),
         });
         client.register_handle(&shared);
@@ -1475,7 +1486,12 @@ impl FileHandle {
             ));
         }
         let layout = shared.data_layout()?;
-        let size = shared.local_size();
+        let mut size = shared.local_size();
+        if offset.saturating_add(length) > size
+            && shared.changed_elsewhere.swap(false, Ordering::AcqRel)
+        {
+            size = self.refresh().await?.size_bytes;
+        }
         if length == 0 || offset >= size {
             return Ok(Bytes::new());
         }

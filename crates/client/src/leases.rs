@@ -153,6 +153,7 @@ pub(crate) async fn watch(shared: Weak<Shared>, pool: Arc<Pool>) {
         }
         for inode in &recalled {
             for handle in client.open_handles(*inode) {
+                handle.note_changed_elsewhere();
                 handle.wait_for_started_writes().await;
             }
         }
