@@ -1,10 +1,11 @@
 //! What `freeflow fsck` asks of the servers: the meta server's facts about inodes and the
-//! I/O servers' objects, and the two repairs it may make (cut an object to its length,
-//! remove objects). Nothing here is needed to use the file system.
+//! I/O servers' objects, and the repairs it may make (cut an object to its length, remove
+//! objects). Nothing here is needed to use the file system.
 
 use bytes::Bytes;
 use freeflow_proto::io::{ListObjects, ObjectListing, RemoveObject, RemoveObjects, TruncateObject};
 use freeflow_proto::meta::{InodeFacts, InspectInodes};
+use freeflow_proto::Request;
 use freeflow_types::{InodeId, ObjectId, ServerId};
 
 use crate::{Client, ClientError};
@@ -35,14 +36,8 @@ impl Client {
             after,
             limit,
         };
-        let (listing, _) = self
-            .shared
-            .pool
-            .io_call(server, 0, &request, Bytes::new(), || {
-                format!("objects of shard {shard} on server {server}")
-            })
-            .await?;
-        Ok(listing)
+        let what = format!("objects of shard {shard}");
+        self.io_request(server, 0, &request, what).await
     }
 
     /// Cut `object` on `server` to `length` bytes (never extends it).
@@ -53,16 +48,10 @@ impl Client {
         length: u64,
     ) -> Result<(), ClientError> {
         let request = TruncateObject { object, length };
-        self.shared
-            .pool
-            .io_call(server, object.inode, &request, Bytes::new(), || {
-                format!(
-                    "object {}.{} on server {server}",
-                    object.inode, object.stripe_index
-                )
-            })
-            .await?;
-        Ok(())
+        let what = format!("object {}.{}", object.inode, object.stripe_index);
+        self.io_request(server, object.inode, &request, what)
+            .await
+            .map(|_| ())
     }
 
     /// Remove `object` from `server`, leaving the inode's other objects there writable.
@@ -72,16 +61,8 @@ impl Client {
         object: ObjectId,
     ) -> Result<(), ClientError> {
         let request = RemoveObject { object };
-        self.shared
-            .pool
-            .io_call(server, object.inode, &request, Bytes::new(), || {
-                format!(
-                    "object {}.{} on server {server}",
-                    object.inode, object.stripe_index
-                )
-            })
-            .await?;
-        Ok(())
+        let what = format!("object {}.{}", object.inode, object.stripe_index);
+        self.io_request(server, object.inode, &request, what).await
     }
 
     /// Remove the objects of `stripes` of `inode` from `server`; the server then refuses
@@ -93,12 +74,24 @@ impl Client {
         stripes: Vec<u32>,
     ) -> Result<(), ClientError> {
         let request = RemoveObjects { inode, stripes };
-        self.shared
+        let what = format!("objects of inode {inode}");
+        self.io_request(server, inode, &request, what).await
+    }
+
+    /// One request without payload to I/O server `server`, about `what`.
+    async fn io_request<R: Request>(
+        &self,
+        server: ServerId,
+        inode: InodeId,
+        request: &R,
+        what: String,
+    ) -> Result<R::Reply, ClientError> {
+        let target = || format!("{what} on server {server}");
+        let (reply, _) = self
+            .shared
             .pool
-            .io_call(server, inode, &request, Bytes::new(), || {
-                format!("objects of inode {inode} on server {server}")
-            })
+            .io_call(server, inode, request, Bytes::new(), target)
             .await?;
-        Ok(())
+        Ok(reply)
     }
 }
