@@ -597,6 +597,41 @@ async fn small_writes_are_gathered_and_every_mount_reads_them() {
     );
 }
 
+/// A writeback mount's kernel keeps a file's size after the lease on it ran out, and no
+/// revocation comes after that: the mount evicts such a file before its lease ends. A
+/// change made elsewhere long after the file was read here is seen by the next calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writeback_mount_sees_changes_made_after_its_lease_ran_out() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = coherence_cluster(1_000).await;
+    let writeback = Mount::start(&cluster, "a", &["--writeback"]);
+    let plain = Mount::start(&cluster, "b", &[]);
+    fs::write(plain.path("f"), b"0123456789").unwrap();
+    for round in 0..2 {
+        warm(&writeback, "f");
+        std::thread::sleep(Duration::from_millis(2_500));
+        let mut file = OpenOptions::new()
+            .append(true)
+            .open(plain.path("f"))
+            .unwrap();
+        file.write_all(b"abc").unwrap();
+        drop(file);
+        let expected = 10 + 3 * (round + 1);
+        assert_eq!(
+            fs::metadata(writeback.path("f")).unwrap().len(),
+            expected as u64,
+            "round {round}: the size after the lease ran out"
+        );
+        assert_eq!(
+            read_all(&writeback.path("f")).len(),
+            expected,
+            "round {round}"
+        );
+    }
+}
+
 /// A reader that holds a file open on one mount sees another mount's appends once that
 /// mount closed the file (`tail -f`): the size at its next `fstat`, the bytes at its next
 /// read. Before, the handle answered short at the size it had at its open.

@@ -100,7 +100,10 @@ async fn fsck_finds_each_kind_of_disagreement_and_repairs_it() {
     let (status, text) = fsck(&cluster, &["--grace-ms", "0"]);
     assert_eq!(status, 65, "problems left: exit 65\n{text}");
     for expected in [
-        format!("{:016x}.0 (8 bytes): no inode", 999_999),
+        format!(
+            "{:016x}.0 (8 bytes): a number the meta server never gave out",
+            999_999
+        ),
         format!("{directory:016x}.0 (13 bytes): its inode is a Directory"),
         format!("{big_inode:016x}.7 (1048576 bytes): outside its file's layout"),
         format!("{small_inode:016x}.0 (5030 bytes): longer than the file's size"),

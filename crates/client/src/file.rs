@@ -1444,6 +1444,29 @@ impl FileHandle {
         self.shared.local_size()
     }
 
+    /// Raise the known size to the meta server's if that is larger (another client's
+    /// committed appends); never lowers it, so a reply older than this handle's own
+    /// truncation or size commit cannot undo them. Returns the known size.
+    async fn learn_growth(&self) -> Result<u64, ClientError> {
+        let inode = self.shared.inode;
+        let epoch = self.shared.lock().truncate_epoch;
+        let attr = self
+            .shared
+            .client
+            .shared
+            .pool
+            .meta_call(&GetAttr { inode }, || format!("inode {inode}"))
+            .await?;
+        let mut state = self.shared.lock();
+        // A truncation through this handle since the request: the reply may predate it.
+        let truncated = state.truncate_epoch != epoch || state.truncates_pending > 0;
+        if attr.size_bytes > state.known_size && !truncated {
+            state.readahead.clear();
+            state.known_size = attr.size_bytes;
+        }
+        Ok(state.known_size)
+    }
+
     /// Fetch the attributes from the meta server again (to see other clients' committed
     /// writes; close-to-open does not need it).
     pub async fn refresh(&self) -> Result<Attr, ClientError> {
@@ -1490,7 +1513,7 @@ impl FileHandle {
         if offset.saturating_add(length) > size
             && shared.changed_elsewhere.swap(false, Ordering::AcqRel)
         {
-            size = self.refresh().await?.size_bytes;
+            size = self.learn_growth().await?;
         }
         if length == 0 || offset >= size {
             return Ok(Bytes::new());

@@ -16,7 +16,8 @@
 //! it up to date. Adding a name is always safe (a known name is asked for as before); only
 //! the claim that a name is missing needs the lease, and it is checked at every use.
 
-use std::collections::{HashMap, HashSet};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::ffi::OsStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -68,6 +69,13 @@ struct Index {
     /// (an inode's names go when the kernel forgets it), and [`HELD_NAMES_PER_FILE_MAX`]
     /// bounds each file's list.
     held: HashMap<InodeId, Vec<(InodeId, String)>>,
+    /// Writeback mounts: when each attribute lease given runs out (several per inode when
+    /// renewed; the newest is in `attributes`). Bounded by the leases given in one lease
+    /// time.
+    expiries: BinaryHeap<Reverse<(Instant, InodeId)>>,
+    /// Writeback mounts: held files without a live attribute lease, to be evicted until
+    /// the kernel forgets them or a new lease comes (see [`KernelCache::lapsing`]).
+    lapsed: HashSet<InodeId>,
 }
 
 impl Index {
@@ -315,6 +323,9 @@ impl Admission<'_> {
         if let Some(child) = child {
             let known = index.attributes.entry(child).or_insert(until);
             *known = (*known).max(until);
+            if self.writeback {
+                index.expiries.push(Reverse((until, child)));
+            }
         }
         Some(left)
     }
@@ -337,6 +348,21 @@ impl Admission<'_> {
             names.remove(0);
         }
         names.push((parent, name.to_string()));
+        let now = Instant::now();
+        if self
+            .index
+            .attributes
+            .get(&inode)
+            .is_none_or(|until| *until <= now)
+        {
+            self.index.lapsed.insert(inode);
+        }
+    }
+
+    /// The kernel forgot `inode` (its last lookup reference went).
+    pub fn forgotten(&mut self, inode: InodeId) {
+        self.index.held.remove(&inode);
+        self.index.lapsed.remove(&inode);
     }
 
     /// Note that the kernel may cache `inode`'s attributes for `left`.
@@ -349,6 +375,9 @@ impl Admission<'_> {
         let until = now + left;
         let known = self.index.attributes.entry(inode).or_insert(until);
         *known = (*known).max(until);
+        if self.writeback {
+            self.index.expiries.push(Reverse((until, inode)));
+        }
         Some(left)
     }
 }
@@ -403,11 +432,40 @@ impl KernelCache {
         }
     }
 
-    /// The kernel forgot `inode` (its last lookup reference went).
-    pub fn forgotten(&self, inode: InodeId) {
-        if self.writeback {
-            self.index().held.remove(&inode);
+    /// Writeback mounts: the held files whose attribute lease runs out before `before` (or
+    /// that have none), with the names to evict them under. The kernel keeps a file's size
+    /// past its lease, and no revocation comes after it: such a file must leave the kernel
+    /// before its lease does, or another client's change would go unseen here. A file the
+    /// caller cannot evict (open here) stays listed until the kernel forgets it or a lease
+    /// comes again.
+    pub fn lapsing(&self, before: Instant) -> Vec<(InodeId, Vec<(InodeId, String)>)> {
+        let mut index = self.index();
+        let index = &mut *index;
+        while let Some(Reverse((until, inode))) = index.expiries.peek().copied() {
+            if until >= before {
+                break;
+            }
+            index.expiries.pop();
+            let renewed = index
+                .attributes
+                .get(&inode)
+                .is_some_and(|current| *current >= before);
+            if !renewed && index.held.contains_key(&inode) {
+                index.lapsed.insert(inode);
+            }
         }
+        let (held, attributes) = (&index.held, &index.attributes);
+        index.lapsed.retain(|inode| {
+            held.contains_key(inode)
+                && attributes
+                    .get(inode)
+                    .is_none_or(|current| *current < before)
+        });
+        index
+            .lapsed
+            .iter()
+            .map(|inode| (*inode, index.held[inode].clone()))
+            .collect()
     }
 
     /// Make the kernel drop `name` of `parent`, so that the regular file behind it is
@@ -454,9 +512,6 @@ impl KernelCache {
                 inodes,
                 files,
             } = self.take(revocation);
-            for inode in files {
-                let _ = notifier.inval_inode(INodeNo(inode), 0, 0);
-            }
             for (parent, name) in entries {
                 // ENOENT: the kernel no longer had it. Nothing else can be done either way.
                 let _ = notifier.inval_entry(INodeNo(parent), OsStr::new(&name));
@@ -465,6 +520,9 @@ impl KernelCache {
                 // A negative offset: the attributes only (pages are dropped at each open).
                 let _ = notifier.inval_inode(INodeNo(inode), -1, 0);
             }
+            // Last, as it may write pages back (slow): a meta server restart drops every
+            // held file's pages (another client may have changed them meanwhile).
+            self.write_back(&files);
         }
     }
 
@@ -481,9 +539,11 @@ impl KernelCache {
                 held_names.extend(names.iter().cloned());
             }
         } else if revocation.attributes {
+            // Its pages were written back by the recall (`write_back`) before this.
             if let Some(names) = index.held.get(&revocation.inode) {
-                files.push(revocation.inode);
                 held_names.extend(names.iter().cloned());
+                // Evicted below unless held open: then again at every sweep.
+                index.lapsed.insert(revocation.inode);
             }
         }
         let (mut entries, inodes) = Self::take_leased(&mut index, revocation);
@@ -557,7 +617,8 @@ struct Taken {
     entries: Vec<(InodeId, String)>,
     /// Inodes whose attributes go.
     inodes: Vec<InodeId>,
-    /// Regular files whose pages go too, written back first (writeback mounts).
+    /// Regular files whose pages go too, written back first (writeback mounts, after a
+    /// meta server restart).
     files: Vec<InodeId>,
 }
 
@@ -684,7 +745,10 @@ mod tests {
             admission.held_as(11, 1, "b");
         }
         let Taken { entries, files, .. } = cache.take(&revocation(10, &[], true, false));
-        assert_eq!(files, vec![10], "its pages are written back and dropped");
+        assert!(
+            files.is_empty(),
+            "its pages went with the recall (write_back)"
+        );
         assert_eq!(
             entries,
             vec![(1, "a".to_string()), (2, "link".to_string())],
@@ -692,7 +756,7 @@ mod tests {
         );
         let Taken { files, .. } = cache.take(&revocation(1, &["a"], false, false));
         assert!(files.is_empty(), "a change of names only: no file evicted");
-        cache.forgotten(10);
+        cache.admit().forgotten(10);
         let Taken { files, entries, .. } = cache.take(&revocation(10, &[], true, false));
         assert!(
             files.is_empty() && entries.is_empty(),

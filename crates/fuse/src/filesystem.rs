@@ -127,10 +127,22 @@ impl MountState {
     /// for this very request), so that its size is taken afresh at the next lookup.
     fn evict_unleased(&self, kind: FileKind, parent: InodeId, name: &str, attr_ttl: Duration) {
         if self.writeback && kind == FileKind::Regular && attr_ttl.is_zero() {
-            let (cache, name) = (self.cache.clone(), name.to_owned());
-            self.runtime
-                .spawn_blocking(move || cache.evict_name(parent, &name));
+            self.evict_names(parent, vec![name.to_owned()]);
         }
+    }
+
+    /// Have the kernel drop `names` of `parent`, on one blocking task nobody waits for
+    /// (the kernel may hold the directory's lock for a request of this mount).
+    fn evict_names(&self, parent: InodeId, names: Vec<String>) {
+        if names.is_empty() {
+            return;
+        }
+        let cache = self.cache.clone();
+        self.runtime.spawn_blocking(move || {
+            for name in names {
+                cache.evict_name(parent, &name);
+            }
+        });
     }
 
     /// Time-outs (entry, attributes) for `name` in `parent` (and `child`'s attributes)
@@ -187,12 +199,15 @@ impl MountState {
     }
 
     fn forget(&self, inode: InodeId, count: u64) {
+        // The cache index before the lookup counts, as where a reply counts a lookup under
+        // an admission (readdirplus, creates answered ahead): one order, no deadlock.
+        let mut admission = self.cache.admit();
         let mut lookups = self.lookups.lock().expect("lookups not poisoned");
         if let Some(known) = lookups.get_mut(&inode) {
             *known = known.saturating_sub(count);
             if *known == 0 {
                 lookups.remove(&inode);
-                self.cache.forgotten(inode);
+                admission.forgotten(inode);
             }
         }
     }
@@ -725,7 +740,12 @@ impl fuser::Filesystem for FreeflowFs {
             group_id,
             size_bytes: size,
             access_time: access_time.map(convert::time_or_now),
-            modify_time: modify_time.map(convert::time_or_now),
+            // A writeback mount's kernel adds its own times to a size change; the meta
+            // server sets them with the size anyway, and they would need the owner's right
+            // where the descriptor's write access is enough (ftruncate).
+            modify_time: modify_time
+                .filter(|_| size.is_none() || change_time.is_none())
+                .map(convert::time_or_now),
             change_time: None,
         };
         // A size change through a descriptor (ftruncate) is authorised by the descriptor,
@@ -958,7 +978,16 @@ impl fuser::Filesystem for FreeflowFs {
                         state.note_removed(parent.0, &source);
                         state.note_made(new_parent.0, &target, None, &Lease::default(), None);
                     }
-                    reply.ok()
+                    reply.ok();
+                    // A writeback mount knows its files by the names it handed out: the
+                    // kernel moved the entry, so it is dropped and looked up again under
+                    // the new name (`Index::held`).
+                    if state.writeback {
+                        state.evict_names(new_parent.0, vec![target.clone()]);
+                        if mode == RenameMode::Exchange {
+                            state.evict_names(parent.0, vec![source.clone()]);
+                        }
+                    }
                 }
                 Err(error) => {
                     state.note_unsure(&[parent.0, new_parent.0]);
@@ -1419,9 +1448,7 @@ impl fuser::Filesystem for FreeflowFs {
             }
             reply.ok();
             drop(admission);
-            for name in unleased {
-                state.evict_unleased(FileKind::Regular, inode.0, &name, Duration::ZERO);
-            }
+            state.evict_names(inode.0, unleased);
         });
     }
 
@@ -1616,7 +1643,10 @@ impl fuser::Filesystem for FreeflowFs {
                         Generation(0),
                         FileHandle(attr.inode),
                         FopenFlags::empty(),
-                    )
+                    );
+                    drop(admission);
+                    let ttl = attr_ttl.min(entry_ttl);
+                    state.evict_unleased(attr.kind, parent.0, &name, ttl);
                 }
                 Err(error) => {
                     state.note_unsure(&[parent.0]);

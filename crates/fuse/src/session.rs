@@ -166,7 +166,7 @@ pub fn mount(
         source,
     };
     let mountpoint = mountpoint.canonicalize().map_err(mount_error)?;
-    let state = Arc::new(MountState::new(client, &options, runtime));
+    let state = Arc::new(MountState::new(client, &options, runtime.clone()));
     let mut config = Config::default();
     config.mount_options = vec![
         MountOption::FSName(options.source_name.clone()),
@@ -202,6 +202,7 @@ pub fn mount(
             state
                 .client
                 .watch_recalls(Arc::new(move |inodes| cache.write_back(inodes)));
+            runtime.spawn(evict_lapsing_files(Arc::downgrade(&state)));
         }
     }
     let device = mount_device(&mountpoint);
@@ -368,6 +369,45 @@ fn unescape_mountinfo(field: &str) -> String {
         index += 1;
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// How often a writeback mount looks for files whose attribute lease is about to run out.
+const LAPSE_SWEEP_INTERVAL: Duration = Duration::from_millis(250);
+/// How long before its lease runs out such a file is evicted from the kernel.
+const LAPSE_MARGIN: Duration = Duration::from_millis(1_000);
+
+/// A writeback mount's kernel keeps a file's size after the lease on its attributes ran
+/// out, and no revocation tells of a change after that: every file not open here leaves
+/// the kernel (its names invalidated) before its lease does (`KernelCache::lapsing`).
+/// Ends with the mount.
+async fn evict_lapsing_files(state: std::sync::Weak<MountState>) {
+    let mut ticks = tokio::time::interval(LAPSE_SWEEP_INTERVAL);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let Some(state) = state.upgrade() else {
+            return;
+        };
+        let lapsing = state.cache.lapsing(Instant::now() + LAPSE_MARGIN);
+        let names: Vec<(u64, String)> = lapsing
+            .into_iter()
+            .filter(|(inode, _)| state.files.get(*inode).is_none())
+            .flat_map(|(_, names)| names)
+            .collect();
+        if names.is_empty() {
+            continue;
+        }
+        let cache = state.cache.clone();
+        drop(state);
+        // The kernel may hold a directory's lock for a request of this mount: off the
+        // runtime, and not waited for by anything else.
+        let _ = tokio::task::spawn_blocking(move || {
+            for (parent, name) in names {
+                cache.evict_name(parent, &name);
+            }
+        })
+        .await;
+    }
 }
 
 fn raise_readahead(major: u32, minor: u32) {

@@ -576,11 +576,13 @@ impl ObjectStore {
                 }
             }
             objects.sort_unstable();
-            let more = objects.len() > limit;
-            objects.truncate(limit);
             let now = std::time::SystemTime::now();
-            let mut listed = Vec::with_capacity(objects.len());
-            for object in objects {
+            let mut listed = Vec::with_capacity(objects.len().min(limit));
+            let mut candidates = objects.into_iter().peekable();
+            while listed.len() < limit {
+                let Some(object) = candidates.next() else {
+                    break;
+                };
                 let path = directory.join(object_name(object));
                 let metadata = match std::fs::metadata(&path) {
                     Ok(metadata) => metadata,
@@ -599,6 +601,9 @@ impl ObjectStore {
                     age_ms,
                 });
             }
+            // Objects removed since the directory was read are skipped, not counted: a
+            // page is short only at the shard's end.
+            let more = candidates.peek().is_some();
             Ok((listed, more))
         })
         .await;

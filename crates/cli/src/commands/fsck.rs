@@ -8,7 +8,7 @@
 //!
 //! | the object | finding | `--repair` |
 //! |---|---|---|
-//! | its inode does not exist and is not an orphan waiting for the reaper | no inode | remove it |
+//! | its inode does not exist and is not an orphan waiting for the reaper | no inode (or a number never given out) | remove it |
 //! | its inode is a directory or a symlink | not a file | remove it |
 //! | its stripe is not in the file's layout, or not on this server | outside the layout | remove it |
 //! | it is longer than the file's size gives its stripe | past the size | cut it to that length |
@@ -67,9 +67,13 @@ impl std::fmt::Display for FsckFound {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Problem {
     NoInode,
+    /// No inode, and its number is past every one given out or reserved.
+    NeverGiven,
     NotAFile(FileKind),
     OutsideLayout,
-    PastSize { expected: u64 },
+    PastSize {
+        expected: u64,
+    },
 }
 
 /// Why an object that disagrees is left alone for now.
@@ -98,6 +102,7 @@ pub fn classify(
     let stripe = listed.object.stripe_index;
     let problem = match (facts.kind, &facts.layout) {
         (None, _) if facts.orphan.is_some() => return Verdict::Waiting(Waiting::Orphan),
+        (None, _) if facts.not_yet_allocated => Problem::NeverGiven,
         (None, _) => Problem::NoInode,
         (Some(FileKind::Regular), Some(layout)) => {
             if layout.servers.get(stripe as usize) != Some(&server) {
@@ -128,6 +133,7 @@ pub fn classify(
 fn describe(problem: Problem) -> String {
     match problem {
         Problem::NoInode => "no inode and no orphan record".to_string(),
+        Problem::NeverGiven => "a number the meta server never gave out".to_string(),
         Problem::NotAFile(kind) => format!("its inode is a {kind:?}, not a regular file"),
         Problem::OutsideLayout => "outside its file's layout (stripe or server)".to_string(),
         Problem::PastSize { expected } => {
@@ -269,7 +275,7 @@ async fn check_server(
                     Verdict::Problem(problem) => {
                         tally.problems += 1;
                         let outcome = if options.repair {
-                            match repair(client, server, listed.object, problem).await {
+                            match repair(client, server, listed, problem, options.grace_ms).await {
                                 Ok(done) => {
                                     tally.repaired += 1;
                                     done
@@ -308,16 +314,28 @@ async fn check_server(
 async fn repair(
     client: &Client,
     server: ServerId,
-    object: ObjectId,
+    listed: &ListedObject,
     problem: Problem,
+    grace_ms: u64,
 ) -> anyhow::Result<String> {
+    // The page's facts may be old by now (repairs before this one took time): a writer may
+    // have opened or grown the file since. Asked again right before the repair.
+    let object = listed.object;
+    let fresh = client.inspect_inodes(&[object.inode]).await?;
+    let Some(facts) = fresh.first() else {
+        anyhow::bail!("the meta server left inode {} out", object.inode);
+    };
+    let problem = match classify(server, listed, facts, grace_ms) {
+        Verdict::Problem(now) if now == problem => problem,
+        _ => return Ok("changed meanwhile, left as is".to_string()),
+    };
     match problem {
         Problem::PastSize { expected } => {
             client.cut_object(server, object, expected).await?;
             Ok(format!("cut to {expected} bytes"))
         }
         // No file of that inode: the server may refuse writes to it from now on.
-        Problem::NoInode | Problem::NotAFile(_) => {
+        Problem::NoInode | Problem::NeverGiven | Problem::NotAFile(_) => {
             client
                 .remove_objects(server, object.inode, vec![object.stripe_index])
                 .await?;
@@ -406,6 +424,11 @@ mod tests {
             classify(1, &listed(0, 10, 5), &gone, 60_000),
             Verdict::Waiting(Waiting::Young),
             "a create answered ahead may still be on its way"
+        );
+        gone.not_yet_allocated = true;
+        assert_eq!(
+            classify(1, &listed(0, 10, old), &gone, 60_000),
+            Verdict::Problem(Problem::NeverGiven)
         );
         gone.orphan = Some(Layout::new(4096, vec![1, 2]).unwrap());
         assert_eq!(
