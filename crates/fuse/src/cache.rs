@@ -38,6 +38,10 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// (its lookups go to the meta server again).
 pub const LISTED_NAMES_MAX: usize = 1 << 20;
 
+/// How often a write-back that is still running looks for a truncation by this mount of
+/// the same file (see [`KernelCache::write_back`]).
+const WRITE_BACK_POLL: Duration = Duration::from_millis(5);
+
 /// Most names kept for one file in [`Index::held`] (hard links); past it the oldest is
 /// dropped, and a revocation cannot evict the file through that name.
 pub const HELD_NAMES_PER_FILE_MAX: usize = 64;
@@ -414,6 +418,12 @@ impl KernelCache {
     /// Have the kernel write back and drop its pages of those of `inodes` it holds as
     /// regular files (writeback mounts, at a recall of their writes): `inval_inode` from
     /// offset 0 returns once each dirty page went out as a write through this mount.
+    ///
+    /// The kernel holds a file's write-back from the moment it starts a truncation of it
+    /// until this mount answers that truncation, which may wait for the recall that called
+    /// this. So each file is written back on a thread of its own, and a file whose
+    /// truncation by this mount began is no longer waited for (its thread finishes once the
+    /// truncation is answered). Returns when every other file is written back.
     pub fn write_back(&self, inodes: &[InodeId]) {
         let Some(notifier) = self.notifier() else {
             return;
@@ -427,8 +437,37 @@ impl KernelCache {
                 .filter(|inode| index.held.contains_key(inode) && !truncating.contains_key(inode))
                 .collect()
         };
-        for inode in held {
-            let _ = notifier.inval_inode(INodeNo(inode), 0, 0);
+        if held.is_empty() {
+            return;
+        }
+        let (done, finished) = std::sync::mpsc::channel();
+        for inode in &held {
+            let (kernel, sender, inode) = (notifier.clone(), done.clone(), *inode);
+            let spawned = std::thread::Builder::new()
+                .name("write-back".to_string())
+                .spawn(move || {
+                    let _ = kernel.inval_inode(INodeNo(inode), 0, 0);
+                    let _ = sender.send(inode);
+                });
+            if spawned.is_err() {
+                // No thread to be had: written back here, waited for whatever happens.
+                let _ = notifier.inval_inode(INodeNo(inode), 0, 0);
+                let _ = done.send(inode);
+            }
+        }
+        drop(done);
+        let mut waiting: HashSet<InodeId> = held.into_iter().collect();
+        while !waiting.is_empty() {
+            match finished.recv_timeout(WRITE_BACK_POLL) {
+                Ok(inode) => {
+                    waiting.remove(&inode);
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    let truncating = self.truncating.lock().expect("not poisoned");
+                    waiting.retain(|inode| !truncating.contains_key(inode));
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+            }
         }
     }
 
