@@ -1444,19 +1444,23 @@ impl FileHandle {
         self.shared.local_size()
     }
 
-    /// Raise the known size to the meta server's if that is larger (another client's
-    /// committed appends); never lowers it, so a reply older than this handle's own
-    /// truncation or size commit cannot undo them. Returns the known size.
-    async fn learn_growth(&self) -> Result<u64, ClientError> {
+    /// The file's attributes as the meta server has them now.
+    async fn fetch_attr(&self) -> Result<Attr, ClientError> {
         let inode = self.shared.inode;
-        let epoch = self.shared.lock().truncate_epoch;
-        let attr = self
-            .shared
+        self.shared
             .client
             .shared
             .pool
             .meta_call(&GetAttr { inode }, || format!("inode {inode}"))
-            .await?;
+            .await
+    }
+
+    /// Raise the known size to the meta server's if that is larger (another client's
+    /// committed appends); never lowers it, so a reply older than this handle's own
+    /// truncation or size commit cannot undo them. Returns the known size.
+    async fn learn_growth(&self) -> Result<u64, ClientError> {
+        let epoch = self.shared.lock().truncate_epoch;
+        let attr = self.fetch_attr().await?;
         let mut state = self.shared.lock();
         // A truncation through this handle since the request: the reply may predate it.
         let truncated = state.truncate_epoch != epoch || state.truncates_pending > 0;
@@ -1470,14 +1474,7 @@ impl FileHandle {
     /// Fetch the attributes from the meta server again (to see other clients' committed
     /// writes; close-to-open does not need it).
     pub async fn refresh(&self) -> Result<Attr, ClientError> {
-        let inode = self.shared.inode;
-        let attr = self
-            .shared
-            .client
-            .shared
-            .pool
-            .meta_call(&GetAttr { inode }, || format!("inode {inode}"))
-            .await?;
+        let attr = self.fetch_attr().await?;
         let mut state = self.shared.lock();
         // A refresh sees other clients' changes: so must the next read.
         state.readahead.clear();
