@@ -38,9 +38,15 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// (its lookups go to the meta server again).
 pub const LISTED_NAMES_MAX: usize = 1 << 20;
 
+/// Most entries of [`Index::expiries`] before it is rebuilt (one per attribute lease).
+const EXPIRIES_MAX: usize = 2 * CACHED_MAX;
+
 /// How often a write-back that is still running looks for a truncation by this mount of
 /// the same file (see [`KernelCache::write_back`]).
 const WRITE_BACK_POLL: Duration = Duration::from_millis(5);
+/// Most files written back at once, each on a thread of its own (a recall may name
+/// thousands); a thread left waiting for this mount's own truncation ends with it.
+const WRITE_BACK_THREADS_MAX: usize = 16;
 
 /// Most names kept for one file in [`Index::held`] (hard links); past it the oldest is
 /// dropped, and a revocation cannot evict the file through that name.
@@ -73,9 +79,9 @@ struct Index {
     /// (an inode's names go when the kernel forgets it), and [`HELD_NAMES_PER_FILE_MAX`]
     /// bounds each file's list.
     held: HashMap<InodeId, Vec<(InodeId, String)>>,
-    /// Writeback mounts: when each attribute lease given runs out (several per inode when
-    /// renewed; the newest is in `attributes`). Bounded by the leases given in one lease
-    /// time.
+    /// Writeback mounts: when the attribute leases in `attributes` run out, one entry per
+    /// lease entered there; a renewed one is put back when its old time comes (see
+    /// [`KernelCache::lapsing`]). Rebuilt from `attributes` past [`EXPIRIES_MAX`].
     expiries: BinaryHeap<Reverse<(Instant, InodeId)>>,
     /// Writeback mounts: held files without a live attribute lease, to be evicted until
     /// the kernel forgets them or a new lease comes (see [`KernelCache::lapsing`]).
@@ -83,6 +89,23 @@ struct Index {
 }
 
 impl Index {
+    /// Note `inode`'s attribute lease until `until` (writeback mounts); `new` when it was
+    /// not in `attributes` before (a renewal is found when the old time comes).
+    fn schedule_expiry(&mut self, inode: InodeId, until: Instant, new: bool) {
+        if !new {
+            return;
+        }
+        self.expiries.push(Reverse((until, inode)));
+        if self.expiries.len() > EXPIRIES_MAX {
+            // Entries of leases revoked and given again pile up: one per lease suffices.
+            self.expiries = self
+                .attributes
+                .iter()
+                .map(|(inode, until)| Reverse((*until, *inode)))
+                .collect();
+        }
+    }
+
     fn drop_listing(&mut self, directory: InodeId) {
         if let Some(listing) = self.listings.remove(&directory) {
             self.listed_names -= listing.names.len();
@@ -325,10 +348,11 @@ impl Admission<'_> {
             }
         }
         if let Some(child) = child {
+            let new = !index.attributes.contains_key(&child);
             let known = index.attributes.entry(child).or_insert(until);
             *known = (*known).max(until);
             if self.writeback {
-                index.expiries.push(Reverse((until, child)));
+                index.schedule_expiry(child, until, new);
             }
         }
         Some(left)
@@ -377,10 +401,11 @@ impl Admission<'_> {
             return None;
         }
         let until = now + left;
+        let new = !self.index.attributes.contains_key(&inode);
         let known = self.index.attributes.entry(inode).or_insert(until);
         *known = (*known).max(until);
         if self.writeback {
-            self.index.expiries.push(Reverse((until, inode)));
+            self.index.schedule_expiry(inode, until, new);
         }
         Some(left)
     }
@@ -437,11 +462,15 @@ impl KernelCache {
                 .filter(|inode| index.held.contains_key(inode) && !truncating.contains_key(inode))
                 .collect()
         };
-        if held.is_empty() {
-            return;
+        for some in held.chunks(WRITE_BACK_THREADS_MAX) {
+            self.write_back_some(&notifier, some);
         }
+    }
+
+    /// [`KernelCache::write_back`] of at most [`WRITE_BACK_THREADS_MAX`] files at once.
+    fn write_back_some(&self, notifier: &Notifier, held: &[InodeId]) {
         let (done, finished) = std::sync::mpsc::channel();
-        for inode in &held {
+        for inode in held {
             let (kernel, sender, inode) = (notifier.clone(), done.clone(), *inode);
             let spawned = std::thread::Builder::new()
                 .name("write-back".to_string())
@@ -456,7 +485,7 @@ impl KernelCache {
             }
         }
         drop(done);
-        let mut waiting: HashSet<InodeId> = held.into_iter().collect();
+        let mut waiting: HashSet<InodeId> = held.iter().copied().collect();
         while !waiting.is_empty() {
             match finished.recv_timeout(WRITE_BACK_POLL) {
                 Ok(inode) => {
@@ -485,12 +514,15 @@ impl KernelCache {
                 break;
             }
             index.expiries.pop();
-            let renewed = index
-                .attributes
-                .get(&inode)
-                .is_some_and(|current| *current >= before);
-            if !renewed && index.held.contains_key(&inode) {
-                index.lapsed.insert(inode);
+            match index.attributes.get(&inode).copied() {
+                // Renewed since: looked at again when the new time comes.
+                Some(current) if current >= before => {
+                    index.expiries.push(Reverse((current, inode)));
+                }
+                _ if index.held.contains_key(&inode) => {
+                    index.lapsed.insert(inode);
+                }
+                _ => {}
             }
         }
         let (held, attributes) = (&index.held, &index.attributes);
@@ -770,6 +802,38 @@ mod tests {
         let off = KernelCache::new(false);
         off.admit().listing_started(7, lease, None);
         assert_eq!(off.admit().known_missing(7, "a", good), None);
+    }
+
+    #[test]
+    fn a_held_file_lapses_only_when_its_newest_lease_runs_out() {
+        let cache = KernelCache::new(true);
+        cache.enabled.store(true, Ordering::Release);
+        {
+            let mut admission = cache.admit();
+            admission.held_as(10, 1, "a");
+            admission.attributes(Some(Duration::from_secs(2)), 10);
+            admission.attributes(Some(Duration::from_secs(60)), 10);
+            admission.held_as(11, 1, "b");
+        }
+        let soon = Instant::now() + Duration::from_secs(5);
+        let lapsing = cache.lapsing(soon);
+        assert_eq!(
+            lapsing,
+            vec![(11, vec![(1, "b".to_string())])],
+            "10 was renewed; 11 never had a lease"
+        );
+        assert_eq!(
+            cache.index().expiries.len(),
+            1,
+            "10's renewal is scheduled once"
+        );
+        let later = Instant::now() + Duration::from_secs(120);
+        let mut lapsing = cache.lapsing(later);
+        lapsing.sort();
+        assert_eq!(lapsing.len(), 2, "both lapse once the renewal runs out");
+        cache.admit().forgotten(10);
+        cache.admit().forgotten(11);
+        assert!(cache.lapsing(later).is_empty(), "forgotten by the kernel");
     }
 
     #[test]

@@ -1139,9 +1139,9 @@ fn inspect_inodes(shared: &Shared, request: &InspectInodes) -> Result<Vec<InodeF
         }
         Ok(facts)
     })?;
-    let sessions = shared.sessions();
+    let writing = shared.sessions().open_for_writing(&request.inodes);
     for fact in &mut facts {
-        fact.open_for_writing = sessions.has_writers(fact.inode);
+        fact.open_for_writing = writing.contains(&fact.inode);
     }
     Ok(facts)
 }

@@ -142,16 +142,26 @@ impl Sessions {
         })
     }
 
-    /// The clients with a handle open for writing on `inode` (each once).
-    /// Whether any session (a client's or the server's own) has `inode` open for writing.
-    pub fn has_writers(&self, inode: InodeId) -> bool {
-        self.open_counts.contains_key(&inode)
-            && self
-                .handles
-                .values()
-                .any(|handle| handle.inode == Some(inode) && handle.access.write)
+    /// Those of `inodes` that some session (a client's or the server's own) has open for
+    /// writing: one pass over the open handles, however many inodes are asked about.
+    pub fn open_for_writing(&self, inodes: &[InodeId]) -> HashSet<InodeId> {
+        let open: HashSet<InodeId> = inodes
+            .iter()
+            .copied()
+            .filter(|inode| self.open_counts.contains_key(inode))
+            .collect();
+        if open.is_empty() {
+            return open;
+        }
+        self.handles
+            .values()
+            .filter(|handle| handle.access.write)
+            .filter_map(|handle| handle.inode)
+            .filter(|inode| open.contains(inode))
+            .collect()
     }
 
+    /// The clients with a handle open for writing on `inode` (each once).
     pub fn writing_clients(&self, inode: InodeId) -> Vec<u64> {
         if !self.open_counts.contains_key(&inode) {
             return Vec::new();
