@@ -38,9 +38,6 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// (its lookups go to the meta server again).
 pub const LISTED_NAMES_MAX: usize = 1 << 20;
 
-/// Most entries of [`Index::expiries`] before it is rebuilt (one per attribute lease).
-const EXPIRIES_MAX: usize = 2 * CACHED_MAX;
-
 /// How often a write-back that is still running looks for a truncation by this mount of
 /// the same file (see [`KernelCache::write_back`]).
 const WRITE_BACK_POLL: Duration = Duration::from_millis(5);
@@ -79,30 +76,23 @@ struct Index {
     /// (an inode's names go when the kernel forgets it), and [`HELD_NAMES_PER_FILE_MAX`]
     /// bounds each file's list.
     held: HashMap<InodeId, Vec<(InodeId, String)>>,
-    /// Writeback mounts: when the attribute leases in `attributes` run out, one entry per
-    /// lease entered there; a renewed one is put back when its old time comes (see
-    /// [`KernelCache::lapsing`]). Rebuilt from `attributes` past [`EXPIRIES_MAX`].
+    /// Writeback mounts: when the attribute leases in `attributes` run out, at most one
+    /// entry per inode (those in `scheduled`); a renewed lease is put back when its old
+    /// time comes (see [`KernelCache::lapsing`]). Bounded by the inodes leased within one
+    /// lease time.
     expiries: BinaryHeap<Reverse<(Instant, InodeId)>>,
+    scheduled: HashSet<InodeId>,
     /// Writeback mounts: held files without a live attribute lease, to be evicted until
     /// the kernel forgets them or a new lease comes (see [`KernelCache::lapsing`]).
     lapsed: HashSet<InodeId>,
 }
 
 impl Index {
-    /// Note `inode`'s attribute lease until `until` (writeback mounts); `new` when it was
-    /// not in `attributes` before (a renewal is found when the old time comes).
-    fn schedule_expiry(&mut self, inode: InodeId, until: Instant, new: bool) {
-        if !new {
-            return;
-        }
-        self.expiries.push(Reverse((until, inode)));
-        if self.expiries.len() > EXPIRIES_MAX {
-            // Entries of leases revoked and given again pile up: one per lease suffices.
-            self.expiries = self
-                .attributes
-                .iter()
-                .map(|(inode, until)| Reverse((*until, *inode)))
-                .collect();
+    /// Note `inode`'s attribute lease until `until` (writeback mounts), unless its expiry
+    /// is scheduled already (a renewal is found when that time comes).
+    fn schedule_expiry(&mut self, inode: InodeId, until: Instant) {
+        if self.scheduled.insert(inode) {
+            self.expiries.push(Reverse((until, inode)));
         }
     }
 
@@ -348,11 +338,10 @@ impl Admission<'_> {
             }
         }
         if let Some(child) = child {
-            let new = !index.attributes.contains_key(&child);
             let known = index.attributes.entry(child).or_insert(until);
             *known = (*known).max(until);
             if self.writeback {
-                index.schedule_expiry(child, until, new);
+                index.schedule_expiry(child, until);
             }
         }
         Some(left)
@@ -401,11 +390,10 @@ impl Admission<'_> {
             return None;
         }
         let until = now + left;
-        let new = !self.index.attributes.contains_key(&inode);
         let known = self.index.attributes.entry(inode).or_insert(until);
         *known = (*known).max(until);
         if self.writeback {
-            self.index.schedule_expiry(inode, until, new);
+            self.index.schedule_expiry(inode, until);
         }
         Some(left)
     }
@@ -514,11 +502,10 @@ impl KernelCache {
                 break;
             }
             index.expiries.pop();
+            index.scheduled.remove(&inode);
             match index.attributes.get(&inode).copied() {
                 // Renewed since: looked at again when the new time comes.
-                Some(current) if current >= before => {
-                    index.expiries.push(Reverse((current, inode)));
-                }
+                Some(current) if current >= before => index.schedule_expiry(inode, current),
                 _ if index.held.contains_key(&inode) => {
                     index.lapsed.insert(inode);
                 }
@@ -834,6 +821,15 @@ mod tests {
         cache.admit().forgotten(10);
         cache.admit().forgotten(11);
         assert!(cache.lapsing(later).is_empty(), "forgotten by the kernel");
+        // Looked up again with a new lease: it lapses again when that one runs out.
+        {
+            let mut admission = cache.admit();
+            admission.attributes(Some(Duration::from_secs(180)), 10);
+            admission.held_as(10, 1, "a");
+        }
+        assert!(cache.lapsing(later).is_empty(), "the new lease holds");
+        let much_later = Instant::now() + Duration::from_secs(300);
+        assert_eq!(cache.lapsing(much_later).len(), 1, "and then runs out");
     }
 
     #[test]
