@@ -68,6 +68,10 @@ pub enum Command {
         /// How many I/O servers to start.
         #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
         io_servers: u32,
+        /// Copies of each stripe of new files (chain replication, 1 to 4, at most
+        /// --io-servers); directories may set their own with `freeflow stripe set`.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4))]
+        replicas: u32,
         /// Port of the metadata server; I/O server i listens on PORT + 10 + i. Metrics
         /// endpoints: the metadata server on PORT + 1, the mount on PORT + 2, I/O server i
         /// on PORT + 100 + i.
@@ -256,6 +260,10 @@ pub enum StripeCommand {
         /// Number of I/O servers each new file is striped over.
         #[arg(long)]
         count: Option<u32>,
+        /// Copies of each stripe of new files (chain replication; at most the number of
+        /// I/O servers).
+        #[arg(long)]
+        replicas: Option<u32>,
     },
 }
 

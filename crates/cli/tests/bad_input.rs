@@ -322,7 +322,9 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
             io.call(
                 &WriteObject {
                     object,
-                    offset: FILE_SIZE_MAX
+                    offset: FILE_SIZE_MAX,
+                    map_version: 0,
+                    forward: Vec::new(),
                 },
                 Bytes::from_static(b"x")
             )
@@ -336,7 +338,9 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
             io.call(
                 &WriteObject {
                     object,
-                    offset: FILE_SIZE_MAX - 1
+                    offset: FILE_SIZE_MAX - 1,
+                    map_version: 0,
+                    forward: Vec::new(),
                 },
                 Bytes::from_static(b"xy")
             )
@@ -350,7 +354,9 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
             io.call(
                 &WriteObject {
                     object,
-                    offset: u64::MAX - 1
+                    offset: u64::MAX - 1,
+                    map_version: 0,
+                    forward: Vec::new(),
                 },
                 Bytes::from_static(b"xyz")
             )

@@ -124,6 +124,18 @@ fn io_samples() -> Vec<(u16, Vec<u8>)> {
             encode(&WriteObject {
                 object,
                 offset: 4096,
+                map_version: 0,
+                forward: Vec::new(),
+            }),
+        ),
+        (
+            // A replicated write: a map version no server holds, a chain of made-up ids.
+            WriteObject::OPCODE,
+            encode(&WriteObject {
+                object,
+                offset: 0,
+                map_version: 3,
+                forward: vec![1, 77, u32::MAX],
             }),
         ),
         (
@@ -141,6 +153,8 @@ fn io_samples() -> Vec<(u16, Vec<u8>)> {
                 offset: 0,
                 length: 1 << 20,
                 mode: AllocateMode::Allocate,
+                map_version: 0,
+                forward: Vec::new(),
             }),
         ),
         (

@@ -703,7 +703,7 @@ async fn copy_file_range_copies_on_the_servers_and_through_the_client() {
     // Another layout: 1 MiB units, so its pieces and the 64 KiB ones rarely share a server.
     fs::create_dir(mount.path("wide")).expect("mkdir");
     client
-        .set_dir_layout_path("/wide", Some(1 << 20), None)
+        .set_dir_layout_path("/wide", Some(1 << 20), None, None)
         .await
         .expect("stripe set");
     let data = Xorshift::new(8).bytes((10 << 20) + 12345);

@@ -1024,12 +1024,14 @@ impl Client {
         inode: InodeId,
         stripe_unit_bytes: Option<u32>,
         stripe_count: Option<u32>,
+        replicas: Option<u32>,
     ) -> Result<Attr, ClientError> {
         let request = SetDirLayout {
             caller: self.caller.clone(),
             inode,
             stripe_unit_bytes,
             stripe_count,
+            replicas,
         };
         self.meta(&request, || format!("inode {inode}")).await
     }

@@ -771,25 +771,33 @@ impl HandleShared {
         payload: Bytes,
         permit: OwnedSemaphorePermit,
     ) {
-        let server_id = layout.servers[request.stripe_index as usize];
         let object = ObjectId {
             inode: self.inode,
             stripe_index: request.stripe_index,
         };
-        let write = WriteObject {
+        let make = |map_version, forward| WriteObject {
             object,
             offset: request.object_offset,
+            map_version,
+            forward,
         };
         let result = self
             .client
             .shared
             .pool
-            .io_call(server_id, self.inode, &write, payload, || {
-                format!(
-                    "of {} bytes at inode {} stripe {} offset {}",
-                    request.length, self.inode, request.stripe_index, request.object_offset
-                )
-            })
+            .chain_write(
+                &layout,
+                request.stripe_index,
+                self.inode,
+                make,
+                payload,
+                || {
+                    format!(
+                        "of {} bytes at inode {} stripe {} offset {}",
+                        request.length, self.inode, request.stripe_index, request.object_offset
+                    )
+                },
+            )
             .await;
         drop(permit);
         {
@@ -988,18 +996,18 @@ impl HandleShared {
             })
             .await?;
         let syncs = stripes.iter().map(|&stripe_index| {
-            let server_id = layout.servers[stripe_index as usize];
             let request = SyncObjects {
                 objects: vec![ObjectId {
                     inode: self.inode,
                     stripe_index,
                 }],
             };
+            let layout = &layout;
             async move {
                 self.client
                     .shared
                     .pool
-                    .io_call(server_id, self.inode, &request, Bytes::new(), || {
+                    .chain_sync(layout, stripe_index, self.inode, &request, || {
                         format!("of inode {} stripe {stripe_index}", self.inode)
                     })
                     .await
@@ -1023,7 +1031,6 @@ impl HandleShared {
         layout: &Layout,
         request: &ObjectRequest,
     ) -> Result<Bytes, ClientError> {
-        let server_id = layout.servers[request.stripe_index as usize];
         let object = ObjectId {
             inode: self.inode,
             stripe_index: request.stripe_index,
@@ -1034,11 +1041,12 @@ impl HandleShared {
             offset: request.object_offset,
             length: request.length as u32,
         };
+        let server_id = layout.servers[request.stripe_index as usize];
         let (reply, payload) = self
             .client
             .shared
             .pool
-            .io_call(server_id, self.inode, &read, Bytes::new(), || {
+            .chain_read(layout, request.stripe_index, self.inode, &read, || {
                 format!(
                     "of {} bytes at inode {} stripe {} offset {}",
                     request.length, self.inode, request.stripe_index, request.object_offset
@@ -1634,24 +1642,38 @@ impl FileHandle {
                         offset: start,
                         length,
                         mode,
+                        map_version: 0,
+                        forward: Vec::new(),
                     },
                 ));
                 start += length;
             }
         }
         let calls = requests.iter().map(|(stripe_index, request)| {
-            let server_id = layout.servers[*stripe_index as usize];
+            let layout = &layout;
             async move {
+                let make = |map_version, forward| AllocateObject {
+                    map_version,
+                    forward,
+                    ..request.clone()
+                };
                 let (space, _) = shared
                     .client
                     .shared
                     .pool
-                    .io_call(server_id, shared.inode, request, Bytes::new(), || {
-                        format!(
-                            "{mode:?} of {} bytes at inode {} stripe {stripe_index} offset {}",
-                            request.length, shared.inode, request.offset
-                        )
-                    })
+                    .chain_write(
+                        layout,
+                        *stripe_index,
+                        shared.inode,
+                        make,
+                        Bytes::new(),
+                        || {
+                            format!(
+                                "{mode:?} of {} bytes at inode {} stripe {stripe_index} offset {}",
+                                request.length, shared.inode, request.offset
+                            )
+                        },
+                    )
                     .await?;
                 Ok::<_, ClientError>((*stripe_index, space))
             }
@@ -1740,9 +1762,13 @@ impl FileHandle {
         let copies = pieces.into_iter().map(|piece| {
             let (source_layout, target_layout) = (&source_layout, &target_layout);
             async move {
-                let source_server = source_layout.servers[piece.source.stripe_index as usize];
                 let target_server = target_layout.servers[piece.target.stripe_index as usize];
-                if source_server == target_server {
+                if crate::replicated::same_single_server(
+                    source_layout,
+                    piece.source.stripe_index,
+                    target_layout,
+                    piece.target.stripe_index,
+                ) {
                     let request = CopyObjectRange {
                         source: ObjectId {
                             inode: origin.inode,

@@ -25,6 +25,7 @@ mod plan;
 mod pool;
 mod readahead;
 mod replay;
+mod replicated;
 
 pub use client::Client;
 pub use config::{

@@ -431,6 +431,7 @@ impl Client {
         path: &str,
         stripe_unit_bytes: Option<u32>,
         stripe_count: Option<u32>,
+        replicas: Option<u32>,
     ) -> Result<Attr, ClientError> {
         let attr = self.resolve(path).await?;
         if attr.kind != FileKind::Directory {
@@ -440,13 +441,13 @@ impl Client {
                 "a layout is set on a directory",
             ));
         }
-        self.set_dir_layout(attr.inode, stripe_unit_bytes, stripe_count)
+        self.set_dir_layout(attr.inode, stripe_unit_bytes, stripe_count, replicas)
             .await
             .map_err(|error| error.at_path(path))
     }
 
-    /// Where the data of the file at `path` lives: its layout and, per stripe, the server and
-    /// how long that stripe's object is for the current size. A server the meta server does
+    /// Where the data of the file at `path` lives: its layout and, per copy of each stripe
+    /// (chain order), the server and how long that stripe's object is for the current size. A server the meta server does
     /// not list appears with address "unknown" and `up` false.
     pub async fn stripe_map(
         &self,
@@ -465,11 +466,9 @@ impl Client {
         };
         let servers = self.servers().await?;
         let placements = layout
-            .servers
-            .iter()
-            .enumerate()
-            .map(|(stripe_index, &server_id)| {
-                let stripe_index = stripe_index as u32;
+            .placements()
+            .into_iter()
+            .map(|(stripe_index, server_id)| {
                 let server = servers
                     .iter()
                     .find(|server| server.server_id == server_id)
@@ -483,6 +482,7 @@ impl Client {
                         object_count: 0,
                         last_seen_ms: None,
                         metrics_address: None,
+                        state: freeflow_proto::meta::MemberState::InService,
                     });
                 (
                     stripe_index,

@@ -16,7 +16,8 @@ use bytes::Bytes;
 use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::io::{ReadObject, SyncObjects, WriteObject};
 use freeflow_proto::meta::{
-    is_mutation, CloseSession, ListServers, ReplayDone, ReplayOf, ReplyStamp, ServerRecord, Sync,
+    is_mutation, CloseSession, GetServiceMap, ListServers, ReplayDone, ReplayOf, ReplyStamp,
+    ServerRecord, ServiceMap, Sync,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RawFrame, RpcError};
@@ -154,6 +155,11 @@ pub(crate) struct Pool {
     io: Mutex<HashMap<ServerId, std::sync::Arc<Endpoint>>>,
     /// Serialises `ListServers` refreshes.
     refreshing: tokio::sync::Mutex<()>,
+    /// The service map of replicated stripes (`replicated.rs`'s calls), fetched when first
+    /// needed and again whenever a chain call fails.
+    service_map: Mutex<std::sync::Arc<ServiceMap>>,
+    /// Serialises service map fetches.
+    fetching_map: tokio::sync::Mutex<()>,
     pub(crate) metrics: ClientMetrics,
     /// Request ids of meta calls, unique over this client's meta connections, so a request
     /// sent again on a new connection keeps its id (the server applies a mutation once per
@@ -209,6 +215,8 @@ impl Pool {
             meta: Endpoint::new(meta_address, "meta".to_string()),
             io: Mutex::new(HashMap::new()),
             refreshing: tokio::sync::Mutex::new(()),
+            service_map: Mutex::new(std::sync::Arc::new(ServiceMap::default())),
+            fetching_map: tokio::sync::Mutex::new(()),
             next_meta_request: AtomicU64::new(1),
             kept: Mutex::new(KeptLog::default()),
             patient: Mutex::new(BTreeMap::new()),
@@ -761,6 +769,89 @@ impl Pool {
         let result = self
             .io_call_unmetered(server_id, inode, request, payload, target)
             .await;
+        self.metrics
+            .request_done(R::OPCODE, started, result.is_ok());
+        if let Ok((_, reply_payload)) = &result {
+            if R::OPCODE == WriteObject::OPCODE {
+                self.metrics.written(payload_bytes);
+            } else if R::OPCODE == ReadObject::OPCODE {
+                self.metrics.read(reply_payload.len() as u64);
+            }
+        }
+        result
+    }
+
+    /// The service map held (fetched if none is yet).
+    pub(crate) async fn service_map(&self) -> Result<std::sync::Arc<ServiceMap>, ClientError> {
+        let held = self.service_map.lock().expect("not poisoned").clone();
+        if held.version != 0 {
+            return Ok(held);
+        }
+        self.fetch_service_map(0).await
+    }
+
+    /// Fetch the service map, unless one newer than `seen` arrived meanwhile.
+    pub(crate) async fn fetch_service_map(
+        &self,
+        seen: u64,
+    ) -> Result<std::sync::Arc<ServiceMap>, ClientError> {
+        let _fetching = self.fetching_map.lock().await;
+        let held = self.service_map.lock().expect("not poisoned").clone();
+        if held.version != 0 && held.version != seen {
+            return Ok(held);
+        }
+        let map = std::sync::Arc::new(
+            self.meta_call(&GetServiceMap {}, || "of the cluster".to_string())
+                .await?,
+        );
+        let mut io = self.io.lock().expect("not poisoned");
+        for member in &map.members {
+            let stale = io
+                .get(&member.server_id)
+                .is_none_or(|endpoint| endpoint.address != member.address);
+            if stale {
+                io.insert(
+                    member.server_id,
+                    std::sync::Arc::new(Endpoint::new(
+                        member.address.clone(),
+                        format!("io:{}", member.server_id),
+                    )),
+                );
+            }
+        }
+        drop(io);
+        *self.service_map.lock().expect("not poisoned") = map.clone();
+        Ok(map)
+    }
+
+    /// One attempt of a request to one I/O server: no resend, no wait.
+    pub(crate) async fn io_attempt<R: Request>(
+        &self,
+        server_id: ServerId,
+        inode: InodeId,
+        request: &R,
+        payload: Bytes,
+        target: impl Fn() -> String,
+    ) -> Result<(R::Reply, Bytes), ClientError> {
+        let started = std::time::Instant::now();
+        let payload_bytes = payload.len() as u64;
+        let connection = match self.io_connection(server_id, inode).await {
+            Ok(connection) => connection,
+            Err(error) => {
+                self.metrics.request_done(R::OPCODE, started, false);
+                return Err(error);
+            }
+        };
+        let result = connection
+            .call(request, payload)
+            .await
+            .map_err(|source| ClientError::Io {
+                operation: R::NAME,
+                target: target(),
+                server_id,
+                address: connection.address().to_string(),
+                source,
+            });
         self.metrics
             .request_done(R::OPCODE, started, result.is_ok());
         if let Ok((_, reply_payload)) = &result {

@@ -614,6 +614,7 @@ impl Cluster {
                 object_count: 0,
                 last_seen_ms: Some(0),
                 metrics_address: None,
+                state: freeflow_proto::meta::MemberState::InService,
             });
             io.push((server_id, fake, task));
         }

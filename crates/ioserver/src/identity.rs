@@ -16,7 +16,8 @@ use crate::error::IoServerError;
 pub const SERVER_ID_FILE: &str = "server-id";
 
 /// Makes `data_dir` if needed and checks (or, on first start, writes) its server id.
-pub fn claim_data_dir(data_dir: &Path, server_id: ServerId) -> Result<(), IoServerError> {
+/// True when the directory had no identity yet: this start made it (it holds no object).
+pub fn claim_data_dir(data_dir: &Path, server_id: ServerId) -> Result<bool, IoServerError> {
     let data_dir_error = |source: io::Error| IoServerError::DataDir {
         path: data_dir.to_path_buf(),
         source,
@@ -39,13 +40,15 @@ pub fn claim_data_dir(data_dir: &Path, server_id: ServerId) -> Result<(), IoServ
                     configured: server_id,
                 });
             }
-            Ok(())
+            Ok(false)
         }
         Err(error) if error.kind() == io::ErrorKind::NotFound => {
-            write_server_id(data_dir, server_id).map_err(|source| IoServerError::ServerIdFile {
-                path,
-                reason: format!("cannot write: {source}"),
-            })
+            write_server_id(data_dir, server_id)
+                .map(|()| true)
+                .map_err(|source| IoServerError::ServerIdFile {
+                    path,
+                    reason: format!("cannot write: {source}"),
+                })
         }
         Err(error) => Err(IoServerError::ServerIdFile {
             path,

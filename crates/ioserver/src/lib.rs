@@ -21,6 +21,8 @@ pub mod gate;
 pub mod identity;
 pub mod metrics;
 pub mod register;
+pub mod replication;
+pub mod resync;
 pub mod service;
 pub mod store;
 
@@ -78,6 +80,8 @@ pub struct RunningIo {
     gate: Arc<gate::DataGate>,
     serve: JoinHandle<std::io::Result<()>>,
     registration: JoinHandle<()>,
+    /// Fetches the service map when a request names a newer one.
+    fetcher: JoinHandle<()>,
     metrics: Arc<Registry>,
     metrics_address: Option<SocketAddr>,
     metrics_task: Option<JoinHandle<std::io::Result<()>>>,
@@ -90,7 +94,7 @@ pub struct RunningIo {
 pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoServerError> {
     let started = Instant::now();
     config.validate()?;
-    identity::claim_data_dir(&config.data_dir, config.server_id)?;
+    let fresh = identity::claim_data_dir(&config.data_dir, config.server_id)?;
     let registry = Arc::new(Registry::new());
     let engine: Arc<dyn DiskEngine> = Arc::new(metrics::MeteredEngine::new(
         build_engine(&config)?,
@@ -147,10 +151,33 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         ..ServerOptions::new(format!("io:{}", config.server_id))
     };
     let gate = Arc::new(gate::DataGate::new(config.server_id));
+    let replication = Arc::new(replication::Replication::new(
+        config.server_id,
+        key.clone(),
+        config.meta_address.clone(),
+        config.meta_call_timeout_ms,
+        config.meta_connect_timeout_ms,
+    ));
     let service = Arc::new(service::IoService::new(
         Arc::clone(&store),
         Arc::clone(&gate),
+        Arc::clone(&replication),
     ));
+    let fetcher = tokio::spawn(Arc::clone(&replication).fetch_when_told());
+    let resync = Arc::new(resync::Resync {
+        store: Arc::clone(&store),
+        replication: Arc::clone(&replication),
+        key: key.clone(),
+        meta_address: config.meta_address.clone(),
+        options: freeflow_rpc::ConnectOptions {
+            client_name: format!("io:{}:resync", config.server_id),
+            call_timeout_ms: config.meta_call_timeout_ms,
+            connect_timeout_ms: config.meta_connect_timeout_ms,
+            ..freeflow_rpc::ConnectOptions::default()
+        },
+        progress: Arc::new(resync::ResyncProgress::default()),
+    });
+    metrics::register_resync_gauges(&registry, &resync.progress);
     let serve = tokio::spawn(freeflow_rpc::serve(listener, key.clone(), options, service));
 
     let (metrics_address, metrics_task) = match metrics_listener {
@@ -195,9 +222,13 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
             metrics_address: metrics_address.map(|address| {
                 advertised_metrics_address(address, config.advertise_address.as_deref())
             }),
+            incarnation: incarnation(),
+            fresh,
         },
         Arc::clone(&registered),
         Arc::clone(&gate),
+        replication,
+        resync,
     ));
 
     Ok(RunningIo {
@@ -208,10 +239,19 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         gate,
         serve,
         registration,
+        fetcher,
         metrics: registry,
         metrics_address,
         metrics_task,
     })
+}
+
+/// A number that differs between starts of this server (see `Member::incarnation`).
+fn incarnation() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_nanos() as u64);
+    (nanos ^ (u64::from(std::process::id()) << 40)).max(1)
 }
 
 async fn bind_metrics(
@@ -282,6 +322,7 @@ impl RunningIo {
     pub async fn shutdown(self) {
         self.serve.abort();
         self.registration.abort();
+        self.fetcher.abort();
         if let Some(task) = &self.metrics_task {
             task.abort();
         }
@@ -293,6 +334,7 @@ impl RunningIo {
     pub async fn wait(self) -> Result<(), IoServerError> {
         let outcome = self.serve.await;
         self.registration.abort();
+        self.fetcher.abort();
         if let Some(task) = &self.metrics_task {
             task.abort();
         }

@@ -246,3 +246,38 @@ pub fn register_store_gauges(registry: &Registry, store: &Arc<ObjectStore>, read
         objects.set(store.object_count().objects);
     });
 }
+
+/// The resync's progress (see `resync.rs`): objects to copy, copied, and bytes copied.
+pub fn register_resync_gauges(registry: &Registry, progress: &Arc<crate::resync::ResyncProgress>) {
+    use std::sync::atomic::Ordering;
+    let running = registry.gauge(
+        "freeflow_io_resync_running",
+        "1 while this server copies what changed while it was out of its chains.",
+        &[],
+    );
+    let total = registry.gauge(
+        "freeflow_io_resync_objects",
+        "Objects the current (or last) resync has to copy.",
+        &[],
+    );
+    let done = registry.gauge(
+        "freeflow_io_resync_objects_done",
+        "Objects the current (or last) resync has copied.",
+        &[],
+    );
+    let bytes = registry.counter(
+        "freeflow_io_resync_bytes_total",
+        "Bytes copied from chain partners by resyncs since the start.",
+        &[],
+    );
+    let progress = Arc::downgrade(progress);
+    registry.on_render(move || {
+        let Some(progress) = progress.upgrade() else {
+            return;
+        };
+        running.set(u64::from(progress.running.load(Ordering::Relaxed)));
+        total.set(progress.objects_total.load(Ordering::Relaxed));
+        done.set(progress.objects_done.load(Ordering::Relaxed));
+        bytes.set_from_source(progress.bytes_copied.load(Ordering::Relaxed));
+    });
+}

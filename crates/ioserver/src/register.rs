@@ -18,6 +18,8 @@ use freeflow_proto::meta::RegisterServer;
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RpcError};
 
 use crate::gate::DataGate;
+use crate::replication::Replication;
+use crate::resync::Resync;
 use crate::service::IoService;
 use crate::store::ObjectStore;
 
@@ -37,6 +39,10 @@ pub struct RegistrationOptions {
     pub retry_backoff_max_ms: u64,
     /// The metrics endpoint to announce, for `freeflow top`; None when metrics are off.
     pub metrics_address: Option<String>,
+    /// Random per start of this process.
+    pub incarnation: u64,
+    /// The data directory was created by this start.
+    pub fresh: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,9 +65,11 @@ enum LinkState {
 pub async fn run_registration(
     store: Arc<ObjectStore>,
     key: ClusterKey,
-    options: RegistrationOptions,
+    mut options: RegistrationOptions,
     registered: Arc<AtomicBool>,
     gate: Arc<DataGate>,
+    replication: Arc<Replication>,
+    resync: Arc<Resync>,
 ) {
     let connect_options = ConnectOptions {
         client_name: format!("io:{}", store.server_id()),
@@ -73,11 +81,28 @@ pub async fn run_registration(
     let mut state = LinkState::Starting;
     let mut backoff_ms = RETRY_BACKOFF_INITIAL_MS;
     loop {
-        let attempt =
-            register_once(&store, &key, &options, &connect_options, &mut connection).await;
+        let attempt = register_once(
+            &store,
+            &key,
+            &options,
+            &connect_options,
+            &mut connection,
+            replication.version(),
+        )
+        .await;
         let (next_state, delay_ms) = match &attempt {
             Ok(reply) => {
                 backoff_ms = RETRY_BACKOFF_INITIAL_MS;
+                // The meta server knows now that this start found no data.
+                options.fresh = false;
+                if reply.map_version != replication.version() {
+                    if let Err(error) = replication.fetch().await {
+                        tracing::warn!(server_id = store.server_id(), %error, "cannot fetch the service map");
+                    }
+                }
+                if let Some(order) = reply.resync {
+                    resync.start(order);
+                }
                 gate.set_owed(reply.cuts_owed);
                 if reply.cuts_owed > 0 {
                     (LinkState::OwesCuts, RETRY_BACKOFF_INITIAL_MS)
@@ -122,6 +147,8 @@ struct Registered {
     /// The heartbeat interval to wait before the next, within bounds.
     heartbeat_interval_ms: u64,
     cuts_owed: u32,
+    map_version: u64,
+    resync: Option<freeflow_proto::meta::ResyncOrder>,
 }
 
 /// One registration.
@@ -131,6 +158,7 @@ async fn register_once(
     options: &RegistrationOptions,
     connect_options: &ConnectOptions,
     connection: &mut Option<Connection>,
+    map_version: u64,
 ) -> Result<Registered, RegisterError> {
     let stats = IoService::stats(store).map_err(RegisterError::Stats)?;
     if connection.as_ref().is_none_or(Connection::is_closed) {
@@ -150,6 +178,9 @@ async fn register_once(
         free_bytes: stats.free_bytes,
         object_count: stats.object_count,
         metrics_address: options.metrics_address.clone(),
+        incarnation: options.incarnation,
+        map_version,
+        fresh: options.fresh,
     };
     let (reply, _) = link.call(&request, Bytes::new()).await.map_err(|error| {
         if error.is_connection_failure() {
@@ -161,6 +192,8 @@ async fn register_once(
         heartbeat_interval_ms: u64::from(reply.heartbeat_interval_ms)
             .clamp(HEARTBEAT_INTERVAL_MIN_MS, HEARTBEAT_INTERVAL_MAX_MS),
         cuts_owed: reply.cuts_owed,
+        map_version: reply.map_version,
+        resync: reply.resync,
     })
 }
 

@@ -16,17 +16,28 @@ use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
 
 use crate::error::StoreError;
 use crate::gate::DataGate;
+use crate::replication::Replication;
 use crate::store::ObjectStore;
 
 pub struct IoService {
     store: Arc<ObjectStore>,
     /// Closed until the meta server says no truncation cut is owed here (see `gate.rs`).
     gate: Arc<DataGate>,
+    /// Writes of replicated stripes (see `replication.rs`).
+    replication: Arc<Replication>,
 }
 
 impl IoService {
-    pub fn new(store: Arc<ObjectStore>, gate: Arc<DataGate>) -> IoService {
-        IoService { store, gate }
+    pub fn new(
+        store: Arc<ObjectStore>,
+        gate: Arc<DataGate>,
+        replication: Arc<Replication>,
+    ) -> IoService {
+        IoService {
+            store,
+            gate,
+            replication,
+        }
     }
 
     /// The reply to `ServerStats`, also what the registration sends.
@@ -46,11 +57,45 @@ impl Service for IoService {
     async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
         let store = &*self.store;
         let gate = &*self.gate;
+        let replication = &*self.replication;
         match frame.opcode {
             WriteObject::OPCODE => {
                 handle(frame, |request: WriteObject, payload| async move {
                     gate.check()?;
-                    let space = store.write(request.object, request.offset, payload).await?;
+                    if request.map_version == 0 {
+                        let space = store.write(request.object, request.offset, payload).await?;
+                        return Ok((space, Bytes::new()));
+                    }
+                    let end = request.offset.saturating_add(payload.len() as u64);
+                    let _range = replication
+                        .ranges
+                        .acquire(request.object, request.offset, end)
+                        .await;
+                    let local = async {
+                        let _map = replication.hold(request.map_version).await?;
+                        store
+                            .write(request.object, request.offset, payload.clone())
+                            .await
+                            .map_err(WireError::from)
+                    };
+                    let space = match request.forward.split_first() {
+                        None => local.await?,
+                        Some((next, rest)) => {
+                            let passed = WriteObject {
+                                object: request.object,
+                                offset: request.offset,
+                                map_version: request.map_version,
+                                forward: rest.to_vec(),
+                            };
+                            // Both at once; the range lock keeps overlapping writes apart.
+                            let (space, passed_on) = tokio::join!(
+                                local,
+                                replication.pass_on(*next, &passed, payload.clone())
+                            );
+                            passed_on?;
+                            space?
+                        }
+                    };
                     Ok((space, Bytes::new()))
                 })
                 .await
@@ -71,6 +116,12 @@ impl Service for IoService {
             }
             TruncateObject::OPCODE => {
                 handle(frame, |request: TruncateObject, _| async move {
+                    // After any write or copy of the object in progress here (a resync's
+                    // copy must not bring back what the cut removes).
+                    let _range = replication
+                        .ranges
+                        .acquire(request.object, request.length, u64::MAX)
+                        .await;
                     let space = store.truncate(request.object, request.length).await?;
                     Ok((space, Bytes::new()))
                 })
@@ -79,9 +130,30 @@ impl Service for IoService {
             AllocateObject::OPCODE => {
                 handle(frame, |request: AllocateObject, _| async move {
                     gate.check()?;
-                    let space = store
-                        .allocate(request.object, request.offset, request.length, request.mode)
-                        .await?;
+                    if request.map_version == 0 {
+                        let space = store
+                            .allocate(request.object, request.offset, request.length, request.mode)
+                            .await?;
+                        return Ok((space, Bytes::new()));
+                    }
+                    let end = request.offset.saturating_add(request.length);
+                    let _range = replication
+                        .ranges
+                        .acquire(request.object, request.offset, end)
+                        .await;
+                    let space = {
+                        let _map = replication.hold(request.map_version).await?;
+                        store
+                            .allocate(request.object, request.offset, request.length, request.mode)
+                            .await?
+                    };
+                    if let Some((next, rest)) = request.forward.split_first() {
+                        let passed = AllocateObject {
+                            forward: rest.to_vec(),
+                            ..request.clone()
+                        };
+                        replication.pass_on(*next, &passed, Bytes::new()).await?;
+                    }
                     Ok((space, Bytes::new()))
                 })
                 .await

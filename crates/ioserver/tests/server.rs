@@ -77,6 +77,8 @@ async fn requests_over_rpc(engine: EngineKind) {
     let write = WriteObject {
         object,
         offset: 4096,
+        map_version: 0,
+        forward: Vec::new(),
     };
     connection
         .call(&write, Bytes::from(data.clone()))
@@ -167,6 +169,8 @@ async fn requests_over_rpc(engine: EngineKind) {
     let too_far = WriteObject {
         object,
         offset: limits::FILE_SIZE_MAX,
+        map_version: 0,
+        forward: Vec::new(),
     };
     assert_eq!(
         code(connection.call(&too_far, Bytes::from_static(b"x")).await),
@@ -245,6 +249,8 @@ impl Service for FakeMeta {
                 RegisterReply {
                     heartbeat_interval_ms: 50,
                     cuts_owed: self.cuts_owed.load(Ordering::SeqCst),
+                    map_version: 0,
+                    resync: None,
                 },
                 Bytes::new(),
             ))
@@ -281,7 +287,12 @@ async fn wait_until(what: &str, condition: impl Fn() -> bool) {
 
 /// The `Busy` refusal a data request gets while the gate is closed, with its message.
 async fn refused_busy(connection: &Connection, object: ObjectId) -> String {
-    let write = WriteObject { object, offset: 0 };
+    let write = WriteObject {
+        object,
+        offset: 0,
+        map_version: 0,
+        forward: Vec::new(),
+    };
     match connection.call(&write, Bytes::from_static(b"early")).await {
         Err(RpcError::Remote(error)) if error.code == ErrorCode::Busy => error.message,
         other => panic!("a write before the gate opened was not refused: {other:?}"),
@@ -347,7 +358,12 @@ async fn registers_once_the_meta_server_appears_and_serves_data_only_when_no_cut
     wait_until("serving data", || server.serves_data()).await;
     connection
         .call(
-            &WriteObject { object, offset: 0 },
+            &WriteObject {
+                object,
+                offset: 0,
+                map_version: 0,
+                forward: Vec::new(),
+            },
             Bytes::from_static(b"after"),
         )
         .await

@@ -60,6 +60,9 @@ async fn a_create_open_handle_is_counted_before_the_commit_that_orphans_the_file
         free_bytes: 1 << 30,
         object_count: 0,
         metrics_address: None,
+        incarnation: 1,
+        map_version: 0,
+        fresh: false,
     };
     connection.call(&register, Bytes::new()).await.unwrap();
     let (session, _) = connection

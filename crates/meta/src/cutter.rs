@@ -12,16 +12,20 @@
 //! its return is cut, and no byte the truncate removed is read back when the file grows.
 //! The caller of the failed truncate was told (`Unreachable`, "cut pending").
 //!
+//! Replicated stripes are cut on every member of their chain, those syncing last; a member
+//! out of its chains is skipped (its copy is remade from a partner when it returns), and a
+//! member that fails while a client waits is waited for until it is put out.
+//!
 //! What is left: a server cut off from the meta server but not from clients goes on
-//! serving until its next heartbeat reaches the meta server (it cannot know it owes a cut
-//! before then). Replicated data with versioned chain membership (issue 11) closes that.
+//! serving an unreplicated stripe until its next heartbeat reaches the meta server (it
+//! cannot know it owes a cut before then).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use freeflow_proto::io::TruncateObject;
-use freeflow_proto::meta::StripeSpace;
+use freeflow_proto::meta::{MemberState, StripeSpace};
 use freeflow_proto::{ErrorCode, WireError};
 use freeflow_types::{InodeId, ObjectId, ServerId};
 use tokio::task::JoinSet;
@@ -79,47 +83,93 @@ pub async fn carry_out(
     reach: Reach,
 ) -> Result<(), CutError> {
     let now = Instant::now();
-    let mut by_server: BTreeMap<ServerId, ServerCuts> = BTreeMap::new();
     let mut done_stripes = Vec::new();
-    // The space of each stripe cut, as its server reported it after the cut.
-    let mut spaces: Vec<StripeSpace> = Vec::new();
+    // The space of each stripe cut, as the first confirming member reported it.
+    let mut spaces: BTreeMap<u32, StripeSpace> = BTreeMap::new();
     let mut failures: Vec<(ServerId, String)> = Vec::new();
+    // Per stripe: the object length to cut at, and the members still to confirm.
+    let mut wanted: BTreeMap<u32, (u64, Vec<ServerId>)> = BTreeMap::new();
     for (stripe, size_bytes) in &record.cuts {
-        let Some(server) = record.layout.servers.get(*stripe as usize) else {
+        let chain = record.layout.chain(*stripe);
+        if chain.is_empty() {
             // Not in the layout: no object to cut (a corrupt record); drop the entry.
             tracing::warn!(inode, stripe, "pending cut of a stripe outside the layout");
             done_stripes.push(*stripe);
             continue;
-        };
-        if reach == Reach::UpOnly && !shared.registry().server_is_up(*server, now) {
-            failures.push((*server, "server is down".into()));
-            continue;
         }
         let length = record.layout.object_length(*size_bytes, *stripe);
-        by_server
-            .entry(*server)
-            .or_default()
-            .push((*stripe, length));
+        wanted.insert(*stripe, (length, chain));
     }
-    let mut tasks = JoinSet::new();
-    for (server, cuts) in by_server {
-        let shared = shared.clone();
-        tasks.spawn(async move {
-            let (done, failure) = cut_on_server(&shared, inode, server, &cuts).await;
-            (server, done, failure)
-        });
-    }
-    while let Some(joined) = tasks.join_next().await {
-        match joined {
-            Ok((server, done, failure)) => {
-                done_stripes.extend(done.iter().map(|space| space.stripe_index));
-                spaces.extend(done);
-                if let Some(reason) = failure {
-                    failures.push((server, reason));
+    let replicated = record.layout.replicas() > 1;
+    // Members in service first, then those syncing: a syncing member copying an object
+    // from a partner then sees the partner's cut made before its own (`resync.rs`).
+    for syncing_round in [false, true] {
+        let mut by_server: BTreeMap<ServerId, ServerCuts> = BTreeMap::new();
+        {
+            let registry = shared.registry();
+            for (stripe, (length, members)) in &wanted {
+                for server in members {
+                    let state = registry.state(*server);
+                    if replicated && state == MemberState::Out {
+                        // Left out of its chains: its copy is remade when it returns.
+                        continue;
+                    }
+                    if (state == MemberState::Syncing) != syncing_round {
+                        continue;
+                    }
+                    if reach == Reach::UpOnly && !registry.server_is_up(*server, now) {
+                        failures.push((*server, "server is down".into()));
+                        continue;
+                    }
+                    by_server
+                        .entry(*server)
+                        .or_default()
+                        .push((*stripe, *length));
                 }
             }
-            Err(error) => tracing::error!(inode, %error, "cut task failed"),
         }
+        let mut tasks = JoinSet::new();
+        for (server, cuts) in by_server {
+            let shared = shared.clone();
+            tasks.spawn(async move {
+                let (done, failure) = cut_on_server(&shared, inode, server, &cuts).await;
+                (server, done, failure)
+            });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            match joined {
+                Ok((server, done, failure)) => {
+                    for space in done {
+                        if let Some((_, members)) = wanted.get_mut(&space.stripe_index) {
+                            members.retain(|member| *member != server);
+                        }
+                        spaces.entry(space.stripe_index).or_insert(space);
+                    }
+                    if let Some(reason) = failure {
+                        failures.push((server, reason));
+                    }
+                }
+                Err(error) => tracing::error!(inode, %error, "cut task failed"),
+            }
+        }
+    }
+    if replicated && reach == Reach::All && !failures.is_empty() {
+        // A client waits: a member that failed is about to be put out of its chains (or
+        // back); wait for that rather than fail the truncate.
+        let failed: Vec<ServerId> = failures.iter().map(|(server, _)| *server).collect();
+        wait_until_out(shared, &failed).await;
+    }
+    {
+        let registry = shared.registry();
+        for (stripe, (_, members)) in &wanted {
+            let left = members
+                .iter()
+                .any(|server| !(replicated && registry.state(*server) == MemberState::Out));
+            if !left {
+                done_stripes.push(*stripe);
+            }
+        }
+        failures.retain(|(server, _)| !(replicated && registry.state(*server) == MemberState::Out));
     }
     // A task that panicked confirmed nothing and reported nothing: its stripes stay pending.
     let unconfirmed = record
@@ -129,6 +179,11 @@ pub async fn carry_out(
         .find(|stripe| !done_stripes.contains(stripe));
     if !done_stripes.is_empty() {
         let generation = record.generation;
+        let spaces: Vec<StripeSpace> = spaces
+            .into_iter()
+            .filter(|(stripe, _)| done_stripes.contains(stripe))
+            .map(|(_, space)| space)
+            .collect();
         let settled = shared
             .write(move |write, _context| {
                 absorb_stripe_space(write, inode, &spaces)?;
@@ -149,15 +204,34 @@ pub async fn carry_out(
     match unconfirmed {
         Some(stripe) => Err(CutError::Pending {
             inode,
-            server: record
-                .layout
-                .servers
-                .get(stripe as usize)
-                .copied()
+            server: wanted
+                .get(&stripe)
+                .and_then(|(_, members)| members.first().copied())
                 .unwrap_or_default(),
             reason: "the cut task failed".into(),
         }),
         None => Ok(()),
+    }
+}
+
+/// Wait, up to the time the meta server takes to put a silent server out and a margin,
+/// until each of `servers` is out of its chains or answers heartbeats again.
+async fn wait_until_out(shared: &Arc<Shared>, servers: &[ServerId]) {
+    let limit = Duration::from_millis(
+        shared.config.server_down_after_ms + 3 * u64::from(shared.config.heartbeat_interval_ms),
+    );
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        let settled = {
+            let registry = shared.registry();
+            servers
+                .iter()
+                .all(|server| registry.state(*server) == MemberState::Out)
+        };
+        if settled {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use freeflow_metrics::Registry as MetricsRegistry;
 use freeflow_rpc::{ClusterKey, ServerOptions};
-use freeflow_types::limits::{STRIPE_COUNT_MAX, STRIPE_UNIT_BYTES_DEFAULT};
+use freeflow_types::limits::{REPLICAS_MAX, STRIPE_COUNT_MAX, STRIPE_UNIT_BYTES_DEFAULT};
 use freeflow_types::Layout;
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
@@ -66,6 +66,9 @@ pub struct MetaConfig {
     pub stripe_unit_bytes: u32,
     /// Stripe count of new files when their directory sets none; 0: all servers. Default 0.
     pub stripe_count: u32,
+    /// Copies of each stripe of new files when their directory sets none (chain
+    /// replication, DESIGN.md §7); at most the number of I/O servers. Default 1.
+    pub replicas: u32,
     /// An I/O server not heard from within this time is reported down. Default 5000.
     pub server_down_after_ms: u64,
     /// How often I/O servers are told to send their heartbeat. Default 1000.
@@ -110,6 +113,7 @@ impl Default for MetaConfig {
             lease_ms: 30_000,
             stripe_unit_bytes: STRIPE_UNIT_BYTES_DEFAULT,
             stripe_count: 0,
+            replicas: 1,
             server_down_after_ms: 5000,
             heartbeat_interval_ms: 1000,
             commit_batch_max: 256,
@@ -165,6 +169,7 @@ impl MetaConfig {
             lease_ms,
             stripe_unit_bytes,
             stripe_count,
+            replicas,
             server_down_after_ms,
             heartbeat_interval_ms,
             commit_batch_max,
@@ -202,6 +207,12 @@ impl MetaConfig {
             return Err(invalid(
                 "stripe_count",
                 format!("{stripe_count} is above the maximum {STRIPE_COUNT_MAX} (0: all servers)"),
+            ));
+        }
+        if *replicas == 0 || *replicas > REPLICAS_MAX {
+            return Err(invalid(
+                "replicas",
+                format!("{replicas} is outside 1..={REPLICAS_MAX}"),
             ));
         }
         if *heartbeat_interval_ms == 0 {
@@ -424,6 +435,7 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         tokio::spawn(expire_sessions(shared.clone())),
         tokio::spawn(flush_periodically(shared.clone())),
         tokio::spawn(end_recovery_in_time(shared.clone())),
+        tokio::spawn(put_out_silent_servers(shared.clone())),
     ];
     metrics::register_state_gauges(&registry, &shared, state_inode_count);
     if let Some((listener, _)) = metrics_listener {
@@ -483,6 +495,30 @@ async fn expire_sessions(shared: Arc<Shared>) {
         }
         for client in clients {
             shared.forget_client(client).await;
+        }
+    }
+}
+
+/// Puts out of their chains the I/O servers silent past `server_down_after_ms` (see
+/// `registry.rs`), checked at every heartbeat interval.
+async fn put_out_silent_servers(shared: Arc<Shared>) {
+    let period = Duration::from_millis(u64::from(shared.config.heartbeat_interval_ms).max(10));
+    let mut interval = tokio::time::interval(period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let changes = shared.registry().put_out_silent(Instant::now());
+        if changes.is_empty() {
+            continue;
+        }
+        for (server, _) in &changes {
+            tracing::warn!(
+                server,
+                "I/O server silent past server_down_after_ms: out of its chains"
+            );
+        }
+        if let Err(error) = service::persist_states(&shared, changes).await {
+            tracing::error!(%error, "cannot persist the servers put out of their chains");
         }
     }
 }

@@ -45,8 +45,8 @@ pub const IDLE_PASS_INTERVAL_MS: u64 = 30_000;
 /// The stripes each server of a layout holds.
 pub fn stripes_by_server(orphan: &OrphanRecord) -> BTreeMap<ServerId, Vec<u32>> {
     let mut by_server: BTreeMap<ServerId, Vec<u32>> = BTreeMap::new();
-    for (index, server) in orphan.layout.servers.iter().enumerate() {
-        by_server.entry(*server).or_default().push(index as u32);
+    for (stripe, server) in orphan.layout.placements() {
+        by_server.entry(server).or_default().push(stripe);
     }
     by_server
 }
@@ -122,7 +122,7 @@ pub async fn cuts_owed_by(shared: &Arc<Shared>, server: ServerId) -> u32 {
         record
             .cuts
             .iter()
-            .any(|(stripe, _)| record.layout.servers.get(*stripe as usize) == Some(&server))
+            .any(|(stripe, _)| record.layout.keeps(*stripe, server))
     };
     let mut owed = 0u32;
     let mut after = None;

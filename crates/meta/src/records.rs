@@ -225,6 +225,9 @@ pub struct ServerEntry {
     pub capacity_bytes: u64,
     pub free_bytes: u64,
     pub object_count: u64,
+    /// Its place in the chains of replicated stripes: an out server stays out across a
+    /// restart of the meta server (its copies are stale until it resyncs).
+    pub state: freeflow_proto::meta::MemberState,
 }
 
 fn corrupt(table: TableId, reason: impl std::fmt::Display) -> StoreError {
@@ -360,6 +363,7 @@ mod tests {
             capacity_bytes: 1,
             free_bytes: 2,
             object_count: 3,
+            state: freeflow_proto::meta::MemberState::Out,
         };
         let mut bytes = encode_versioned(&record);
         assert_eq!(

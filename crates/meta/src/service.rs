@@ -18,12 +18,12 @@ use bytes::Bytes;
 use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::meta::{
     is_mutation, Close, CloseHandles, CloseSession, ClusterReport, ClusterStatus, CommitSize,
-    Create, CreateReply, FsStats, GetAttr, GetLock, GetXattr, InodeFacts, InodeRange,
-    InspectInodes, Link, ListServers, ListXattr, LockConflict, Lookup, LookupEntry, Mkdir, Open,
-    OpenGrant, OpenSession, ReadDir, ReadLink, RegisterReply, RegisterServer, RemoveXattr, Rename,
-    RenewSession, ReplayDone, ReplayOf, ReplyStamp, ReserveInodes, Rmdir, SessionGrant,
-    SetAttributes, SetDirLayout, SetLock, SetXattr, StatFs, Symlink, Sync, Unlink, WaitRevocations,
-    INSPECT_INODES_MAX,
+    Create, CreateReply, FsStats, GetAttr, GetLock, GetServiceMap, GetXattr, InodeFacts,
+    InodeRange, InspectInodes, Link, ListServers, ListXattr, LockConflict, Lookup, LookupEntry,
+    MemberState, Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink, RegisterReply,
+    RegisterServer, RemoveXattr, Rename, RenewSession, ReplayDone, ReplayOf, ReplyStamp,
+    ReserveInodes, ResyncDone, Rmdir, SessionGrant, SetAttributes, SetDirLayout, SetLock, SetXattr,
+    StatFs, Symlink, Sync, Unlink, WaitRevocations, INSPECT_INODES_MAX,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
@@ -84,6 +84,8 @@ fn served_while_recovering(opcode: u16) -> bool {
             | RenewSession::OPCODE
             | CloseSession::OPCODE
             | RegisterServer::OPCODE
+            | GetServiceMap::OPCODE
+            | ResyncDone::OPCODE
             | ListServers::OPCODE
             | ClusterStatus::OPCODE
             | StatFs::OPCODE
@@ -567,6 +569,19 @@ impl Service for MetaService {
             RegisterServer::OPCODE => {
                 handle(frame, |request: RegisterServer, _| async move {
                     unstamped(shared, register_server(shared, request).await)
+                })
+                .await
+            }
+            GetServiceMap::OPCODE => {
+                handle(frame, |_: GetServiceMap, _| {
+                    let map = shared.registry().service_map();
+                    async move { unstamped(shared, Ok(map)) }
+                })
+                .await
+            }
+            ResyncDone::OPCODE => {
+                handle(frame, |request: ResyncDone, _| async move {
+                    unstamped(shared, resync_done(shared, request).await)
                 })
                 .await
             }
@@ -1180,12 +1195,15 @@ async fn register_server(
         capacity_bytes: request.capacity_bytes,
         free_bytes: request.free_bytes,
         object_count: request.object_count,
+        // Kept from the registry by `heartbeat`: a heartbeat does not move a server.
+        state: MemberState::InService,
     };
-    let (needs_persist, known) = {
+    let (needs_persist, known, known_before) = {
         let registry = shared.registry();
         (
             registry.needs_persist(request.server_id, &request.address),
             registry.len(),
+            registry.address(request.server_id).is_some(),
         )
     };
     if needs_persist {
@@ -1199,18 +1217,37 @@ async fn register_server(
                 ),
             ));
         }
-        let persisted = entry.clone();
+        let mut persisted = entry.clone();
+        if let Some(current) = shared.registry().entry(server_id) {
+            persisted.state = current.state;
+        }
         shared
             .write(move |write, _context| ops::servers::put_server(write, server_id, &persisted))
             .await?;
         tracing::info!(server_id, address = %request.address, "I/O server registered");
     }
-    let came_up = {
+    let (came_up, change, resync) = {
         let mut registry = shared.registry();
-        let came_up = registry.heartbeat(request.server_id, entry, Instant::now());
+        let now = Instant::now();
+        let came_up = registry.heartbeat(request.server_id, entry, now);
         registry.set_metrics_address(request.server_id, request.metrics_address);
-        came_up
+        let change = registry.note_registration(
+            request.server_id,
+            request.incarnation,
+            request.map_version,
+            request.fresh,
+            known_before,
+            now,
+        );
+        (
+            came_up,
+            change,
+            registry.resync_order(request.server_id, now),
+        )
     };
+    if let Some(change) = change {
+        persist_states(shared, vec![change]).await?;
+    }
     if came_up {
         // Orphans waiting for this server are removed at once.
         shared.reaper_wake.notify_one();
@@ -1227,5 +1264,44 @@ async fn register_server(
     Ok(RegisterReply {
         heartbeat_interval_ms: shared.config.heartbeat_interval_ms,
         cuts_owed,
+        map_version: shared.registry().map_version(),
+        resync: if cuts_owed == 0 { resync } else { None },
     })
+}
+
+/// Make changes of servers' states in their chains durable: a server put out must stay out
+/// after a restart of the meta server, since its copies are stale until it resyncs.
+pub async fn persist_states(
+    shared: &Arc<Shared>,
+    changes: Vec<crate::registry::StateChange>,
+) -> Result<(), WireError> {
+    let registry_of = Arc::clone(shared);
+    shared
+        .write(move |write, _context| {
+            for (server, stale) in changes {
+                // Written as the registry holds it now: a later change is never undone by
+                // an earlier one that reached the writer after it.
+                let entry = registry_of.registry().entry(server).unwrap_or(stale);
+                ops::servers::put_server(write, server, &entry)?;
+            }
+            Ok(())
+        })
+        .await?;
+    shared.sync().await?;
+    Ok(())
+}
+
+async fn resync_done(shared: &Arc<Shared>, request: ResyncDone) -> Result<(), WireError> {
+    let change = shared
+        .registry()
+        .resync_done(request.server_id, request.map_version, Instant::now())
+        .map_err(|reason| WireError::new(ErrorCode::Stale, reason))?;
+    if let Some(change) = change {
+        tracing::info!(
+            server_id = request.server_id,
+            "I/O server resynced: back in service"
+        );
+        persist_states(shared, vec![change]).await?;
+    }
+    Ok(())
 }

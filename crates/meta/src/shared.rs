@@ -220,6 +220,7 @@ impl Shared {
             servers: self.registry().placement_servers(Instant::now()),
             default_stripe_unit_bytes: self.config.stripe_unit_bytes,
             default_stripe_count: self.config.stripe_count,
+            default_replicas: self.config.replicas,
         }
     }
 

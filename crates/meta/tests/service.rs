@@ -239,6 +239,9 @@ async fn reaper_removes_data_after_the_last_close_and_restart_keeps_the_namespac
         free_bytes: 1 << 29,
         object_count: 0,
         metrics_address: None,
+        incarnation: 1,
+        map_version: 0,
+        fresh: false,
     };
     connection.call(&register, Bytes::new()).await.unwrap();
     let (session, _) = connection
@@ -361,6 +364,9 @@ async fn orphans_survive_a_restart_and_wait_one_lease_before_reaping() {
         free_bytes: 1 << 29,
         object_count: 0,
         metrics_address: None,
+        incarnation: 1,
+        map_version: 0,
+        fresh: false,
     };
     connection
         .call(&register(dead_address), Bytes::new())
@@ -432,6 +438,9 @@ fn register(server_id: u32, address: String) -> RegisterServer {
         free_bytes: 1 << 29,
         object_count: 0,
         metrics_address: None,
+        incarnation: 1,
+        map_version: 0,
+        fresh: false,
     }
 }
 

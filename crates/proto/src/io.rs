@@ -46,8 +46,11 @@ pub enum AllocateMode {
 }
 
 requests! {
-    /// Write the payload at `offset` of the object, creating the object if needed.
-    WriteObject = 200 => ObjectSpace { object: ObjectId, offset: u64 }
+    /// Write the payload at `offset` of the object, creating the object if needed. For a
+    /// replicated stripe (`map_version` not 0) the server takes it only under that service
+    /// map version, and passes it on to `forward[0]` with the rest of `forward`; the reply
+    /// comes once every server of the chain wrote it.
+    WriteObject = 200 => ObjectSpace { object: ObjectId, offset: u64, map_version: u64, forward: Vec<ServerId> }
     /// Read up to `length` bytes at `offset`; the data comes back in the reply payload.
     ReadObject = 201 => ReadReply { object: ObjectId, offset: u64, length: u32 }
     /// Cut the object to `length` bytes if it is longer. Never extends an object and never
@@ -61,7 +64,8 @@ requests! {
     ServerStats = 205 => IoStats {}
     /// `fallocate` of `length` bytes at `offset` of the object (see [`AllocateMode`]).
     /// Allocating creates the object; punching or zeroing a missing object does nothing.
-    AllocateObject = 206 => ObjectSpace { object: ObjectId, offset: u64, length: u64, mode: AllocateMode }
+    /// Replicated stripes are passed down their chain as `WriteObject` is.
+    AllocateObject = 206 => ObjectSpace { object: ObjectId, offset: u64, length: u64, mode: AllocateMode, map_version: u64, forward: Vec<ServerId> }
     /// Make `length` bytes at `target_offset` of `target` equal those at `source_offset` of
     /// `source` (both objects on this server), without the data leaving the server. Bytes
     /// past the end of the source read as zeros, so they become zeros (a hole) in the

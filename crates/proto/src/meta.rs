@@ -106,6 +106,98 @@ pub struct ServerRecord {
     pub last_seen_ms: Option<u64>,
     /// `host:port` of the server's metrics endpoint, as in its last heartbeat (None: off).
     pub metrics_address: Option<String>,
+    /// Its place in the chains of replicated files.
+    pub state: MemberState,
+}
+
+/// An I/O server's place in the chains of replicated stripes (DESIGN.md §7).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MemberState {
+    /// Takes writes and serves reads.
+    InService,
+    /// Silent past `server_down_after_ms`: left out of every chain, writes go on without it.
+    Out,
+    /// Back after being out: takes every write again (at the end of its chains) while it
+    /// copies what changed in its absence, and serves no reads of replicated stripes.
+    Syncing,
+}
+
+/// One I/O server in the [`ServiceMap`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    pub server_id: ServerId,
+    pub address: String,
+    pub state: MemberState,
+    /// Changes each time the server process starts: a client that lost a connection to
+    /// it knows, from a new value, that the old process (and any request it held) is gone.
+    pub incarnation: u64,
+}
+
+/// Which I/O servers are in which state, versioned: every change of a state gives a new
+/// version, and a replicated write is taken only by servers that hold the version its
+/// client used, so a server left out of its chains cannot take writes for them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceMap {
+    pub version: u64,
+    pub members: Vec<Member>,
+}
+
+impl ServiceMap {
+    pub fn member(&self, server_id: ServerId) -> Option<&Member> {
+        self.members
+            .iter()
+            .find(|member| member.server_id == server_id)
+    }
+
+    pub fn state(&self, server_id: ServerId) -> MemberState {
+        self.member(server_id)
+            .map_or(MemberState::InService, |member| member.state)
+    }
+
+    /// Where a replicated write of a stripe with this chain goes: the members in service
+    /// in chain order, then those syncing (they must not miss a write while they copy).
+    pub fn write_chain(&self, chain: &[ServerId]) -> Vec<ServerId> {
+        let mut members: Vec<ServerId> = chain
+            .iter()
+            .copied()
+            .filter(|server| self.state(*server) == MemberState::InService)
+            .collect();
+        members.extend(
+            chain
+                .iter()
+                .copied()
+                .filter(|server| self.state(*server) == MemberState::Syncing),
+        );
+        members
+    }
+
+    /// Which copies of a stripe with this chain may serve a read, best first: the members
+    /// in service from the tail (it holds only what every member acknowledged); if none is,
+    /// the others, since one copy is all an unreplicated stripe has.
+    pub fn read_chain(&self, chain: &[ServerId]) -> Vec<ServerId> {
+        let in_service: Vec<ServerId> = chain
+            .iter()
+            .rev()
+            .copied()
+            .filter(|server| self.state(*server) == MemberState::InService)
+            .collect();
+        if in_service.is_empty() {
+            chain.to_vec()
+        } else {
+            in_service
+        }
+    }
+}
+
+/// Sent to a server back from being out, once every server in service holds the map that
+/// names it syncing: copy from its chain partners what changed in its absence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResyncOrder {
+    /// Copy objects written within this many milliseconds (on the partner's clock);
+    /// `u64::MAX` (a server whose data directory is new): every object.
+    pub window_ms: u64,
+    /// The map version the order was given under.
+    pub map_version: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -117,6 +209,10 @@ pub struct RegisterReply {
     /// reached. Until a reply says 0, the server serves no data (reads, writes), so no
     /// write lands before a cut that would destroy it and no stale byte is read.
     pub cuts_owed: u32,
+    /// The current [`ServiceMap`] version: a server holding another fetches the map.
+    pub map_version: u64,
+    /// Set while this server is syncing and may copy (see [`ResyncOrder`]).
+    pub resync: Option<ResyncOrder>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -306,7 +402,7 @@ requests! {
         durable: bool,
     }
     /// Set the layout new files in a directory inherit.
-    SetDirLayout = 130 => Attr { caller: Caller, inode: InodeId, stripe_unit_bytes: Option<u32>, stripe_count: Option<u32> }
+    SetDirLayout = 130 => Attr { caller: Caller, inode: InodeId, stripe_unit_bytes: Option<u32>, stripe_count: Option<u32>, replicas: Option<u32> }
     ListServers = 131 => Vec<ServerRecord> {}
     /// Sent by an I/O server at start and then as its heartbeat.
     RegisterServer = 132 => RegisterReply {
@@ -317,6 +413,12 @@ requests! {
         object_count: u64,
         /// `host:port` of the server's metrics endpoint for `freeflow top` (None: off).
         metrics_address: Option<String>,
+        /// Random per start of the server process (see [`Member::incarnation`]).
+        incarnation: u64,
+        /// The [`ServiceMap`] version the server holds.
+        map_version: u64,
+        /// Its data directory was created by this start: it holds no object at all.
+        fresh: bool,
     }
     ClusterStatus = 133 => ClusterReport {}
     /// Make every change applied so far durable before replying (fsync of a directory,
@@ -374,6 +476,11 @@ requests! {
     /// What the meta server knows of each of `inodes` (at most [`INSPECT_INODES_MAX`]), for
     /// `freeflow fsck`: it compares them with the objects the I/O servers hold.
     InspectInodes = 142 => Vec<InodeFacts> { inodes: Vec<InodeId> }
+    /// The I/O servers' states in the chains of replicated files.
+    GetServiceMap = 143 => ServiceMap {}
+    /// Sent by a syncing I/O server that copied everything its order asked for: it is put
+    /// back in service (its order must be of the current map version).
+    ResyncDone = 144 => () { server_id: ServerId, map_version: u64 }
 }
 
 /// Most inodes one `InspectInodes` asks about.

@@ -79,6 +79,8 @@ fn every_meta_message(bytes: &[u8]) {
         CloseHandles,
         ReserveInodes,
         InspectInodes,
+        GetServiceMap,
+        ResyncDone,
     );
 }
 
@@ -190,6 +192,8 @@ fn samples() -> Vec<Vec<u8>> {
             offset: 1,
             length: 2,
             mode: AllocateMode::ZeroRange,
+            map_version: 0,
+            forward: Vec::new(),
         }),
         encode(&SyncObjects {
             objects: vec![object, object],
@@ -262,6 +266,28 @@ fn samples() -> Vec<Vec<u8>> {
         encode(&InspectInodes {
             inodes: vec![1, 77, u64::MAX],
         }),
+        encode(&Ok::<ServiceMap, WireError>(ServiceMap {
+            version: 17,
+            members: vec![Member {
+                server_id: 2,
+                address: "127.0.0.1:7712".into(),
+                state: MemberState::Syncing,
+                incarnation: 99,
+            }],
+        })),
+        encode(&ResyncDone {
+            server_id: 2,
+            map_version: 17,
+        }),
+        encode(&Ok::<RegisterReply, WireError>(RegisterReply {
+            heartbeat_interval_ms: 1000,
+            cuts_owed: 0,
+            map_version: 17,
+            resync: Some(ResyncOrder {
+                window_ms: u64::MAX,
+                map_version: 17,
+            }),
+        })),
         encode(&Ok::<Vec<InodeFacts>, WireError>(vec![InodeFacts {
             inode: 77,
             kind: Some(FileKind::Regular),

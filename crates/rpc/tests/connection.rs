@@ -62,6 +62,8 @@ fn write_request(inode: u64, delay_ms: u64) -> WriteObject {
             stripe_index: 0,
         },
         offset: delay_ms,
+        map_version: 0,
+        forward: Vec::new(),
     }
 }
 

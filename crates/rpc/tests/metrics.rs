@@ -69,6 +69,8 @@ async fn requests_bytes_connections_and_handshake_failures_are_counted() {
         let request = WriteObject {
             object: OBJECT,
             offset: 0,
+            map_version: 0,
+            forward: Vec::new(),
         };
         connection
             .call(&request, Bytes::from(vec![1u8; 1000]))

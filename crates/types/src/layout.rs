@@ -10,7 +10,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::limits::{
-    FILE_SIZE_MAX, STRIPE_COUNT_MAX, STRIPE_UNIT_BYTES_MAX, STRIPE_UNIT_BYTES_MIN,
+    FILE_SIZE_MAX, REPLICAS_MAX, STRIPE_COUNT_MAX, STRIPE_UNIT_BYTES_MAX, STRIPE_UNIT_BYTES_MIN,
 };
 use crate::{InodeId, ServerId};
 
@@ -18,8 +18,13 @@ use crate::{InodeId, ServerId};
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Layout {
     pub stripe_unit_bytes: u32,
-    /// The servers holding stripes 0, 1, 2, ... in order. Its length is the stripe count.
+    /// The servers holding stripes 0, 1, 2, ... in order (each stripe's first copy, the
+    /// head of its chain). Its length is the stripe count.
     pub servers: Vec<ServerId>,
+    /// The further copies of each stripe when the file is replicated (DESIGN.md §7): stripe
+    /// `s` is kept on the chain `servers[s]`, then `copies[s * (r - 1) .. (s + 1) * (r - 1)]`
+    /// in order, `r` being [`Layout::replicas`]. Empty: one copy of each stripe.
+    pub copies: Vec<ServerId>,
 }
 
 /// One stripe object: the part of a file kept by one server.
@@ -44,6 +49,9 @@ pub enum LayoutError {
     StripeUnitNotPowerOfTwo(u32),
     StripeCountOutOfRange(usize),
     DuplicateServer(ServerId),
+    /// The copies do not give every stripe the same number of further servers, or more
+    /// than [`REPLICAS_MAX`] in all.
+    ReplicasOutOfRange(usize),
 }
 
 impl std::fmt::Display for LayoutError {
@@ -60,8 +68,12 @@ impl std::fmt::Display for LayoutError {
                 write!(f, "stripe count {count} is outside 1..={STRIPE_COUNT_MAX}")
             }
             LayoutError::DuplicateServer(server) => {
-                write!(f, "server {server} appears twice in one layout")
+                write!(f, "server {server} appears twice in one layout or chain")
             }
+            LayoutError::ReplicasOutOfRange(copies) => write!(
+                f,
+                "{copies} further copies do not give each stripe the same number of copies in 1..={REPLICAS_MAX}"
+            ),
         }
     }
 }
@@ -71,9 +83,20 @@ impl std::error::Error for LayoutError {}
 impl Layout {
     /// A layout after checking it; every layout that reaches disk or wire passed this.
     pub fn new(stripe_unit_bytes: u32, servers: Vec<ServerId>) -> Result<Layout, LayoutError> {
+        Layout::replicated(stripe_unit_bytes, servers, Vec::new())
+    }
+
+    /// A layout whose stripes are kept on chains of servers: `servers` are the heads,
+    /// `copies` the further members, `replicas - 1` per stripe in stripe order.
+    pub fn replicated(
+        stripe_unit_bytes: u32,
+        servers: Vec<ServerId>,
+        copies: Vec<ServerId>,
+    ) -> Result<Layout, LayoutError> {
         let layout = Layout {
             stripe_unit_bytes,
             servers,
+            copies,
         };
         layout.validate()?;
         Ok(layout)
@@ -96,7 +119,54 @@ impl Layout {
                 return Err(LayoutError::DuplicateServer(*server));
             }
         }
+        let further = self.copies.len();
+        if !further.is_multiple_of(count) || further / count + 1 > REPLICAS_MAX as usize {
+            return Err(LayoutError::ReplicasOutOfRange(further));
+        }
+        for stripe in 0..count as u32 {
+            let chain = self.chain(stripe);
+            for (index, server) in chain.iter().enumerate() {
+                if chain[..index].contains(server) {
+                    return Err(LayoutError::DuplicateServer(*server));
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// How many copies each stripe has (1: not replicated).
+    pub fn replicas(&self) -> u32 {
+        (self.copies.len() / self.servers.len().max(1)) as u32 + 1
+    }
+
+    /// The chain keeping stripe `stripe_index`: its head first, then its further copies in
+    /// the order writes are forwarded. Empty for a stripe the layout does not have.
+    pub fn chain(&self, stripe_index: u32) -> Vec<ServerId> {
+        let Some(&head) = self.servers.get(stripe_index as usize) else {
+            return Vec::new();
+        };
+        let further = self.replicas() as usize - 1;
+        let start = stripe_index as usize * further;
+        let mut chain = Vec::with_capacity(further + 1);
+        chain.push(head);
+        chain.extend(self.copies.get(start..start + further).unwrap_or(&[]));
+        chain
+    }
+
+    /// Whether `server` keeps a copy of stripe `stripe_index`.
+    pub fn keeps(&self, stripe_index: u32, server: ServerId) -> bool {
+        self.chain(stripe_index).contains(&server)
+    }
+
+    /// Every (stripe, server) pair the layout stores an object on.
+    pub fn placements(&self) -> Vec<(u32, ServerId)> {
+        (0..self.stripe_count())
+            .flat_map(|stripe| {
+                self.chain(stripe)
+                    .into_iter()
+                    .map(move |server| (stripe, server))
+            })
+            .collect()
     }
 
     pub fn stripe_count(&self) -> u32 {
@@ -201,6 +271,31 @@ mod tests {
         assert_eq!(
             Layout::new(4096, vec![1, 2, 1]),
             Err(LayoutError::DuplicateServer(1))
+        );
+    }
+
+    #[test]
+    fn chains_of_a_replicated_layout() {
+        let layout = Layout::replicated(4096, vec![1, 2, 3], vec![2, 3, 1]).unwrap();
+        assert_eq!(layout.replicas(), 2);
+        assert_eq!(layout.chain(0), vec![1, 2]);
+        assert_eq!(layout.chain(2), vec![3, 1]);
+        assert!(layout.chain(3).is_empty());
+        assert!(layout.keeps(1, 3) && !layout.keeps(1, 1));
+        assert_eq!(layout.placements().len(), 6);
+        let single = Layout::new(4096, vec![4]).unwrap();
+        assert_eq!((single.replicas(), single.chain(0)), (1, vec![4]));
+        assert_eq!(
+            Layout::replicated(4096, vec![1, 2], vec![2, 1, 3]),
+            Err(LayoutError::ReplicasOutOfRange(3))
+        );
+        assert_eq!(
+            Layout::replicated(4096, vec![1, 2], vec![1, 3]),
+            Err(LayoutError::DuplicateServer(1))
+        );
+        assert_eq!(
+            Layout::replicated(4096, vec![1], vec![2, 3, 4, 5]),
+            Err(LayoutError::ReplicasOutOfRange(4))
         );
     }
 

@@ -26,6 +26,8 @@ pub const STRIPE_UNIT_BYTES_DEFAULT: u32 = 1 << 20;
 
 /// Most servers one file may be striped over.
 pub const STRIPE_COUNT_MAX: u32 = 256;
+/// Most copies of one stripe (the length of its chain).
+pub const REPLICAS_MAX: u32 = 4;
 
 /// Largest extended attribute name and value (Linux's own limits).
 pub const XATTR_NAME_LENGTH_MAX: usize = 255;

@@ -118,7 +118,7 @@ impl Scenario for Striping {
                 .block_on(async {
                     client.mkdir_path(&directory, 0o755).await?;
                     client
-                        .set_dir_layout_path(&directory, None, Some(count))
+                        .set_dir_layout_path(&directory, None, Some(count), None)
                         .await
                 })
                 .step(format!("make {directory} with stripe count {count}"))

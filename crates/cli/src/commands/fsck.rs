@@ -105,7 +105,7 @@ pub fn classify(
         (None, _) if facts.not_yet_allocated => Problem::NeverGiven,
         (None, _) => Problem::NoInode,
         (Some(FileKind::Regular), Some(layout)) => {
-            if layout.servers.get(stripe as usize) != Some(&server) {
+            if !layout.keeps(stripe, server) {
                 Problem::OutsideLayout
             } else {
                 let expected = layout.object_length(facts.size_bytes, stripe);

@@ -24,6 +24,7 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
         Command::Up {
             data,
             io_servers,
+            replicas,
             port,
             engine,
             mount,
@@ -33,6 +34,7 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
             let options = up::Options {
                 data,
                 io_server_count: io_servers,
+                replicas,
                 port,
                 engine,
                 mountpoint: mount,
@@ -112,9 +114,12 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
             exercise::run(cluster, options).await
         }
         Command::Stripe(StripeCommand::Get { path }) => stripe::get(cluster, &path).await,
-        Command::Stripe(StripeCommand::Set { path, unit, count }) => {
-            stripe::set(cluster, &path, unit, count).await
-        }
+        Command::Stripe(StripeCommand::Set {
+            path,
+            unit,
+            count,
+            replicas,
+        }) => stripe::set(cluster, &path, unit, count, replicas).await,
         Command::Top {
             once,
             json,

@@ -1,4 +1,5 @@
-//! `freeflow status`: the servers, whether each is up, capacity and file count.
+//! `freeflow status`: the servers, whether each is up and in its chains, capacity and file
+//! count.
 
 use std::path::PathBuf;
 
@@ -8,8 +9,8 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
     let client = cluster_file::connect(cluster).await?;
     let report = client.cluster_status().await?;
     println!(
-        "{:<6} {:<22} {:<5} {:>11} {:>11} {:>9} {:>10}",
-        "SERVER", "ADDRESS", "STATE", "CAPACITY", "FREE", "OBJECTS", "LAST SEEN"
+        "{:<6} {:<22} {:<5} {:<11} {:>11} {:>11} {:>9} {:>10}",
+        "SERVER", "ADDRESS", "STATE", "CHAIN", "CAPACITY", "FREE", "OBJECTS", "LAST SEEN"
     );
     let (mut capacity, mut free, mut up) = (0u64, 0u64, 0usize);
     for server in &report.servers {
@@ -23,10 +24,11 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
             None => "never".to_string(),
         };
         println!(
-            "{:<6} {:<22} {:<5} {:>11} {:>11} {:>9} {:>10}",
+            "{:<6} {:<22} {:<5} {:<11} {:>11} {:>11} {:>9} {:>10}",
             server.server_id,
             server.address,
             if server.up { "up" } else { "DOWN" },
+            member_state(server.state),
             human_bytes(server.capacity_bytes),
             human_bytes(server.free_bytes),
             server.object_count,
@@ -48,6 +50,15 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
     );
     client.shutdown().await;
     Ok(())
+}
+
+/// A server's place in the chains of replicated stripes, as `status` and `stripe get` show it.
+pub fn member_state(state: freeflow_proto::meta::MemberState) -> &'static str {
+    match state {
+        freeflow_proto::meta::MemberState::InService => "in service",
+        freeflow_proto::meta::MemberState::Out => "OUT",
+        freeflow_proto::meta::MemberState::Syncing => "syncing",
+    }
 }
 
 /// Bytes in binary units, three significant digits.

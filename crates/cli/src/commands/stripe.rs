@@ -21,9 +21,11 @@ pub async fn get(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
     if attr.kind == FileKind::Directory {
         match &attr.layout {
             Some(layout) => println!(
-                "ff:{path}: directory; new files get stripe unit {} over {} servers",
+                "ff:{path}: directory; new files get stripe unit {} over {} servers, {} {}",
                 human_bytes(u64::from(layout.stripe_unit_bytes)),
-                layout.stripe_count()
+                layout.stripe_count(),
+                layout.replicas(),
+                copies(layout.replicas())
             ),
             None => println!("ff:{path}: directory; new files get the cluster's default layout"),
         }
@@ -33,22 +35,25 @@ pub async fn get(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot read the layout of ff:{path}"))?;
         println!(
-            "ff:{path}: {} bytes, stripe unit {}, {} stripes",
+            "ff:{path}: {} bytes, stripe unit {}, {} stripes, {} {} of each",
             attr.size_bytes,
             human_bytes(u64::from(layout.stripe_unit_bytes)),
-            layout.stripe_count()
+            layout.stripe_count(),
+            layout.replicas(),
+            copies(layout.replicas())
         );
         println!(
-            "{:<7} {:<7} {:<22} {:<5} {:>14}",
-            "STRIPE", "SERVER", "ADDRESS", "STATE", "OBJECT BYTES"
+            "{:<7} {:<7} {:<22} {:<5} {:<11} {:>14}",
+            "STRIPE", "SERVER", "ADDRESS", "STATE", "CHAIN", "OBJECT BYTES"
         );
         for (stripe_index, server, object_bytes) in stripes {
             println!(
-                "{:<7} {:<7} {:<22} {:<5} {:>14}",
+                "{:<7} {:<7} {:<22} {:<5} {:<11} {:>14}",
                 stripe_index,
                 server.server_id,
                 server.address,
                 if server.up { "up" } else { "DOWN" },
+                crate::commands::status::member_state(server.state),
                 object_bytes
             );
         }
@@ -57,11 +62,20 @@ pub async fn get(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn copies(replicas: u32) -> &'static str {
+    if replicas == 1 {
+        "copy"
+    } else {
+        "copies"
+    }
+}
+
 pub async fn set(
     cluster: Option<PathBuf>,
     path: &str,
     unit: Option<String>,
     count: Option<u32>,
+    replicas: Option<u32>,
 ) -> anyhow::Result<()> {
     let unit = match unit {
         Some(text) => {
@@ -77,20 +91,24 @@ pub async fn set(
         }
         None => None,
     };
-    if unit.is_none() && count.is_none() {
-        return Err(ConfigError("nothing to set: give --unit and/or --count".into()).into());
+    if unit.is_none() && count.is_none() && replicas.is_none() {
+        return Err(
+            ConfigError("nothing to set: give --unit, --count and/or --replicas".into()).into(),
+        );
     }
     let client = cluster_file::connect(cluster).await?;
     let path = cluster_path(path);
     let attr = client
-        .set_dir_layout_path(&path, unit, count)
+        .set_dir_layout_path(&path, unit, count, replicas)
         .await
         .with_context(|| format!("cannot set the layout of ff:{path}"))?;
     if let Some(layout) = attr.layout {
         println!(
-            "ff:{path}: new files get stripe unit {} over {} servers",
+            "ff:{path}: new files get stripe unit {} over {} servers, {} {} of each stripe",
             human_bytes(u64::from(layout.stripe_unit_bytes)),
-            layout.stripe_count()
+            layout.stripe_count(),
+            layout.replicas(),
+            copies(layout.replicas())
         );
     }
     client.shutdown().await;

@@ -40,6 +40,8 @@ fn loopback_port(port: u16, offset: u32) -> anyhow::Result<String> {
 pub struct Options {
     pub data: PathBuf,
     pub io_server_count: u32,
+    /// Copies of each stripe of new files.
+    pub replicas: u32,
     pub port: u16,
     pub engine: String,
     pub mountpoint: Option<PathBuf>,
@@ -53,12 +55,17 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     let Options {
         data,
         io_server_count,
+        replicas,
         port,
         engine,
         mountpoint,
         mount_options,
         metrics,
     } = options;
+    anyhow::ensure!(
+        replicas <= io_server_count,
+        "--replicas {replicas} needs at least {replicas} I/O servers (--io-servers is {io_server_count}): each copy of a stripe is on another server"
+    );
     let engine = engine.as_str();
     // The address of a metrics endpoint at `port + offset`, or none with --no-metrics.
     let metrics_at = |offset: u32| -> anyhow::Result<Option<String>> {
@@ -84,6 +91,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         listen_address: meta_address.clone(),
         data_dir: data.join("meta"),
         metrics_address: metrics_at(META_METRICS_PORT_OFFSET)?,
+        replicas,
         ..MetaConfig::default()
     };
     let io_configs = (0..io_server_count)

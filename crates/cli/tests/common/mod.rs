@@ -225,6 +225,8 @@ pub struct ClusterOptions {
     pub recovery_window_ms: u64,
     /// How long the meta server leases what clients cache (`cache_lease_ms`).
     pub cache_lease_ms: u32,
+    /// Copies of each stripe of new files (the meta server's `replicas`).
+    pub replicas: u32,
 }
 
 impl ClusterOptions {
@@ -237,6 +239,7 @@ impl ClusterOptions {
             meta_commit_interval_ms: 500,
             recovery_window_ms: 10_000,
             cache_lease_ms: 10_000,
+            replicas: 1,
         }
     }
 }
@@ -377,6 +380,7 @@ impl Cluster {
             commit_interval_ms: self.options.meta_commit_interval_ms,
             recovery_window_ms: self.options.recovery_window_ms,
             cache_lease_ms: self.options.cache_lease_ms,
+            replicas: self.options.replicas,
             ..MetaConfig::default()
         };
         let file = MetaFile {

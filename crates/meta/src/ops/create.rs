@@ -7,7 +7,7 @@
 use freeflow_proto::meta::{Caller, Create, CreateReply, Mkdir, OpenAccess, Symlink};
 use freeflow_proto::ErrorCode;
 use freeflow_types::limits::{STRIPE_COUNT_MAX, SYMLINK_TARGET_LENGTH_MAX};
-use freeflow_types::{Attr, FileKind, InodeId, Layout};
+use freeflow_types::{Attr, FileKind, InodeId, Layout, ServerId};
 
 use super::{
     check_name, load_directory, load_inode, lookup_entry, put_entry, refuse, require_access,
@@ -24,16 +24,43 @@ pub struct CreateOutcome {
     pub open: Option<(u64, OpenAccess)>,
 }
 
-/// The stripe unit and count new files in a directory get: the directory's template if it
-/// has one, else the cluster default (count 0: all servers).
-pub fn layout_template(placement: &Placement, parent: &Attr) -> (u32, u32) {
+/// The stripe unit, count and copies new files in a directory get: the directory's
+/// template if it has one, else the cluster default (count 0: all servers).
+pub fn layout_template(placement: &Placement, parent: &Attr) -> (u32, u32, u32) {
     match &parent.layout {
-        Some(template) => (template.stripe_unit_bytes, template.stripe_count()),
+        Some(template) => (
+            template.stripe_unit_bytes,
+            template.stripe_count(),
+            template.replicas(),
+        ),
         None => (
             placement.default_stripe_unit_bytes,
             placement.default_stripe_count,
+            placement.default_replicas,
         ),
     }
+}
+
+/// `count` chains of `replicas` servers each over `servers` (distinct, in order), the first
+/// headed by `servers[start]`, each next one by the next server: every member of a chain is
+/// a different server, and heads and copies spread evenly. Returns (heads, copies) as
+/// [`Layout::replicated`] takes them.
+pub fn chains_over(
+    servers: &[ServerId],
+    start: usize,
+    count: usize,
+    replicas: usize,
+) -> (Vec<ServerId>, Vec<ServerId>) {
+    let n = servers.len().max(1);
+    let mut heads = Vec::with_capacity(count);
+    let mut copies = Vec::with_capacity(count * replicas.saturating_sub(1));
+    for stripe in 0..count {
+        heads.push(servers[(start + stripe) % n]);
+        for further in 1..replicas {
+            copies.push(servers[(start + stripe + further) % n]);
+        }
+    }
+    (heads, copies)
 }
 
 /// A layout for a new regular file: the template's unit and count over the registered
@@ -46,22 +73,18 @@ pub fn choose_layout(placement: &Placement, parent: &Attr, rotation: u64) -> OpR
             "no I/O servers are registered: start at least one I/O server",
         ));
     }
-    let (stripe_unit_bytes, wanted_count) = layout_template(placement, parent);
+    let (stripe_unit_bytes, wanted_count, wanted_replicas) = layout_template(placement, parent);
     let available = servers.len().min(STRIPE_COUNT_MAX as usize);
     let count = if wanted_count == 0 {
         available
     } else {
         (wanted_count as usize).min(available)
     };
+    // Fewer servers up than copies asked for: as many copies as there are servers.
+    let replicas = (wanted_replicas.max(1) as usize).min(servers.len());
     let start = (rotation % servers.len() as u64) as usize;
-    let chosen = servers
-        .iter()
-        .cycle()
-        .skip(start)
-        .take(count)
-        .copied()
-        .collect();
-    Layout::new(stripe_unit_bytes, chosen)
+    let (heads, copies) = chains_over(servers, start, count, replicas);
+    Layout::replicated(stripe_unit_bytes, heads, copies)
         .map_err(|error| refuse(ErrorCode::InvalidArgument, format!("layout: {error}")))
 }
 

@@ -101,6 +101,8 @@ pub struct Placement {
     pub default_stripe_unit_bytes: u32,
     /// 0: all servers.
     pub default_stripe_count: u32,
+    /// Copies of each stripe (1: not replicated).
+    pub default_replicas: u32,
 }
 
 /// State owned by the single writer: counters kept in memory and persisted once per batch.

@@ -8,7 +8,7 @@
 
 use freeflow_proto::meta::{CommitSize, SetDirLayout, StripeSpace};
 use freeflow_proto::ErrorCode;
-use freeflow_types::limits::{FILE_SIZE_MAX, STRIPE_COUNT_MAX};
+use freeflow_types::limits::{FILE_SIZE_MAX, REPLICAS_MAX, STRIPE_COUNT_MAX};
 use freeflow_types::{Attr, FileKind, Layout};
 
 use super::{load_inode, refuse, save_inode, touch_change, OpContext, OpResult};
@@ -96,10 +96,14 @@ pub fn set_dir_layout<W: StoreWrite>(
             ),
         ));
     }
-    let template = match (request.stripe_unit_bytes, request.stripe_count) {
-        (None, None) => None,
-        (unit, count) => {
-            let (current_unit, current_count) =
+    let template = match (
+        request.stripe_unit_bytes,
+        request.stripe_count,
+        request.replicas,
+    ) {
+        (None, None, None) => None,
+        (unit, count, replicas) => {
+            let (current_unit, current_count, current_replicas) =
                 super::create::layout_template(context.placement, &record.attr);
             let unit = unit.unwrap_or(current_unit);
             let servers = &context.placement.servers;
@@ -122,7 +126,19 @@ pub fn set_dir_layout<W: StoreWrite>(
                     ),
                 ));
             }
-            let layout = Layout::new(unit, servers[..count as usize].to_vec())
+            let replicas = replicas.unwrap_or(current_replicas);
+            if replicas == 0 || replicas > REPLICAS_MAX || replicas as usize > servers.len() {
+                return Err(refuse(
+                    ErrorCode::InvalidArgument,
+                    format!(
+                        "{replicas} copies of each stripe is outside 1..={} (at most one per I/O server, {REPLICAS_MAX} at most)",
+                        servers.len().min(REPLICAS_MAX as usize)
+                    ),
+                ));
+            }
+            let (heads, copies) =
+                super::create::chains_over(servers, 0, count as usize, replicas as usize);
+            let layout = Layout::replicated(unit, heads, copies)
                 .map_err(|error| refuse(ErrorCode::InvalidArgument, format!("layout: {error}")))?;
             Some(layout)
         }

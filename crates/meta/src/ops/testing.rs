@@ -39,6 +39,7 @@ impl Harness {
                 servers: vec![10, 11, 12],
                 default_stripe_unit_bytes: 1 << 20,
                 default_stripe_count: 0,
+                default_replicas: 1,
             },
             clock_seconds: 1_000,
         };

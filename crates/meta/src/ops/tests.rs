@@ -267,6 +267,7 @@ fn directory_layout_template_is_inherited() {
         inode: directory,
         stripe_unit_bytes: Some(65536),
         stripe_count: Some(2),
+        replicas: None,
     };
     harness
         .write(|write, context| size::set_dir_layout(write, context, &request))

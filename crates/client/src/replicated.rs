@@ -1,0 +1,248 @@
+//! Requests to the copies of a stripe (DESIGN.md §7; the servers' side is
+//! `ioserver/src/replication.rs`). A stripe with one copy goes to its one server as before.
+//! For a replicated stripe:
+//! - a write or an allocation goes to the first member of the chain the service map gives
+//!   (members in service, then those syncing), which passes it down the chain; the reply
+//!   means every member has it;
+//! - a read goes to the members in service from the tail (which holds only what every
+//!   member acknowledged), the next one when one fails;
+//! - a sync goes to every member at once.
+//!
+//! When a member fails, the client fetches the map again and sends again, waiting with
+//! backoff within the call timeout: the meta server puts a silent server out of its chains
+//! within `server_down_after_ms`, and then the chain is the others. The application sees a
+//! pause, not an error. A write whose connection to the first member broke with no reply
+//! is sent again only once that member is out or is another process (the old one could
+//! otherwise still apply it after a newer write of the same bytes' range).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use freeflow_proto::io::{ReadObject, SyncObjects};
+use freeflow_proto::meta::MemberState;
+use freeflow_proto::{ErrorCode, Request};
+use freeflow_rpc::RpcError;
+use freeflow_types::{InodeId, Layout, ServerId};
+
+use crate::pool::Pool;
+use crate::ClientError;
+
+const RETRY_WAIT_MIN_MS: u64 = 20;
+const RETRY_WAIT_MAX_MS: u64 = 500;
+
+/// What to do after a failed attempt on a member.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    /// Nothing was applied, or applying it again is harmless: send again.
+    Again,
+    /// The connection broke with no reply: the member may still apply it.
+    Unsure,
+    /// An answer about the request itself (bad argument, no space): final.
+    Final,
+}
+
+fn outcome(error: &ClientError) -> Outcome {
+    match error {
+        ClientError::Io { source, .. } => match source {
+            RpcError::Remote(wire) => match wire.code {
+                ErrorCode::Stale
+                | ErrorCode::Busy
+                | ErrorCode::Unreachable
+                | ErrorCode::TimedOut => Outcome::Again,
+                _ => Outcome::Final,
+            },
+            RpcError::Connect { .. } | RpcError::Handshake { .. } => Outcome::Again,
+            RpcError::Disconnected { .. } | RpcError::TimedOut { .. } => Outcome::Unsure,
+            RpcError::Refused { .. } | RpcError::Protocol { .. } => Outcome::Final,
+        },
+        _ => Outcome::Final,
+    }
+}
+
+fn no_copy(inode: InodeId, stripe: u32) -> ClientError {
+    ClientError::inode(
+        inode,
+        ErrorCode::Unreachable,
+        format!("no copy of stripe {stripe} is in service"),
+    )
+}
+
+struct Retry {
+    deadline: Instant,
+    wait_ms: u64,
+}
+
+impl Retry {
+    fn new(pool: &Pool) -> Retry {
+        Retry {
+            deadline: Instant::now() + Duration::from_millis(pool.call_timeout_ms()),
+            wait_ms: RETRY_WAIT_MIN_MS,
+        }
+    }
+
+    /// Wait before the next attempt; false once the call timeout has passed.
+    async fn wait(&mut self) -> bool {
+        if Instant::now() >= self.deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(self.wait_ms)).await;
+        self.wait_ms = (self.wait_ms * 2).min(RETRY_WAIT_MAX_MS);
+        true
+    }
+}
+
+impl Pool {
+    /// A write-like request (`WriteObject`, `AllocateObject`) to stripe `stripe` of
+    /// `layout`; `make(map_version, forward)` builds it for the chain in effect.
+    pub(crate) async fn chain_write<R: Request>(
+        &self,
+        layout: &Layout,
+        stripe: u32,
+        inode: InodeId,
+        make: impl Fn(u64, Vec<ServerId>) -> R,
+        payload: Bytes,
+        target: impl Fn() -> String,
+    ) -> Result<(R::Reply, Bytes), ClientError> {
+        if layout.replicas() < 2 {
+            let server = layout.servers[stripe as usize];
+            return self
+                .io_call(server, inode, &make(0, Vec::new()), payload, target)
+                .await;
+        }
+        let chain = layout.chain(stripe);
+        let mut retry = Retry::new(self);
+        let mut map = self.service_map().await?;
+        let mut unsure: Option<(ServerId, u64)> = None;
+        let mut last_error: Option<ClientError> = None;
+        loop {
+            let settled = unsure.is_none_or(|(head, incarnation)| {
+                map.member(head).is_none_or(|member| {
+                    member.state == MemberState::Out || member.incarnation != incarnation
+                })
+            });
+            if settled {
+                unsure = None;
+                let members = map.write_chain(&chain);
+                let Some((&head, rest)) = members.split_first() else {
+                    return Err(no_copy(inode, stripe));
+                };
+                let request = make(map.version, rest.to_vec());
+                match self
+                    .io_attempt(head, inode, &request, payload.clone(), &target)
+                    .await
+                {
+                    Ok(reply) => return Ok(reply),
+                    Err(error) => match outcome(&error) {
+                        Outcome::Final => return Err(error),
+                        Outcome::Again => last_error = Some(error),
+                        Outcome::Unsure => {
+                            let incarnation =
+                                map.member(head).map_or(0, |member| member.incarnation);
+                            unsure = Some((head, incarnation));
+                            last_error = Some(error);
+                        }
+                    },
+                }
+            }
+            if !retry.wait().await {
+                return Err(last_error.unwrap_or_else(|| no_copy(inode, stripe)));
+            }
+            map = self.fetch_service_map(map.version).await?;
+        }
+    }
+
+    /// A read of stripe `stripe` of `layout`.
+    pub(crate) async fn chain_read(
+        &self,
+        layout: &Layout,
+        stripe: u32,
+        inode: InodeId,
+        request: &ReadObject,
+        target: impl Fn() -> String,
+    ) -> Result<(freeflow_proto::io::ReadReply, Bytes), ClientError> {
+        if layout.replicas() < 2 {
+            let server = layout.servers[stripe as usize];
+            return self
+                .io_call(server, inode, request, Bytes::new(), target)
+                .await;
+        }
+        let chain = layout.chain(stripe);
+        let mut retry = Retry::new(self);
+        let mut map = self.service_map().await?;
+        loop {
+            let mut last_error = None;
+            for member in map.read_chain(&chain) {
+                match self
+                    .io_attempt(member, inode, request, Bytes::new(), &target)
+                    .await
+                {
+                    Ok(reply) => return Ok(reply),
+                    Err(error) if outcome(&error) == Outcome::Final => return Err(error),
+                    Err(error) => last_error = Some(error),
+                }
+            }
+            if !retry.wait().await {
+                return Err(last_error.unwrap_or_else(|| no_copy(inode, stripe)));
+            }
+            map = self.fetch_service_map(map.version).await?;
+        }
+    }
+
+    /// Make stripe `stripe` of `layout` durable on every copy that takes writes.
+    pub(crate) async fn chain_sync(
+        &self,
+        layout: &Layout,
+        stripe: u32,
+        inode: InodeId,
+        request: &SyncObjects,
+        target: impl Fn() -> String,
+    ) -> Result<(), ClientError> {
+        if layout.replicas() < 2 {
+            let server = layout.servers[stripe as usize];
+            self.io_call(server, inode, request, Bytes::new(), target)
+                .await?;
+            return Ok(());
+        }
+        let chain = layout.chain(stripe);
+        let mut retry = Retry::new(self);
+        let mut map = self.service_map().await?;
+        loop {
+            let members = map.write_chain(&chain);
+            if members.is_empty() {
+                return Err(no_copy(inode, stripe));
+            }
+            let syncs = members
+                .iter()
+                .map(|member| self.io_attempt(*member, inode, request, Bytes::new(), &target));
+            let mut last_error = None;
+            for result in futures::future::join_all(syncs).await {
+                match result {
+                    Ok(_) => {}
+                    Err(error) if outcome(&error) == Outcome::Final => return Err(error),
+                    Err(error) => last_error = Some(error),
+                }
+            }
+            let Some(error) = last_error else {
+                return Ok(());
+            };
+            if !retry.wait().await {
+                return Err(error);
+            }
+            map = self.fetch_service_map(map.version).await?;
+        }
+    }
+}
+
+/// Whether a server-side copy between these two stripes can stand for a read and a write:
+/// only when both have one copy on the same server (a replicated target must get the bytes
+/// down its chain).
+pub(crate) fn same_single_server(
+    source: &Layout,
+    source_stripe: u32,
+    target: &Layout,
+    target_stripe: u32,
+) -> bool {
+    source.replicas() == 1
+        && target.replicas() == 1
+        && source.servers.get(source_stripe as usize) == target.servers.get(target_stripe as usize)
+}

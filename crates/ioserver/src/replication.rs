@@ -1,0 +1,332 @@
+//! Chain replication of stripe objects (DESIGN.md §7): what an I/O server does for a write
+//! of a replicated stripe.
+//!
+//! A client sends a replicated write (`map_version` not 0) to the first member of the
+//! stripe's chain with the rest of the chain in `forward`. Each member checks that it holds
+//! the same service map version as the request, writes the bytes locally and passes the
+//! request on to the next member; it answers once both are done, so the client's reply
+//! means every member wrote it. A member holding another map version refuses the request:
+//! `Stale` when the request's map is older (the client fetches the map and sends again),
+//! `Busy` when it is newer (this server fetches the map; the client sends again shortly).
+//! A server left out of its chains therefore takes no write for them once its partners
+//! hold the map that says so.
+//!
+//! Overlapping writes of one object are serialised on each member by range locks held
+//! across the local write and the pass-on, so every member applies them in the same order
+//! and the copies end identical. The local write and the version check are made under the
+//! map's read lock, which a map change waits for: once this server reports a new version,
+//! no write checked against the old one is still on its way to the disk.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+use freeflow_proto::meta::{GetServiceMap, MemberState, ServiceMap};
+use freeflow_proto::{ErrorCode, Request, WireError};
+use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RpcError};
+use freeflow_types::{ObjectId, ServerId};
+use tokio::sync::{watch, RwLock, RwLockReadGuard};
+
+/// The service map and the connections to chain partners.
+pub struct Replication {
+    server_id: ServerId,
+    key: ClusterKey,
+    meta_address: String,
+    options: ConnectOptions,
+    map: RwLock<ServiceMap>,
+    /// The version in `map`, readable without waiting for its lock.
+    version: std::sync::atomic::AtomicU64,
+    peers: Mutex<HashMap<ServerId, Connection>>,
+    meta: tokio::sync::Mutex<Option<Connection>>,
+    /// Wakes the fetch task when a request named a newer map than ours.
+    newer_seen: tokio::sync::Notify,
+    pub ranges: RangeLocks,
+}
+
+impl Replication {
+    pub fn new(
+        server_id: ServerId,
+        key: ClusterKey,
+        meta_address: String,
+        call_timeout_ms: u64,
+        connect_timeout_ms: u64,
+    ) -> Replication {
+        Replication {
+            server_id,
+            key,
+            meta_address,
+            options: ConnectOptions {
+                client_name: format!("io:{server_id}:chain"),
+                call_timeout_ms,
+                connect_timeout_ms,
+                ..ConnectOptions::default()
+            },
+            map: RwLock::new(ServiceMap::default()),
+            version: std::sync::atomic::AtomicU64::new(0),
+            peers: Mutex::new(HashMap::new()),
+            meta: tokio::sync::Mutex::new(None),
+            newer_seen: tokio::sync::Notify::new(),
+            ranges: RangeLocks::default(),
+        }
+    }
+
+    pub fn server_id(&self) -> ServerId {
+        self.server_id
+    }
+
+    /// The map version held (0: none fetched yet).
+    pub fn version(&self) -> u64 {
+        self.version.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub async fn map(&self) -> ServiceMap {
+        self.map.read().await.clone()
+    }
+
+    /// Wait until the map is held at `version` and keep it so while the guard lives (the
+    /// local write of a replicated request is made under it).
+    pub async fn hold(&self, version: u64) -> Result<RwLockReadGuard<'_, ServiceMap>, WireError> {
+        let map = self.map.read().await;
+        if map.version == version {
+            return Ok(map);
+        }
+        if version > map.version {
+            drop(map);
+            self.newer_seen.notify_one();
+            return Err(WireError::new(
+                ErrorCode::Busy,
+                format!(
+                    "I/O server {} does not hold service map {version} yet; fetching it",
+                    self.server_id
+                ),
+            ));
+        }
+        Err(WireError::new(
+            ErrorCode::Stale,
+            format!(
+                "service map {version} is stale: I/O server {} holds {}",
+                self.server_id, map.version
+            ),
+        ))
+    }
+
+    /// Fetch the map from the meta server and hold it from now on.
+    pub async fn fetch(&self) -> Result<u64, String> {
+        let fetched = {
+            let mut meta = self.meta.lock().await;
+            if meta.as_ref().is_none_or(Connection::is_closed) {
+                *meta = Some(
+                    Connection::connect(&self.meta_address, &self.key, &self.options)
+                        .await
+                        .map_err(|error| error.to_string())?,
+                );
+            }
+            let Some(connection) = meta.as_ref() else {
+                unreachable!("connected above")
+            };
+            match connection.call(&GetServiceMap {}, Bytes::new()).await {
+                Ok((map, _)) => map,
+                Err(error) => {
+                    if error.is_connection_failure() {
+                        *meta = None;
+                    }
+                    return Err(error.to_string());
+                }
+            }
+        };
+        let version = fetched.version;
+        let mut map = self.map.write().await;
+        if map.version != version {
+            tracing::info!(
+                server_id = self.server_id,
+                version,
+                out = ?fetched.members.iter().filter(|member| member.state == MemberState::Out).map(|member| member.server_id).collect::<Vec<_>>(),
+                syncing = ?fetched.members.iter().filter(|member| member.state == MemberState::Syncing).map(|member| member.server_id).collect::<Vec<_>>(),
+                "service map changed"
+            );
+            // A partner at a new address (or a new process) is reached anew.
+            let mut peers = self.lock_peers();
+            peers.retain(|server, connection| {
+                fetched
+                    .member(*server)
+                    .is_some_and(|member| member.address == connection.address())
+            });
+        }
+        *map = fetched;
+        self.version
+            .store(version, std::sync::atomic::Ordering::Release);
+        Ok(version)
+    }
+
+    /// Fetch the map whenever a request named a newer one, until the server stops.
+    pub async fn fetch_when_told(self: Arc<Self>) {
+        loop {
+            self.newer_seen.notified().await;
+            if let Err(error) = self.fetch().await {
+                tracing::warn!(server_id = self.server_id, %error, "cannot fetch the service map");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+    }
+
+    fn lock_peers(&self) -> MutexGuard<'_, HashMap<ServerId, Connection>> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A connection to chain partner `server` at the address the map gives.
+    pub async fn peer(&self, server: ServerId) -> Result<Connection, WireError> {
+        if let Some(connection) = self.lock_peers().get(&server) {
+            if !connection.is_closed() {
+                return Ok(connection.clone());
+            }
+        }
+        let address = self
+            .map
+            .read()
+            .await
+            .member(server)
+            .map(|member| member.address.clone())
+            .ok_or_else(|| {
+                WireError::new(
+                    ErrorCode::Stale,
+                    format!("I/O server {server} is not in the service map"),
+                )
+            })?;
+        let connection = Connection::connect(&address, &self.key, &self.options)
+            .await
+            .map_err(|error| unreachable_partner(server, error))?;
+        self.lock_peers().insert(server, connection.clone());
+        Ok(connection)
+    }
+
+    /// Pass a request on to the next member of its chain.
+    pub async fn pass_on<R: Request>(
+        &self,
+        next: ServerId,
+        request: &R,
+        payload: Bytes,
+    ) -> Result<R::Reply, WireError> {
+        let connection = self.peer(next).await?;
+        match connection.call(request, payload).await {
+            Ok((reply, _)) => Ok(reply),
+            Err(RpcError::Remote(error)) => Err(error),
+            Err(error) => {
+                if error.is_connection_failure() {
+                    self.lock_peers().remove(&next);
+                }
+                Err(unreachable_partner(next, error))
+            }
+        }
+    }
+}
+
+fn unreachable_partner(server: ServerId, error: RpcError) -> WireError {
+    WireError::new(
+        ErrorCode::Unreachable,
+        format!("chain partner I/O server {server}: {error}"),
+    )
+}
+
+/// Byte ranges of objects being written, so overlapping writes of one object wait for each
+/// other (and a resync's copy of a whole object waits for, and holds off, the writes).
+#[derive(Default)]
+pub struct RangeLocks {
+    held: Mutex<HashMap<ObjectId, Vec<(u64, u64)>>>,
+    released: watch::Sender<u64>,
+}
+
+/// A held range; released when dropped.
+pub struct RangeGuard<'a> {
+    locks: &'a RangeLocks,
+    object: ObjectId,
+    range: (u64, u64),
+}
+
+impl RangeLocks {
+    fn lock(&self) -> MutexGuard<'_, HashMap<ObjectId, Vec<(u64, u64)>>> {
+        self.held
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Wait until no held range of `object` overlaps `[start, end)`, then hold it.
+    pub async fn acquire(&self, object: ObjectId, start: u64, end: u64) -> RangeGuard<'_> {
+        let end = end.max(start + 1);
+        loop {
+            let mut receiver = {
+                let mut held = self.lock();
+                let ranges = held.entry(object).or_default();
+                if !ranges.iter().any(|(s, e)| *s < end && start < *e) {
+                    ranges.push((start, end));
+                    return RangeGuard {
+                        locks: self,
+                        object,
+                        range: (start, end),
+                    };
+                }
+                // Subscribed under the lock: a release after the check is seen.
+                self.released.subscribe()
+            };
+            let _ = receiver.changed().await;
+        }
+    }
+
+    /// Objects with a range held (for tests).
+    pub fn held_objects(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+impl Drop for RangeGuard<'_> {
+    fn drop(&mut self) {
+        {
+            let mut held = self.locks.lock();
+            if let Some(ranges) = held.get_mut(&self.object) {
+                if let Some(index) = ranges.iter().position(|range| *range == self.range) {
+                    ranges.swap_remove(index);
+                }
+                if ranges.is_empty() {
+                    held.remove(&self.object);
+                }
+            }
+        }
+        self.locks.released.send_modify(|count| *count += 1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn overlapping_ranges_wait_and_disjoint_ones_do_not() {
+        let locks = Arc::new(RangeLocks::default());
+        let object = ObjectId {
+            inode: 5,
+            stripe_index: 0,
+        };
+        let first = locks.acquire(object, 0, 100).await;
+        // Disjoint: at once.
+        let other = locks.acquire(object, 100, 200).await;
+        let waiting = {
+            let locks = Arc::clone(&locks);
+            tokio::spawn(async move {
+                let _guard = locks.acquire(object, 50, 150).await;
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "an overlapping range waited");
+        drop(first);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished(), "still overlaps the second range");
+        drop(other);
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("released")
+            .expect("task");
+        assert_eq!(locks.held_objects(), 0);
+    }
+}

@@ -1,0 +1,336 @@
+//! Resync: a server back in its chains copies what changed while it was out (DESIGN.md §7).
+//!
+//! The meta server names a returning server *syncing* and, once every server in service
+//! holds the map that says so, orders its copy with a window: objects written within that
+//! many milliseconds (the time it was out and a margin; everything when its data directory
+//! is new). From then on every replicated write is also passed on to it, at the end of its
+//! chains. The copy:
+//! 1. lists the objects of every partner in service written within the window, and its own
+//!    (a write it took just before it failed may never have reached its partners);
+//! 2. asks the meta server for those inodes' layouts and keeps the objects whose chain
+//!    names this server, each to be copied from one source: the first member in service;
+//! 3. copies each whole object from its source while holding the object's range lock here,
+//!    so a write passed on meanwhile lands after the copy (it is on the source already, so
+//!    writing it again changes nothing) and a cut waits too; all-zero pieces become holes;
+//! 4. tells the meta server it is done, under the map version of its order; the meta server
+//!    puts it back in service (reads may come to it again) or, if the map changed in the
+//!    meantime, refuses, and the next order starts the copy again.
+//!
+//! Deleted files need nothing here: the meta server's reaper removes their objects from a
+//! server that comes back, and cuts owed are made before it serves data (`gate.rs`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use freeflow_proto::io::{AllocateMode, ListObjects, ReadObject, LIST_OBJECTS_MAX};
+use freeflow_proto::meta::{
+    InspectInodes, MemberState, ResyncDone, ResyncOrder, ServiceMap, INSPECT_INODES_MAX,
+};
+use freeflow_rpc::{ClusterKey, ConnectOptions, Connection};
+use freeflow_types::{InodeId, ObjectId, ServerId};
+
+use crate::replication::Replication;
+use crate::store::{ObjectStore, SHARD_COUNT};
+
+/// Bytes copied per read from the source.
+const COPY_PIECE_BYTES: u32 = 1 << 20;
+
+/// Progress of the resync, for metrics and `freeflow status`.
+#[derive(Default)]
+pub struct ResyncProgress {
+    pub running: AtomicBool,
+    pub objects_total: AtomicU64,
+    pub objects_done: AtomicU64,
+    pub bytes_copied: AtomicU64,
+}
+
+pub struct Resync {
+    pub store: Arc<ObjectStore>,
+    pub replication: Arc<Replication>,
+    pub key: ClusterKey,
+    pub meta_address: String,
+    pub options: ConnectOptions,
+    pub progress: Arc<ResyncProgress>,
+}
+
+impl Resync {
+    /// Start the copy an order asks for, unless one is running.
+    pub fn start(self: &Arc<Self>, order: ResyncOrder) {
+        if self.progress.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let resync = Arc::clone(self);
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let server_id = resync.store.server_id();
+            tracing::info!(server_id, window_ms = order.window_ms, "resync starts");
+            match resync.run(order).await {
+                Ok(copied) => tracing::info!(
+                    server_id,
+                    objects = copied,
+                    bytes = resync.progress.bytes_copied.load(Ordering::Relaxed),
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "resync done; back in service"
+                ),
+                Err(error) => {
+                    tracing::warn!(server_id, %error, "resync did not finish; it starts again at the next order")
+                }
+            }
+            resync.progress.running.store(false, Ordering::Release);
+        });
+    }
+
+    async fn run(&self, order: ResyncOrder) -> Result<u64, String> {
+        let me = self.store.server_id();
+        // The map of the order, so partners in service are those the meta server named.
+        if self.replication.version() != order.map_version {
+            self.replication.fetch().await?;
+        }
+        let map = self.replication.map().await;
+        if map.version != order.map_version {
+            return Err(format!(
+                "the service map moved on (order under {}, now {})",
+                order.map_version, map.version
+            ));
+        }
+        let meta = Connection::connect(&self.meta_address, &self.key, &self.options)
+            .await
+            .map_err(|error| error.to_string())?;
+        // 1. Candidates: (object) -> listed by whom.
+        let mut candidates: BTreeMap<ObjectId, BTreeSet<ServerId>> = BTreeMap::new();
+        let partners: Vec<ServerId> = map
+            .members
+            .iter()
+            .filter(|member| member.state == MemberState::InService && member.server_id != me)
+            .map(|member| member.server_id)
+            .collect();
+        for partner in &partners {
+            let connection = self
+                .replication
+                .peer(*partner)
+                .await
+                .map_err(|error| error.to_string())?;
+            for object in list_recent(&connection, order.window_ms).await? {
+                candidates.entry(object).or_default().insert(*partner);
+            }
+        }
+        for object in self.list_own_recent(order.window_ms).await? {
+            candidates.entry(object).or_default();
+        }
+        // 2. Layouts, and one source per object.
+        let inodes: Vec<InodeId> = candidates
+            .keys()
+            .map(|object| object.inode)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let mut layouts = BTreeMap::new();
+        for batch in inodes.chunks(INSPECT_INODES_MAX) {
+            let (facts, _) = meta
+                .call(
+                    &InspectInodes {
+                        inodes: batch.to_vec(),
+                    },
+                    Bytes::new(),
+                )
+                .await
+                .map_err(|error| format!("cannot read layouts from the meta server: {error}"))?;
+            for fact in facts {
+                if let Some(layout) = fact.layout {
+                    layouts.insert(fact.inode, layout);
+                }
+            }
+        }
+        let mut work: Vec<(ObjectId, ServerId)> = Vec::new();
+        for object in candidates.keys() {
+            let Some(layout) = layouts.get(&object.inode) else {
+                continue; // Removed: the reaper takes care of its objects.
+            };
+            let chain = layout.chain(object.stripe_index);
+            if !chain.contains(&me) || layout.replicas() < 2 {
+                continue;
+            }
+            if let Some(source) = source_of(&map, &chain, me) {
+                work.push((*object, source));
+            }
+        }
+        self.progress
+            .objects_total
+            .store(work.len() as u64, Ordering::Relaxed);
+        self.progress.objects_done.store(0, Ordering::Relaxed);
+        // 3. Copy.
+        for (object, source) in &work {
+            let connection = self
+                .replication
+                .peer(*source)
+                .await
+                .map_err(|error| error.to_string())?;
+            self.copy(&connection, *object).await?;
+            self.progress.objects_done.fetch_add(1, Ordering::Relaxed);
+        }
+        // 4. Done.
+        meta.call(
+            &ResyncDone {
+                server_id: me,
+                map_version: order.map_version,
+            },
+            Bytes::new(),
+        )
+        .await
+        .map_err(|error| format!("the meta server did not take the end of the resync: {error}"))?;
+        Ok(work.len() as u64)
+    }
+
+    async fn list_own_recent(&self, window_ms: u64) -> Result<Vec<ObjectId>, String> {
+        let mut recent = Vec::new();
+        for shard in 0..SHARD_COUNT {
+            let mut after = None;
+            loop {
+                let (objects, more) = self
+                    .store
+                    .list(shard, after, LIST_OBJECTS_MAX as usize)
+                    .await
+                    .map_err(|error| error.to_string())?;
+                after = objects.last().map(|listed| listed.object);
+                recent.extend(
+                    objects
+                        .iter()
+                        .filter(|listed| listed.age_ms <= window_ms)
+                        .map(|listed| listed.object),
+                );
+                if !more || after.is_none() {
+                    break;
+                }
+            }
+        }
+        Ok(recent)
+    }
+
+    /// Make the local copy of `object` equal the source's, holding off writes and cuts of
+    /// it here meanwhile.
+    async fn copy(&self, source: &Connection, object: ObjectId) -> Result<(), String> {
+        let _whole = self.replication.ranges.acquire(object, 0, u64::MAX).await;
+        let mut offset = 0u64;
+        let mut last_punched = false;
+        loop {
+            let (reply, data) = source
+                .call(
+                    &ReadObject {
+                        object,
+                        offset,
+                        length: COPY_PIECE_BYTES,
+                    },
+                    Bytes::new(),
+                )
+                .await
+                .map_err(|error| format!("cannot read {object:?} from its source: {error}"))?;
+            let length = u64::from(reply.length).min(data.len() as u64);
+            if length > 0 {
+                last_punched = data.iter().all(|byte| *byte == 0);
+                let written = if last_punched {
+                    self.store
+                        .allocate(object, offset, length, AllocateMode::PunchHole)
+                        .await
+                } else {
+                    self.store
+                        .write(object, offset, data.slice(..length as usize))
+                        .await
+                };
+                if let Err(error) = written {
+                    return Err(format!("cannot write {object:?} here: {error}"));
+                }
+                self.progress
+                    .bytes_copied
+                    .fetch_add(length, Ordering::Relaxed);
+            }
+            offset += length;
+            if length < u64::from(COPY_PIECE_BYTES) {
+                break;
+            }
+        }
+        // The source ends here: so does the copy. A punched tail leaves the length short:
+        // its last byte (a zero) is written; a cut removes what is past it.
+        if last_punched && offset > 0 {
+            self.store
+                .write(object, offset - 1, Bytes::from_static(&[0]))
+                .await
+                .map_err(|error| format!("cannot write {object:?} here: {error}"))?;
+        }
+        self.store
+            .truncate(object, offset)
+            .await
+            .map_err(|error| format!("cannot cut {object:?} here: {error}"))?;
+        Ok(())
+    }
+}
+
+/// Where a syncing member copies a stripe from: the first member of its chain in service.
+fn source_of(map: &ServiceMap, chain: &[ServerId], me: ServerId) -> Option<ServerId> {
+    chain
+        .iter()
+        .copied()
+        .find(|server| *server != me && map.state(*server) == MemberState::InService)
+}
+
+/// The objects of a partner written within `window_ms`.
+async fn list_recent(connection: &Connection, window_ms: u64) -> Result<Vec<ObjectId>, String> {
+    let mut recent = Vec::new();
+    for shard in 0..SHARD_COUNT as u32 {
+        let mut after = None;
+        loop {
+            let (listing, _) = connection
+                .call(
+                    &ListObjects {
+                        shard,
+                        after,
+                        limit: LIST_OBJECTS_MAX,
+                    },
+                    Bytes::new(),
+                )
+                .await
+                .map_err(|error| format!("cannot list a partner's objects: {error}"))?;
+            after = listing.objects.last().map(|listed| listed.object);
+            recent.extend(
+                listing
+                    .objects
+                    .iter()
+                    .filter(|listed| listed.age_ms <= window_ms)
+                    .map(|listed| listed.object),
+            );
+            if !listing.more || after.is_none() {
+                break;
+            }
+        }
+    }
+    Ok(recent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use freeflow_proto::meta::Member;
+
+    #[test]
+    fn the_source_is_the_first_partner_in_service() {
+        let member = |server_id, state| Member {
+            server_id,
+            address: String::new(),
+            state,
+            incarnation: 1,
+        };
+        let map = ServiceMap {
+            version: 3,
+            members: vec![
+                member(1, MemberState::Out),
+                member(2, MemberState::InService),
+                member(3, MemberState::Syncing),
+                member(4, MemberState::InService),
+            ],
+        };
+        assert_eq!(source_of(&map, &[1, 3, 4, 2], 3), Some(4));
+        assert_eq!(source_of(&map, &[3, 1], 3), None);
+    }
+}
