@@ -121,6 +121,10 @@ pub enum Command {
         /// Where server data will live on every host (a subdirectory per server).
         #[arg(long, default_value = "/var/lib/freeflow")]
         data_root: PathBuf,
+        /// Copies of each stripe of new files (chain replication, 1 to 4; at most the
+        /// number of I/O servers).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4))]
+        replicas: u32,
     },
     /// Run a metadata server from a config file.
     Meta {

@@ -371,7 +371,8 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
                 &ReadObject {
                     object,
                     offset: 0,
-                    length: IO_REQUEST_BYTES_MAX + 1
+                    length: IO_REQUEST_BYTES_MAX + 1,
+                    map_version: 0,
                 },
                 Bytes::new()
             )
@@ -412,6 +413,7 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
                 object,
                 offset: 0,
                 length: IO_REQUEST_BYTES_MAX,
+                map_version: 0,
             },
             Bytes::new(),
         )

@@ -144,6 +144,7 @@ fn io_samples() -> Vec<(u16, Vec<u8>)> {
                 object,
                 offset: 0,
                 length: 8192,
+                map_version: 0,
             }),
         ),
         (

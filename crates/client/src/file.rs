@@ -1040,6 +1040,7 @@ impl HandleShared {
             object,
             offset: request.object_offset,
             length: request.length as u32,
+            map_version: 0,
         };
         let server_id = layout.servers[request.stripe_index as usize];
         let (reply, payload) = self

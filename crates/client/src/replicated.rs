@@ -5,7 +5,8 @@
 //!   (members in service, then those syncing), which passes it down the chain; the reply
 //!   means every member has it;
 //! - a read goes to the members in service from the tail (which holds only what every
-//!   member acknowledged), the next one when one fails;
+//!   member acknowledged), the next one when one fails; it carries the map version, so a
+//!   member back from being out is not read before the client knows it is syncing;
 //! - a sync goes to every member at once.
 //!
 //! When a member fails, the client fetches the map again and sends again, waiting with
@@ -171,9 +172,13 @@ impl Pool {
         let mut map = self.service_map().await?;
         loop {
             let mut last_error = None;
+            let request = ReadObject {
+                map_version: map.version,
+                ..request.clone()
+            };
             for member in map.read_chain(&chain) {
                 match self
-                    .io_attempt(member, inode, request, Bytes::new(), &target)
+                    .io_attempt(member, inode, &request, Bytes::new(), &target)
                     .await
                 {
                     Ok(reply) => return Ok(reply),

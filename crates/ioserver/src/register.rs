@@ -81,6 +81,7 @@ pub async fn run_registration(
     let mut state = LinkState::Starting;
     let mut backoff_ms = RETRY_BACKOFF_INITIAL_MS;
     loop {
+        let sent = std::time::Instant::now();
         let attempt = register_once(
             &store,
             &key,
@@ -95,6 +96,7 @@ pub async fn run_registration(
                 backoff_ms = RETRY_BACKOFF_INITIAL_MS;
                 // The meta server knows now that this start found no data.
                 options.fresh = false;
+                replication.renew_lease(sent, reply.lease_ms);
                 if reply.map_version != replication.version() {
                     if let Err(error) = replication.fetch().await {
                         tracing::warn!(server_id = store.server_id(), %error, "cannot fetch the service map");
@@ -149,6 +151,7 @@ struct Registered {
     cuts_owed: u32,
     map_version: u64,
     resync: Option<freeflow_proto::meta::ResyncOrder>,
+    lease_ms: u64,
 }
 
 /// One registration.
@@ -194,6 +197,7 @@ async fn register_once(
         cuts_owed: reply.cuts_owed,
         map_version: reply.map_version,
         resync: reply.resync,
+        lease_ms: reply.lease_ms,
     })
 }
 

@@ -16,6 +16,12 @@
 //! and the copies end identical. The local write and the version check are made under the
 //! map's read lock, which a map change waits for: once this server reports a new version,
 //! no write checked against the old one is still on its way to the disk.
+//!
+//! Reads of replicated stripes carry the map version too, and every replicated request is
+//! served only within the lease the last registration gave (`RegisterReply::lease_ms`,
+//! half the silence after which the meta server puts a server out): a server cut off from
+//! the meta server stops serving its copies before its partners go on without it, so a
+//! client holding an old map cannot read a copy that missed writes.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -40,6 +46,9 @@ pub struct Replication {
     meta: tokio::sync::Mutex<Option<Connection>>,
     /// Wakes the fetch task when a request named a newer map than ours.
     newer_seen: tokio::sync::Notify,
+    /// Until when replicated stripes may be served without hearing from the meta server
+    /// (see `RegisterReply::lease_ms`); None before the first registration.
+    lease_until: Mutex<Option<std::time::Instant>>,
     pub ranges: RangeLocks,
 }
 
@@ -66,6 +75,7 @@ impl Replication {
             peers: Mutex::new(HashMap::new()),
             meta: tokio::sync::Mutex::new(None),
             newer_seen: tokio::sync::Notify::new(),
+            lease_until: Mutex::new(None),
             ranges: RangeLocks::default(),
         }
     }
@@ -83,9 +93,37 @@ impl Replication {
         self.map.read().await.clone()
     }
 
-    /// Wait until the map is held at `version` and keep it so while the guard lives (the
-    /// local write of a replicated request is made under it).
+    /// A registration sent at `sent` was answered with this lease.
+    pub fn renew_lease(&self, sent: std::time::Instant, lease_ms: u64) {
+        let until = sent + std::time::Duration::from_millis(lease_ms);
+        let mut lease = self
+            .lease_until
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        *lease = Some(lease.map_or(until, |held| held.max(until)));
+    }
+
+    fn check_lease(&self) -> Result<(), WireError> {
+        let lease = *self
+            .lease_until
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if lease.is_some_and(|until| std::time::Instant::now() < until) {
+            return Ok(());
+        }
+        Err(WireError::new(
+            ErrorCode::Busy,
+            format!(
+                "I/O server {} has not heard from the meta server within its lease: it serves no replicated stripe until it does",
+                self.server_id
+            ),
+        ))
+    }
+
+    /// Check that the map is held at `version` and the lease holds, and keep the map so
+    /// while the guard lives (the local write of a replicated request is made under it).
     pub async fn hold(&self, version: u64) -> Result<RwLockReadGuard<'_, ServiceMap>, WireError> {
+        self.check_lease()?;
         let map = self.map.read().await;
         if map.version == version {
             return Ok(map);

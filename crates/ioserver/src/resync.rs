@@ -222,6 +222,7 @@ impl Resync {
                         object,
                         offset,
                         length: COPY_PIECE_BYTES,
+                        map_version: 0,
                     },
                     Bytes::new(),
                 )

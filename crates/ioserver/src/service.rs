@@ -103,6 +103,9 @@ impl Service for IoService {
             ReadObject::OPCODE => {
                 handle(frame, |request: ReadObject, _| async move {
                     gate.check()?;
+                    if request.map_version != 0 {
+                        drop(replication.hold(request.map_version).await?);
+                    }
                     let data = store
                         .read(request.object, request.offset, request.length)
                         .await?;

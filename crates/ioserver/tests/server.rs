@@ -90,6 +90,7 @@ async fn requests_over_rpc(engine: EngineKind) {
                 object,
                 offset: 0,
                 length: 1 << 20,
+                map_version: 0,
             },
             Bytes::new(),
         )
@@ -125,6 +126,7 @@ async fn requests_over_rpc(engine: EngineKind) {
                 object,
                 offset: 0,
                 length: 4096,
+                map_version: 0,
             },
             Bytes::new(),
         )
@@ -156,6 +158,7 @@ async fn requests_over_rpc(engine: EngineKind) {
                 object,
                 offset: 0,
                 length: 4096,
+                map_version: 0,
             },
             Bytes::new(),
         )
@@ -180,6 +183,7 @@ async fn requests_over_rpc(engine: EngineKind) {
         object,
         offset: 0,
         length: limits::IO_REQUEST_BYTES_MAX + 1,
+        map_version: 0,
     };
     assert_eq!(
         code(connection.call(&too_long, Bytes::new()).await),
@@ -251,6 +255,7 @@ impl Service for FakeMeta {
                     cuts_owed: self.cuts_owed.load(Ordering::SeqCst),
                     map_version: 0,
                     resync: None,
+                    lease_ms: 60_000,
                 },
                 Bytes::new(),
             ))
@@ -332,6 +337,7 @@ async fn registers_once_the_meta_server_appears_and_serves_data_only_when_no_cut
         object,
         offset: 0,
         length: 10,
+        map_version: 0,
     };
     let refused = connection.call(&read, Bytes::new()).await.unwrap_err();
     assert_eq!(refused.code(), ErrorCode::Busy);

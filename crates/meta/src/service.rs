@@ -1266,6 +1266,7 @@ async fn register_server(
         cuts_owed,
         map_version: shared.registry().map_version(),
         resync: if cuts_owed == 0 { resync } else { None },
+        lease_ms: shared.config.server_down_after_ms / 2,
     })
 }
 

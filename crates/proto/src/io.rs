@@ -52,7 +52,10 @@ requests! {
     /// comes once every server of the chain wrote it.
     WriteObject = 200 => ObjectSpace { object: ObjectId, offset: u64, map_version: u64, forward: Vec<ServerId> }
     /// Read up to `length` bytes at `offset`; the data comes back in the reply payload.
-    ReadObject = 201 => ReadReply { object: ObjectId, offset: u64, length: u32 }
+    /// For a replicated stripe (`map_version` not 0) the server serves it only while its
+    /// lease from the meta server holds: one cut off from the meta server stops serving
+    /// such reads before it can be put out of its chains, so no stale copy is read.
+    ReadObject = 201 => ReadReply { object: ObjectId, offset: u64, length: u32, map_version: u64 }
     /// Cut the object to `length` bytes if it is longer. Never extends an object and never
     /// creates one: a file's size lives at the meta server, and bytes past an object's end
     /// read as zeros.

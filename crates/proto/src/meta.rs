@@ -213,6 +213,11 @@ pub struct RegisterReply {
     pub map_version: u64,
     /// Set while this server is syncing and may copy (see [`ResyncOrder`]).
     pub resync: Option<ResyncOrder>,
+    /// How long after sending this registration the server may serve replicated stripes
+    /// without hearing from the meta server again: shorter than the silence after which
+    /// the meta server puts it out of its chains, so a server cut off from the meta server
+    /// stops before its partners go on without it.
+    pub lease_ms: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -287,6 +287,7 @@ fn samples() -> Vec<Vec<u8>> {
                 window_ms: u64::MAX,
                 map_version: 17,
             }),
+            lease_ms: 2500,
         })),
         encode(&Ok::<Vec<InodeFacts>, WireError>(vec![InodeFacts {
             inode: 77,

@@ -42,6 +42,7 @@ fn request() -> ReadObject {
         },
         offset: 0,
         length: 0,
+        map_version: 0,
     }
 }
 

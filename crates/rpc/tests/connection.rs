@@ -116,6 +116,7 @@ async fn pipelined_calls_complete_out_of_order_with_their_own_payloads() {
                 },
                 offset: 0,
                 length: 4096,
+                map_version: 0,
             },
             Bytes::new(),
         )

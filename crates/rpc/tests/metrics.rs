@@ -81,6 +81,7 @@ async fn requests_bytes_connections_and_handshake_failures_are_counted() {
         object: OBJECT,
         offset: 0,
         length: 300,
+        map_version: 0,
     };
     connection.call(&read, Bytes::new()).await.unwrap();
     let wrong_key = ClusterKey::generate().unwrap();

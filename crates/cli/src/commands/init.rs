@@ -19,7 +19,13 @@ pub fn run(
     io_hosts: &[String],
     key_path: &Path,
     data_root: &Path,
+    replicas: u32,
 ) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        replicas as usize <= io_hosts.len(),
+        "--replicas {replicas} needs at least {replicas} I/O servers (--io-hosts names {}): each copy of a stripe is on another server",
+        io_hosts.len()
+    );
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let key_file = out.join("cluster.key");
     ClusterKey::generate()
@@ -35,6 +41,7 @@ pub fn run(
     let meta = MetaConfig {
         listen_address: format!("0.0.0.0:{META_PORT}"),
         data_dir: data_root.join("meta"),
+        replicas,
         ..MetaConfig::default()
     };
     cluster_file::write(
