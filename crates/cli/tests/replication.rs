@@ -1,7 +1,8 @@
 //! Chain replication of data (issue 11, DESIGN.md §7) with real processes: a cluster of
 //! three I/O servers keeping two copies of every stripe, written through a mount and the
-//! library while an I/O server is killed with SIGKILL, brought back, and then brought back
-//! with an empty data directory. Writers see no error (a pause at most), every
+//! library while an I/O server is killed with SIGKILL and brought back, another hangs
+//! (SIGSTOP) long enough to be put out and then wakes, and a third is brought back with an
+//! empty data directory. Writers see no error (a pause at most), every
 //! acknowledged byte reads back, and in the end the copies of every stripe are identical
 //! byte for byte.
 
@@ -296,6 +297,16 @@ async fn writers_ride_out_a_killed_io_server_and_its_copies_are_remade() {
     wait_for_state(&observer, 1, MemberState::InService, "after its restart").await;
     workload.advance(5, "after server 1 came back").await;
 
+    // Server 0 hangs (SIGSTOP) as if cut off: requests to it get no answer. It is put out
+    // after server_down_after_ms and the writers go on; woken, the requests it held are
+    // refused (its lease ran out, its map is old), and it syncs back.
+    cluster.signal_io(0, libc::SIGSTOP);
+    wait_for_state(&observer, 0, MemberState::Out, "while it hangs").await;
+    workload.advance(3, "while server 0 hangs").await;
+    cluster.signal_io(0, libc::SIGCONT);
+    wait_for_state(&observer, 0, MemberState::InService, "after it woke").await;
+    workload.advance(3, "after server 0 woke").await;
+
     // Server 2 loses its disk: killed, its data directory removed, started again. It is
     // rebuilt in full from its partners.
     cluster.kill_io(2);
@@ -314,7 +325,7 @@ async fn writers_ride_out_a_killed_io_server_and_its_copies_are_remade() {
     eprintln!(
         "{files} files and {chunks} stream chunks read back; {compared} bytes of copies compared"
     );
-    for server in [1, 2] {
+    for server in [0, 1, 2] {
         let log = cluster.io_log(server);
         let resynced = log.lines().find(|line| line.contains("resync done"));
         assert!(resynced.is_some(), "server {server} resynced:\n{log}");

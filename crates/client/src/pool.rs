@@ -158,8 +158,8 @@ pub(crate) struct Pool {
     /// The service map of replicated stripes (`replicated.rs`'s calls), fetched when first
     /// needed and again whenever a chain call fails.
     service_map: Mutex<std::sync::Arc<ServiceMap>>,
-    /// Serialises service map fetches.
-    fetching_map: tokio::sync::Mutex<()>,
+    /// Serialises service map fetches, and when the last one was made.
+    fetching_map: tokio::sync::Mutex<Option<Instant>>,
     pub(crate) metrics: ClientMetrics,
     /// Request ids of meta calls, unique over this client's meta connections, so a request
     /// sent again on a new connection keeps its id (the server applies a mutation once per
@@ -216,7 +216,7 @@ impl Pool {
             io: Mutex::new(HashMap::new()),
             refreshing: tokio::sync::Mutex::new(()),
             service_map: Mutex::new(std::sync::Arc::new(ServiceMap::default())),
-            fetching_map: tokio::sync::Mutex::new(()),
+            fetching_map: tokio::sync::Mutex::new(None),
             next_meta_request: AtomicU64::new(1),
             kept: Mutex::new(KeptLog::default()),
             patient: Mutex::new(BTreeMap::new()),
@@ -795,11 +795,18 @@ impl Pool {
         &self,
         seen: u64,
     ) -> Result<std::sync::Arc<ServiceMap>, ClientError> {
-        let _fetching = self.fetching_map.lock().await;
+        let mut fetched_at = self.fetching_map.lock().await;
         let held = self.service_map.lock().expect("not poisoned").clone();
         if held.version != 0 && held.version != seen {
             return Ok(held);
         }
+        // Many requests waiting on a failed server ask at once: one fetch serves them all.
+        if held.version != 0
+            && fetched_at.is_some_and(|at| at.elapsed() < Duration::from_millis(MAP_FETCH_GAP_MS))
+        {
+            return Ok(held);
+        }
+        *fetched_at = Some(Instant::now());
         let map = std::sync::Arc::new(
             self.meta_call(&GetServiceMap {}, || "of the cluster".to_string())
                 .await?,
@@ -905,6 +912,9 @@ impl Pool {
         }
     }
 }
+
+/// Shortest time between two fetches of the service map.
+const MAP_FETCH_GAP_MS: u64 = 100;
 
 /// The first and longest wait before sending again a request an I/O server refused as
 /// `Busy` (it serves no data until its owed truncation cuts are made).

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use freeflow_proto::io::{ReadObject, SyncObjects};
-use freeflow_proto::meta::MemberState;
+use freeflow_proto::meta::{MemberState, ServiceMap};
 use freeflow_proto::{ErrorCode, Request};
 use freeflow_rpc::RpcError;
 use freeflow_types::{InodeId, Layout, ServerId};
@@ -30,6 +30,8 @@ use crate::ClientError;
 
 const RETRY_WAIT_MIN_MS: u64 = 20;
 const RETRY_WAIT_MAX_MS: u64 = 500;
+/// How often a request waiting on a member checks whether the map put that member out.
+const HUNG_CHECK_MS: u64 = 500;
 
 /// What to do after a failed attempt on a member.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,16 +70,31 @@ fn no_copy(inode: InodeId, stripe: u32) -> ClientError {
     )
 }
 
+/// The wait between attempts, and when to give up: a call timeout after the last change
+/// of the service map (while the cluster moves, a request waits for it).
 struct Retry {
     deadline: Instant,
     wait_ms: u64,
+    timeout: Duration,
+    version: u64,
 }
 
 impl Retry {
     fn new(pool: &Pool) -> Retry {
+        let timeout = Duration::from_millis(pool.call_timeout_ms());
         Retry {
-            deadline: Instant::now() + Duration::from_millis(pool.call_timeout_ms()),
+            deadline: Instant::now() + timeout,
             wait_ms: RETRY_WAIT_MIN_MS,
+            timeout,
+            version: 0,
+        }
+    }
+
+    /// The map changed: the cluster is moving, so the wait starts again.
+    fn saw(&mut self, map: &ServiceMap) {
+        if map.version != self.version {
+            self.version = map.version;
+            self.deadline = self.deadline.max(Instant::now() + self.timeout);
         }
     }
 
@@ -93,6 +110,36 @@ impl Retry {
 }
 
 impl Pool {
+    /// Run `attempt`, a request to `member`, but give it up (None) once the map says the
+    /// member is out or another process: a member that hangs must not hold the caller for
+    /// a whole call timeout when the meta server already put it out.
+    async fn attempt_while_in<T>(
+        &self,
+        member: ServerId,
+        map: &ServiceMap,
+        attempt: impl std::future::Future<Output = Result<T, ClientError>>,
+    ) -> Option<Result<T, ClientError>> {
+        let incarnation = map.member(member).map_or(0, |member| member.incarnation);
+        let mut seen = map.version;
+        tokio::pin!(attempt);
+        loop {
+            tokio::select! {
+                result = &mut attempt => return Some(result),
+                () = tokio::time::sleep(Duration::from_millis(HUNG_CHECK_MS)) => {
+                    if let Ok(fresh) = self.fetch_service_map(seen).await {
+                        seen = fresh.version;
+                        let gone = fresh.member(member).is_none_or(|now| {
+                            now.state == MemberState::Out || now.incarnation != incarnation
+                        });
+                        if gone {
+                            return None;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// A write-like request (`WriteObject`, `AllocateObject`) to stripe `stripe` of
     /// `layout`; `make(map_version, forward)` builds it for the chain in effect.
     pub(crate) async fn chain_write<R: Request>(
@@ -124,31 +171,33 @@ impl Pool {
             if settled {
                 unsure = None;
                 let members = map.write_chain(&chain);
-                let Some((&head, rest)) = members.split_first() else {
-                    return Err(no_copy(inode, stripe));
-                };
-                let request = make(map.version, rest.to_vec());
-                match self
-                    .io_attempt(head, inode, &request, payload.clone(), &target)
-                    .await
-                {
-                    Ok(reply) => return Ok(reply),
-                    Err(error) => match outcome(&error) {
-                        Outcome::Final => return Err(error),
-                        Outcome::Again => last_error = Some(error),
-                        Outcome::Unsure => {
-                            let incarnation =
-                                map.member(head).map_or(0, |member| member.incarnation);
-                            unsure = Some((head, incarnation));
-                            last_error = Some(error);
-                        }
-                    },
+                // No member in service: wait for one (the freshest copy may be away).
+                if let Some((&head, rest)) = members.split_first() {
+                    let request = make(map.version, rest.to_vec());
+                    let attempt = self.io_attempt(head, inode, &request, payload.clone(), &target);
+                    match self.attempt_while_in(head, &map, attempt).await {
+                        // The head was put out while it held the request: it cannot apply
+                        // it any more (its partners refuse its map), so send it again.
+                        None => {}
+                        Some(Ok(reply)) => return Ok(reply),
+                        Some(Err(error)) => match outcome(&error) {
+                            Outcome::Final => return Err(error),
+                            Outcome::Again => last_error = Some(error),
+                            Outcome::Unsure => {
+                                let incarnation =
+                                    map.member(head).map_or(0, |member| member.incarnation);
+                                unsure = Some((head, incarnation));
+                                last_error = Some(error);
+                            }
+                        },
+                    }
                 }
             }
             if !retry.wait().await {
                 return Err(last_error.unwrap_or_else(|| no_copy(inode, stripe)));
             }
             map = self.fetch_service_map(map.version).await?;
+            retry.saw(&map);
         }
     }
 
@@ -177,19 +226,19 @@ impl Pool {
                 ..request.clone()
             };
             for member in map.read_chain(&chain) {
-                match self
-                    .io_attempt(member, inode, &request, Bytes::new(), &target)
-                    .await
-                {
-                    Ok(reply) => return Ok(reply),
-                    Err(error) if outcome(&error) == Outcome::Final => return Err(error),
-                    Err(error) => last_error = Some(error),
+                let attempt = self.io_attempt(member, inode, &request, Bytes::new(), &target);
+                match self.attempt_while_in(member, &map, attempt).await {
+                    None => {}
+                    Some(Ok(reply)) => return Ok(reply),
+                    Some(Err(error)) if outcome(&error) == Outcome::Final => return Err(error),
+                    Some(Err(error)) => last_error = Some(error),
                 }
             }
             if !retry.wait().await {
                 return Err(last_error.unwrap_or_else(|| no_copy(inode, stripe)));
             }
             map = self.fetch_service_map(map.version).await?;
+            retry.saw(&map);
         }
     }
 
@@ -213,18 +262,19 @@ impl Pool {
         let mut map = self.service_map().await?;
         loop {
             let members = map.write_chain(&chain);
-            if members.is_empty() {
-                return Err(no_copy(inode, stripe));
-            }
-            let syncs = members
-                .iter()
-                .map(|member| self.io_attempt(*member, inode, request, Bytes::new(), &target));
-            let mut last_error = None;
+            let syncs = members.iter().map(|member| {
+                let attempt = self.io_attempt(*member, inode, request, Bytes::new(), &target);
+                self.attempt_while_in(*member, &map, attempt)
+            });
+            // No member in service: wait for one.
+            let mut last_error = members.is_empty().then(|| no_copy(inode, stripe));
             for result in futures::future::join_all(syncs).await {
                 match result {
-                    Ok(_) => {}
-                    Err(error) if outcome(&error) == Outcome::Final => return Err(error),
-                    Err(error) => last_error = Some(error),
+                    Some(Ok(_)) => {}
+                    Some(Err(error)) if outcome(&error) == Outcome::Final => return Err(error),
+                    Some(Err(error)) => last_error = Some(error),
+                    // Put out while syncing: its copy no longer counts; the others must.
+                    None => last_error = Some(no_copy(inode, stripe)),
                 }
             }
             let Some(error) = last_error else {
@@ -234,6 +284,7 @@ impl Pool {
                 return Err(error);
             }
             map = self.fetch_service_map(map.version).await?;
+            retry.saw(&map);
         }
     }
 }

@@ -14,6 +14,23 @@ use freeflow_types::ServerId;
 use crate::error::IoServerError;
 
 pub const SERVER_ID_FILE: &str = "server-id";
+/// Present from the start that made the data directory until the meta server acknowledged
+/// that the directory is new (a server that lost its data copies everything, and must say
+/// so again if it restarts before it was heard).
+pub const FRESH_FILE: &str = "fresh";
+
+/// Whether the data directory is new and the meta server has not been told yet.
+pub fn is_fresh(data_dir: &Path) -> bool {
+    data_dir.join(FRESH_FILE).exists()
+}
+
+/// The meta server knows the data directory is new.
+pub fn fresh_told(data_dir: &Path) -> io::Result<()> {
+    match fs::remove_file(data_dir.join(FRESH_FILE)) {
+        Err(error) if error.kind() != io::ErrorKind::NotFound => Err(error),
+        _ => Ok(()),
+    }
+}
 
 /// Makes `data_dir` if needed and checks (or, on first start, writes) its server id.
 /// True when the directory had no identity yet: this start made it (it holds no object).
@@ -58,6 +75,7 @@ pub fn claim_data_dir(data_dir: &Path, server_id: ServerId) -> Result<bool, IoSe
 }
 
 fn write_server_id(data_dir: &Path, server_id: ServerId) -> io::Result<()> {
+    File::create(data_dir.join(FRESH_FILE))?.sync_all()?;
     let temporary = data_dir.join(format!("{SERVER_ID_FILE}.tmp"));
     let mut file = File::create(&temporary)?;
     file.write_all(format!("{server_id}\n").as_bytes())?;

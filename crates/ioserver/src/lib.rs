@@ -94,7 +94,8 @@ pub struct RunningIo {
 pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoServerError> {
     let started = Instant::now();
     config.validate()?;
-    let fresh = identity::claim_data_dir(&config.data_dir, config.server_id)?;
+    identity::claim_data_dir(&config.data_dir, config.server_id)?;
+    let fresh = identity::is_fresh(&config.data_dir);
     let registry = Arc::new(Registry::new());
     let engine: Arc<dyn DiskEngine> = Arc::new(metrics::MeteredEngine::new(
         build_engine(&config)?,
@@ -224,6 +225,7 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
             }),
             incarnation: incarnation(),
             fresh,
+            data_dir: config.data_dir.clone(),
         },
         Arc::clone(&registered),
         Arc::clone(&gate),

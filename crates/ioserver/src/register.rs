@@ -41,8 +41,10 @@ pub struct RegistrationOptions {
     pub metrics_address: Option<String>,
     /// Random per start of this process.
     pub incarnation: u64,
-    /// The data directory was created by this start.
+    /// The data directory is new and the meta server was not told yet.
     pub fresh: bool,
+    /// Where the `fresh` marker is (see `identity.rs`).
+    pub data_dir: std::path::PathBuf,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,13 +96,21 @@ pub async fn run_registration(
         let (next_state, delay_ms) = match &attempt {
             Ok(reply) => {
                 backoff_ms = RETRY_BACKOFF_INITIAL_MS;
-                // The meta server knows now that this start found no data.
-                options.fresh = false;
-                replication.renew_lease(sent, reply.lease_ms);
+                // The meta server knows now that the data directory is new.
+                if options.fresh {
+                    match crate::identity::fresh_told(&options.data_dir) {
+                        Ok(()) => options.fresh = false,
+                        Err(error) => tracing::warn!(%error, "cannot remove the fresh marker"),
+                    }
+                }
                 if reply.map_version != replication.version() {
                     if let Err(error) = replication.fetch().await {
                         tracing::warn!(server_id = store.server_id(), %error, "cannot fetch the service map");
                     }
+                }
+                // Copies are served only under the map the meta server had then or newer.
+                if replication.version() >= reply.map_version {
+                    replication.renew_lease(sent, reply.lease_ms);
                 }
                 if let Some(order) = reply.resync {
                     resync.start(order);

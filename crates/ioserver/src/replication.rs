@@ -3,9 +3,9 @@
 //!
 //! A client sends a replicated write (`map_version` not 0) to the first member of the
 //! stripe's chain with the rest of the chain in `forward`. Each member checks that it holds
-//! the same service map version as the request, writes the bytes locally and passes the
-//! request on to the next member; it answers once both are done, so the client's reply
-//! means every member wrote it. A member holding another map version refuses the request:
+//! the same service map version as the request, writes the bytes locally, then passes the
+//! request on to the next member, and answers once that one answered, so the client's reply
+//! means every member wrote it (and a member never holds a write its predecessor lacks). A member holding another map version refuses the request:
 //! `Stale` when the request's map is older (the client fetches the map and sends again),
 //! `Busy` when it is newer (this server fetches the map; the client sends again shortly).
 //! A server left out of its chains therefore takes no write for them once its partners
@@ -91,6 +91,30 @@ impl Replication {
 
     pub async fn map(&self) -> ServiceMap {
         self.map.read().await.clone()
+    }
+
+    /// Check a replicated request before it waits for any lock: the map version and the
+    /// lease, and a chain that names no server twice, not this one, and no more members
+    /// than a chain has.
+    pub async fn check_chain(&self, version: u64, forward: &[ServerId]) -> Result<(), WireError> {
+        let invalid = |reason: String| WireError::new(ErrorCode::InvalidArgument, reason);
+        if forward.len() >= freeflow_types::limits::REPLICAS_MAX as usize {
+            return Err(invalid(format!(
+                "a chain of {} further members is longer than {} copies allow",
+                forward.len(),
+                freeflow_types::limits::REPLICAS_MAX
+            )));
+        }
+        for (index, server) in forward.iter().enumerate() {
+            if *server == self.server_id || forward[..index].contains(server) {
+                return Err(invalid(format!(
+                    "server {server} appears twice in the chain {forward:?} passed to server {}",
+                    self.server_id
+                )));
+            }
+        }
+        drop(self.hold(version).await?);
+        Ok(())
     }
 
     /// A registration sent at `sent` was answered with this lease.
@@ -291,6 +315,9 @@ impl RangeLocks {
 
     /// Wait until no held range of `object` overlaps `[start, end)`, then hold it.
     pub async fn acquire(&self, object: ObjectId, start: u64, end: u64) -> RangeGuard<'_> {
+        // An empty range still orders against the byte at its start; at the very end of the
+        // offsets it is taken from the last byte.
+        let start = start.min(u64::MAX - 1);
         let end = end.max(start + 1);
         loop {
             let mut receiver = {

@@ -153,15 +153,21 @@ impl Resync {
             if !chain.contains(&me) || layout.replicas() < 2 {
                 continue;
             }
-            if let Some(source) = source_of(&map, &chain, me) {
-                work.push((*object, source));
+            match source_of(&map, &chain, me) {
+                Source::Partner(source) => work.push((*object, source)),
+                Source::Mine => {}
+                Source::Away(server) => {
+                    return Err(format!(
+                        "{object:?}: its freshest copy is on server {server}, which is out; waiting for it"
+                    ))
+                }
             }
         }
         self.progress
             .objects_total
             .store(work.len() as u64, Ordering::Relaxed);
         self.progress.objects_done.store(0, Ordering::Relaxed);
-        // 3. Copy.
+        // 3. Copy, then make the copies durable before saying so.
         for (object, source) in &work {
             let connection = self
                 .replication
@@ -170,6 +176,13 @@ impl Resync {
                 .map_err(|error| error.to_string())?;
             self.copy(&connection, *object).await?;
             self.progress.objects_done.fetch_add(1, Ordering::Relaxed);
+        }
+        let copied: Vec<ObjectId> = work.iter().map(|(object, _)| *object).collect();
+        for batch in copied.chunks(crate::store::SYNC_OBJECTS_MAX) {
+            self.store
+                .sync(batch)
+                .await
+                .map_err(|error| format!("cannot sync the copies: {error}"))?;
         }
         // 4. Done.
         meta.call(
@@ -209,13 +222,19 @@ impl Resync {
         Ok(recent)
     }
 
-    /// Make the local copy of `object` equal the source's, holding off writes and cuts of
-    /// it here meanwhile.
+    /// Make the local copy of `object` equal the source's. Each piece is copied under the
+    /// piece's range lock here: a write passed on meanwhile waits and lands after it (the
+    /// source had it before it was passed on, so writing it again changes nothing), and a
+    /// cut waits too. The lock is per piece so that no write waits long.
     async fn copy(&self, source: &Connection, object: ObjectId) -> Result<(), String> {
-        let _whole = self.replication.ranges.acquire(object, 0, u64::MAX).await;
         let mut offset = 0u64;
         let mut last_punched = false;
         loop {
+            let _piece = self
+                .replication
+                .ranges
+                .acquire(object, offset, offset + u64::from(COPY_PIECE_BYTES))
+                .await;
             let (reply, data) = source
                 .call(
                     &ReadObject {
@@ -254,6 +273,11 @@ impl Resync {
         }
         // The source ends here: so does the copy. A punched tail leaves the length short:
         // its last byte (a zero) is written; a cut removes what is past it.
+        let _tail = self
+            .replication
+            .ranges
+            .acquire(object, offset.saturating_sub(1), u64::MAX)
+            .await;
         if last_punched && offset > 0 {
             self.store
                 .write(object, offset - 1, Bytes::from_static(&[0]))
@@ -268,12 +292,46 @@ impl Resync {
     }
 }
 
-/// Where a syncing member copies a stripe from: the first member of its chain in service.
-fn source_of(map: &ServiceMap, chain: &[ServerId], me: ServerId) -> Option<ServerId> {
-    chain
+/// Where a syncing member's copy of a stripe comes from.
+#[derive(Debug, PartialEq, Eq)]
+enum Source {
+    Partner(ServerId),
+    /// No member is fresher than this one: its copy stands.
+    Mine,
+    /// The freshest copy is on a member that is out: wait for it.
+    Away(ServerId),
+}
+
+/// Where a syncing member copies a stripe from: the first member of its chain in service;
+/// if none is, the member that went out last (it missed the fewest writes), if that one
+/// went out after this one.
+fn source_of(map: &ServiceMap, chain: &[ServerId], me: ServerId) -> Source {
+    if let Some(server) = chain
         .iter()
         .copied()
         .find(|server| *server != me && map.state(*server) == MemberState::InService)
+    {
+        return Source::Partner(server);
+    }
+    let since = |server: ServerId| {
+        map.member(server)
+            .map_or(0, |member| member.unsynced_since_ms)
+    };
+    let freshest = chain
+        .iter()
+        .copied()
+        .filter(|server| *server != me)
+        .max_by_key(|server| since(*server));
+    match freshest {
+        Some(server) if since(server) > since(me) => {
+            if map.state(server) == MemberState::Syncing {
+                Source::Partner(server)
+            } else {
+                Source::Away(server)
+            }
+        }
+        _ => Source::Mine,
+    }
 }
 
 /// The objects of a partner written within `window_ms`.
@@ -315,23 +373,28 @@ mod tests {
     use freeflow_proto::meta::Member;
 
     #[test]
-    fn the_source_is_the_first_partner_in_service() {
-        let member = |server_id, state| Member {
+    fn the_source_is_the_first_partner_in_service_else_the_freshest() {
+        let member = |server_id, state, unsynced_since_ms| Member {
             server_id,
             address: String::new(),
             state,
             incarnation: 1,
+            unsynced_since_ms,
         };
         let map = ServiceMap {
             version: 3,
             members: vec![
-                member(1, MemberState::Out),
-                member(2, MemberState::InService),
-                member(3, MemberState::Syncing),
-                member(4, MemberState::InService),
+                member(1, MemberState::Out, 500),
+                member(2, MemberState::InService, 0),
+                member(3, MemberState::Syncing, 100),
+                member(4, MemberState::InService, 0),
+                member(5, MemberState::Syncing, 300),
             ],
         };
-        assert_eq!(source_of(&map, &[1, 3, 4, 2], 3), Some(4));
-        assert_eq!(source_of(&map, &[3, 1], 3), None);
+        assert_eq!(source_of(&map, &[1, 3, 4, 2], 3), Source::Partner(4));
+        // No member in service: the one that went out last, if after this one.
+        assert_eq!(source_of(&map, &[3, 5], 3), Source::Partner(5));
+        assert_eq!(source_of(&map, &[3, 5], 5), Source::Mine);
+        assert_eq!(source_of(&map, &[3, 1], 3), Source::Away(1));
     }
 }

@@ -66,36 +66,32 @@ impl Service for IoService {
                         let space = store.write(request.object, request.offset, payload).await?;
                         return Ok((space, Bytes::new()));
                     }
+                    replication
+                        .check_chain(request.map_version, &request.forward)
+                        .await?;
                     let end = request.offset.saturating_add(payload.len() as u64);
                     let _range = replication
                         .ranges
                         .acquire(request.object, request.offset, end)
                         .await;
-                    let local = async {
+                    // Here first, then passed on: when the next member has the bytes, so
+                    // does this one, so a resync copying from here never misses a write
+                    // the next member took (`resync.rs`).
+                    let space = {
                         let _map = replication.hold(request.map_version).await?;
                         store
                             .write(request.object, request.offset, payload.clone())
-                            .await
-                            .map_err(WireError::from)
+                            .await?
                     };
-                    let space = match request.forward.split_first() {
-                        None => local.await?,
-                        Some((next, rest)) => {
-                            let passed = WriteObject {
-                                object: request.object,
-                                offset: request.offset,
-                                map_version: request.map_version,
-                                forward: rest.to_vec(),
-                            };
-                            // Both at once; the range lock keeps overlapping writes apart.
-                            let (space, passed_on) = tokio::join!(
-                                local,
-                                replication.pass_on(*next, &passed, payload.clone())
-                            );
-                            passed_on?;
-                            space?
-                        }
-                    };
+                    if let Some((next, rest)) = request.forward.split_first() {
+                        let passed = WriteObject {
+                            object: request.object,
+                            offset: request.offset,
+                            map_version: request.map_version,
+                            forward: rest.to_vec(),
+                        };
+                        replication.pass_on(*next, &passed, payload).await?;
+                    }
                     Ok((space, Bytes::new()))
                 })
                 .await
@@ -139,6 +135,9 @@ impl Service for IoService {
                             .await?;
                         return Ok((space, Bytes::new()));
                     }
+                    replication
+                        .check_chain(request.map_version, &request.forward)
+                        .await?;
                     let end = request.offset.saturating_add(request.length);
                     let _range = replication
                         .ranges

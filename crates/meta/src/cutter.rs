@@ -101,6 +101,18 @@ pub async fn carry_out(
         wanted.insert(*stripe, (length, chain));
     }
     let replicated = record.layout.replicas() > 1;
+    let key = (inode, record.generation);
+    if replicated {
+        // Members that confirmed their cut of this truncation already are not asked again.
+        let confirmed = shared
+            .cuts_confirmed()
+            .get(&key)
+            .cloned()
+            .unwrap_or_default();
+        for (stripe, (_, members)) in wanted.iter_mut() {
+            members.retain(|member| !confirmed.contains(&(*stripe, *member)));
+        }
+    }
     // Members in service first, then those syncing: a syncing member copying an object
     // from a partner then sees the partner's cut made before its own (`resync.rs`).
     for syncing_round in [false, true] {
@@ -139,6 +151,11 @@ pub async fn carry_out(
         while let Some(joined) = tasks.join_next().await {
             match joined {
                 Ok((server, done, failure)) => {
+                    if replicated {
+                        let mut confirmed = shared.cuts_confirmed();
+                        let entry = confirmed.entry(key).or_default();
+                        entry.extend(done.iter().map(|space| (space.stripe_index, server)));
+                    }
                     for space in done {
                         if let Some((_, members)) = wanted.get_mut(&space.stripe_index) {
                             members.retain(|member| *member != server);
@@ -170,6 +187,9 @@ pub async fn carry_out(
             }
         }
         failures.retain(|(server, _)| !(replicated && registry.state(*server) == MemberState::Out));
+    }
+    if replicated && done_stripes.len() >= record.cuts.len() {
+        shared.cuts_confirmed().remove(&key);
     }
     // A task that panicked confirmed nothing and reported nothing: its stripes stay pending.
     let unconfirmed = record

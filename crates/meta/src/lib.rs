@@ -370,6 +370,7 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
             servers,
             Duration::from_millis(config.server_down_after_ms),
         )),
+        cuts_confirmed: Mutex::new(HashMap::new()),
         store: RwLock::new(Some(Arc::new(store))),
         writer: writer_sender,
         inode_count: AtomicU64::new(state_inode_count),
@@ -507,18 +508,36 @@ async fn put_out_silent_servers(shared: Arc<Shared>) {
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         interval.tick().await;
-        let changes = shared.registry().put_out_silent(Instant::now());
-        if changes.is_empty() {
+        let silent = shared.registry().silent(Instant::now());
+        if silent.is_empty() {
             continue;
         }
-        for (server, _) in &changes {
+        // Persisted first: a map that names a server out must survive a restart of ours.
+        let persisted = silent.clone();
+        let written = shared
+            .write(move |write, _context| {
+                for (server, entry) in &persisted {
+                    ops::servers::put_server(write, *server, entry)?;
+                }
+                Ok(())
+            })
+            .await;
+        let durable = match written {
+            Ok(()) => shared.sync().await.map(|_| ()),
+            Err(error) => Err(error),
+        };
+        if let Err(error) = durable {
+            tracing::error!(%error, "cannot persist the servers to put out of their chains; trying again");
+            continue;
+        }
+        let mut registry = shared.registry();
+        let now = Instant::now();
+        for (server, entry) in &silent {
             tracing::warn!(
                 server,
                 "I/O server silent past server_down_after_ms: out of its chains"
             );
-        }
-        if let Err(error) = service::persist_states(&shared, changes).await {
-            tracing::error!(%error, "cannot persist the servers put out of their chains");
+            registry.put_out(*server, entry, now);
         }
     }
 }

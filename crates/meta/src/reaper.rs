@@ -118,11 +118,15 @@ async fn cut_pass(shared: &Arc<Shared>) -> bool {
 /// this before answering, and the server serves no data until the answer is 0: a client
 /// write accepted before such a cut would be destroyed by it.
 pub async fn cuts_owed_by(shared: &Arc<Shared>, server: ServerId) -> u32 {
-    let owes = |record: &TruncationRecord| {
-        record
-            .cuts
-            .iter()
-            .any(|(stripe, _)| record.layout.keeps(*stripe, server))
+    // A member of a replicated stripe that confirmed its cut owes nothing while a
+    // partner's cut is still pending.
+    let owes = |inode: InodeId, record: &TruncationRecord| {
+        let confirmed = shared.cuts_confirmed();
+        let done = confirmed.get(&(inode, record.generation));
+        record.cuts.iter().any(|(stripe, _)| {
+            record.layout.keeps(*stripe, server)
+                && !done.is_some_and(|done| done.contains(&(*stripe, server)))
+        })
     };
     let mut owed = 0u32;
     let mut after = None;
@@ -139,7 +143,10 @@ pub async fn cuts_owed_by(shared: &Arc<Shared>, server: ServerId) -> u32 {
         };
         after = Some(*last);
         let page_len = page.len();
-        for (inode, record) in page.into_iter().filter(|(_, record)| owes(record)) {
+        for (inode, record) in page
+            .into_iter()
+            .filter(|(inode, record)| owes(*inode, record))
+        {
             // A set-attributes in flight makes these cuts itself, ordered after the writes
             // it recalls. Counting them would close this server's gate under those very
             // writes, which would then land after the cut.
@@ -151,7 +158,7 @@ pub async fn cuts_owed_by(shared: &Arc<Shared>, server: ServerId) -> u32 {
             }
             // Not all done: some other server may be the one still missing.
             match shared.read(|read| Ok(load_truncation(read, inode)?)) {
-                Ok(Some(record)) if !owes(&record) => {}
+                Ok(Some(record)) if !owes(inode, &record) => {}
                 Ok(None) => {}
                 _ => owed = owed.saturating_add(1),
             }

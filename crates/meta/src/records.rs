@@ -228,6 +228,11 @@ pub struct ServerEntry {
     /// Its place in the chains of replicated stripes: an out server stays out across a
     /// restart of the meta server (its copies are stale until it resyncs).
     pub state: freeflow_proto::meta::MemberState,
+    /// Out or syncing: since when (Unix ms, on the meta server's clock) it may lack
+    /// writes; 0 in service. Kept across going out again while syncing.
+    pub unsynced_since_ms: u64,
+    /// Its data directory was lost: its resync copies everything.
+    pub copy_everything: bool,
 }
 
 fn corrupt(table: TableId, reason: impl std::fmt::Display) -> StoreError {
@@ -364,6 +369,8 @@ mod tests {
             free_bytes: 2,
             object_count: 3,
             state: freeflow_proto::meta::MemberState::Out,
+            unsynced_since_ms: 7,
+            copy_everything: true,
         };
         let mut bytes = encode_versioned(&record);
         assert_eq!(

@@ -34,10 +34,9 @@ struct ServerState {
     incarnation: u64,
     /// The map version its last heartbeat said it holds.
     held_version: u64,
-    /// When it was put out (in memory: after a restart of ours, our start).
-    out_since: Option<Instant>,
-    /// While syncing: how far back its copy must reach, in ms (`u64::MAX`: everything).
-    resync_window_ms: u64,
+    /// The map version at which it last became syncing: a copy ordered before does not
+    /// count.
+    syncing_since_version: u64,
 }
 
 #[derive(Debug)]
@@ -50,6 +49,13 @@ pub struct Registry {
 
 /// A server's state changed: its entry must be persisted.
 pub type StateChange = (ServerId, ServerEntry);
+
+/// Milliseconds since the Unix epoch on this host's clock.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64)
+}
 
 /// Sums over the registry for statfs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -66,7 +72,6 @@ impl Registry {
         let servers = persisted
             .into_iter()
             .map(|(id, entry)| {
-                let out_since = (entry.state != MemberState::InService).then_some(started);
                 (
                     id,
                     ServerState {
@@ -75,17 +80,14 @@ impl Registry {
                         metrics_address: None,
                         incarnation: 0,
                         held_version: 0,
-                        out_since,
-                        resync_window_ms: u64::MAX,
+                        syncing_since_version: 0,
                     },
                 )
             })
             .collect();
         // Versions from an earlier run of the meta server were smaller: it counted up from
         // its own start time, and never gives more than one version per microsecond.
-        let map_version = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |since| since.as_micros() as u64);
+        let map_version = unix_ms().saturating_mul(1000).max(1);
         Registry {
             servers,
             down_after,
@@ -117,52 +119,91 @@ impl Registry {
                     address: state.entry.address.clone(),
                     state: state.entry.state,
                     incarnation: state.incarnation,
+                    unsynced_since_ms: state.entry.unsynced_since_ms,
                 })
                 .collect(),
         }
     }
 
-    fn set_state(
-        &mut self,
-        server: ServerId,
-        to: MemberState,
-        now: Instant,
-    ) -> Option<StateChange> {
+    /// Move a server to `to` in memory (its entry must already be persisted that way when
+    /// `to` is `Out`, see [`Registry::silent`]).
+    fn set_state(&mut self, server: ServerId, to: MemberState) -> Option<StateChange> {
         let state = self.servers.get_mut(&server)?;
         if state.entry.state == to {
             return None;
         }
         tracing::info!(server, from = ?state.entry.state, ?to, "I/O server changes state in its chains");
-        if to == MemberState::Out {
-            state.out_since = Some(state.last_seen.unwrap_or(self.started).min(now));
+        match to {
+            MemberState::InService => {
+                state.entry.unsynced_since_ms = 0;
+                state.entry.copy_everything = false;
+            }
+            MemberState::Out | MemberState::Syncing => {
+                if state.entry.unsynced_since_ms == 0 {
+                    // From in service: it may lack what was written since it was last heard.
+                    let last_heard_ago = state
+                        .last_seen
+                        .map_or(Duration::ZERO, |seen| seen.elapsed())
+                        .as_millis() as u64;
+                    state.entry.unsynced_since_ms = unix_ms().saturating_sub(last_heard_ago).max(1);
+                }
+            }
         }
         state.entry.state = to;
         self.map_version += 1;
+        if to == MemberState::Syncing {
+            state.syncing_since_version = self.map_version;
+        }
         Some((server, state.entry.clone()))
     }
 
-    /// Put out every server in service or syncing not heard from within
-    /// `server_down_after_ms` (a syncing one must not hold up writes either).
-    pub fn put_out_silent(&mut self, now: Instant) -> Vec<StateChange> {
-        let silent: Vec<ServerId> = self
-            .servers
+    /// The servers in service or syncing not heard from within `server_down_after_ms` (a
+    /// syncing one must not hold up writes either), each with its entry as it must be
+    /// persisted before [`Registry::put_out`] applies it: a server is never out in a map
+    /// that a restart of the meta server could forget.
+    pub fn silent(&self, now: Instant) -> Vec<StateChange> {
+        self.servers
             .iter()
             .filter(|(_, state)| {
                 state.entry.state != MemberState::Out
                     && now.saturating_duration_since(state.last_seen.unwrap_or(self.started))
                         > self.down_after
             })
-            .map(|(id, _)| *id)
-            .collect();
-        silent
-            .into_iter()
-            .filter_map(|server| self.set_state(server, MemberState::Out, now))
+            .map(|(id, state)| {
+                let mut entry = state.entry.clone();
+                entry.state = MemberState::Out;
+                if entry.unsynced_since_ms == 0 {
+                    let last_heard_ago = now
+                        .saturating_duration_since(state.last_seen.unwrap_or(self.started))
+                        .as_millis() as u64;
+                    entry.unsynced_since_ms = unix_ms().saturating_sub(last_heard_ago).max(1);
+                }
+                (*id, entry)
+            })
             .collect()
+    }
+
+    /// Put a server out, as [`Registry::silent`] proposed and the store now says, unless it
+    /// was heard from meanwhile.
+    pub fn put_out(&mut self, server: ServerId, persisted: &ServerEntry, now: Instant) {
+        let Some(state) = self.servers.get(&server) else {
+            return;
+        };
+        let still_silent = now.saturating_duration_since(state.last_seen.unwrap_or(self.started))
+            > self.down_after;
+        if still_silent && state.entry.state != MemberState::Out {
+            let unsynced_since_ms = persisted.unsynced_since_ms;
+            self.set_state(server, MemberState::Out);
+            if let Some(state) = self.servers.get_mut(&server) {
+                state.entry.unsynced_since_ms = unsynced_since_ms;
+            }
+        }
     }
 
     /// What a registration says of the server beyond its heartbeat: which process it is,
     /// which map it holds, and whether its data directory is new. An out server becomes
-    /// syncing; a known server that lost its data directory copies everything.
+    /// syncing; so does one in service whose process is a new one (it may have lost what
+    /// was not synced) or whose data directory is new (it copies everything).
     pub fn note_registration(
         &mut self,
         server: ServerId,
@@ -170,30 +211,24 @@ impl Registry {
         held_version: u64,
         fresh: bool,
         known_before: bool,
-        now: Instant,
     ) -> Option<StateChange> {
         let state = self.servers.get_mut(&server)?;
+        let restarted = state.incarnation != 0 && state.incarnation != incarnation;
         state.incarnation = incarnation;
         state.held_version = held_version;
         let lost_data = fresh && known_before;
+        if lost_data && !state.entry.copy_everything {
+            state.entry.copy_everything = true;
+            // It holds nothing: every partner is fresher.
+            state.entry.unsynced_since_ms = 1;
+        }
         match state.entry.state {
-            MemberState::Out => {
-                let away = now.saturating_duration_since(state.out_since.unwrap_or(self.started));
-                state.resync_window_ms = if lost_data {
-                    u64::MAX
-                } else {
-                    (away.as_millis() as u64).saturating_add(RESYNC_MARGIN_MS)
-                };
-                self.set_state(server, MemberState::Syncing, now)
+            MemberState::Out => self.set_state(server, MemberState::Syncing),
+            MemberState::InService if lost_data || restarted => {
+                self.set_state(server, MemberState::Syncing)
             }
-            MemberState::InService if lost_data => {
-                state.resync_window_ms = u64::MAX;
-                self.set_state(server, MemberState::Syncing, now)
-            }
-            MemberState::Syncing if lost_data => {
-                state.resync_window_ms = u64::MAX;
-                None
-            }
+            // A new copy-everything while syncing: persisted with the next change.
+            _ if lost_data => Some((server, state.entry.clone())),
             _ => None,
         }
     }
@@ -209,20 +244,28 @@ impl Registry {
         let all_hold = self.servers.values().all(|other| {
             other.entry.state != MemberState::InService
                 || !self.is_up(other, now)
-                || other.held_version == self.map_version
+                || other.held_version >= state.syncing_since_version
         });
+        let window_ms = if state.entry.copy_everything {
+            u64::MAX
+        } else {
+            unix_ms()
+                .saturating_sub(state.entry.unsynced_since_ms)
+                .saturating_add(RESYNC_MARGIN_MS)
+        };
         all_hold.then_some(ResyncOrder {
-            window_ms: state.resync_window_ms,
+            window_ms,
             map_version: self.map_version,
         })
     }
 
-    /// A syncing server copied what its order (given under `map_version`) asked for.
+    /// A syncing server copied what its order (given under `map_version`) asked for. Any
+    /// order given since it last became syncing will do: every write since then was passed
+    /// on to it, whatever else changed in the map.
     pub fn resync_done(
         &mut self,
         server: ServerId,
         map_version: u64,
-        now: Instant,
     ) -> Result<Option<StateChange>, String> {
         let Some(state) = self.servers.get(&server) else {
             return Err(format!("server {server} is not registered"));
@@ -230,13 +273,13 @@ impl Registry {
         if state.entry.state != MemberState::Syncing {
             return Ok(None);
         }
-        if map_version != self.map_version {
+        if map_version < state.syncing_since_version {
             return Err(format!(
-                "the service map changed during the copy (version {map_version}, now {}): copy again",
-                self.map_version
+                "the copy was ordered under map {map_version}, before the server last became syncing (map {}): copy again",
+                state.syncing_since_version
             ));
         }
-        Ok(self.set_state(server, MemberState::InService, now))
+        Ok(self.set_state(server, MemberState::InService))
     }
 
     /// The persisted entry of `server` as it is now.
@@ -270,6 +313,8 @@ impl Registry {
         match self.servers.get_mut(&server) {
             Some(state) => {
                 entry.state = state.entry.state;
+                entry.unsynced_since_ms = state.entry.unsynced_since_ms;
+                entry.copy_everything = state.entry.copy_everything;
                 if entry.address != state.entry.address {
                     // Partners must reach it at its new address.
                     self.map_version += 1;
@@ -289,8 +334,7 @@ impl Registry {
                         metrics_address: None,
                         incarnation: 0,
                         held_version: 0,
-                        out_since: None,
-                        resync_window_ms: u64::MAX,
+                        syncing_since_version: 0,
                     },
                 );
             }
@@ -385,6 +429,8 @@ mod tests {
             free_bytes: 40,
             object_count: 1,
             state: MemberState::InService,
+            unsynced_since_ms: 0,
+            copy_everything: false,
         }
     }
 
@@ -394,48 +440,72 @@ mod tests {
         let mut registry = Registry::new(vec![], Duration::from_millis(50));
         registry.heartbeat(1, entry("a:1"), start);
         registry.heartbeat(2, entry("b:1"), start);
-        assert!(registry
-            .note_registration(1, 7, 0, true, false, start)
-            .is_none());
-        assert!(registry.put_out_silent(start).is_empty());
+        assert!(registry.note_registration(1, 7, 0, true, false).is_none());
+        assert!(registry.note_registration(2, 8, 0, false, false).is_none());
+        assert!(registry.silent(start).is_empty());
         let first = registry.map_version();
-        // Server 2 falls silent; server 1 goes on.
+        // Server 2 falls silent; server 1 goes on. Proposed, then applied once persisted.
         let later = start + Duration::from_millis(100);
         registry.heartbeat(1, entry("a:1"), later);
-        let changes = registry.put_out_silent(later);
-        assert_eq!(changes.len(), 1);
-        assert_eq!((changes[0].0, changes[0].1.state), (2, MemberState::Out));
-        assert!(registry.map_version() > first);
+        let silent = registry.silent(later);
+        assert_eq!(silent.len(), 1);
+        assert_eq!((silent[0].0, silent[0].1.state), (2, MemberState::Out));
+        assert!(silent[0].1.unsynced_since_ms > 0);
         assert_eq!(
-            registry.service_map().member(2).unwrap().state,
-            MemberState::Out
+            registry.state(2),
+            MemberState::InService,
+            "not before persisted"
         );
+        registry.put_out(2, &silent[0].1, later);
+        assert!(registry.map_version() > first);
+        let map = registry.service_map();
+        assert_eq!(map.member(2).unwrap().state, MemberState::Out);
+        assert_eq!(map.write_chain(&[2, 1]), vec![1]);
+        assert_eq!(map.read_chain(&[1, 2]), vec![1]);
         assert!(!registry.placement_servers(later).contains(&2));
         // Back: syncing, but no copy before server 1 holds the new map.
         let back = later + Duration::from_millis(10);
         registry.heartbeat(2, entry("b:1"), back);
-        let change = registry
-            .note_registration(2, 8, 0, false, true, back)
-            .unwrap();
+        let change = registry.note_registration(2, 9, 0, false, true).unwrap();
         assert_eq!(change.1.state, MemberState::Syncing);
+        assert_eq!(registry.service_map().write_chain(&[2, 1]), vec![1, 2]);
         assert!(registry.resync_order(2, back).is_none());
         let version = registry.map_version();
-        registry.note_registration(1, 7, version, false, true, back);
+        registry.note_registration(1, 7, version, false, true);
         let order = registry.resync_order(2, back).unwrap();
         assert_eq!(order.map_version, version);
         assert!(order.window_ms >= RESYNC_MARGIN_MS && order.window_ms < u64::MAX);
-        // A copy made under an older map is refused; under the current one it ends the sync.
-        assert!(registry.resync_done(2, version - 1, back).is_err());
-        let done = registry.resync_done(2, version, back).unwrap().unwrap();
-        assert_eq!(done.1.state, MemberState::InService);
-        // A known server whose data directory is new copies everything.
-        registry.note_registration(1, 9, registry.map_version(), true, true, back);
+        // A copy ordered before it became syncing is refused; one since, whatever else
+        // changed in the map, ends the sync.
+        assert!(registry.resync_done(2, version - 1).is_err());
+        registry.heartbeat(3, entry("c:1"), back);
+        let done = registry.resync_done(2, version).unwrap().unwrap();
         assert_eq!(
-            registry.service_map().member(1).unwrap().state,
-            MemberState::Syncing
+            (done.1.state, done.1.unsynced_since_ms),
+            (MemberState::InService, 0)
         );
-        registry.note_registration(2, 8, registry.map_version(), false, true, back);
-        assert_eq!(registry.resync_order(1, back).unwrap().window_ms, u64::MAX);
+        // A known server whose data directory is new copies everything, even after going
+        // out again in the middle.
+        registry.note_registration(1, 7, registry.map_version(), true, true);
+        assert_eq!(registry.state(1), MemberState::Syncing);
+        let silent = registry.silent(back + Duration::from_millis(200));
+        for (server, entry) in &silent {
+            registry.put_out(*server, entry, back + Duration::from_millis(200));
+        }
+        registry.heartbeat(1, entry("a:1"), back + Duration::from_millis(300));
+        registry.heartbeat(2, entry("b:1"), back + Duration::from_millis(300));
+        registry.note_registration(1, 10, 0, false, true);
+        registry.note_registration(2, 9, registry.map_version(), false, true);
+        let order = registry
+            .resync_order(1, back + Duration::from_millis(300))
+            .unwrap();
+        assert_eq!(order.window_ms, u64::MAX);
+        // A server in service whose process restarted syncs too.
+        registry.resync_done(1, order.map_version).unwrap();
+        registry.resync_done(2, registry.map_version()).unwrap();
+        assert_eq!(registry.state(2), MemberState::InService);
+        let change = registry.note_registration(2, 11, 0, false, true).unwrap();
+        assert_eq!(change.1.state, MemberState::Syncing);
     }
 
     #[test]

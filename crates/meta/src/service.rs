@@ -1197,6 +1197,8 @@ async fn register_server(
         object_count: request.object_count,
         // Kept from the registry by `heartbeat`: a heartbeat does not move a server.
         state: MemberState::InService,
+        unsynced_since_ms: 0,
+        copy_everything: false,
     };
     let (needs_persist, known, known_before) = {
         let registry = shared.registry();
@@ -1220,6 +1222,8 @@ async fn register_server(
         let mut persisted = entry.clone();
         if let Some(current) = shared.registry().entry(server_id) {
             persisted.state = current.state;
+            persisted.unsynced_since_ms = current.unsynced_since_ms;
+            persisted.copy_everything = current.copy_everything;
         }
         shared
             .write(move |write, _context| ops::servers::put_server(write, server_id, &persisted))
@@ -1237,7 +1241,6 @@ async fn register_server(
             request.map_version,
             request.fresh,
             known_before,
-            now,
         );
         (
             came_up,
@@ -1295,7 +1298,7 @@ pub async fn persist_states(
 async fn resync_done(shared: &Arc<Shared>, request: ResyncDone) -> Result<(), WireError> {
     let change = shared
         .registry()
-        .resync_done(request.server_id, request.map_version, Instant::now())
+        .resync_done(request.server_id, request.map_version)
         .map_err(|reason| WireError::new(ErrorCode::Stale, reason))?;
     if let Some(change) = change {
         tracing::info!(

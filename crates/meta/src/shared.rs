@@ -1,13 +1,13 @@
 //! State shared by the request handlers, the writer thread, the reaper and the session
 //! expiry task of one running metadata server.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
 use freeflow_proto::{ErrorCode, WireError};
-use freeflow_types::InodeId;
+use freeflow_types::{InodeId, ServerId};
 use tokio::sync::{mpsc, oneshot, watch, Notify, OwnedMutexGuard};
 
 use crate::io_peers::IoConnections;
@@ -21,6 +21,9 @@ use crate::store::{
 use crate::writer::{job, WriterMessage};
 use crate::MetaConfig;
 
+/// Per (inode, truncation generation): the (stripe, member) cuts confirmed.
+pub type CutsConfirmed = HashMap<(InodeId, u64), BTreeSet<(u32, ServerId)>>;
+
 pub struct Shared {
     pub config: MetaConfig,
     /// None once shut down; handlers then answer `Unreachable`.
@@ -28,6 +31,11 @@ pub struct Shared {
     pub writer: mpsc::Sender<WriterMessage>,
     pub sessions: Mutex<Sessions>,
     pub registry: Mutex<Registry>,
+    /// Cuts of replicated stripes each member confirmed, by (inode, truncation generation):
+    /// a member that made its cut owes nothing while a partner's is still pending. In
+    /// memory: after a restart a member cuts again (the same length, harmless: its
+    /// stripe's writes wait at the partner that owes the cut).
+    pub cuts_confirmed: Mutex<CutsConfirmed>,
     pub inode_count: AtomicU64,
     pub orphan_count: AtomicU64,
     /// Write transactions committed by the writer (one per batch).
@@ -148,6 +156,12 @@ impl Shared {
 
     pub fn sessions(&self) -> MutexGuard<'_, Sessions> {
         self.sessions
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn cuts_confirmed(&self) -> MutexGuard<'_, CutsConfirmed> {
+        self.cuts_confirmed
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }

@@ -131,6 +131,9 @@ pub struct Member {
     /// Changes each time the server process starts: a client that lost a connection to
     /// it knows, from a new value, that the old process (and any request it held) is gone.
     pub incarnation: u64,
+    /// Out or syncing: since when (Unix ms, the meta server's clock) it may lack writes;
+    /// 0 in service. Of two members neither in service, the later one is the fresher.
+    pub unsynced_since_ms: u64,
 }
 
 /// Which I/O servers are in which state, versioned: every change of a state gives a new
@@ -156,12 +159,16 @@ impl ServiceMap {
 
     /// Where a replicated write of a stripe with this chain goes: the members in service
     /// in chain order, then those syncing (they must not miss a write while they copy).
+    /// None when no member is in service: the freshest copy may be on one that is out.
     pub fn write_chain(&self, chain: &[ServerId]) -> Vec<ServerId> {
         let mut members: Vec<ServerId> = chain
             .iter()
             .copied()
             .filter(|server| self.state(*server) == MemberState::InService)
             .collect();
+        if members.is_empty() {
+            return members;
+        }
         members.extend(
             chain
                 .iter()
@@ -171,21 +178,16 @@ impl ServiceMap {
         members
     }
 
-    /// Which copies of a stripe with this chain may serve a read, best first: the members
-    /// in service from the tail (it holds only what every member acknowledged); if none is,
-    /// the others, since one copy is all an unreplicated stripe has.
+    /// Which copies of a replicated stripe with this chain may serve a read, best first:
+    /// the members in service from the tail (it holds only what every member
+    /// acknowledged). None when no member is in service.
     pub fn read_chain(&self, chain: &[ServerId]) -> Vec<ServerId> {
-        let in_service: Vec<ServerId> = chain
+        chain
             .iter()
             .rev()
             .copied()
             .filter(|server| self.state(*server) == MemberState::InService)
-            .collect();
-        if in_service.is_empty() {
-            chain.to_vec()
-        } else {
-            in_service
-        }
+            .collect()
     }
 }
 

@@ -273,6 +273,7 @@ fn samples() -> Vec<Vec<u8>> {
                 address: "127.0.0.1:7712".into(),
                 state: MemberState::Syncing,
                 incarnation: 99,
+                unsynced_since_ms: 1_700_000_000_000,
             }],
         })),
         encode(&ResyncDone {

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Failover pause and resync of replicated data (docs/replication.md), measured with real
+# processes on loopback: a cluster from `freeflow init --replicas 2` (one meta server, three
+# I/O servers, each its own process, default timeouts), a mount, and a writer that creates
+# 64 KiB files with fsync in a loop. KILLS times, an I/O server (in turn) is killed with
+# SIGKILL, started again after 3 s, and waited for until it is back in service. The pause
+# of a kill is the longest gap between two completed files of the writer around it.
+#
+#   bench/failover.sh                 # 10 kills; KILLS=N, FREEFLOW=path, DIR=scratch dir
+#
+# Prints each pause, their median and maximum, whether the writer saw an error, and each
+# resync's line from the I/O server logs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FF=${FREEFLOW:-$PWD/target/release/freeflow}
+DIR=${DIR:-/var/tmp/freeflow-failover}
+KILLS=${KILLS:-10}
+MNT=$DIR/mnt
+
+cleanup() {
+  [ -n "${WRITER:-}" ] && kill "$WRITER" 2>/dev/null || true
+  fusermount3 -u "$MNT" 2>/dev/null || umount -l "$MNT" 2>/dev/null || true
+  for pid in "${PIDS[@]:-}"; do kill -9 "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+
+rm -rf "$DIR"
+mkdir -p "$DIR"
+"$FF" init --out "$DIR" --meta-host 127.0.0.1 --io-hosts 127.0.0.1,127.0.0.1,127.0.0.1 \
+  --key-path "$DIR/cluster.key" --data-root "$DIR/data" --replicas 2 >/dev/null
+declare -a PIDS
+"$FF" meta --config "$DIR/meta.toml" >"$DIR/meta.log" 2>&1 &
+PIDS[3]=$!
+start_io() { "$FF" io --config "$DIR/io-$1.toml" >>"$DIR/io-$1.log" 2>&1 & PIDS[$1]=$!; }
+for i in 0 1 2; do start_io "$i"; done
+in_service() { "$FF" --cluster "$DIR/client.toml" status 2>/dev/null | grep -c "in service" || true; }
+for _ in $(seq 100); do [ "$(in_service)" = 3 ] && break; sleep 0.1; done
+mkdir -p "$MNT"
+"$FF" mount "$DIR/client.toml" "$MNT" >"$DIR/mount.log" 2>&1 &
+PIDS[4]=$!
+for _ in $(seq 100); do mountpoint -q "$MNT" && break; sleep 0.1; done
+
+python3 - "$MNT" "$DIR/done.txt" <<'EOF' &
+import os, sys, time
+mnt, log = sys.argv[1], sys.argv[2]
+data = os.urandom(65536)
+with open(log, "w", buffering=1) as out:
+    i = 0
+    while True:
+        try:
+            fd = os.open(f"{mnt}/f{i % 2000}", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            os.write(fd, data)
+            os.fsync(fd)
+            os.close(fd)
+            out.write(f"{time.time():.6f}\n")
+        except OSError as error:
+            out.write(f"ERROR {time.time():.6f} {error}\n")
+        i += 1
+EOF
+WRITER=$!
+sleep 2
+: >"$DIR/kills.txt"
+for k in $(seq "$KILLS"); do
+  victim=$(( (k - 1) % 3 ))
+  date +%s.%N >>"$DIR/kills.txt"
+  kill -9 "${PIDS[$victim]}"
+  sleep 3
+  start_io "$victim"
+  for _ in $(seq 600); do [ "$(in_service)" = 3 ] && break; sleep 0.1; done
+  sleep 1
+done
+kill "$WRITER"
+WRITER=
+
+python3 - "$DIR/done.txt" "$DIR/kills.txt" <<'EOF'
+import statistics, sys
+lines = open(sys.argv[1]).read().split("\n")
+errors = [line for line in lines if line.startswith("ERROR")]
+done = [float(line) for line in lines if line and not line.startswith("ERROR")]
+kills = [float(line) for line in open(sys.argv[2]).read().split()]
+pauses = []
+for kill in kills:
+    before = max([t for t in done if t <= kill], default=kill)
+    after = min([t for t in done if t > kill], default=None)
+    if after is None:
+        print(f"kill at {kill:.3f}: the writer never completed again")
+        continue
+    pauses.append(after - before)
+    print(f"kill at {kill:.3f}: pause {after - before:.2f} s")
+print(f"{len(done)} files written, {len(errors)} errors seen by the writer")
+for error in errors[:5]:
+    print("  " + error)
+if pauses:
+    print(f"pause over {len(pauses)} kills: median {statistics.median(pauses):.2f} s, max {max(pauses):.2f} s")
+EOF
+grep -h "resync done" "$DIR"/io-*.log | sed 's/^.*resync done/resync done/' | sort | uniq -c | head -20
