@@ -3,10 +3,12 @@
 # processes on loopback: a cluster from `freeflow init --replicas 2` (one meta server, three
 # I/O servers, each its own process, default timeouts), a mount, and a writer that creates
 # 64 KiB files with fsync in a loop. KILLS times, an I/O server (in turn) is killed with
-# SIGKILL, started again after 3 s, and waited for until it is back in service. The pause
-# of a kill is the longest gap between two completed files of the writer around it.
+# SIGKILL, started again after RESTART_AFTER seconds (default 8: past server_down_after_ms,
+# 5 s, so the writer goes on without it), and waited for until it is back in service. The
+# pause of a kill is the gap between the writer's last completed file before it and the
+# first after it.
 #
-#   bench/failover.sh                 # 10 kills; KILLS=N, FREEFLOW=path, DIR=scratch dir
+#   bench/failover.sh                 # 10 kills; KILLS=N, RESTART_AFTER=s, FREEFLOW=path, DIR=scratch dir
 #
 # Prints each pause, their median and maximum, whether the writer saw an error, and each
 # resync's line from the I/O server logs.
@@ -15,6 +17,7 @@ cd "$(dirname "$0")/.."
 FF=${FREEFLOW:-$PWD/target/release/freeflow}
 DIR=${DIR:-/var/tmp/freeflow-failover}
 KILLS=${KILLS:-10}
+RESTART_AFTER=${RESTART_AFTER:-8}
 MNT=$DIR/mnt
 
 cleanup() {
@@ -64,7 +67,7 @@ for k in $(seq "$KILLS"); do
   victim=$(( (k - 1) % 3 ))
   date +%s.%N >>"$DIR/kills.txt"
   kill -9 "${PIDS[$victim]}"
-  sleep 3
+  sleep "$RESTART_AFTER"
   start_io "$victim"
   for _ in $(seq 600); do [ "$(in_service)" = 3 ] && break; sleep 0.1; done
   sleep 1

@@ -421,6 +421,7 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn entry(address: &str) -> ServerEntry {
         ServerEntry {
@@ -534,5 +535,148 @@ mod tests {
             registry.heartbeat(4, entry("b:1"), later),
             "back after silence"
         );
+    }
+
+    /// One step of the service map's life, as the meta server sees it.
+    #[derive(Clone, Debug)]
+    enum Step {
+        /// Time passes (ms).
+        Wait(u64),
+        /// Server `s` heartbeats (if alive), saying which process it is and which map it
+        /// holds (the current one or an older one), and whether its directory is new.
+        Register {
+            server: u32,
+            new_process: bool,
+            fresh: bool,
+            holds_current: bool,
+        },
+        /// Server `s` dies or comes back.
+        Toggle(u32),
+        /// The periodic check puts silent servers out.
+        PutOut,
+        /// A syncing server finishes the copy of its current order.
+        FinishResync(u32),
+        /// A syncing server reports an order older than its last syncing.
+        StaleResync(u32),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            (1u64..3_000).prop_map(Step::Wait),
+            (
+                1u32..=3,
+                proptest::bool::weighted(0.1),
+                proptest::bool::weighted(0.05),
+                proptest::bool::weighted(0.8)
+            )
+                .prop_map(|(server, new_process, fresh, holds_current)| {
+                    Step::Register {
+                        server,
+                        new_process,
+                        fresh,
+                        holds_current,
+                    }
+                }),
+            (1u32..=3).prop_map(Step::Toggle),
+            Just(Step::PutOut),
+            (1u32..=3).prop_map(Step::FinishResync),
+            (1u32..=3).prop_map(Step::StaleResync),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// Whatever the order of heartbeats, silences, restarts and copies: a server that
+        /// may lack writes is never back in service without a copy ordered since it last
+        /// became syncing; its entry says since when it may lack writes exactly while it is
+        /// not in service; chains never include an out member; every change of a state
+        /// gives a new, larger map version.
+        #[test]
+        fn the_service_map_never_trusts_a_copy_it_did_not_resync(steps in proptest::collection::vec(step(), 1..120)) {
+            let start = Instant::now();
+            let mut now = start;
+            let mut registry = Registry::new(vec![], Duration::from_millis(1_000));
+            let mut alive = [true; 4];
+            let mut incarnation = [1u64; 4];
+            // Servers that may lack writes: set when one goes out or syncing, cleared only
+            // by a copy ordered since then.
+            let mut must_copy = [false; 4];
+            for server in 1..=3u32 {
+                registry.heartbeat(server, entry("a:1"), now);
+                registry.note_registration(server, 1, 0, false, false);
+            }
+            let mut version = registry.map_version();
+            for step in steps {
+                let before: Vec<MemberState> = (0..4).map(|s| registry.state(s)).collect();
+                match step {
+                    Step::Wait(ms) => now += Duration::from_millis(ms),
+                    Step::Register { server, new_process, fresh, holds_current } => {
+                        if alive[server as usize] {
+                            if new_process {
+                                incarnation[server as usize] += 1;
+                            }
+                            registry.heartbeat(server, entry("a:1"), now);
+                            let held = if holds_current { registry.map_version() } else { 0 };
+                            registry.note_registration(server, incarnation[server as usize], held, fresh, true);
+                        }
+                    }
+                    Step::Toggle(server) => {
+                        alive[server as usize] = !alive[server as usize];
+                        if alive[server as usize] {
+                            incarnation[server as usize] += 1;
+                        }
+                    }
+                    Step::PutOut => {
+                        for (server, persisted) in registry.silent(now) {
+                            prop_assert_eq!(persisted.state, MemberState::Out);
+                            prop_assert!(persisted.unsynced_since_ms > 0);
+                            registry.put_out(server, &persisted, now);
+                        }
+                    }
+                    Step::FinishResync(server) => {
+                        if let Some(order) = registry.resync_order(server, now) {
+                            prop_assert_eq!(registry.state(server), MemberState::Syncing);
+                            if registry.resync_done(server, order.map_version).is_ok() {
+                                must_copy[server as usize] = false;
+                            }
+                        }
+                    }
+                    Step::StaleResync(server) => {
+                        let state = registry.state(server);
+                        let outcome = registry.resync_done(server, 1);
+                        if state == MemberState::Syncing {
+                            prop_assert!(outcome.is_err(), "an order older than any map ended a sync");
+                        }
+                    }
+                }
+                for server in 1..=3u32 {
+                    let state = registry.state(server);
+                    if state != MemberState::InService {
+                        must_copy[server as usize] = true;
+                    }
+                    // Exactly while not in service, the entry says since when.
+                    let entry = registry.entry(server).unwrap();
+                    prop_assert_eq!(entry.unsynced_since_ms == 0, state == MemberState::InService);
+                    prop_assert!(!(entry.copy_everything && state == MemberState::InService));
+                    if state == MemberState::InService {
+                        prop_assert!(!must_copy[server as usize], "server {} back in service without a copy", server);
+                    }
+                    if before[server as usize] != state {
+                        prop_assert!(registry.map_version() > version, "a state changed under the same map version");
+                    }
+                }
+                prop_assert!(registry.map_version() >= version);
+                version = registry.map_version();
+                let map = registry.service_map();
+                for chain in [[1u32, 2], [2, 3], [3, 1]] {
+                    for member in map.write_chain(&chain).into_iter().chain(map.read_chain(&chain)) {
+                        prop_assert_ne!(map.state(member), MemberState::Out);
+                    }
+                    for member in map.read_chain(&chain) {
+                        prop_assert_eq!(map.state(member), MemberState::InService);
+                    }
+                }
+            }
+        }
     }
 }
