@@ -386,7 +386,8 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
             io.call(
                 &TruncateObject {
                     object,
-                    length: FILE_SIZE_MAX + 1
+                    length: FILE_SIZE_MAX + 1,
+                    forward: Vec::new(),
                 },
                 Bytes::new()
             )

@@ -47,7 +47,11 @@ impl Client {
         object: ObjectId,
         length: u64,
     ) -> Result<(), ClientError> {
-        let request = TruncateObject { object, length };
+        let request = TruncateObject {
+            object,
+            length,
+            forward: Vec::new(),
+        };
         let what = format!("object {}.{}", object.inode, object.stripe_index);
         self.io_request(server, object.inode, &request, what)
             .await

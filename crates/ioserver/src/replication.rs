@@ -97,6 +97,14 @@ impl Replication {
     /// lease, and a chain that names no server twice, not this one, and no more members
     /// than a chain has.
     pub async fn check_chain(&self, version: u64, forward: &[ServerId]) -> Result<(), WireError> {
+        self.check_forward(forward)?;
+        drop(self.hold(version).await?);
+        Ok(())
+    }
+
+    /// A chain that names no server twice, not this one, and no more members than a chain
+    /// has.
+    pub fn check_forward(&self, forward: &[ServerId]) -> Result<(), WireError> {
         let invalid = |reason: String| WireError::new(ErrorCode::InvalidArgument, reason);
         if forward.len() >= freeflow_types::limits::REPLICAS_MAX as usize {
             return Err(invalid(format!(
@@ -113,7 +121,6 @@ impl Replication {
                 )));
             }
         }
-        drop(self.hold(version).await?);
         Ok(())
     }
 

@@ -121,7 +121,27 @@ impl Service for IoService {
                         .ranges
                         .acquire(request.object, request.length, u64::MAX)
                         .await;
+                    if !request.forward.is_empty() {
+                        replication.check_forward(&request.forward)?;
+                    }
                     let space = store.truncate(request.object, request.length).await?;
+                    if let Some((next, rest)) = request.forward.split_first() {
+                        let passed = TruncateObject {
+                            object: request.object,
+                            length: request.length,
+                            forward: rest.to_vec(),
+                        };
+                        // Any failure further down is the partner's: this server did cut.
+                        replication
+                            .pass_on(*next, &passed, Bytes::new())
+                            .await
+                            .map_err(|error| {
+                                WireError::new(
+                                    freeflow_proto::ErrorCode::Unreachable,
+                                    format!("cut here, not passed on: {}", error.message),
+                                )
+                            })?;
+                    }
                     Ok((space, Bytes::new()))
                 })
                 .await

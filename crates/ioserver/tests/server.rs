@@ -115,6 +115,7 @@ async fn requests_over_rpc(engine: EngineKind) {
             &TruncateObject {
                 object,
                 length: 100,
+                forward: Vec::new(),
             },
             Bytes::new(),
         )
@@ -343,7 +344,14 @@ async fn registers_once_the_meta_server_appears_and_serves_data_only_when_no_cut
     assert_eq!(refused.code(), ErrorCode::Busy);
     // The meta server's own requests pass: the cuts themselves, and statistics.
     connection
-        .call(&TruncateObject { object, length: 0 }, Bytes::new())
+        .call(
+            &TruncateObject {
+                object,
+                length: 0,
+                forward: Vec::new(),
+            },
+            Bytes::new(),
+        )
         .await
         .unwrap();
     connection

@@ -71,9 +71,6 @@ pub enum Reach {
     UpOnly,
 }
 
-/// Cuts of one server: (stripe index, object length to cut at).
-type ServerCuts = Vec<(u32, u64)>;
-
 /// Send the cuts of `record`, then settle the confirmed ones. Ok when every cut of the
 /// record was confirmed; the first failing server otherwise (the rest stay pending).
 pub async fn carry_out(
@@ -113,61 +110,64 @@ pub async fn carry_out(
             members.retain(|member| !confirmed.contains(&(*stripe, *member)));
         }
     }
-    // Members in service first, then those syncing: a syncing member copying an object
-    // from a partner then sees the partner's cut made before its own (`resync.rs`).
-    for syncing_round in [false, true] {
-        let mut by_server: BTreeMap<ServerId, ServerCuts> = BTreeMap::new();
-        {
-            let registry = shared.registry();
-            for (stripe, (length, members)) in &wanted {
+    // Each stripe is cut down its chain, as writes go: members in service in chain order,
+    // then those syncing (a syncing member copying an object then sees its partners' cut
+    // made before its own, `resync.rs`). Each member cuts under its range lock and passes
+    // the cut on before releasing it, so a write of another client overlapping the cut is
+    // applied on every member on the same side of it. Members out are skipped: their copy
+    // is remade when they return.
+    let chains: Vec<(u32, u64, Vec<ServerId>)> = {
+        let registry = shared.registry();
+        wanted
+            .iter()
+            .filter_map(|(stripe, (length, members))| {
+                let mut chain: Vec<ServerId> = Vec::with_capacity(members.len());
+                let mut syncing = Vec::new();
                 for server in members {
-                    let state = registry.state(*server);
-                    if replicated && state == MemberState::Out {
-                        // Left out of its chains: its copy is remade when it returns.
-                        continue;
-                    }
-                    if (state == MemberState::Syncing) != syncing_round {
-                        continue;
-                    }
-                    if reach == Reach::UpOnly && !registry.server_is_up(*server, now) {
-                        failures.push((*server, "server is down".into()));
-                        continue;
-                    }
-                    by_server
-                        .entry(*server)
-                        .or_default()
-                        .push((*stripe, *length));
-                }
-            }
-        }
-        let mut tasks = JoinSet::new();
-        for (server, cuts) in by_server {
-            let shared = shared.clone();
-            tasks.spawn(async move {
-                let (done, failure) = cut_on_server(&shared, inode, server, &cuts).await;
-                (server, done, failure)
-            });
-        }
-        while let Some(joined) = tasks.join_next().await {
-            match joined {
-                Ok((server, done, failure)) => {
-                    if replicated {
-                        let mut confirmed = shared.cuts_confirmed();
-                        let entry = confirmed.entry(key).or_default();
-                        entry.extend(done.iter().map(|space| (space.stripe_index, server)));
-                    }
-                    for space in done {
-                        if let Some((_, members)) = wanted.get_mut(&space.stripe_index) {
-                            members.retain(|member| *member != server);
+                    match registry.state(*server) {
+                        MemberState::Out if replicated => {}
+                        MemberState::Syncing if replicated => syncing.push(*server),
+                        _ => {
+                            if reach == Reach::UpOnly && !registry.server_is_up(*server, now) {
+                                failures.push((*server, "server is down".into()));
+                                return None;
+                            }
+                            chain.push(*server);
                         }
-                        spaces.entry(space.stripe_index).or_insert(space);
-                    }
-                    if let Some(reason) = failure {
-                        failures.push((server, reason));
                     }
                 }
-                Err(error) => tracing::error!(inode, %error, "cut task failed"),
+                chain.extend(syncing);
+                (!chain.is_empty()).then_some((*stripe, *length, chain))
+            })
+            .collect()
+    };
+    let mut tasks = JoinSet::new();
+    for (stripe, length, chain) in chains {
+        let shared = shared.clone();
+        tasks.spawn(async move {
+            let outcome = cut_chain(&shared, inode, stripe, length, &chain).await;
+            (stripe, outcome)
+        });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok((stripe, (confirmed, space, failure))) => {
+                if replicated && !confirmed.is_empty() {
+                    let mut done = shared.cuts_confirmed();
+                    let entry = done.entry(key).or_default();
+                    entry.extend(confirmed.iter().map(|server| (stripe, *server)));
+                }
+                if let Some((_, members)) = wanted.get_mut(&stripe) {
+                    members.retain(|member| !confirmed.contains(member));
+                }
+                if let Some(space) = space {
+                    spaces.entry(stripe).or_insert(space);
+                }
+                if let Some(failure) = failure {
+                    failures.push(failure);
+                }
             }
+            Err(error) => tracing::error!(inode, %error, "cut task failed"),
         }
     }
     if replicated && reach == Reach::All && !failures.is_empty() {
@@ -255,38 +255,58 @@ async fn wait_until_out(shared: &Arc<Shared>, servers: &[ServerId]) {
     }
 }
 
-/// Cut the stripes of one server in order; stops at the first failure. Returns the stripes
-/// cut, with the space each object holds after its cut, and the failure.
-async fn cut_on_server(
+/// Cut one stripe down its chain: the first member cuts and passes the cut on (see
+/// `ioserver/src/service.rs`). Returns the members known to have cut, the space the first
+/// one reported, and the failure: a partner's failure comes back as `Unreachable` from the
+/// first member, which did cut.
+async fn cut_chain(
     shared: &Shared,
     inode: InodeId,
-    server: ServerId,
-    cuts: &[(u32, u64)],
-) -> (Vec<StripeSpace>, Option<String>) {
-    let mut done = Vec::with_capacity(cuts.len());
-    let Some(address) = shared.registry().address(server) else {
-        return (done, Some("server is not registered".into()));
+    stripe_index: u32,
+    length: u64,
+    chain: &[ServerId],
+) -> (
+    Vec<ServerId>,
+    Option<StripeSpace>,
+    Option<(ServerId, String)>,
+) {
+    let Some((&head, rest)) = chain.split_first() else {
+        return (Vec::new(), None, None);
     };
-    let connection = match shared.io.get(server, &address).await {
+    let Some(address) = shared.registry().address(head) else {
+        return (
+            Vec::new(),
+            None,
+            Some((head, "server is not registered".into())),
+        );
+    };
+    let connection = match shared.io.get(head, &address).await {
         Ok(connection) => connection,
-        Err(reason) => return (done, Some(reason)),
+        Err(reason) => return (Vec::new(), None, Some((head, reason))),
     };
-    for (stripe_index, length) in cuts {
-        let request = TruncateObject {
-            object: ObjectId {
-                inode,
-                stripe_index: *stripe_index,
-            },
-            length: *length,
-        };
-        match connection.call(&request, bytes::Bytes::new()).await {
-            Ok((space, _)) => done.push(StripeSpace {
-                stripe_index: *stripe_index,
+    let request = TruncateObject {
+        object: ObjectId {
+            inode,
+            stripe_index,
+        },
+        length,
+        forward: rest.to_vec(),
+    };
+    match connection.call(&request, bytes::Bytes::new()).await {
+        Ok((space, _)) => (
+            chain.to_vec(),
+            Some(StripeSpace {
+                stripe_index,
                 allocated_bytes: space.allocated_bytes,
                 stamp: space.stamp,
             }),
-            Err(error) => return (done, Some(error.to_string())),
+            None,
+        ),
+        Err(freeflow_rpc::RpcError::Remote(error))
+            if error.code == ErrorCode::Unreachable && !rest.is_empty() =>
+        {
+            (vec![head], None, Some((rest[0], error.message)))
         }
+        Err(error) => (Vec::new(), None, Some((head, error.to_string()))),
     }
-    (done, None)
 }

@@ -486,6 +486,7 @@ fn expected_cut(attr: &Attr, size_bytes: u64, stripe_index: u32) -> TruncateObje
             stripe_index,
         },
         length: layout.object_length(size_bytes, stripe_index),
+        forward: Vec::new(),
     }
 }
 

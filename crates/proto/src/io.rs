@@ -59,7 +59,12 @@ requests! {
     /// Cut the object to `length` bytes if it is longer. Never extends an object and never
     /// creates one: a file's size lives at the meta server, and bytes past an object's end
     /// read as zeros.
-    TruncateObject = 202 => ObjectSpace { object: ObjectId, length: u64 }
+    ///
+    /// With `forward` (a replicated stripe, sent by the meta server), the server cuts under
+    /// the range lock of the cut bytes and passes the cut on to `forward[0]` before it
+    /// releases it, so an overlapping write is on the same side of the cut on every copy; a
+    /// partner's failure comes back as `Unreachable` (this server did cut).
+    TruncateObject = 202 => ObjectSpace { object: ObjectId, length: u64, forward: Vec<ServerId> }
     /// Make every byte written to these objects durable (fdatasync).
     SyncObjects = 203 => () { objects: Vec<ObjectId> }
     /// Remove the objects of these stripes of an inode; missing objects are not an error.
