@@ -179,6 +179,7 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         progress: Arc::new(resync::ResyncProgress::default()),
     });
     metrics::register_resync_gauges(&registry, &resync.progress);
+    metrics::register_replication_gauges(&registry, &replication);
     let serve = tokio::spawn(freeflow_rpc::serve(listener, key.clone(), options, service));
 
     let (metrics_address, metrics_task) = match metrics_listener {

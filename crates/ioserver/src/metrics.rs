@@ -247,6 +247,45 @@ pub fn register_store_gauges(registry: &Registry, store: &Arc<ObjectStore>, read
     });
 }
 
+/// Chain replication (see `replication.rs`): what was passed on to the next member of a
+/// chain, the map version held, and the resync's progress (`resync.rs`).
+pub fn register_replication_gauges(
+    registry: &Registry,
+    replication: &Arc<crate::replication::Replication>,
+) {
+    use std::sync::atomic::Ordering;
+    let passed = registry.counter(
+        "freeflow_io_passed_on_total",
+        "Replicated writes, allocations and cuts passed on to the next member of their chain.",
+        &[],
+    );
+    let passed_bytes = registry.counter(
+        "freeflow_io_passed_on_bytes_total",
+        "Payload bytes passed on to the next member of a chain.",
+        &[],
+    );
+    let failures = registry.counter(
+        "freeflow_io_pass_on_failures_total",
+        "Requests the next member of a chain did not take (unreachable, refused, timed out).",
+        &[],
+    );
+    let version = registry.gauge(
+        "freeflow_io_service_map_version",
+        "The service map version this server holds (0: none yet).",
+        &[],
+    );
+    let replication = Arc::downgrade(replication);
+    registry.on_render(move || {
+        let Some(replication) = replication.upgrade() else {
+            return;
+        };
+        passed.set_from_source(replication.passed_on.load(Ordering::Relaxed));
+        passed_bytes.set_from_source(replication.passed_on_bytes.load(Ordering::Relaxed));
+        failures.set_from_source(replication.pass_on_failures.load(Ordering::Relaxed));
+        version.set(replication.version());
+    });
+}
+
 /// The resync's progress (see `resync.rs`): objects to copy, copied, and bytes copied.
 pub fn register_resync_gauges(registry: &Registry, progress: &Arc<crate::resync::ResyncProgress>) {
     use std::sync::atomic::Ordering;

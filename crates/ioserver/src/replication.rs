@@ -50,6 +50,10 @@ pub struct Replication {
     /// (see `RegisterReply::lease_ms`); None before the first registration.
     lease_until: Mutex<Option<std::time::Instant>>,
     pub ranges: RangeLocks,
+    /// Requests passed on to the next member, their payload bytes, and those that failed.
+    pub passed_on: std::sync::atomic::AtomicU64,
+    pub passed_on_bytes: std::sync::atomic::AtomicU64,
+    pub pass_on_failures: std::sync::atomic::AtomicU64,
 }
 
 impl Replication {
@@ -77,6 +81,9 @@ impl Replication {
             newer_seen: tokio::sync::Notify::new(),
             lease_until: Mutex::new(None),
             ranges: RangeLocks::default(),
+            passed_on: std::sync::atomic::AtomicU64::new(0),
+            passed_on_bytes: std::sync::atomic::AtomicU64::new(0),
+            pass_on_failures: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -277,8 +284,22 @@ impl Replication {
         request: &R,
         payload: Bytes,
     ) -> Result<R::Reply, WireError> {
-        let connection = self.peer(next).await?;
-        match connection.call(request, payload).await {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.passed_on.fetch_add(1, Relaxed);
+        self.passed_on_bytes
+            .fetch_add(payload.len() as u64, Relaxed);
+        let connection = match self.peer(next).await {
+            Ok(connection) => connection,
+            Err(error) => {
+                self.pass_on_failures.fetch_add(1, Relaxed);
+                return Err(error);
+            }
+        };
+        let result = connection.call(request, payload).await;
+        if result.is_err() {
+            self.pass_on_failures.fetch_add(1, Relaxed);
+        }
+        match result {
             Ok((reply, _)) => Ok(reply),
             Err(RpcError::Remote(error)) => Err(error),
             Err(error) => {

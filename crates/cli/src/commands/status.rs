@@ -35,6 +35,11 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
             seen
         );
     }
+    for server in &report.servers {
+        if server.state == freeflow_proto::meta::MemberState::Syncing {
+            println!("{}", resync_line(server).await);
+        }
+    }
     println!(
         "{up} of {} I/O servers up; capacity {} ({} free); {} inodes, {} orphans awaiting removal",
         report.servers.len(),
@@ -50,6 +55,44 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
     );
     client.shutdown().await;
     Ok(())
+}
+
+/// How far a syncing server's copy is, from its metrics endpoint, with a bar.
+async fn resync_line(server: &freeflow_proto::meta::ServerRecord) -> String {
+    let prefix = format!("server {} resync", server.server_id);
+    let Some(address) = &server.metrics_address else {
+        return format!("{prefix}: progress unknown (no metrics endpoint)");
+    };
+    let text = match freeflow_metrics::scrape(address, std::time::Duration::from_secs(2)).await {
+        Ok(text) => text,
+        Err(error) => return format!("{prefix}: progress unknown ({error})"),
+    };
+    let snapshot = freeflow_metrics::text::Snapshot::parse(&text);
+    let value = |name: &str| snapshot.value(name, &[]).unwrap_or(0.0) as u64;
+    if value("freeflow_io_resync_running") == 0 {
+        return format!(
+            "{prefix}: waiting for its order (every server in service must hold the map first)"
+        );
+    }
+    let (done, total) = (
+        value("freeflow_io_resync_objects_done"),
+        value("freeflow_io_resync_objects"),
+    );
+    format!(
+        "{prefix}: [{}] {done}/{total} objects, {} copied",
+        progress_bar(done, total, 30),
+        human_bytes(value("freeflow_io_resync_bytes_total"))
+    )
+}
+
+/// `width` characters, `#` for the part done.
+fn progress_bar(done: u64, total: u64, width: usize) -> String {
+    let filled = if total == 0 {
+        0
+    } else {
+        ((done.min(total) as f64 / total as f64) * width as f64).round() as usize
+    };
+    format!("{}{}", "#".repeat(filled), "-".repeat(width - filled))
 }
 
 /// A server's place in the chains of replicated stripes, as `status` and `stripe get` show it.
@@ -88,6 +131,13 @@ fn human_duration_ms(ms: u64) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn progress_bars() {
+        assert_eq!(super::progress_bar(0, 0, 4), "----");
+        assert_eq!(super::progress_bar(1, 2, 4), "##--");
+        assert_eq!(super::progress_bar(9, 4, 4), "####");
+    }
+
     #[test]
     fn human_units() {
         assert_eq!(super::human_bytes(512), "512 B");
