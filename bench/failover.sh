@@ -31,6 +31,8 @@ rm -rf "$DIR"
 mkdir -p "$DIR"
 "$FF" init --out "$DIR" --meta-host 127.0.0.1 --io-hosts 127.0.0.1,127.0.0.1,127.0.0.1 \
   --key-path "$DIR/cluster.key" --data-root "$DIR/data" --replicas 2 >/dev/null
+# Metrics endpoints, so that `freeflow status` can show a syncing server's progress.
+for i in 0 1 2; do echo "metrics_address = \"127.0.0.1:$((7800 + i))\"" >>"$DIR/io-$i.toml"; done
 declare -a PIDS
 "$FF" meta --config "$DIR/meta.toml" >"$DIR/meta.log" 2>&1 &
 PIDS[3]=$!
@@ -69,7 +71,12 @@ for k in $(seq "$KILLS"); do
   kill -9 "${PIDS[$victim]}"
   sleep "$RESTART_AFTER"
   start_io "$victim"
-  for _ in $(seq 600); do [ "$(in_service)" = 3 ] && break; sleep 0.1; done
+  for _ in $(seq 600); do
+    "$FF" --cluster "$DIR/client.toml" status >"$DIR/status.txt" 2>/dev/null || true
+    grep -q "resync" "$DIR/status.txt" && grep "resync" "$DIR/status.txt" >>"$DIR/resync-lines.txt"
+    [ "$(grep -c "in service" "$DIR/status.txt")" = 3 ] && break
+    sleep 0.1
+  done
   sleep 1
 done
 kill "$WRITER"
@@ -100,4 +107,6 @@ for error in errors[:5]:
 if pauses:
     print(f"pause over {len(pauses)} kills: median {statistics.median(pauses):.2f} s, max {max(pauses):.2f} s")
 EOF
+echo "what freeflow status said of the copies in progress (last 3 lines):"
+tail -3 "$DIR/resync-lines.txt" 2>/dev/null || true
 grep -h "resync done" "$DIR"/io-*.log | sed 's/^.*resync done/resync done/' | sort | uniq -c | head -20

@@ -116,65 +116,94 @@ pub async fn carry_out(
     // the cut on before releasing it, so a write of another client overlapping the cut is
     // applied on every member on the same side of it. Members out are skipped: their copy
     // is remade when they return.
-    let chains: Vec<(u32, u64, Vec<ServerId>)> = {
-        let registry = shared.registry();
-        wanted
-            .iter()
-            .filter_map(|(stripe, (length, members))| {
-                let mut chain: Vec<ServerId> = Vec::with_capacity(members.len());
-                let mut syncing = Vec::new();
-                for server in members {
-                    match registry.state(*server) {
-                        MemberState::Out if replicated => {}
-                        MemberState::Syncing if replicated => syncing.push(*server),
-                        _ => {
-                            if reach == Reach::UpOnly && !registry.server_is_up(*server, now) {
-                                failures.push((*server, "server is down".into()));
-                                return None;
+    // Passes: a member that fails while a client waits is waited for until it is out, and
+    // the rest of its chain (which the failure may have kept from the cut) is cut in the
+    // next pass; a member out when its chain was built but back (syncing) by the end missed
+    // the cut while its resync may already have copied the object, so it is cut too.
+    let mut skipped_out: Vec<ServerId> = Vec::new();
+    for pass in 0..3 {
+        if pass > 0 {
+            let again = {
+                let registry = shared.registry();
+                let failed_out = failures
+                    .iter()
+                    .all(|(server, _)| registry.state(*server) == MemberState::Out);
+                let back = skipped_out
+                    .iter()
+                    .any(|server| registry.state(*server) != MemberState::Out);
+                let left = wanted.values().any(|(_, members)| {
+                    members
+                        .iter()
+                        .any(|server| registry.state(*server) != MemberState::Out)
+                });
+                replicated && left && (back || (!failures.is_empty() && failed_out))
+            };
+            if !again {
+                break;
+            }
+            failures.clear();
+            skipped_out.clear();
+        }
+        let chains: Vec<(u32, u64, Vec<ServerId>)> = {
+            let registry = shared.registry();
+            wanted
+                .iter()
+                .filter_map(|(stripe, (length, members))| {
+                    let mut chain: Vec<ServerId> = Vec::with_capacity(members.len());
+                    let mut syncing = Vec::new();
+                    for server in members {
+                        match registry.state(*server) {
+                            MemberState::Out if replicated => skipped_out.push(*server),
+                            MemberState::Syncing if replicated => syncing.push(*server),
+                            _ => {
+                                if reach == Reach::UpOnly && !registry.server_is_up(*server, now) {
+                                    failures.push((*server, "server is down".into()));
+                                    return None;
+                                }
+                                chain.push(*server);
                             }
-                            chain.push(*server);
                         }
                     }
-                }
-                chain.extend(syncing);
-                (!chain.is_empty()).then_some((*stripe, *length, chain))
-            })
-            .collect()
-    };
-    let mut tasks = JoinSet::new();
-    for (stripe, length, chain) in chains {
-        let shared = shared.clone();
-        tasks.spawn(async move {
-            let outcome = cut_chain(&shared, inode, stripe, length, &chain).await;
-            (stripe, outcome)
-        });
-    }
-    while let Some(joined) = tasks.join_next().await {
-        match joined {
-            Ok((stripe, (confirmed, space, failure))) => {
-                if replicated && !confirmed.is_empty() {
-                    let mut done = shared.cuts_confirmed();
-                    let entry = done.entry(key).or_default();
-                    entry.extend(confirmed.iter().map(|server| (stripe, *server)));
-                }
-                if let Some((_, members)) = wanted.get_mut(&stripe) {
-                    members.retain(|member| !confirmed.contains(member));
-                }
-                if let Some(space) = space {
-                    spaces.entry(stripe).or_insert(space);
-                }
-                if let Some(failure) = failure {
-                    failures.push(failure);
-                }
-            }
-            Err(error) => tracing::error!(inode, %error, "cut task failed"),
+                    chain.extend(syncing);
+                    (!chain.is_empty()).then_some((*stripe, *length, chain))
+                })
+                .collect()
+        };
+        let mut tasks = JoinSet::new();
+        for (stripe, length, chain) in chains {
+            let shared = shared.clone();
+            tasks.spawn(async move {
+                let outcome = cut_chain(&shared, inode, stripe, length, &chain).await;
+                (stripe, outcome)
+            });
         }
-    }
-    if replicated && reach == Reach::All && !failures.is_empty() {
-        // A client waits: a member that failed is about to be put out of its chains (or
-        // back); wait for that rather than fail the truncate.
-        let failed: Vec<ServerId> = failures.iter().map(|(server, _)| *server).collect();
-        wait_until_out(shared, &failed).await;
+        while let Some(joined) = tasks.join_next().await {
+            match joined {
+                Ok((stripe, (confirmed, space, failure))) => {
+                    if replicated && !confirmed.is_empty() {
+                        let mut done = shared.cuts_confirmed();
+                        let entry = done.entry(key).or_default();
+                        entry.extend(confirmed.iter().map(|server| (stripe, *server)));
+                    }
+                    if let Some((_, members)) = wanted.get_mut(&stripe) {
+                        members.retain(|member| !confirmed.contains(member));
+                    }
+                    if let Some(space) = space {
+                        spaces.entry(stripe).or_insert(space);
+                    }
+                    if let Some(failure) = failure {
+                        failures.push(failure);
+                    }
+                }
+                Err(error) => tracing::error!(inode, %error, "cut task failed"),
+            }
+        }
+        if replicated && reach == Reach::All && !failures.is_empty() {
+            // A client waits: a member that failed is about to be put out of its chains
+            // (or back); wait for that rather than fail the truncate.
+            let failed: Vec<ServerId> = failures.iter().map(|(server, _)| *server).collect();
+            wait_until_out(shared, &failed).await;
+        }
     }
     {
         let registry = shared.registry();
