@@ -769,16 +769,26 @@ impl Pool {
         let result = self
             .io_call_unmetered(server_id, inode, request, payload, target)
             .await;
+        self.meter::<R>(started, payload_bytes, &result);
+        result
+    }
+
+    /// Count an I/O request that ended: its latency and outcome, and the bytes it moved.
+    fn meter<R: Request>(
+        &self,
+        started: std::time::Instant,
+        payload_bytes: u64,
+        result: &Result<(R::Reply, Bytes), ClientError>,
+    ) {
         self.metrics
             .request_done(R::OPCODE, started, result.is_ok());
-        if let Ok((_, reply_payload)) = &result {
+        if let Ok((_, reply_payload)) = result {
             if R::OPCODE == WriteObject::OPCODE {
                 self.metrics.written(payload_bytes);
             } else if R::OPCODE == ReadObject::OPCODE {
                 self.metrics.read(reply_payload.len() as u64);
             }
         }
-        result
     }
 
     /// The service map held (fetched if none is yet).
@@ -859,15 +869,7 @@ impl Pool {
                 address: connection.address().to_string(),
                 source,
             });
-        self.metrics
-            .request_done(R::OPCODE, started, result.is_ok());
-        if let Ok((_, reply_payload)) = &result {
-            if R::OPCODE == WriteObject::OPCODE {
-                self.metrics.written(payload_bytes);
-            } else if R::OPCODE == ReadObject::OPCODE {
-                self.metrics.read(reply_payload.len() as u64);
-            }
-        }
+        self.meter::<R>(started, payload_bytes, &result);
         result
     }
 
