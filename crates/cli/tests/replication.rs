@@ -388,3 +388,43 @@ async fn cuts_amid_writes_leave_identical_copies() {
     eprintln!("{cut_count} cuts amid 400 writes; {compared} bytes of copies compared");
     assert!(cut_count >= 10, "only {cut_count} cuts ran");
 }
+
+/// The random-operation exerciser (writes, reads, truncations, fallocate, copy_file_range,
+/// mapped I/O) on two mounts of a replicated cluster: every read matches the model, and
+/// every stripe's copies end identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exerciser_on_replicated_files_leaves_identical_copies() {
+    if !fuse_available() {
+        return;
+    }
+    let mut options = ClusterOptions::new(3);
+    options.replicas = 2;
+    let cluster = Cluster::start_with(options).await;
+    let left = Mount::start(&cluster, "left", &[]);
+    let right = Mount::start(&cluster, "right", &[]);
+    let operations = std::env::var("FREEFLOW_EXERCISE_OPS")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(2_000u64);
+    let mut target = freeflow_exercise::posix::PosixTarget::open(vec![
+        left.path("exercised"),
+        right.path("exercised"),
+    ])
+    .expect("open on both mounts");
+    let run = freeflow_exercise::Options {
+        operations,
+        seed: 11,
+        size_max: 1 << 20,
+        length_max: 128 << 10,
+        ..freeflow_exercise::Options::default()
+    };
+    let report =
+        tokio::task::spawn_blocking(move || freeflow_exercise::run(&mut target, &run, 0, |_| {}))
+            .await
+            .expect("exerciser task")
+            .unwrap_or_else(|failure| panic!("{failure}\n{}", left.log_text()));
+    assert_eq!(report.operations, operations);
+    let client = cluster.client().await;
+    let compared = assert_copies_identical(&cluster, &client, "/exercised").await;
+    eprintln!("{report}; {compared} bytes of copies compared");
+}

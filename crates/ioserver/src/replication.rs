@@ -258,18 +258,21 @@ impl Replication {
                 return Ok(connection.clone());
             }
         }
-        let address = self
-            .map
-            .read()
-            .await
-            .member(server)
-            .map(|member| member.address.clone())
-            .ok_or_else(|| {
-                WireError::new(
-                    ErrorCode::Stale,
-                    format!("I/O server {server} is not in the service map"),
-                )
-            })?;
+        let known = |map: &ServiceMap| map.member(server).map(|member| member.address.clone());
+        let mut address = known(&*self.map.read().await);
+        if address.is_none() {
+            // A server that registered after our last fetch: the meta server knows it.
+            if let Err(error) = self.fetch().await {
+                tracing::debug!(%error, "cannot fetch the service map");
+            }
+            address = known(&*self.map.read().await);
+        }
+        let address = address.ok_or_else(|| {
+            WireError::new(
+                ErrorCode::Stale,
+                format!("I/O server {server} is not in the service map"),
+            )
+        })?;
         let connection = Connection::connect(&address, &self.key, &self.options)
             .await
             .map_err(|error| unreachable_partner(server, error))?;

@@ -125,9 +125,6 @@ pub async fn carry_out(
         if pass > 0 {
             let again = {
                 let registry = shared.registry();
-                let failed_out = failures
-                    .iter()
-                    .all(|(server, _)| registry.state(*server) == MemberState::Out);
                 let back = skipped_out
                     .iter()
                     .any(|server| registry.state(*server) != MemberState::Out);
@@ -136,7 +133,7 @@ pub async fn carry_out(
                         .iter()
                         .any(|server| registry.state(*server) != MemberState::Out)
                 });
-                replicated && left && (back || (!failures.is_empty() && failed_out))
+                replicated && left && (back || !failures.is_empty())
             };
             if !again {
                 break;
