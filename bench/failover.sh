@@ -38,7 +38,8 @@ declare -a PIDS
 PIDS[3]=$!
 start_io() { "$FF" io --config "$DIR/io-$1.toml" >>"$DIR/io-$1.log" 2>&1 & PIDS[$1]=$!; }
 for i in 0 1 2; do start_io "$i"; done
-in_service() { "$FF" --cluster "$DIR/client.toml" status 2>/dev/null | grep -c "in service" || true; }
+# Servers whose row in the status table says "in service" (not the lines after it).
+in_service() { "$FF" --cluster "$DIR/client.toml" status 2>/dev/null | grep -cE '^[0-9]+ .* in service ' || true; }
 for _ in $(seq 100); do [ "$(in_service)" = 3 ] && break; sleep 0.1; done
 mkdir -p "$MNT"
 "$FF" mount "$DIR/client.toml" "$MNT" >"$DIR/mount.log" 2>&1 &
@@ -74,7 +75,7 @@ for k in $(seq "$KILLS"); do
   for _ in $(seq 600); do
     "$FF" --cluster "$DIR/client.toml" status >"$DIR/status.txt" 2>/dev/null || true
     grep -q "resync" "$DIR/status.txt" && grep "resync" "$DIR/status.txt" >>"$DIR/resync-lines.txt"
-    [ "$(grep -c "in service" "$DIR/status.txt")" = 3 ] && break
+    [ "$(grep -cE '^[0-9]+ .* in service ' "$DIR/status.txt")" = 3 ] && break
     sleep 0.1
   done
   sleep 1
