@@ -383,10 +383,17 @@ async fn cuts_amid_writes_leave_identical_copies() {
     handle.fsync().await.expect("fsync the log");
     stop.store(true, Ordering::Release);
     let cut_count = cuts.await.expect("cutter task");
+    // Whatever the last cut left, some bytes past it, on every stripe, to compare.
+    handle
+        .write_at(100_000, Bytes::from(Xorshift::new(999).bytes(200_000)))
+        .await
+        .expect("write after the cuts");
+    handle.fsync().await.expect("fsync the log");
     handle.close().await.expect("close");
     let compared = assert_copies_identical(&cluster, &writer, "/log").await;
     eprintln!("{cut_count} cuts amid 400 writes; {compared} bytes of copies compared");
     assert!(cut_count >= 10, "only {cut_count} cuts ran");
+    assert!(compared >= 200_000, "{compared} bytes compared");
 }
 
 /// The random-operation exerciser (writes, reads, truncations, fallocate, copy_file_range,

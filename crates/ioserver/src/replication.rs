@@ -38,7 +38,11 @@ pub struct Replication {
     server_id: ServerId,
     key: ClusterKey,
     meta_address: String,
+    /// For the meta server (map fetches).
     options: ConnectOptions,
+    /// For chain partners: a longer call timeout, since a partner that hangs is given up
+    /// as soon as the map puts it out (`pass_on`), and a loaded one must not be.
+    peer_options: ConnectOptions,
     map: RwLock<ServiceMap>,
     /// The version in `map`, readable without waiting for its lock.
     version: std::sync::atomic::AtomicU64,
@@ -71,6 +75,12 @@ impl Replication {
             options: ConnectOptions {
                 client_name: format!("io:{server_id}:chain"),
                 call_timeout_ms,
+                connect_timeout_ms,
+                ..ConnectOptions::default()
+            },
+            peer_options: ConnectOptions {
+                client_name: format!("io:{server_id}:chain"),
+                call_timeout_ms: call_timeout_ms.max(PASS_ON_TIMEOUT_MS),
                 connect_timeout_ms,
                 ..ConnectOptions::default()
             },
@@ -273,7 +283,7 @@ impl Replication {
                 format!("I/O server {server} is not in the service map"),
             )
         })?;
-        let connection = Connection::connect(&address, &self.key, &self.options)
+        let connection = Connection::connect(&address, &self.key, &self.peer_options)
             .await
             .map_err(|error| unreachable_partner(server, error))?;
         self.lock_peers().insert(server, connection.clone());
@@ -298,7 +308,24 @@ impl Replication {
                 return Err(error);
             }
         };
-        let result = connection.call(request, payload).await;
+        // Given up as soon as the map this server holds puts the partner out: a partner
+        // that hangs costs the time the meta server takes to notice, not a call timeout.
+        let call = connection.call(request, payload);
+        tokio::pin!(call);
+        let result = loop {
+            tokio::select! {
+                result = &mut call => break result,
+                () = tokio::time::sleep(std::time::Duration::from_millis(PARTNER_CHECK_MS)) => {
+                    if self.map.read().await.state(next) == MemberState::Out {
+                        self.pass_on_failures.fetch_add(1, Relaxed);
+                        return Err(WireError::new(
+                            ErrorCode::Unreachable,
+                            format!("chain partner I/O server {next} was put out of its chains while it held the request"),
+                        ));
+                    }
+                }
+            }
+        };
         if result.is_err() {
             self.pass_on_failures.fetch_add(1, Relaxed);
         }
@@ -314,6 +341,11 @@ impl Replication {
         }
     }
 }
+
+/// Call timeout towards chain partners (at least the configured meta call timeout).
+const PASS_ON_TIMEOUT_MS: u64 = 30_000;
+/// How often a pass-on waiting for its partner checks whether the map put it out.
+const PARTNER_CHECK_MS: u64 = 250;
 
 fn unreachable_partner(server: ServerId, error: RpcError) -> WireError {
     WireError::new(
