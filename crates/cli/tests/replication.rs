@@ -435,3 +435,59 @@ async fn the_exerciser_on_replicated_files_leaves_identical_copies() {
     let compared = assert_copies_identical(&cluster, &client, "/exercised").await;
     eprintln!("{report}; {compared} bytes of copies compared");
 }
+
+/// The meta server killed and started again while a writer appends to a replicated file:
+/// the I/O servers' leases run out meanwhile (replicated stripes are not served), the
+/// writer waits instead of failing, and everything it fsynced reads back afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_meta_server_restart_pauses_replicated_writes_without_an_error() {
+    let mut options = ClusterOptions::new(2);
+    options.replicas = 2;
+    let mut cluster = Cluster::start_with(options).await;
+    let client = cluster.client().await;
+    let handle = client
+        .open_path("/appended", &OpenOptions::new().write(true).create(true))
+        .await
+        .expect("create");
+    let mut expected = Vec::new();
+    for index in 0..20u64 {
+        if index == 5 {
+            cluster.kill_meta();
+            // Past the I/O servers' leases (server_down_after_ms / 2 = 1.5 s in tests): they
+            // refuse replicated requests, and the map cannot be fetched either.
+            tokio::time::sleep(std::time::Duration::from_millis(2_500)).await;
+            let chunk = chunk_bytes(index);
+            let restart = async {
+                tokio::time::sleep(std::time::Duration::from_millis(1_000)).await;
+                cluster.restart_meta().await;
+            };
+            let (written, ()) = tokio::join!(
+                handle.write_at(expected.len() as u64, Bytes::from(chunk.clone())),
+                restart
+            );
+            written.expect("a write while the meta server is down");
+            handle.fsync().await.expect("fsync after the restart");
+            expected.extend_from_slice(&chunk);
+            continue;
+        }
+        let chunk = chunk_bytes(index);
+        handle
+            .write_at(expected.len() as u64, Bytes::from(chunk.clone()))
+            .await
+            .expect("write");
+        handle.fsync().await.expect("fsync");
+        expected.extend_from_slice(&chunk);
+    }
+    handle.close().await.expect("close");
+    let reader = cluster.client().await;
+    let read = reader
+        .open_path("/appended", &OpenOptions::new().read(true))
+        .await
+        .expect("open to read");
+    let bytes = read
+        .read_at(0, expected.len() as u64 + 1)
+        .await
+        .expect("read back");
+    assert_bytes_eq(&bytes, &expected, "the appended file");
+    assert_copies_identical(&cluster, &reader, "/appended").await;
+}

@@ -196,7 +196,9 @@ impl Pool {
             if !retry.wait().await {
                 return Err(last_error.unwrap_or_else(|| no_copy(inode, stripe)));
             }
-            map = self.fetch_service_map(map.version).await?;
+            if let Ok(fresh) = self.fetch_service_map(map.version).await {
+                map = fresh;
+            }
             retry.saw(&map);
         }
     }
@@ -237,7 +239,9 @@ impl Pool {
             if !retry.wait().await {
                 return Err(last_error.unwrap_or_else(|| no_copy(inode, stripe)));
             }
-            map = self.fetch_service_map(map.version).await?;
+            if let Ok(fresh) = self.fetch_service_map(map.version).await {
+                map = fresh;
+            }
             retry.saw(&map);
         }
     }
@@ -283,7 +287,9 @@ impl Pool {
             if !retry.wait().await {
                 return Err(error);
             }
-            map = self.fetch_service_map(map.version).await?;
+            if let Ok(fresh) = self.fetch_service_map(map.version).await {
+                map = fresh;
+            }
             retry.saw(&map);
         }
     }
