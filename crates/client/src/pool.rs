@@ -680,22 +680,32 @@ impl Pool {
         let servers = self
             .meta_call(&ListServers {}, || "of the cluster".to_string())
             .await?;
+        self.learn_addresses(
+            servers
+                .iter()
+                .map(|server| (server.server_id, server.address.as_str())),
+        );
+        Ok(servers)
+    }
+
+    /// Where each I/O server listens, as the meta server said: an endpoint at a new address
+    /// replaces the old one.
+    fn learn_addresses<'a>(&self, servers: impl Iterator<Item = (ServerId, &'a str)>) {
         let mut io = self.io.lock().expect("not poisoned");
-        for server in &servers {
+        for (server_id, address) in servers {
             let stale = io
-                .get(&server.server_id)
-                .is_none_or(|endpoint| endpoint.address != server.address);
+                .get(&server_id)
+                .is_none_or(|endpoint| endpoint.address != address);
             if stale {
                 io.insert(
-                    server.server_id,
+                    server_id,
                     std::sync::Arc::new(Endpoint::new(
-                        server.address.clone(),
-                        format!("io:{}", server.server_id),
+                        address.to_string(),
+                        format!("io:{server_id}"),
                     )),
                 );
             }
         }
-        Ok(servers)
     }
 
     fn io_endpoint(&self, server_id: ServerId) -> Option<std::sync::Arc<Endpoint>> {
@@ -821,22 +831,11 @@ impl Pool {
             self.meta_call(&GetServiceMap {}, || "of the cluster".to_string())
                 .await?,
         );
-        let mut io = self.io.lock().expect("not poisoned");
-        for member in &map.members {
-            let stale = io
-                .get(&member.server_id)
-                .is_none_or(|endpoint| endpoint.address != member.address);
-            if stale {
-                io.insert(
-                    member.server_id,
-                    std::sync::Arc::new(Endpoint::new(
-                        member.address.clone(),
-                        format!("io:{}", member.server_id),
-                    )),
-                );
-            }
-        }
-        drop(io);
+        self.learn_addresses(
+            map.members
+                .iter()
+                .map(|member| (member.server_id, member.address.as_str())),
+        );
         *self.service_map.lock().expect("not poisoned") = map.clone();
         Ok(map)
     }
