@@ -396,3 +396,27 @@ async fn creates_and_unlinks_answered_ahead_survive_a_meta_kill() {
     listed.sort();
     assert_eq!(listed, expected, "a new client lists what returned");
 }
+
+/// A handle opened before a kill -9 and restart of the meta server is closed right after
+/// the restart, before the client's session renewer noticed it: the close succeeds (the
+/// handle is gone with the old server's memory; its data was fsynced).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handle_closed_right_after_a_meta_restart_closes() {
+    let mut cluster = Cluster::start(1).await;
+    let client = cluster.client().await;
+    let handle = client
+        .open_path(
+            "/kept",
+            &freeflow_client::OpenOptions::new().write(true).create(true),
+        )
+        .await
+        .expect("create");
+    handle
+        .write_at(0, bytes::Bytes::from_static(b"before the restart"))
+        .await
+        .expect("write");
+    handle.fsync().await.expect("fsync");
+    cluster.kill_meta();
+    cluster.restart_meta().await;
+    handle.close().await.expect("close right after the restart");
+}

@@ -8,7 +8,8 @@
 //! opens work again. An open that finds the session unknown reopens it at once (one reopen
 //! for all callers that found the same session gone) and is tried once more, so opens do not
 //! fail until the renewer notices. Handles of the old session are gone with it; closing one
-//! succeeds once its data is flushed.
+//! succeeds once its data is flushed, also before the renewer noticed (a handle remembers
+//! the meta server epoch it was opened under).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

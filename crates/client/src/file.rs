@@ -164,6 +164,8 @@ pub(crate) struct HandleShared {
     inode: InodeId,
     handle_id: u64,
     session_id: u64,
+    /// The meta server epoch the handle was opened under: a restart since ended it.
+    opened_epoch: u64,
     access: OpenAccess,
     /// The layout of a regular file; None for other kinds (which cannot be read or written).
     layout: Option<Layout>,
@@ -1316,11 +1318,13 @@ impl HandleShared {
         flushed?;
         match closed {
             // The meta server forgot the session this handle was opened in (restart, lease
-            // lost) and the client has opened another: the handle is gone with it, which is
-            // what close wanted; the data was flushed above.
+            // lost) and the client has opened another, or it restarted since the open (the
+            // client may not have noticed yet that its session is gone): the handle is gone
+            // with it, which is what close wanted; the data was flushed above.
             Err(error)
                 if error.code() == ErrorCode::BadHandle
-                    && session_id != self.client.session_id() =>
+                    && (session_id != self.client.session_id()
+                        || self.opened_epoch != self.client.shared.pool.lease_epoch()) =>
             {
                 tracing::debug!(
                     inode = self.inode,
@@ -1353,10 +1357,12 @@ impl FileHandle {
     ) -> FileHandle {
         let (completions, _) = watch::channel(0);
         let layout = attr.layout.clone();
+        let opened_epoch = client.shared.pool.lease_epoch();
         let shared = Arc::new(HandleShared {
             inode: attr.inode,
             handle_id,
             session_id,
+            opened_epoch,
             access,
             layout,
             state: Mutex::new(HandleState {
