@@ -27,6 +27,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
+use freeflow_proto::io::ObjectSpace;
 use freeflow_proto::meta::{GetServiceMap, MemberState, ServiceMap};
 use freeflow_proto::{ErrorCode, Request, WireError};
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RpcError};
@@ -139,6 +140,40 @@ impl Replication {
             }
         }
         Ok(())
+    }
+
+    /// A replicated change of `object`'s bytes `range` (a write or an allocation): the chain,
+    /// map version and lease checked, the range held, `local` applied under the map, then
+    /// `passed(rest of the chain)` sent on to the next member with `payload`. The local
+    /// space comes back once the rest of the chain has the change too. Here first, then
+    /// passed on: a member never holds a change its predecessor lacks, so a resync copying
+    /// from a predecessor misses nothing its successor took (`resync.rs`).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn apply_and_pass_on<R, F, Fut>(
+        &self,
+        object: ObjectId,
+        range: (u64, u64),
+        version: u64,
+        forward: &[ServerId],
+        local: F,
+        passed: impl FnOnce(Vec<ServerId>) -> R,
+        payload: Bytes,
+    ) -> Result<ObjectSpace, WireError>
+    where
+        R: Request,
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<ObjectSpace, crate::error::StoreError>>,
+    {
+        self.check_chain(version, forward).await?;
+        let _range = self.ranges.acquire(object, range.0, range.1).await;
+        let space = {
+            let _map = self.hold(version).await?;
+            local().await?
+        };
+        if let Some((next, rest)) = forward.split_first() {
+            self.pass_on(*next, &passed(rest.to_vec()), payload).await?;
+        }
+        Ok(space)
     }
 
     /// A registration sent at `sent` was answered with this lease.

@@ -66,32 +66,22 @@ impl Service for IoService {
                         let space = store.write(request.object, request.offset, payload).await?;
                         return Ok((space, Bytes::new()));
                     }
-                    replication
-                        .check_chain(request.map_version, &request.forward)
-                        .await?;
                     let end = request.offset.saturating_add(payload.len() as u64);
-                    let _range = replication
-                        .ranges
-                        .acquire(request.object, request.offset, end)
-                        .await;
-                    // Here first, then passed on: when the next member has the bytes, so
-                    // does this one, so a resync copying from here never misses a write
-                    // the next member took (`resync.rs`).
-                    let space = {
-                        let _map = replication.hold(request.map_version).await?;
-                        store
-                            .write(request.object, request.offset, payload.clone())
-                            .await?
-                    };
-                    if let Some((next, rest)) = request.forward.split_first() {
-                        let passed = WriteObject {
-                            object: request.object,
-                            offset: request.offset,
-                            map_version: request.map_version,
-                            forward: rest.to_vec(),
-                        };
-                        replication.pass_on(*next, &passed, payload).await?;
-                    }
+                    let local = payload.clone();
+                    let space = replication
+                        .apply_and_pass_on(
+                            request.object,
+                            (request.offset, end),
+                            request.map_version,
+                            &request.forward,
+                            || store.write(request.object, request.offset, local),
+                            |forward| WriteObject {
+                                forward,
+                                ..request.clone()
+                            },
+                            payload,
+                        )
+                        .await?;
                     Ok((space, Bytes::new()))
                 })
                 .await
@@ -155,27 +145,28 @@ impl Service for IoService {
                             .await?;
                         return Ok((space, Bytes::new()));
                     }
-                    replication
-                        .check_chain(request.map_version, &request.forward)
-                        .await?;
                     let end = request.offset.saturating_add(request.length);
-                    let _range = replication
-                        .ranges
-                        .acquire(request.object, request.offset, end)
-                        .await;
-                    let space = {
-                        let _map = replication.hold(request.map_version).await?;
-                        store
-                            .allocate(request.object, request.offset, request.length, request.mode)
-                            .await?
-                    };
-                    if let Some((next, rest)) = request.forward.split_first() {
-                        let passed = AllocateObject {
-                            forward: rest.to_vec(),
-                            ..request.clone()
-                        };
-                        replication.pass_on(*next, &passed, Bytes::new()).await?;
-                    }
+                    let space = replication
+                        .apply_and_pass_on(
+                            request.object,
+                            (request.offset, end),
+                            request.map_version,
+                            &request.forward,
+                            || {
+                                store.allocate(
+                                    request.object,
+                                    request.offset,
+                                    request.length,
+                                    request.mode,
+                                )
+                            },
+                            |forward| AllocateObject {
+                                forward,
+                                ..request.clone()
+                            },
+                            Bytes::new(),
+                        )
+                        .await?;
                     Ok((space, Bytes::new()))
                 })
                 .await

@@ -35,6 +35,9 @@ use crate::ops::truncate::settle_truncation;
 use crate::records::TruncationRecord;
 use crate::shared::Shared;
 
+/// Most truncations whose per-member confirmations are remembered (`Shared::cuts_confirmed`).
+const CUTS_CONFIRMED_MAX: usize = 65_536;
+
 /// Why the cuts of a truncation are not all done.
 #[derive(Debug, thiserror::Error)]
 pub enum CutError {
@@ -179,6 +182,15 @@ pub async fn carry_out(
                 Ok((stripe, (confirmed, space, failure))) => {
                     if replicated && !confirmed.is_empty() {
                         let mut done = shared.cuts_confirmed();
+                        if !done.contains_key(&key) {
+                            // Bounded: an older truncation of the inode is over, and past
+                            // the bound all are forgotten (members then owe their cut again
+                            // until it settles, which only holds their data back briefly).
+                            done.retain(|(other, _), _| *other != inode);
+                            if done.len() >= CUTS_CONFIRMED_MAX {
+                                done.clear();
+                            }
+                        }
                         let entry = done.entry(key).or_default();
                         entry.extend(confirmed.iter().map(|server| (stripe, *server)));
                     }
