@@ -37,19 +37,7 @@ pub struct IoFile {
     pub io: IoConfig,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClientFile {
-    pub meta_address: String,
-    pub key_file: PathBuf,
-    /// Seconds a call may wait for its reply before failing.
-    #[serde(default = "default_call_timeout_ms")]
-    pub call_timeout_ms: u64,
-}
-
-fn default_call_timeout_ms() -> u64 {
-    30_000
-}
+pub use freeflow_client::cluster_file::{relative_to, ClientFile};
 
 /// Read and parse a TOML file, naming the file in every error.
 pub fn read<T: for<'de> Deserialize<'de>>(path: &Path) -> anyhow::Result<T> {
@@ -72,15 +60,6 @@ pub fn write<T: Serialize>(path: &Path, value: &T, replace: bool) -> anyhow::Res
     std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// `path` taken relative to the directory of `file` unless absolute.
-pub fn relative_to(file: &Path, path: &Path) -> PathBuf {
-    if path.is_absolute() {
-        path.to_owned()
-    } else {
-        file.parent().unwrap_or(Path::new(".")).join(path)
-    }
-}
-
 pub fn load_key(config_file: &Path, key_file: &Path) -> anyhow::Result<ClusterKey> {
     let path = relative_to(config_file, key_file);
     ClusterKey::load(&path).map_err(|error| ConfigError(error.to_string()).into())
@@ -88,26 +67,17 @@ pub fn load_key(config_file: &Path, key_file: &Path) -> anyhow::Result<ClusterKe
 
 /// The client file to use: `--cluster`, then $FREEFLOW_CLUSTER, then ./freeflow-data/client.toml.
 pub fn client_file_path(flag: Option<PathBuf>) -> PathBuf {
-    flag.or_else(|| std::env::var_os("FREEFLOW_CLUSTER").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from("./freeflow-data/client.toml"))
+    freeflow_client::cluster_file::cluster_file_path(flag)
 }
 
 /// Connect a client to the cluster the client file names.
 pub async fn connect(flag: Option<PathBuf>) -> anyhow::Result<freeflow_client::Client> {
     let path = client_file_path(flag);
-    if !path.exists() {
-        return Err(ConfigError(format!(
-            "no cluster file at {}: start a cluster with `freeflow up`, or name one with --cluster FILE",
-            path.display()
-        ))
-        .into());
-    }
-    let file: ClientFile = read(&path)?;
-    let key = load_key(&path, &file.key_file)?;
-    let mut config = freeflow_client::ClientConfig::new(file.meta_address.clone(), key);
-    config.call_timeout_ms = file.call_timeout_ms;
-    config.client_name = format!("freeflow-cli-{}", std::process::id());
-    config.caller = current_caller();
+    let not_usable = |error: freeflow_client::ClientError| ConfigError(error.to_string());
+    let file = ClientFile::read(&path).map_err(not_usable)?;
+    let config = file
+        .client_config(&path, format!("freeflow-cli-{}", std::process::id()))
+        .map_err(not_usable)?;
     freeflow_client::Client::connect(config)
         .await
         .with_context(|| {
@@ -117,23 +87,4 @@ pub async fn connect(flag: Option<PathBuf>) -> anyhow::Result<freeflow_client::C
                 file.meta_address
             )
         })
-}
-
-/// The calling user, for permission checks at the metadata server.
-pub fn current_caller() -> freeflow_proto::meta::Caller {
-    // SAFETY: these calls have no preconditions and cannot fail.
-    let (user_id, group_id) = unsafe { (libc::getuid(), libc::getgid()) };
-    freeflow_proto::meta::Caller {
-        user_id,
-        group_id,
-        groups: supplementary_groups(),
-    }
-}
-
-fn supplementary_groups() -> Vec<u32> {
-    let mut groups = vec![0 as libc::gid_t; 256];
-    // SAFETY: the buffer holds 256 entries and we pass that length.
-    let count = unsafe { libc::getgroups(groups.len() as libc::c_int, groups.as_mut_ptr()) };
-    groups.truncate(count.max(0) as usize);
-    groups
 }

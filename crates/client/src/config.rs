@@ -38,7 +38,7 @@ pub struct ClientConfig {
     pub dirty_bytes_max: u64,
     /// A writing handle commits its size at least this often (checked on each write).
     pub size_commit_interval_ms: u64,
-    /// Reserved for sequential read-ahead; not used yet.
+    /// Sequential read-ahead per handle in bytes (`readahead.rs`); 0 turns it off.
     pub readahead_bytes: u64,
     /// Longest time small adjacent writes are gathered at the client before they are sent
     /// as one request (`file.rs`, `GATHER_WRITE_MAX`); 0 sends every write at once.

@@ -12,6 +12,7 @@
 mod check;
 mod client;
 mod closer;
+pub mod cluster_file;
 mod config;
 mod delegation;
 mod error;

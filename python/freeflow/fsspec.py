@@ -1,0 +1,249 @@
+"""The ``ff://`` filesystem for fsspec, and through it pandas, PyArrow, Dask, xarray, zarr.
+
+Installed with the package (entry point ``fsspec.specs``), so ``fsspec.filesystem("ff")``
+and every ``ff://`` URL work without an import::
+
+    import pandas as pd
+    df.to_parquet("ff:///datasets/day1.parquet")
+    pd.read_parquet("ff:///datasets/day1.parquet")
+
+A URL names an absolute path in the namespace: ``ff:///a/b`` and ``ff://a/b`` are the same
+file. The cluster is the ``cluster`` storage option (a client.toml), else
+``$FREEFLOW_CLUSTER``, else ``./freeflow-data/client.toml``::
+
+    pd.read_parquet("ff:///x.parquet", storage_options={"cluster": "/etc/freeflow/client.toml"})
+
+Files opened here are the package's own buffered files (``freeflow.Client.open``): reads
+and writes go straight to the I/O servers, with the client library's read-ahead and
+write-behind, not through fsspec's block cache.
+"""
+
+from __future__ import annotations
+
+import datetime
+import stat as _stat
+from typing import Any, Dict, List, Optional, Union
+
+from fsspec.spec import AbstractFileSystem
+from fsspec.utils import stringify_path, tokenize
+
+from . import Client
+
+__all__ = ["FreeflowFileSystem"]
+
+
+class FreeflowFileSystem(AbstractFileSystem):
+    """fsspec filesystem over one Freeflow cluster (protocol ``ff``)."""
+
+    protocol = ("ff",)
+    root_marker = "/"
+
+    def __init__(
+        self,
+        cluster: Optional[str] = None,
+        client: Optional[Client] = None,
+        auto_mkdir: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """``auto_mkdir``: opening a file for writing makes its missing parent directories
+        (as fsspec's local filesystem option of that name; off by default, as there)."""
+        super().__init__(cluster=cluster, auto_mkdir=auto_mkdir, **kwargs)
+        self.client = client if client is not None else Client(cluster)
+        self.auto_mkdir = auto_mkdir
+
+    @property
+    def fsid(self) -> str:
+        return f"ff-{self.client.cluster}"
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        path = stringify_path(path)
+        for prefix in ("ff://", "ff:"):
+            if path.startswith(prefix):
+                path = path[len(prefix):]
+                break
+        parts = [part for part in path.split("/") if part not in ("", ".")]
+        return "/" + "/".join(parts)
+
+    @classmethod
+    def _parent(cls, path: str) -> str:
+        path = cls._strip_protocol(path)
+        parent = path.rsplit("/", 1)[0]
+        return parent or cls.root_marker
+
+    def unstrip_protocol(self, name: str) -> str:
+        return "ff://" + self._strip_protocol(name)
+
+    # -- Attributes and listings -----------------------------------------------------------
+
+    def _describe(self, path: str, kind: str, st: Any) -> Dict[str, Any]:
+        info = {
+            "name": path,
+            "size": st.st_size,
+            "type": kind if kind in ("file", "directory") else "other",
+            "created": st.st_ctime,
+            "islink": False,
+            "mode": st.st_mode,
+            "uid": st.st_uid,
+            "gid": st.st_gid,
+            "mtime": st.st_mtime,
+            "ino": st.st_ino,
+            "nlink": st.st_nlink,
+        }
+        if kind == "link":
+            # As the local filesystem: a link is described by what it points at.
+            info["islink"] = True
+            info["destination"] = self.client.readlink(path)
+            try:
+                target = self.client.stat(path)
+            except FileNotFoundError:
+                info["size"] = 0
+            else:
+                info["size"] = target.st_size
+                info["type"] = _kind(target.st_mode)
+        return info
+
+    def info(self, path: str, **kwargs: Any) -> Dict[str, Any]:
+        path = self._strip_protocol(path)
+        st = self.client.lstat(path)
+        kind = "link" if _stat.S_ISLNK(st.st_mode) else _kind(st.st_mode)
+        return self._describe(path, kind, st)
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Union[List[str], List[Dict[str, Any]]]:
+        path = self._strip_protocol(path)
+        here = self.info(path)
+        if here["type"] != "directory":
+            return [here] if detail else [here["name"]]
+        entries = self.client.scandir(path)
+        if not detail:
+            return [entry.path for entry in entries]
+        listed = []
+        for entry in entries:
+            try:
+                listed.append(self._describe(entry.path, entry.kind, entry.stat))
+            except FileNotFoundError:
+                continue  # a link removed since the listing
+        return listed
+
+    def lexists(self, path: str, **kwargs: Any) -> bool:
+        try:
+            self.client.lstat(self._strip_protocol(path))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def islink(self, path: str) -> bool:
+        try:
+            return _stat.S_ISLNK(self.client.lstat(self._strip_protocol(path)).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def created(self, path: str) -> datetime.datetime:
+        return datetime.datetime.fromtimestamp(self.info(path)["created"], tz=datetime.timezone.utc)
+
+    def modified(self, path: str) -> datetime.datetime:
+        return datetime.datetime.fromtimestamp(self.info(path)["mtime"], tz=datetime.timezone.utc)
+
+    def ukey(self, path: str) -> str:
+        info = self.info(path)
+        return tokenize(self.fsid, info["name"], info["ino"], info["size"], info["mtime"])
+
+    # -- Changes ---------------------------------------------------------------------------
+
+    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+        path = self._strip_protocol(path)
+        if create_parents:
+            if self.lexists(path):
+                raise FileExistsError(path)
+            self.client.makedirs(path, exist_ok=True)
+        else:
+            self.client.mkdir(path, kwargs.get("mode", 0o777))
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        self.client.makedirs(self._strip_protocol(path), exist_ok)
+
+    def rmdir(self, path: str) -> None:
+        self.client.rmdir(self._strip_protocol(path))
+
+    def rm_file(self, path: str) -> None:
+        self.client.remove(self._strip_protocol(path))
+
+    def _rm(self, path: str) -> None:
+        path = self._strip_protocol(path)
+        if self.isdir(path) and not self.islink(path):
+            self.client.rmdir(path)
+        else:
+            self.client.remove(path)
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: Optional[int] = None) -> None:
+        paths = path if isinstance(path, list) else [path]
+        for p in paths:
+            p = self._strip_protocol(p)
+            if self.isdir(p) and not self.islink(p):
+                if not recursive:
+                    raise ValueError(f"{p} is a directory: remove it with recursive=True")
+                if p == "/":
+                    raise ValueError("refusing to remove the root of the file system")
+                if maxdepth is not None:
+                    # Only what lies within maxdepth, deepest first, as fsspec's default.
+                    for found in reversed(self.expand_path(p, recursive=True, maxdepth=maxdepth)):
+                        self._rm(found)
+                else:
+                    self.client.rmtree(p)
+            else:
+                self.client.remove(p)
+
+    def mv(self, path1: str, path2: str, recursive: bool = False, maxdepth: Optional[int] = None, **kwargs: Any) -> None:
+        """Rename: one request at the meta server, whatever ``path1`` holds."""
+        self.client.rename(self._strip_protocol(path1), self._strip_protocol(path2))
+
+    def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
+        path1, path2 = self._strip_protocol(path1), self._strip_protocol(path2)
+        if self.isdir(path1):
+            self.makedirs(path2, exist_ok=True)
+        else:
+            self.client.copy_file(path1, path2)
+
+    def chmod(self, path: str, mode: int) -> None:
+        self.client.chmod(self._strip_protocol(path), mode)
+
+    def symlink(self, source: str, destination: str, **kwargs: Any) -> None:
+        """Make ``destination`` a symlink to ``source``, as the local filesystem's."""
+        self.client.symlink(self._strip_protocol(source), self._strip_protocol(destination))
+
+    def touch(self, path: str, truncate: bool = True, **kwargs: Any) -> None:
+        path = self._strip_protocol(path)
+        if truncate or not self.exists(path):
+            with self.client.open(path, "wb"):
+                pass
+        else:
+            raise NotImplementedError("touch of an existing file without truncating it")
+
+    # -- Files -----------------------------------------------------------------------------
+
+    def _open(
+        self,
+        path: str,
+        mode: str = "rb",
+        block_size: Optional[int] = None,
+        autocommit: bool = True,
+        cache_options: Optional[dict] = None,
+        **kwargs: Any,
+    ) -> Any:
+        if not autocommit:
+            raise NotImplementedError("Freeflow files are written in place; fsspec transactions are not supported")
+        path = self._strip_protocol(path)
+        if self.auto_mkdir and any(letter in mode for letter in "wxa"):
+            self.client.makedirs(self._parent(path), exist_ok=True)
+        buffering = block_size if isinstance(block_size, int) and block_size > 0 else -1
+        return self.client.open(path, mode, buffering=buffering)
+
+
+def _kind(mode: int) -> str:
+    if _stat.S_ISDIR(mode):
+        return "directory"
+    if _stat.S_ISREG(mode):
+        return "file"
+    return "other"

@@ -1,0 +1,119 @@
+"""A real cluster for the tests: `freeflow up` (one meta server, two I/O servers) in its
+own process on free loopback ports, stopped with Ctrl-C at the end of the session.
+
+The binary is $FREEFLOW_BIN, else the workspace's target/debug or target/release build,
+else `freeflow` on PATH.
+"""
+
+import os
+import pathlib
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import uuid
+
+import pytest
+
+import freeflow
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+UP_TIMEOUT_S = 60
+
+
+def _binary() -> str:
+    named = os.environ.get("FREEFLOW_BIN")
+    if named:
+        return named
+    for profile in ("debug", "release"):
+        built = REPO / "target" / profile / "freeflow"
+        if built.exists():
+            return str(built)
+    found = shutil.which("freeflow")
+    if found is None:
+        pytest.exit("no freeflow binary: build it (cargo build) or set FREEFLOW_BIN", returncode=2)
+    return found
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ports() -> int:
+    """A meta port whose I/O ports (port + 10, + 11) are free too."""
+    for _ in range(100):
+        port = random.randrange(20000, 40000, 20)
+        if all(_free(p) for p in (port, port + 10, port + 11)):
+            return port
+    raise RuntimeError("no free ports for a cluster")
+
+
+class Cluster:
+    def __init__(self, data: pathlib.Path) -> None:
+        self.data = data
+        self.process = None
+        self.log = []
+
+    def start(self) -> None:
+        port = _ports()
+        self.process = subprocess.Popen(
+            [_binary(), "up", "--data", str(self.data), "--port", str(port), "--io-servers", "2", "--no-metrics"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        ready = threading.Event()
+
+        def follow() -> None:
+            for line in self.process.stdout:
+                self.log.append(line)
+                if "Freeflow is up" in line:
+                    ready.set()
+
+        threading.Thread(target=follow, daemon=True).start()
+        if not ready.wait(UP_TIMEOUT_S) or self.process.poll() is not None:
+            self.stop()
+            raise RuntimeError("freeflow up did not come up:\n" + "".join(self.log))
+
+    @property
+    def cluster_file(self) -> str:
+        return str(self.data / "client.toml")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    running = Cluster(tmp_path_factory.mktemp("cluster") / "data")
+    running.start()
+    os.environ["FREEFLOW_CLUSTER"] = running.cluster_file
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def client(cluster):
+    with freeflow.Client(cluster.cluster_file) as connected:
+        yield connected
+
+
+@pytest.fixture
+def home(client):
+    """A fresh directory for one test."""
+    path = f"/t-{uuid.uuid4().hex[:12]}"
+    client.mkdir(path)
+    return path

@@ -1,0 +1,228 @@
+"""freeflow.Client against a real cluster: bytes, buffers, positions, errors, namespace."""
+
+import errno
+import io
+import os
+import stat
+import threading
+
+import numpy as np
+import pytest
+
+import freeflow
+
+MiB = 1 << 20
+
+
+def payload(size: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, MiB, 5 * MiB + 7])
+def test_bytes_come_back_as_written_across_stripes(client, home, size):
+    data = payload(size, size)
+    path = f"{home}/f-{size}"
+    with client.open(path, "wb") as f:
+        # In pieces of odd sizes, so the buffer both gathers and passes writes through.
+        for start in range(0, size, 300_001):
+            f.write(data[start : start + 300_001])
+    assert client.stat(path).st_size == size
+    with client.open(path, "rb") as f:
+        assert f.read() == data
+    assert client.read_bytes(path) == data
+
+
+def test_readinto_fills_the_callers_buffers(client, home):
+    data = payload(3 * MiB + 11, 1)
+    client.write_bytes(f"{home}/r", data)
+    with client.open(f"{home}/r", "rb", buffering=0) as f:
+        assert isinstance(f, freeflow.RawFile)
+        whole = bytearray(len(data))
+        view = memoryview(whole)
+        got = 0
+        while got < len(data):
+            n = f.readinto(view[got : got + 1_000_003])
+            assert n > 0
+            got += n
+        assert bytes(whole) == data
+        assert f.readinto(bytearray(10)) == 0  # at the end
+        f.seek(MiB + 5)
+        array = np.zeros(4096, dtype=np.uint8)
+        assert f.readinto(array) == 4096
+        assert array.tobytes() == data[MiB + 5 : MiB + 5 + 4096]
+        with pytest.raises(ValueError):
+            f.readinto(b"read-only")
+
+
+def test_positions_follow_the_local_file_system(client, home, tmp_path):
+    """The same operations on a local file and a Freeflow file give the same results."""
+    local = open(tmp_path / "model", "w+b", buffering=0)
+    remote = client.open(f"{home}/model", "w+b", buffering=0)
+    rng = np.random.default_rng(7)
+    for step in range(200):
+        op = rng.integers(0, 4)
+        if op == 0:
+            offset = int(rng.integers(0, 2 * MiB))
+            whence = int(rng.integers(0, 3))
+            if whence == 2:
+                offset = -min(offset, local.seek(0, 2))
+            elif whence == 1:
+                offset = max(-local.tell(), offset - MiB)
+            assert remote.seek(offset, whence) == local.seek(offset, whence), step
+        elif op == 1:
+            chunk = payload(int(rng.integers(1, 200_000)), step)
+            assert remote.write(chunk) == local.write(chunk)
+        elif op == 2:
+            size = int(rng.integers(0, 300_000))
+            assert remote.read(size) == local.read(size), step
+        else:
+            size = int(rng.integers(0, 3 * MiB))
+            assert remote.truncate(size) == local.truncate(size)
+        assert remote.tell() == local.tell(), step
+    remote.seek(0)
+    local.seek(0)
+    assert remote.read() == local.read()
+    remote.close()
+    local.close()
+    assert client.stat(f"{home}/model").st_size == os.stat(tmp_path / "model").st_size
+
+
+def test_append_and_text_modes(client, home):
+    path = f"{home}/log.txt"
+    with client.open(path, "a", encoding="utf-8") as f:
+        f.write("first\n")
+    with client.open(path, "a", encoding="utf-8") as f:
+        f.write("zweite Zeile ✓\n")
+    with client.open(path, "r", encoding="utf-8") as f:
+        assert f.readlines() == ["first\n", "zweite Zeile ✓\n"]
+    with client.open(path, "ab") as f:
+        f.seek(0)  # append mode writes at the end whatever the position
+        f.write(b"end")
+    assert client.read_bytes(path).endswith(b"\nend")
+
+
+def test_errors_are_os_errors_with_the_errno(client, home):
+    with pytest.raises(FileNotFoundError) as missing:
+        client.open(f"{home}/nothing", "rb")
+    assert missing.value.errno == errno.ENOENT
+    assert missing.value.filename == f"{home}/nothing"
+    client.write_bytes(f"{home}/there", b"x")
+    with pytest.raises(FileExistsError):
+        client.open(f"{home}/there", "xb")
+    with pytest.raises(IsADirectoryError):
+        client.open(home, "rb")
+    with pytest.raises(NotADirectoryError):
+        client.listdir(f"{home}/there")
+    with pytest.raises(NotADirectoryError):
+        client.stat(f"{home}/there/below")
+    client.mkdir(f"{home}/full")
+    client.write_bytes(f"{home}/full/x", b"x")
+    with pytest.raises(OSError) as not_empty:
+        client.rmdir(f"{home}/full")
+    assert not_empty.value.errno == errno.ENOTEMPTY
+    with pytest.raises(IsADirectoryError):
+        client.remove(f"{home}/full")
+    with pytest.raises(FileExistsError):
+        client.makedirs(f"{home}/full")
+    with pytest.raises(ValueError):
+        client.open(f"{home}/there", "rw")
+    with client.open(f"{home}/there", "rb") as f:
+        with pytest.raises(io.UnsupportedOperation):
+            f.write(b"y")
+    f = client.open(f"{home}/there", "rb", buffering=0)
+    f.close()
+    with pytest.raises(ValueError):
+        f.read()
+
+
+def test_a_cluster_file_that_is_not_there_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError) as missing:
+        freeflow.Client(str(tmp_path / "client.toml"))
+    assert str(tmp_path / "client.toml") in str(missing.value)
+
+
+def test_namespace_operations(client, home):
+    client.makedirs(f"{home}/a/b/c")
+    client.makedirs(f"{home}/a/b/c", exist_ok=True)
+    client.write_bytes(f"{home}/a/one", b"1")
+    client.write_bytes(f"{home}/a/two", b"22")
+    assert client.listdir(f"{home}/a") == ["b", "one", "two"]
+    entries = {entry.name: entry for entry in client.scandir(f"{home}/a")}
+    assert entries["b"].is_dir() and entries["two"].is_file()
+    assert entries["two"].stat.st_size == 2 and entries["two"].path == f"{home}/a/two"
+    assert stat.S_ISDIR(client.stat(f"{home}/a/b").st_mode)
+    assert client.isfile(f"{home}/a/one") and not client.isdir(f"{home}/a/one")
+    assert not client.exists(f"{home}/a/three")
+
+    client.rename(f"{home}/a/one", f"{home}/a/two")  # replaces
+    assert client.read_bytes(f"{home}/a/two") == b"1"
+    assert not client.exists(f"{home}/a/one")
+
+    client.symlink(f"{home}/a/two", f"{home}/a/link")
+    assert client.readlink(f"{home}/a/link") == f"{home}/a/two"
+    assert stat.S_ISLNK(client.lstat(f"{home}/a/link").st_mode)
+    assert client.read_bytes(f"{home}/a/link") == b"1"
+    client.link(f"{home}/a/two", f"{home}/a/hard")
+    assert client.stat(f"{home}/a/two").st_nlink == 2
+
+    client.chmod(f"{home}/a/two", 0o640)
+    assert stat.S_IMODE(client.stat(f"{home}/a/two").st_mode) == 0o640
+    client.truncate(f"{home}/a/two", 5)
+    assert client.read_bytes(f"{home}/a/two") == b"1\0\0\0\0"
+
+    walked = list(client.walk(f"{home}/a"))
+    assert walked[0] == (f"{home}/a", ["b"], ["hard", "link", "two"])
+    assert [top for top, _, _ in walked] == [f"{home}/a", f"{home}/a/b", f"{home}/a/b/c"]
+
+    client.remove(f"{home}/a/link")
+    client.rmdir(f"{home}/a/b/c")
+    client.rmtree(f"{home}/a")
+    assert client.listdir(home) == []
+
+
+def test_stripes_say_where_the_data_lives(client, home):
+    client.write_bytes(f"{home}/striped", payload(3 * MiB, 3))
+    placement = client.stripes(f"{home}/striped")
+    assert placement["size"] == 3 * MiB
+    assert placement["replicas"] == 1
+    objects = placement["objects"]
+    assert len(objects) == placement["stripe_count"]
+    assert sum(length for *_, length in objects) == 3 * MiB
+    assert {server for _, server, _, up, _ in objects if up} <= {0, 1}
+    stats = client.statfs()
+    assert stats["servers_up"] == stats["servers_total"] == 2
+
+
+def test_another_client_sees_a_closed_file(cluster, client, home):
+    data = payload(2 * MiB + 3, 9)
+    with freeflow.Client(cluster.cluster_file) as other:
+        with client.open(f"{home}/shared", "wb") as f:
+            f.write(data)
+            f.raw.fsync()
+        assert other.read_bytes(f"{home}/shared") == data
+        other.remove(f"{home}/shared")
+    with pytest.raises(FileNotFoundError):
+        client.stat(f"{home}/shared")
+
+
+def test_threads_share_one_client(client, home):
+    failures = []
+
+    def work(n: int) -> None:
+        try:
+            data = payload(4 * MiB + n, 100 + n)
+            with client.open(f"{home}/thread-{n}", "wb") as f:
+                f.write(data)
+            with client.open(f"{home}/thread-{n}", "rb") as f:
+                if f.read() != data:
+                    failures.append(f"thread {n} read other bytes")
+        except Exception as error:  # reported below
+            failures.append(f"thread {n}: {error!r}")
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert sorted(client.listdir(home)) == sorted(f"thread-{n}" for n in range(6))
