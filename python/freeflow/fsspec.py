@@ -42,11 +42,12 @@ class FreeflowFileSystem(AbstractFileSystem):
         self,
         cluster: Optional[str] = None,
         client: Optional[Client] = None,
-        auto_mkdir: bool = False,
+        auto_mkdir: bool = True,
         **kwargs: Any,
     ) -> None:
-        """``auto_mkdir``: opening a file for writing makes its missing parent directories
-        (as fsspec's local filesystem option of that name; off by default, as there)."""
+        """``auto_mkdir``: opening a file for writing makes its missing parent directories,
+        as data libraries written for object stores expect (zarr, xarray, Dask write
+        ``a/b/c`` without making ``a/b``); ``False`` refuses as ``open(2)`` does."""
         super().__init__(cluster=cluster, auto_mkdir=auto_mkdir, **kwargs)
         self.client = client if client is not None else Client(cluster)
         self.auto_mkdir = auto_mkdir

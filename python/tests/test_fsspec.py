@@ -7,6 +7,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+import xarray as xr
+import zarr
 
 from freeflow.fsspec import FreeflowFileSystem
 
@@ -42,9 +44,9 @@ def test_pandas_writes_and_reads_parquet(fs, home):
 
 
 def test_pyarrow_reads_a_dataset_of_many_files(fs, home):
+    strict = fsspec.filesystem("ff", auto_mkdir=False)
     with pytest.raises(FileNotFoundError):
-        fs.open(f"{home}/set/part-0.parquet", "wb")
-    fs = fsspec.filesystem("ff", auto_mkdir=True)
+        strict.open(f"{home}/set/part-0.parquet", "wb")
     for part in range(3):
         table = pa.table({"part": [part] * 1000, "value": np.arange(1000) * part})
         with fs.open(f"{home}/set/part-{part}.parquet", "wb") as f:
@@ -61,6 +63,17 @@ def test_numpy_arrays_through_fsspec_open(home):
         np.save(f, array)
     with fsspec.open(f"ff://{home}/weights.npy", "rb") as f:
         assert np.array_equal(np.load(f), array)
+
+
+def test_zarr_and_xarray_stores(home):
+    grid = np.arange(10_000, dtype=np.float64).reshape(100, 100)
+    group = zarr.open_group(f"ff://{home}/g.zarr", mode="w")
+    group.create_array("grid", shape=grid.shape, chunks=(10, 10), dtype=grid.dtype)[:] = grid
+    assert np.array_equal(zarr.open_group(f"ff://{home}/g.zarr", mode="r")["grid"][:], grid)
+    data = xr.Dataset({"t": (("x", "y"), grid)}, coords={"x": np.arange(100)})
+    data.to_zarr(f"ff://{home}/ds.zarr", mode="w", consolidated=False)
+    back = xr.open_zarr(f"ff://{home}/ds.zarr", consolidated=False)
+    assert np.array_equal(back["t"].values, grid)
 
 
 def test_text_files_and_small_helpers(fs, home):

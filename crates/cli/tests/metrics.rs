@@ -425,3 +425,103 @@ async fn top_once_shows_the_flow_through_a_running_up() {
     assert!(total_write > 0.0, "data was flowing: {json_text}");
     drop(up);
 }
+
+/// Every PromQL expression of the Grafana dashboard (`dashboards/freeflow.json`), as
+/// Grafana sends it with the dashboard's default variables.
+fn dashboard_queries() -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../dashboards/freeflow.json");
+    let text = std::fs::read_to_string(&path).expect("dashboards/freeflow.json");
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    let panels = dashboard["panels"].as_array().expect("panels");
+    let queries: Vec<String> = panels
+        .iter()
+        .flat_map(|panel| panel["targets"].as_array().cloned().unwrap_or_default())
+        .map(|target| {
+            target["expr"]
+                .as_str()
+                .expect("every target has an expr")
+                .to_owned()
+        })
+        .collect();
+    assert!(
+        queries.len() >= 20,
+        "the dashboard has its panels: {}",
+        queries.len()
+    );
+    queries
+}
+
+/// The metric names an expression reads.
+fn metric_names(query: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = query;
+    while let Some(start) = rest.find("freeflow_") {
+        let tail = &rest[start..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+            .unwrap_or(tail.len());
+        names.push(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_asks_only_for_metrics_the_cluster_serves() {
+    let queries = dashboard_queries();
+    let options = ClusterOptions {
+        metrics: true,
+        ..ClusterOptions::new(2)
+    };
+    let cluster = Cluster::start_with(options).await;
+    let client = cluster.client().await;
+    // A little of everything the panels show: writes, an fsync, reads, a failed lookup.
+    let create = OpenOptions::new().read(true).write(true).create(true);
+    let handle = client.open_path("/f", &create).await.expect("create");
+    handle
+        .write_at(0, Bytes::from(vec![3u8; 300_000]))
+        .await
+        .expect("write");
+    handle.fsync().await.expect("fsync");
+    assert_eq!(handle.read_at(0, 10).await.expect("read").len(), 10);
+    handle.close().await.expect("close");
+    assert!(client.stat("/missing").await.is_err());
+
+    let mut served: Vec<(&str, Snapshot)> = vec![(
+        "$meta_job",
+        scrape(cluster.meta_metrics_address().unwrap()).await,
+    )];
+    for index in 0..cluster.io_count() {
+        let address = cluster.io_metrics_address(index).unwrap();
+        served.push(("$io_job", scrape(address).await));
+    }
+    served.push(("$client_job", Snapshot::parse(&client.metrics().render())));
+    client.shutdown().await;
+
+    let mut checked = 0;
+    for query in &queries {
+        let names = metric_names(query);
+        assert!(!names.is_empty(), "{query} reads a Freeflow metric");
+        for name in names {
+            // The job the query selects must be an endpoint that serves the metric.
+            let servers: Vec<&str> = served
+                .iter()
+                .filter(|(_, snapshot)| snapshot.samples.iter().any(|s| s.name == name))
+                .map(|(job, _)| *job)
+                .collect();
+            assert!(
+                !servers.is_empty(),
+                "no endpoint serves {name} (in {query})"
+            );
+            assert!(
+                servers.iter().any(|job| query.contains(job)),
+                "{query} reads {name}, served under {servers:?}, from another job"
+            );
+            checked += 1;
+        }
+    }
+    println!(
+        "{checked} metric uses in {} dashboard queries checked",
+        queries.len()
+    );
+}
