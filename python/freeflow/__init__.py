@@ -12,20 +12,23 @@ namespace::
             f.write(b"...")
         print(fs.stat("/runs/7/out.bin").st_size, fs.listdir("/runs/7"))
 
-Files are real ``io`` objects (``io.BufferedReader``/``BufferedWriter``/``BufferedRandom``
-over :class:`RawFile`, or ``io.TextIOWrapper`` in text mode), so everything that takes a
-Python file takes them. The ``ff://`` protocol of fsspec (:mod:`freeflow.fsspec`) is
+Files are real ``io`` objects (subclasses of ``io.BufferedReader``/``BufferedWriter``/
+``BufferedRandom`` over :class:`RawFile`, or ``io.TextIOWrapper`` in text mode), so
+everything that takes a Python file takes them. Their ``flush`` publishes what was written
+(another client's open then sees it) and their ``fsync`` makes it durable. The ``ff://`` protocol of fsspec (:mod:`freeflow.fsspec`) is
 registered when the package is installed, for pandas, PyArrow, Dask, xarray and zarr.
 
 Calls release the GIL while they wait on the network; errors are ``OSError`` subclasses
 chosen by errno (``FileNotFoundError``, ``FileExistsError``, ``PermissionError``, ...).
-Create clients after ``fork`` (a client's background work runs on threads the child does
-not inherit): with ``multiprocessing``, use the "spawn" or "forkserver" start methods, or
-make the client inside each worker.
+A client belongs to the process that made it: its background work (lease renewal,
+write-behind) runs on threads a forked child does not have, so a child that uses its
+parent's client gets an ``OSError`` saying so. Make clients in the child (with
+``multiprocessing``, in the worker; PyTorch's ``DataLoader``: in ``worker_init_fn``).
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import stat as _stat
@@ -34,7 +37,15 @@ from typing import IO, Any, Iterator, List, NamedTuple, Optional, Tuple, Union
 from ._native import Client as _NativeClient
 from ._native import File as _NativeFile
 
-__all__ = ["Client", "RawFile", "DirEntry", "DEFAULT_BUFFER_SIZE"]
+__all__ = [
+    "Client",
+    "RawFile",
+    "BufferedReader",
+    "BufferedWriter",
+    "BufferedRandom",
+    "DirEntry",
+    "DEFAULT_BUFFER_SIZE",
+]
 
 #: Buffer of the file objects :meth:`Client.open` returns: reads and writes smaller than
 #: this are gathered into requests of this size (one stripe unit by default).
@@ -123,22 +134,30 @@ class RawFile(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         self._checkClosed()
+        self._checkReadable()
         return self._native.readinto(buffer)
 
     def read(self, size: Optional[int] = -1) -> bytes:
         self._checkClosed()
+        self._checkReadable()
         return self._native.read(-1 if size is None else size)
 
     def readall(self) -> bytes:
         self._checkClosed()
+        self._checkReadable()
         return self._native.readall()
 
     def write(self, data: Any) -> int:
         self._checkClosed()
+        self._checkWritable()
         return self._native.write(data)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._checkClosed()
+        if whence not in (io.SEEK_SET, io.SEEK_CUR, io.SEEK_END):
+            raise ValueError(f"invalid whence ({whence}, should be 0, 1 or 2)")
+        if whence == io.SEEK_SET and offset < 0:
+            raise OSError(errno.EINVAL, "Invalid argument: negative seek position")
         return self._native.seek(offset, whence)
 
     def tell(self) -> int:
@@ -147,6 +166,9 @@ class RawFile(io.RawIOBase):
 
     def truncate(self, size: Optional[int] = None) -> int:
         self._checkClosed()
+        self._checkWritable()
+        if size is not None and size < 0:
+            raise ValueError(f"negative size value {size}")
         return self._native.truncate(size)
 
     def flush(self) -> None:
@@ -178,6 +200,35 @@ class RawFile(io.RawIOBase):
 
     def __repr__(self) -> str:
         return f"<freeflow.RawFile name={self.name!r} mode={self._mode!r}>"
+
+
+class _Publishing:
+    """What Freeflow's buffered files add to Python's: ``flush`` also waits for the writes
+    and publishes the size (CPython's buffered ``flush`` only writes its buffer to the raw
+    file), and ``fsync`` flushes, then makes every byte durable."""
+
+    raw: RawFile
+
+    def flush(self) -> None:
+        super().flush()  # type: ignore[misc]
+        self.raw.flush()
+
+    def fsync(self) -> None:
+        self.flush()
+        self.raw.fsync()
+
+
+class BufferedWriter(_Publishing, io.BufferedWriter):
+    pass
+
+
+class BufferedRandom(_Publishing, io.BufferedRandom):
+    pass
+
+
+class BufferedReader(io.BufferedReader):
+    def fsync(self) -> None:
+        self.raw.fsync()
 
 
 def _open_flags(mode: str) -> Tuple[dict, bool]:
@@ -232,11 +283,11 @@ class Client(_NativeClient):
         size = DEFAULT_BUFFER_SIZE if buffering in (-1, 1) else buffering
         try:
             if flags["read"] and flags["write"]:
-                buffered: Any = io.BufferedRandom(raw, size)
+                buffered: Any = BufferedRandom(raw, size)
             elif flags["write"]:
-                buffered = io.BufferedWriter(raw, size)
+                buffered = BufferedWriter(raw, size)
             else:
-                buffered = io.BufferedReader(raw, size)
+                buffered = BufferedReader(raw, size)
             if binary:
                 return buffered
             return io.TextIOWrapper(buffered, encoding, errors, newline, line_buffering=buffering == 1)
@@ -253,22 +304,23 @@ class Client(_NativeClient):
         return _stat_result(self.lstat_fields(_path(path)))
 
     def exists(self, path: PathLike) -> bool:
+        """As ``os.path.exists``: False for any error (a missing name, a file on the way)."""
         try:
             self.stat_fields(_path(path))
-        except FileNotFoundError:
+        except OSError:
             return False
         return True
 
     def isdir(self, path: PathLike) -> bool:
         try:
             return _stat.S_ISDIR(self.stat(path).st_mode)
-        except FileNotFoundError:
+        except OSError:
             return False
 
     def isfile(self, path: PathLike) -> bool:
         try:
             return _stat.S_ISREG(self.stat(path).st_mode)
-        except FileNotFoundError:
+        except OSError:
             return False
 
     def scandir(self, path: PathLike) -> List[DirEntry]:  # type: ignore[override]

@@ -21,15 +21,33 @@ write-behind, not through fsspec's block cache.
 from __future__ import annotations
 
 import datetime
+import os
 import stat as _stat
-from typing import Any, Dict, List, Optional, Union
+import threading
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from fsspec.spec import AbstractFileSystem
 from fsspec.utils import stringify_path, tokenize
+from fsspec.core import has_magic
 
 from . import Client
 
 __all__ = ["FreeflowFileSystem"]
+
+# fsspec keeps one filesystem instance per thread; they share one client (one session, one
+# set of connections) per process and cluster file.
+_clients: Dict[Tuple[int, str], Client] = {}
+_clients_lock = threading.Lock()
+
+
+def _shared_client(cluster: Optional[str]) -> Client:
+    key = (os.getpid(), os.path.abspath(cluster) if cluster else os.environ.get("FREEFLOW_CLUSTER", ""))
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            client = Client(cluster)
+            _clients[key] = client
+        return client
 
 
 class FreeflowFileSystem(AbstractFileSystem):
@@ -49,8 +67,17 @@ class FreeflowFileSystem(AbstractFileSystem):
         as data libraries written for object stores expect (zarr, xarray, Dask write
         ``a/b/c`` without making ``a/b``); ``False`` refuses as ``open(2)`` does."""
         super().__init__(cluster=cluster, auto_mkdir=auto_mkdir, **kwargs)
-        self.client = client if client is not None else Client(cluster)
+        self.client = client if client is not None else _shared_client(cluster)
         self.auto_mkdir = auto_mkdir
+
+    def __reduce__(self) -> Any:
+        # Pickled (to Dask workers, say) with the cluster file this client uses, so the
+        # copy reaches the same cluster whatever its environment.
+        from fsspec.spec import make_instance
+
+        options = dict(self.storage_options, cluster=self.client.cluster)
+        options.pop("client", None)
+        return make_instance, (type(self), self.storage_args, options)
 
     @property
     def fsid(self) -> str:
@@ -182,6 +209,11 @@ class FreeflowFileSystem(AbstractFileSystem):
         paths = path if isinstance(path, list) else [path]
         for p in paths:
             p = self._strip_protocol(p)
+            if has_magic(p):
+                # A glob: what it names, deepest first, as fsspec's default does.
+                for found in reversed(self.expand_path(p, recursive=recursive, maxdepth=maxdepth)):
+                    self._rm(found)
+                continue
             if self.isdir(p) and not self.islink(p):
                 if not recursive:
                     raise ValueError(f"{p} is a directory: remove it with recursive=True")
@@ -196,16 +228,25 @@ class FreeflowFileSystem(AbstractFileSystem):
             else:
                 self.client.remove(p)
 
-    def mv(self, path1: str, path2: str, recursive: bool = False, maxdepth: Optional[int] = None, **kwargs: Any) -> None:
-        """Rename: one request at the meta server, whatever ``path1`` holds."""
-        self.client.rename(self._strip_protocol(path1), self._strip_protocol(path2))
+    def mv(self, path1: Any, path2: Any, recursive: bool = False, maxdepth: Optional[int] = None, **kwargs: Any) -> None:
+        """One path to another: one rename at the meta server (``rename(2)``: an existing
+        file at ``path2`` is replaced; its parent is made under ``auto_mkdir``). Lists and
+        globs move as fsspec's default does (copy, then remove)."""
+        if isinstance(path1, list) or isinstance(path2, list) or has_magic(str(path1)):
+            return super().mv(path1, path2, recursive=recursive, maxdepth=maxdepth, **kwargs)
+        source, target = self._strip_protocol(path1), self._strip_protocol(path2)
+        if self.auto_mkdir:
+            self.client.makedirs(self._parent(target), exist_ok=True)
+        self.client.rename(source, target)
 
     def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
         path1, path2 = self._strip_protocol(path1), self._strip_protocol(path2)
         if self.isdir(path1):
             self.makedirs(path2, exist_ok=True)
-        else:
-            self.client.copy_file(path1, path2)
+            return
+        if self.auto_mkdir:
+            self.client.makedirs(self._parent(path2), exist_ok=True)
+        self.client.copy_file(path1, path2)
 
     def chmod(self, path: str, mode: int) -> None:
         self.client.chmod(self._strip_protocol(path), mode)

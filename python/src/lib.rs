@@ -14,7 +14,7 @@
 
 use std::future::Future;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use freeflow_client::cluster_file::{cluster_file_path, ClientFile};
@@ -33,16 +33,31 @@ const RUNTIME_THREADS: usize = 4;
 /// Most bytes one `copy_range_from` call is asked for (the library copies 1 GiB at most).
 const COPY_PIECE_BYTES: u64 = 1 << 30;
 
+/// The runtime of this process. A child made by `fork` has none of its parent's threads,
+/// so it gets a runtime of its own (the parent's is left alone: its threads are not there
+/// to stop), and clients made before the fork refuse to be used in it ([`Client::check`]).
 fn runtime() -> &'static tokio::runtime::Runtime {
-    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(RUNTIME_THREADS)
-            .thread_name("freeflow-python")
-            .enable_all()
-            .build()
-            .expect("a Tokio runtime for the freeflow module")
-    })
+    static RUNTIME: std::sync::Mutex<Option<(u32, &'static tokio::runtime::Runtime)>> =
+        std::sync::Mutex::new(None);
+    let mut current = RUNTIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let pid = std::process::id();
+    match *current {
+        Some((owner, runtime)) if owner == pid => runtime,
+        _ => {
+            let runtime: &'static tokio::runtime::Runtime = Box::leak(Box::new(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(RUNTIME_THREADS)
+                    .thread_name("freeflow-python")
+                    .enable_all()
+                    .build()
+                    .expect("a Tokio runtime for the freeflow module"),
+            ));
+            *current = Some((pid, runtime));
+            runtime
+        }
+    }
 }
 
 /// Run `future` to its end with the GIL released.
@@ -55,6 +70,23 @@ where
 }
 
 /// The `OSError` (subclass chosen by Python from the errno) for a failed call on `path`.
+/// As [`os_error`] for a call on two paths (`rename`, `link`): both in the error.
+fn os_error2(error: ClientError, first: &str, second: &str) -> PyErr {
+    let errno = error.code().errno();
+    PyOSError::new_err((
+        errno,
+        error.to_string(),
+        first.to_string(),
+        py_none_int(),
+        second.to_string(),
+    ))
+}
+
+/// The `winerror` slot of `OSError`'s five arguments: unused on Linux.
+fn py_none_int() -> Option<i32> {
+    None
+}
+
 fn os_error(error: ClientError, path: Option<&str>) -> PyErr {
     let errno = error.code().errno();
     match path {
@@ -105,9 +137,27 @@ fn kind_name(kind: FileKind) -> &'static str {
 pub struct Client {
     inner: freeflow_client::Client,
     cluster: PathBuf,
+    /// The process that made it: its connections and tasks live on that process's runtime.
+    pid: u32,
 }
 
 impl Client {
+    /// Refuse use in a process other than the one that made this client (after `fork`),
+    /// where its background work does not run and calls would wait forever.
+    fn check(&self) -> PyResult<()> {
+        if self.pid == std::process::id() {
+            return Ok(());
+        }
+        Err(PyOSError::new_err((
+            ErrorCode::InvalidArgument.errno(),
+            format!(
+                "this freeflow.Client was made in process {}, before a fork: make a new one in process {}",
+                self.pid,
+                std::process::id()
+            ),
+        )))
+    }
+
     /// The inode and attributes of the directory holding `path`'s final name, and the name.
     async fn parent_of(&self, path: &str) -> Result<(u64, String), ClientError> {
         let path = normalize(path)?;
@@ -164,6 +214,7 @@ impl Client {
         Ok(Client {
             inner,
             cluster: path,
+            pid: std::process::id(),
         })
     }
 
@@ -175,18 +226,21 @@ impl Client {
 
     /// The attributes of `path`, following a final symlink, as the fields of `os.stat_result`.
     fn stat_fields(&self, py: Python<'_>, path: &str) -> PyResult<StatFields> {
+        self.check()?;
         let attr = wait(py, self.inner.stat(path)).map_err(|e| os_error(e, Some(path)))?;
         Ok(stat_fields(&attr))
     }
 
     /// As `stat_fields`, not following a final symlink.
     fn lstat_fields(&self, py: Python<'_>, path: &str) -> PyResult<StatFields> {
+        self.check()?;
         let attr = wait(py, self.inner.lstat(path)).map_err(|e| os_error(e, Some(path)))?;
         Ok(stat_fields(&attr))
     }
 
     /// The names in the directory `path`, in name order ("." and ".." left out).
     fn listdir(&self, py: Python<'_>, path: &str) -> PyResult<Vec<String>> {
+        self.check()?;
         let entries =
             wait(py, self.inner.read_dir_all(path)).map_err(|e| os_error(e, Some(path)))?;
         Ok(entries.into_iter().map(|entry| entry.name).collect())
@@ -195,6 +249,7 @@ impl Client {
     /// Each entry of the directory `path` with its kind ("file", "directory", "link",
     /// "other") and stat fields, in one request per page (readdirplus).
     fn scandir(&self, py: Python<'_>, path: &str) -> PyResult<Vec<(String, String, StatFields)>> {
+        self.check()?;
         let directory = path.to_string();
         let listed = wait(py, async {
             let entries = self.inner.read_dir_all_plus(&directory).await?;
@@ -226,6 +281,7 @@ impl Client {
 
     #[pyo3(signature = (path, mode=0o777))]
     fn mkdir(&self, py: Python<'_>, path: &str, mode: u32) -> PyResult<()> {
+        self.check()?;
         wait(py, self.inner.mkdir_path(path, mode & 0o7777))
             .map_err(|e| os_error(e, Some(path)))?;
         Ok(())
@@ -235,6 +291,7 @@ impl Client {
     /// `exist_ok`, and an existing non-directory always is.
     #[pyo3(signature = (path, exist_ok=false))]
     fn makedirs(&self, py: Python<'_>, path: &str, exist_ok: bool) -> PyResult<()> {
+        self.check()?;
         wait(py, async {
             match self.inner.stat(path).await {
                 Ok(attr) if attr.kind == FileKind::Directory && exist_ok => Ok(()),
@@ -254,6 +311,7 @@ impl Client {
 
     /// Remove the empty directory `path`.
     fn rmdir(&self, py: Python<'_>, path: &str) -> PyResult<()> {
+        self.check()?;
         wait(py, async {
             let (parent, name) = self.parent_of(path).await?;
             self.inner.rmdir(parent, &name).await
@@ -263,6 +321,7 @@ impl Client {
 
     /// Remove the file or symlink `path` (not a directory: see `rmdir`, `rmtree`).
     fn remove(&self, py: Python<'_>, path: &str) -> PyResult<()> {
+        self.check()?;
         wait(py, async {
             let (parent, name) = self.parent_of(path).await?;
             self.inner.unlink(parent, &name).await
@@ -272,20 +331,24 @@ impl Client {
 
     /// Remove `path` and, for a directory, everything below it (symlinks are not followed).
     fn rmtree(&self, py: Python<'_>, path: &str) -> PyResult<()> {
+        self.check()?;
         wait(py, self.inner.remove_all(path)).map_err(|e| os_error(e, Some(path)))
     }
 
     /// Rename `source` to `target`, replacing an existing `target` as `rename(2)` does.
     fn rename(&self, py: Python<'_>, source: &str, target: &str) -> PyResult<()> {
-        wait(py, self.inner.rename_path(source, target)).map_err(|e| os_error(e, Some(source)))
+        self.check()?;
+        wait(py, self.inner.rename_path(source, target)).map_err(|e| os_error2(e, source, target))
     }
 
     fn truncate(&self, py: Python<'_>, path: &str, length: u64) -> PyResult<()> {
+        self.check()?;
         wait(py, self.inner.truncate_path(path, length)).map_err(|e| os_error(e, Some(path)))?;
         Ok(())
     }
 
     fn chmod(&self, py: Python<'_>, path: &str, mode: u32) -> PyResult<()> {
+        self.check()?;
         wait(py, async {
             let attr = self.inner.stat(path).await?;
             let changes = SetAttr {
@@ -300,11 +363,13 @@ impl Client {
 
     /// Make a symlink at `link` pointing at `target`.
     fn symlink(&self, py: Python<'_>, target: &str, link: &str) -> PyResult<()> {
+        self.check()?;
         wait(py, self.inner.symlink_path(target, link)).map_err(|e| os_error(e, Some(link)))?;
         Ok(())
     }
 
     fn readlink(&self, py: Python<'_>, path: &str) -> PyResult<String> {
+        self.check()?;
         wait(py, async {
             let attr = self.inner.lstat(path).await?;
             self.inner.readlink(attr.inode).await
@@ -314,7 +379,8 @@ impl Client {
 
     /// A second name `new` for the file `existing`.
     fn link(&self, py: Python<'_>, existing: &str, new: &str) -> PyResult<()> {
-        wait(py, self.inner.link_path(existing, new)).map_err(|e| os_error(e, Some(new)))?;
+        self.check()?;
+        wait(py, self.inner.link_path(existing, new)).map_err(|e| os_error2(e, existing, new))?;
         Ok(())
     }
 
@@ -335,6 +401,7 @@ impl Client {
         exclusive: bool,
         permissions: u32,
     ) -> PyResult<File> {
+        self.check()?;
         let options = OpenOptions::new()
             .read(read)
             .write(write || append)
@@ -347,6 +414,7 @@ impl Client {
             wait(py, self.inner.open_path(path, &options)).map_err(|e| os_error(e, Some(path)))?;
         if handle.attr().kind != FileKind::Regular {
             // The library opens only regular files; say so as open(2) would for a directory.
+            let _ = wait(py, handle.close());
             return Err(os_error(
                 ClientError::Path {
                     path: path.to_string(),
@@ -356,14 +424,17 @@ impl Client {
                 Some(path),
             ));
         }
+        // As Python's FileIO: an append stream starts at the end.
+        let position = if append { handle.size() } else { 0 };
         Ok(File {
             path: path.to_string(),
+            pid: self.pid,
             readable: read,
             writable: write || append,
             append,
             state: tokio::sync::Mutex::new(FileState {
                 handle: Some(Arc::new(handle)),
-                position: 0,
+                position,
             }),
         })
     }
@@ -371,7 +442,19 @@ impl Client {
     /// Copy the file `source` to `target` (created or replaced) on the I/O servers where the
     /// layouts allow, else through this client. Returns the bytes copied.
     fn copy_file(&self, py: Python<'_>, source: &str, target: &str) -> PyResult<u64> {
+        self.check()?;
         wait(py, async {
+            let source_attr = self.inner.stat(source).await?;
+            match self.inner.stat(target).await {
+                Ok(target_attr) if target_attr.inode == source_attr.inode => {
+                    return Err(ClientError::Path {
+                        path: target.to_string(),
+                        code: ErrorCode::InvalidArgument,
+                        reason: format!("is the same file as {source}"),
+                    });
+                }
+                _ => {}
+            }
             let from = self
                 .inner
                 .open_path(source, &OpenOptions::new().read(true))
@@ -415,6 +498,7 @@ impl Client {
     /// Where the data of the file `path` lives: its layout and, per copy of each stripe, the
     /// server, its address, whether it is up, and the object's length.
     fn stripes<'py>(&self, py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyDict>> {
+        self.check()?;
         let (attr, layout, placements) =
             wait(py, self.inner.stripe_map(path)).map_err(|e| os_error(e, Some(path)))?;
         let dict = PyDict::new(py);
@@ -434,6 +518,7 @@ impl Client {
 
     /// Capacity and use of the whole cluster.
     fn statfs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.check()?;
         let stats = wait(py, self.inner.statfs()).map_err(|e| os_error(e, None))?;
         let dict = PyDict::new(py);
         dict.set_item("capacity_bytes", stats.capacity_bytes)?;
@@ -446,12 +531,15 @@ impl Client {
 
     /// Make every metadata change of this client durable at the meta server.
     fn sync(&self, py: Python<'_>) -> PyResult<()> {
+        self.check()?;
         wait(py, self.inner.sync()).map_err(|e| os_error(e, None))
     }
 
     /// End the session (files still open are closed by the meta server when it expires).
-    fn close(&self, py: Python<'_>) {
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.check()?;
         wait(py, self.inner.shutdown());
+        Ok(())
     }
 
     fn __repr__(&self) -> String {
@@ -473,6 +561,8 @@ struct FileState {
 #[pyclass(module = "freeflow._native", frozen)]
 pub struct File {
     path: String,
+    /// The process that opened it (see [`Client::check`]).
+    pid: u32,
     readable: bool,
     writable: bool,
     append: bool,
@@ -482,9 +572,25 @@ pub struct File {
 }
 
 impl File {
-    /// The state, for calls that do not wait on the network (never called on the runtime).
-    fn state_now(&self) -> tokio::sync::MutexGuard<'_, FileState> {
-        self.state.blocking_lock()
+    fn check(&self) -> PyResult<()> {
+        if self.pid == std::process::id() {
+            return Ok(());
+        }
+        Err(PyOSError::new_err((
+            ErrorCode::InvalidArgument.errno(),
+            format!(
+                "{} was opened in process {}, before a fork: open it again in process {}",
+                self.path,
+                self.pid,
+                std::process::id()
+            ),
+        )))
+    }
+
+    /// The state, for calls that do not wait on the network: taken with the GIL released,
+    /// as another thread's call may hold it while it waits on the network.
+    fn state_now(&self, py: Python<'_>) -> tokio::sync::MutexGuard<'_, FileState> {
+        py.detach(|| self.state.blocking_lock())
     }
 
     fn error(&self, error: ClientError) -> PyErr {
@@ -541,8 +647,8 @@ impl File {
     }
 
     #[getter]
-    fn closed(&self) -> bool {
-        self.state_now().handle.is_none()
+    fn closed(&self, py: Python<'_>) -> bool {
+        self.state_now(py).handle.is_none()
     }
 
     fn readable(&self) -> bool {
@@ -556,6 +662,7 @@ impl File {
     /// Read into `buffer` (any writable contiguous buffer: bytearray, memoryview, a NumPy
     /// array) from the position; returns the bytes read, 0 at the end of the file.
     fn readinto(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<usize> {
+        self.check()?;
         self.check_readable()?;
         let view = PyUntypedBuffer::get(buffer)?;
         let span = writable_span(&view)?;
@@ -566,11 +673,14 @@ impl File {
             let data = handle.read_at(state.position, wanted).await.map_err(Some)?;
             // SAFETY: `view` holds the caller's buffer exported (it cannot be resized or
             // freed) until after this returns; `data` is at most `span.length` bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(data.as_ptr(), span.address as *mut u8, data.len());
+            let length = data.len().min(span.length);
+            if length > 0 {
+                unsafe {
+                    std::ptr::copy_nonoverlapping(data.as_ptr(), span.address as *mut u8, length);
+                }
             }
-            state.position += data.len() as u64;
-            Ok::<usize, Option<ClientError>>(data.len())
+            state.position += length as u64;
+            Ok::<usize, Option<ClientError>>(length)
         });
         drop(view);
         read.map_err(|error| error.map_or_else(closed_file, |error| self.error(error)))
@@ -579,15 +689,14 @@ impl File {
     /// Read up to `size` bytes from the position (all that is left for a negative size).
     #[pyo3(signature = (size=-1))]
     fn read<'py>(&self, py: Python<'py>, size: i64) -> PyResult<Bound<'py, PyBytes>> {
+        self.check()?;
         self.check_readable()?;
         let data = wait(py, async {
             let mut state = self.state.lock().await;
             let handle = state.handle.clone().ok_or(None)?;
-            let mut wanted = if size < 0 {
-                handle.size().saturating_sub(state.position)
-            } else {
-                size as u64
-            };
+            // Everything left is read until a short read: the size this handle knows may be
+            // behind another client's appends, which the library then asks for.
+            let mut wanted = if size < 0 { u64::MAX } else { size as u64 };
             let mut gathered: Vec<Bytes> = Vec::new();
             while wanted > 0 {
                 let asked = wanted.min(READ_LENGTH_MAX);
@@ -612,6 +721,7 @@ impl File {
 
     /// Everything from the position to the end of the file.
     fn readall<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        self.check()?;
         self.read(py, -1)
     }
 
@@ -619,6 +729,7 @@ impl File {
     /// append mode; returns its length. The write is in flight when this returns: a failure
     /// is reported by a later write, `flush`, `fsync` or `close`.
     fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<usize> {
+        self.check()?;
         self.check_writable()?;
         let view = PyUntypedBuffer::get(data)?;
         let bytes = if view.is_c_contiguous() {
@@ -650,9 +761,12 @@ impl File {
     }
 
     /// Move the position: `whence` 0 from the start, 1 from the position, 2 from the end
-    /// (the size asked of the meta server, so others' appends count). Returns the position.
+    /// (for a file open only for reading, the size asked of the meta server, so others'
+    /// appends count; for a writer, the size it knows, its own writes included). Returns
+    /// the position.
     #[pyo3(signature = (offset, whence=0))]
     fn seek(&self, py: Python<'_>, offset: i64, whence: i32) -> PyResult<u64> {
+        self.check()?;
         let result = wait(py, async {
             let mut state = self.state.lock().await;
             let handle = state.handle.clone().ok_or(None)?;
@@ -684,8 +798,8 @@ impl File {
         result.map_err(|message| PyOSError::new_err((libc_einval(), message)))
     }
 
-    fn tell(&self) -> PyResult<u64> {
-        let state = self.state_now();
+    fn tell(&self, py: Python<'_>) -> PyResult<u64> {
+        let state = self.state_now(py);
         state.handle.as_ref().ok_or_else(closed_file)?;
         Ok(state.position)
     }
@@ -697,6 +811,7 @@ impl File {
     /// Set the size to `size` (default: the position); the position does not move.
     #[pyo3(signature = (size=None))]
     fn truncate(&self, py: Python<'_>, size: Option<u64>) -> PyResult<u64> {
+        self.check()?;
         self.check_writable()?;
         wait(py, async {
             let state = self.state.lock().await;
@@ -711,15 +826,16 @@ impl File {
     }
 
     /// The size of the file as this handle knows it (its own writes included).
-    fn size(&self) -> PyResult<u64> {
-        let state = self.state_now();
+    fn size(&self, py: Python<'_>) -> PyResult<u64> {
+        let state = self.state_now(py);
         Ok(state.handle.as_ref().ok_or_else(closed_file)?.size())
     }
 
     /// Wait for the writes in flight and commit the size at the meta server (what a close
     /// does, without a disk sync): after it, other clients' opens see the data.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        let handle = self.state_now().handle.clone();
+        self.check()?;
+        let handle = self.state_now(py).handle.clone();
         let Some(handle) = handle else {
             return Ok(());
         };
@@ -732,14 +848,16 @@ impl File {
     /// Make every byte written through this file durable on its servers, and its size and
     /// mtime at the meta server.
     fn fsync(&self, py: Python<'_>) -> PyResult<()> {
-        let handle = self.state_now().handle.clone().ok_or_else(closed_file)?;
+        self.check()?;
+        let handle = self.state_now(py).handle.clone().ok_or_else(closed_file)?;
         wait(py, handle.fsync()).map_err(|error| self.error(error))
     }
 
     /// Flush and close; reports a failure of any write made through the file. Closing a
     /// closed file does nothing.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let handle = self.state_now().handle.take();
+        self.check()?;
+        let handle = self.state_now(py).handle.take();
         let Some(handle) = handle else {
             return Ok(());
         };
@@ -747,12 +865,31 @@ impl File {
     }
 
     /// The attributes of the open file as the fields of `os.stat_result`.
-    fn stat_fields(&self) -> PyResult<StatFields> {
-        let state = self.state_now();
+    fn stat_fields(&self, py: Python<'_>) -> PyResult<StatFields> {
+        let state = self.state_now(py);
         let handle = state.handle.as_ref().ok_or_else(closed_file)?;
         let mut attr = handle.attr();
         attr.size_bytes = handle.size();
         Ok(stat_fields(&attr))
+    }
+}
+
+impl Drop for File {
+    /// A file Python collected without `close`: flush and close it on the runtime (a
+    /// failure there has nobody to report to, as with an unclosed Python file).
+    fn drop(&mut self) {
+        let state = self.state.get_mut();
+        if let Some(handle) = state.handle.take() {
+            if self.pid == std::process::id() {
+                runtime().spawn(async move {
+                    let _ = handle.close_shared().await;
+                });
+            } else {
+                // Opened before a fork: its connections are the parent's, and this process
+                // has no runtime for a close; the parent's session keeps it open.
+                drop(handle);
+            }
+        }
     }
 }
 

@@ -199,7 +199,7 @@ def test_another_client_sees_a_closed_file(cluster, client, home):
     with freeflow.Client(cluster.cluster_file) as other:
         with client.open(f"{home}/shared", "wb") as f:
             f.write(data)
-            f.raw.fsync()
+            f.fsync()
         assert other.read_bytes(f"{home}/shared") == data
         other.remove(f"{home}/shared")
     with pytest.raises(FileNotFoundError):
@@ -259,3 +259,63 @@ def test_the_gil_is_released_while_a_call_waits(client, home):
     # main thread took it back, one switch interval at most): look in the middle third.
     middle = [tick for tick in ticks if start + took / 3 < tick < end - took / 3]
     assert middle, f"no tick of the other thread in the middle of a {took:.3f} s read"
+
+
+def test_flush_publishes_and_append_starts_at_the_end(cluster, client, home):
+    with freeflow.Client(cluster.cluster_file) as other:
+        with client.open(f"{home}/flushed", "wb") as f:
+            f.write(b"x" * 1000)
+            f.flush()  # no close: another client sees the bytes already
+            assert other.stat(f"{home}/flushed").st_size == 1000
+            assert other.read_bytes(f"{home}/flushed") == b"x" * 1000
+        with client.open(f"{home}/flushed", "ab") as f:
+            assert f.tell() == 1000
+            f.write(b"y")
+            assert f.tell() == 1001
+        # A reader that opened before another client appended reads to the new end.
+        with client.open(f"{home}/flushed", "rb") as reader:
+            assert reader.read(10) == b"x" * 10
+            with other.open(f"{home}/flushed", "ab") as appender:
+                appender.write(b"MORE")
+            assert reader.read() == b"x" * 990 + b"yMORE"
+
+
+def test_copy_keeps_data_and_refuses_a_file_onto_itself(client, home):
+    data = payload(3 * MiB + 5, 21)
+    client.write_bytes(f"{home}/src", data)
+    assert client.copy_file(f"{home}/src", f"{home}/dst") == len(data)
+    assert client.read_bytes(f"{home}/dst") == data
+    with pytest.raises(OSError) as same:
+        client.copy_file(f"{home}/src", f"{home}/src")
+    assert same.value.errno == errno.EINVAL
+    assert client.read_bytes(f"{home}/src") == data
+    client.link(f"{home}/src", f"{home}/alias")
+    with pytest.raises(OSError):
+        client.copy_file(f"{home}/src", f"{home}/alias")
+    assert client.read_bytes(f"{home}/alias") == data
+    assert not client.exists(f"{home}/src/below")  # through a file: False, as os.path
+    with pytest.raises(FileNotFoundError) as both:
+        client.rename(f"{home}/src", f"{home}/nowhere/dst")
+    assert both.value.filename2 == f"{home}/nowhere/dst"
+
+
+def test_a_forked_child_makes_its_own_client(cluster, client, home):
+    client.write_bytes(f"{home}/before-fork", b"parent")
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        status = 1
+        try:
+            try:
+                client.stat(f"{home}/before-fork")
+                status = 2  # the parent's client must refuse
+            except OSError as error:
+                if "fork" in str(error):
+                    with freeflow.Client(cluster.cluster_file) as own:
+                        own.write_bytes(f"{home}/from-child", b"child")
+                        if own.read_bytes(f"{home}/before-fork") == b"parent":
+                            status = 0
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client.read_bytes(f"{home}/from-child") == b"child"

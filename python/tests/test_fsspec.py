@@ -113,3 +113,24 @@ def test_listing_moving_copying_removing(fs, home):
     fs.rm(f"{home}/d", recursive=True)
     assert not fs.exists(f"{home}/d")
     assert fs.ls(home, detail=False) == [f"{home}/moved.bin"]
+
+
+def test_globs_and_missing_parents(fs, home):
+    for name in ("a.bin", "b.bin", "c.txt"):
+        fs.pipe_file(f"{home}/g/{name}", name.encode())
+    fs.rm(f"ff://{home}/g/*.bin")
+    assert fs.ls(f"{home}/g", detail=False) == [f"{home}/g/c.txt"]
+    fs.cp_file(f"{home}/g/c.txt", f"{home}/new/dir/c.txt")
+    fs.mv(f"{home}/new/dir/c.txt", f"{home}/other/place/c.txt")
+    assert fs.cat_file(f"{home}/other/place/c.txt") == b"c.txt"
+    assert not fs.exists(f"{home}/new/dir/c.txt")
+
+
+def test_a_pickled_filesystem_reaches_the_same_cluster(fs, home, monkeypatch):
+    import pickle
+
+    fs.pipe_file(f"{home}/p", b"pickled")
+    monkeypatch.delenv("FREEFLOW_CLUSTER")
+    copy = pickle.loads(pickle.dumps(fs))
+    assert copy.client.cluster == fs.client.cluster
+    assert copy.cat_file(f"{home}/p") == b"pickled"
