@@ -80,6 +80,10 @@ pub enum Command {
         /// Disk engine of the I/O servers.
         #[arg(long, default_value = "uring", value_parser = ["uring", "threads"])]
         engine: String,
+        /// Which large aligned requests the I/O servers do with O_DIRECT, past their page
+        /// cache: off, writes, or all (reads too) (`direct_io` in an I/O server's config).
+        #[arg(long, default_value = "writes", value_parser = ["off", "writes", "all"])]
+        direct_io: String,
         /// Also mount the cluster's file system on this directory (FUSE), unmounted at Ctrl-C.
         #[arg(long, value_name = "MOUNTPOINT")]
         mount: Option<PathBuf>,

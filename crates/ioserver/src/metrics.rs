@@ -224,6 +224,16 @@ pub fn register_store_gauges(registry: &Registry, store: &Arc<ObjectStore>, read
         "Objects stored (exact once the background count at start-up is complete).",
         &[],
     );
+    let direct_reads = registry.counter(
+        "freeflow_io_direct_operations_total",
+        "Requests done with O_DIRECT, past the page cache (direct_io).",
+        &[("op", "read")],
+    );
+    let direct_writes = registry.counter(
+        "freeflow_io_direct_operations_total",
+        "Requests done with O_DIRECT, past the page cache (direct_io).",
+        &[("op", "write")],
+    );
     registry
         .gauge(
             "freeflow_io_ready_milliseconds",
@@ -244,6 +254,9 @@ pub fn register_store_gauges(registry: &Registry, store: &Arc<ObjectStore>, read
         open_files.set(store.fd_cache().len() as u64);
         open_files_max.set(store.fd_cache().open_files_max() as u64);
         objects.set(store.object_count().objects);
+        let direct = store.direct_counts();
+        direct_reads.set_from_source(direct.reads);
+        direct_writes.set_from_source(direct.writes);
     });
 }
 

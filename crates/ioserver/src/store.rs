@@ -115,6 +115,34 @@ pub struct ObjectStore {
     removed: Mutex<RemovedInodes>,
     /// The last stamp given to an [`ObjectSpace`] report (see [`ObjectStore::next_stamp`]).
     last_stamp: AtomicU64,
+    /// O_DIRECT for large aligned requests, when the config asks for it.
+    direct: Option<DirectIo>,
+}
+
+/// Bytes of memory, offset and length a request must be a multiple of to go through O_DIRECT.
+pub const DIRECT_ALIGNMENT: u64 = 4096;
+
+/// Large aligned writes (and reads, with the io_uring engine, whose buffers are page
+/// aligned) go through a second descriptor of the object opened with O_DIRECT: no copy into
+/// the page cache and no write-back work later. Everything else, and everything on a file
+/// system that refuses O_DIRECT, uses the cached descriptor. Linux keeps the two coherent
+/// (a direct write drops the cached pages of its range; a direct read first writes back
+/// dirty pages of its range).
+struct DirectIo {
+    min_bytes: u64,
+    reads: bool,
+    cache: FdCache,
+    /// Set when the file system refused an O_DIRECT open: from then on, none is tried.
+    refused: AtomicBool,
+    reads_done: AtomicU64,
+    writes_done: AtomicU64,
+}
+
+/// Requests that went through O_DIRECT since the start (for metrics and tests).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DirectCounts {
+    pub reads: u64,
+    pub writes: u64,
 }
 
 impl ObjectStore {
@@ -144,7 +172,76 @@ impl ObjectStore {
             created_unsynced: Mutex::default(),
             removed: Mutex::default(),
             last_stamp: AtomicU64::new(0),
+            direct: None,
         })
+    }
+
+    /// Send requests of at least `min_bytes` whose offset, length and memory are aligned to
+    /// [`DIRECT_ALIGNMENT`] through O_DIRECT: writes always, reads when `reads` (the engine
+    /// reads into page-aligned buffers). `open_files_max` bounds the direct descriptors.
+    pub fn use_direct_io(&mut self, min_bytes: u64, reads: bool, open_files_max: usize) {
+        self.direct = Some(DirectIo {
+            min_bytes: min_bytes.max(DIRECT_ALIGNMENT),
+            reads,
+            cache: FdCache::new(open_files_max),
+            refused: AtomicBool::new(false),
+            reads_done: AtomicU64::new(0),
+            writes_done: AtomicU64::new(0),
+        });
+    }
+
+    /// Requests done with O_DIRECT so far.
+    pub fn direct_counts(&self) -> DirectCounts {
+        self.direct
+            .as_ref()
+            .map(|direct| DirectCounts {
+                reads: direct.reads_done.load(Ordering::Relaxed),
+                writes: direct.writes_done.load(Ordering::Relaxed),
+            })
+            .unwrap_or_default()
+    }
+
+    /// The O_DIRECT descriptor of an existing object, if this request may use one.
+    async fn direct_file(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        length: u64,
+        memory: Option<usize>,
+    ) -> Option<(&DirectIo, Arc<File>)> {
+        let direct = self.direct.as_ref()?;
+        let aligned = offset.is_multiple_of(DIRECT_ALIGNMENT)
+            && length.is_multiple_of(DIRECT_ALIGNMENT)
+            && memory.is_none_or(|address| (address as u64).is_multiple_of(DIRECT_ALIGNMENT));
+        if !aligned || length < direct.min_bytes || direct.refused.load(Ordering::Relaxed) {
+            return None;
+        }
+        if let Some(file) = direct.cache.get(object) {
+            return Some((direct, file));
+        }
+        let path = self.object_path(object);
+        let opened = blocking(move || {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
+                .open(&path)
+        })
+        .await;
+        match opened {
+            Ok(file) => Some((direct, direct.cache.insert(object, Arc::new(file)))),
+            Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {
+                if !direct.refused.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        data_dir = %self.data_dir.display(),
+                        "the file system refuses O_DIRECT: every request uses the page cache"
+                    );
+                }
+                None
+            }
+            // Removed meanwhile, or out of descriptors: the cached descriptor will say.
+            Err(_) => None,
+        }
     }
 
     pub fn server_id(&self) -> ServerId {
@@ -225,6 +322,26 @@ impl ObjectStore {
             return self.space_of_existing(object).await;
         }
         let file = self.open_or_create(object).await?;
+        let length = data.len() as u64;
+        if let Some((direct, direct_file)) = self
+            .direct_file(object, offset, length, Some(data.as_ptr() as usize))
+            .await
+        {
+            match self
+                .engine
+                .write_at(direct_file, offset, data.clone())
+                .await
+            {
+                Ok(()) => {
+                    direct.writes_done.fetch_add(1, Ordering::Relaxed);
+                    return self.space_of(object, &file);
+                }
+                // A file system that takes O_DIRECT opens but not this request: the
+                // cached descriptor does it (nothing was written: EINVAL comes first).
+                Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {}
+                Err(error) => return Err(self.error("write", object, error)),
+            }
+        }
         self.engine
             .write_at(Arc::clone(&file), offset, data)
             .await
@@ -247,6 +364,33 @@ impl ObjectStore {
         let Some(file) = self.open_existing(object).await? else {
             return Ok(Bytes::new());
         };
+        if self.direct.as_ref().is_some_and(|direct| direct.reads) {
+            // Only a range inside the object: a direct read cut short by the end of the
+            // file could not be continued from an unaligned offset.
+            let inside = file
+                .metadata()
+                .is_ok_and(|metadata| offset + u64::from(length_bytes) <= metadata.len());
+            if inside {
+                if let Some((direct, direct_file)) = self
+                    .direct_file(object, offset, u64::from(length_bytes), None)
+                    .await
+                {
+                    match self
+                        .engine
+                        .read_at(direct_file, offset, length_bytes as usize)
+                        .await
+                    {
+                        Ok(data) => {
+                            direct.reads_done.fetch_add(1, Ordering::Relaxed);
+                            return Ok(data);
+                        }
+                        // Cut meanwhile, or refused: read through the cache.
+                        Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {}
+                        Err(error) => return Err(self.error("read", object, error)),
+                    }
+                }
+            }
+        }
         self.engine
             .read_at(file, offset, length_bytes as usize)
             .await
@@ -481,7 +625,7 @@ impl ObjectStore {
                 inode,
                 stripe_index,
             };
-            self.cache.remove(object);
+            self.forget_descriptors(object);
             let path = self.object_path(object);
             let removed = {
                 let path = path.clone();
@@ -490,7 +634,7 @@ impl ObjectStore {
             };
             // A task that opened the file just before the unlink may have cached it; inode
             // ids are never reused, so only that stale descriptor could be hit, and we drop it.
-            self.cache.remove(object);
+            self.forget_descriptors(object);
             removed.map_err(|error| StoreError::from_io(self.server_id, "remove", path, error))?;
         }
         Ok(())
@@ -498,14 +642,14 @@ impl ObjectStore {
 
     /// Remove `object` alone, leaving its inode writable here (see `RemoveObject`).
     pub async fn remove_one(&self, object: ObjectId) -> Result<(), StoreError> {
-        self.cache.remove(object);
+        self.forget_descriptors(object);
         let path = self.object_path(object);
         let removed = {
             let path = path.clone();
             let shards = Arc::clone(&self.shards);
             blocking(move || remove_object(&shards[shard_of(object.inode)], &path)).await
         };
-        self.cache.remove(object);
+        self.forget_descriptors(object);
         removed.map_err(|error| StoreError::from_io(self.server_id, "remove", path, error))
     }
 
@@ -649,6 +793,13 @@ impl ObjectStore {
                 Ok(self.cache.insert(object, Arc::new(file)))
             }
             Err(error) => Err(StoreError::from_io(self.server_id, "create", path, error)),
+        }
+    }
+
+    fn forget_descriptors(&self, object: ObjectId) {
+        self.cache.remove(object);
+        if let Some(direct) = &self.direct {
+            direct.cache.remove(object);
         }
     }
 

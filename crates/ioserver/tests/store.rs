@@ -104,6 +104,16 @@ enum Step {
         offset: u64,
         length_bytes: u32,
     },
+    /// Whole pages at a page offset: what O_DIRECT takes.
+    PageWrite {
+        page: u64,
+        pages: usize,
+        seed: u8,
+    },
+    PageRead {
+        page: u64,
+        pages: u32,
+    },
     Truncate {
         length_bytes: u64,
     },
@@ -119,6 +129,9 @@ fn step() -> impl Strategy<Value = Step> {
             .prop_map(|(offset, length_bytes, seed)| Step::Write { offset, length_bytes, seed }),
         4 => (0u64..128 << 10, 0u32..48 << 10)
             .prop_map(|(offset, length_bytes)| Step::Read { offset, length_bytes }),
+        3 => (0u64..24, 1usize..12, any::<u8>())
+            .prop_map(|(page, pages, seed)| Step::PageWrite { page, pages, seed }),
+        3 => (0u64..32, 1u32..12).prop_map(|(page, pages)| Step::PageRead { page, pages }),
         2 => (0u64..128 << 10).prop_map(|length_bytes| Step::Truncate { length_bytes }),
         1 => Just(Step::Sync),
         1 => Just(Step::Remove),
@@ -131,20 +144,43 @@ fn pattern(length_bytes: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-fn run_model(kind: Kind, steps: Vec<Step>) -> Result<(), TestCaseError> {
+/// `data` in memory that starts on a page, as a large frame's payload does.
+fn page_aligned(data: &[u8]) -> Bytes {
+    let mut buffer = vec![0u8; data.len() + 4095];
+    let lead = (4096 - buffer.as_ptr() as usize % 4096) % 4096;
+    buffer[lead..lead + data.len()].copy_from_slice(data);
+    Bytes::from(buffer).slice(lead..lead + data.len())
+}
+
+fn run_model(kind: Kind, direct: bool, steps: Vec<Step>) -> Result<(), TestCaseError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     let directory = tempfile::tempdir().unwrap();
-    let store = store(kind, &directory, 4);
+    let mut store = store(kind, &directory, 4);
+    if direct {
+        store.use_direct_io(4096, true, 2);
+    }
     let mut model = Model::default();
     // Once removed, an inode's objects are gone for good: ids are never reused, so a later
     // write is a straggler and is refused (Stale), and a truncate creates nothing.
     let mut removed = false;
     runtime.block_on(async {
         for step in steps {
+            let step = match step {
+                Step::PageWrite { page, pages, seed } => Step::Write {
+                    offset: page * 4096,
+                    length_bytes: pages * 4096,
+                    seed,
+                },
+                Step::PageRead { page, pages } => Step::Read {
+                    offset: page * 4096,
+                    length_bytes: pages * 4096,
+                },
+                other => other,
+            };
             match step {
                 Step::Write {
                     offset,
@@ -152,7 +188,7 @@ fn run_model(kind: Kind, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     seed,
                 } => {
                     let data = pattern(length_bytes, seed);
-                    let written = store.write(OBJECT, offset, Bytes::from(data.clone())).await;
+                    let written = store.write(OBJECT, offset, page_aligned(&data)).await;
                     if removed {
                         let error = written.expect_err("a write after removal is refused");
                         prop_assert_eq!(error.code(), freeflow_proto::ErrorCode::Stale);
@@ -197,6 +233,7 @@ fn run_model(kind: Kind, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     ])
                     .await
                     .unwrap(),
+                Step::PageWrite { .. } | Step::PageRead { .. } => unreachable!("mapped above"),
                 Step::Remove => {
                     store
                         .remove(OBJECT.inode, &[OBJECT.stripe_index, 99])
@@ -225,12 +262,17 @@ proptest! {
 
     #[test]
     fn the_store_matches_the_model_with_io_uring(steps in prop::collection::vec(step(), 1..40)) {
-        run_model(Kind::Uring, steps)?;
+        run_model(Kind::Uring, false, steps)?;
+    }
+
+    #[test]
+    fn the_store_matches_the_model_with_direct_io(steps in prop::collection::vec(step(), 1..40)) {
+        run_model(Kind::Uring, true, steps)?;
     }
 
     #[test]
     fn the_store_matches_the_model_with_threads(steps in prop::collection::vec(step(), 1..40)) {
-        run_model(Kind::Threads, steps)?;
+        run_model(Kind::Threads, false, steps)?;
     }
 }
 
@@ -761,4 +803,60 @@ async fn copies_between_objects_zero_past_the_source_end_and_handle_overlap() {
     let read = store.read(object(21, 2), 0, 600).await.unwrap();
     assert!(read[..500].iter().all(|&byte| byte == 0));
     assert_eq!(read[500], 0xee);
+}
+
+/// O_DIRECT takes exactly the large aligned requests and agrees with the page cache: bytes
+/// written through the cache are seen by a direct read of their pages, and the reverse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_io_takes_large_aligned_requests_and_agrees_with_the_cache() {
+    let directory = tempfile::tempdir().unwrap();
+    let mut store = store(Kind::Uring, &directory, 4);
+    store.use_direct_io(64 << 10, true, 2);
+    let block = pattern(64 << 10, 1);
+
+    store.write(OBJECT, 0, page_aligned(&block)).await.unwrap();
+    assert_eq!(store.direct_counts().writes, 1, "aligned and large: direct");
+    store
+        .write(OBJECT, 4096, page_aligned(&block[..4096]))
+        .await
+        .unwrap();
+    store
+        .write(OBJECT, 100, Bytes::copy_from_slice(&block[..7]))
+        .await
+        .unwrap();
+    // Aligned offset and length, memory one byte past a page: through the cache.
+    let unaligned_memory = page_aligned(&[5u8; (64 << 10) + 1][..]).slice(1..);
+    store
+        .write(OBJECT, 64 << 10, unaligned_memory)
+        .await
+        .unwrap();
+    let direct_writes = store.direct_counts().writes;
+    assert_eq!(direct_writes, 1, "small, or unaligned: through the cache");
+
+    // A direct read of the first 64 KiB sees the cached writes made over the direct one.
+    let read = store.read(OBJECT, 0, 64 << 10).await.unwrap();
+    assert_eq!(store.direct_counts().reads, 1);
+    let mut expected = block.clone();
+    expected[4096..8192].copy_from_slice(&block[..4096]);
+    expected[100..107].copy_from_slice(&block[..7]);
+    assert!(read[..] == expected[..], "direct read sees cached writes");
+    // Past the end of the object: through the cache, short.
+    let tail = store.read(OBJECT, 64 << 10, 128 << 10).await.unwrap();
+    assert_eq!(tail.len(), 64 << 10);
+    assert!(tail.iter().all(|byte| *byte == 5));
+    assert_eq!(
+        store.direct_counts().reads,
+        1,
+        "a read past the end is not direct"
+    );
+
+    // A direct write over cached pages: a cached read sees it.
+    let second = pattern(64 << 10, 9);
+    store.write(OBJECT, 0, page_aligned(&second)).await.unwrap();
+    assert_eq!(store.direct_counts().writes, direct_writes + 1);
+    let head = store.read(OBJECT, 0, 4096 + 10).await.unwrap();
+    assert!(
+        head[..] == second[..4096 + 10],
+        "cached read sees the direct write"
+    );
 }

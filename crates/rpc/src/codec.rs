@@ -1,9 +1,16 @@
 //! Reading and writing frames (layout in `freeflow_proto::frame`). A frame is read into one
 //! buffer of exactly its size and split into header and payload `Bytes` without copying.
+//! A large payload ([`ALIGNED_PAYLOAD_MIN`] bytes or more) starts on a page boundary of its
+//! buffer, so an I/O server can hand it to the disk with O_DIRECT as it came off the wire.
 
 use bytes::{Bytes, BytesMut};
 use freeflow_proto::frame::{FrameError, FrameHeader, FIXED_HEADER_BYTES};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Payloads of at least this many bytes are read so that they start on a page boundary.
+pub const ALIGNED_PAYLOAD_MIN: usize = 64 << 10;
+/// The boundary such payloads start on (what O_DIRECT asks of memory on Linux file systems).
+pub const PAYLOAD_ALIGNMENT: usize = 4096;
 
 /// A frame as read off the wire.
 #[derive(Debug)]
@@ -121,22 +128,78 @@ pub async fn read_frame_body<R: AsyncRead + Unpin + ?Sized>(
     fixed: FixedHeader,
 ) -> Result<RawFrame, FrameReadError> {
     let header_length = fixed.header.header_length as usize;
-    let total = header_length + fixed.header.payload_length as usize;
+    let payload_length = fixed.header.payload_length as usize;
+    let total = header_length + payload_length;
+    if payload_length >= ALIGNED_PAYLOAD_MIN {
+        return read_aligned_body(reader, fixed, header_length, total).await;
+    }
     // Read into spare capacity (no zero-filling of a buffer about to be overwritten);
     // `take` bounds each read so nothing of the next frame is consumed.
     let mut body = BytesMut::with_capacity(total);
-    while body.len() < total {
-        let remaining = (total - body.len()) as u64;
+    read_exactly(reader, &mut body, total).await?;
+    verify(&fixed, &body[..header_length], &body[header_length..])?;
+    let header = body.split_to(header_length).freeze();
+    Ok(RawFrame {
+        fixed: fixed.header,
+        header,
+        payload: body.freeze(),
+    })
+}
+
+/// As [`read_frame_body`] for a large payload: the buffer has room for a lead of up to one
+/// page, chosen once it is allocated so that the payload starts on a page boundary.
+async fn read_aligned_body<R: AsyncRead + Unpin + ?Sized>(
+    reader: &mut R,
+    fixed: FixedHeader,
+    header_length: usize,
+    total: usize,
+) -> Result<RawFrame, FrameReadError> {
+    let mut buffer: Vec<u8> = Vec::with_capacity(total + PAYLOAD_ALIGNMENT - 1);
+    let misalignment = (buffer.as_ptr() as usize + header_length) % PAYLOAD_ALIGNMENT;
+    let lead = (PAYLOAD_ALIGNMENT - misalignment) % PAYLOAD_ALIGNMENT;
+    buffer.resize(lead, 0);
+    // The capacity covers lead + total, so the reads below never move the buffer.
+    read_exactly(reader, &mut buffer, lead + total).await?;
+    let payload_start = lead + header_length;
+    verify(
+        &fixed,
+        &buffer[lead..payload_start],
+        &buffer[payload_start..],
+    )?;
+    let body = Bytes::from(buffer);
+    Ok(RawFrame {
+        fixed: fixed.header,
+        header: body.slice(lead..payload_start),
+        payload: body.slice(payload_start..),
+    })
+}
+
+/// Read until `buffer` holds `length` bytes, never past them.
+async fn read_exactly<R, B>(
+    reader: &mut R,
+    buffer: &mut B,
+    length: usize,
+) -> Result<(), FrameReadError>
+where
+    R: AsyncRead + Unpin + ?Sized,
+    B: bytes::BufMut + AsRef<[u8]>,
+{
+    while buffer.as_ref().len() < length {
+        let remaining = (length - buffer.as_ref().len()) as u64;
         let read = (&mut *reader)
             .take(remaining)
-            .read_buf(&mut body)
+            .read_buf(buffer)
             .await
             .map_err(FrameReadError::Io)?;
         if read == 0 {
             return Err(FrameReadError::Truncated);
         }
     }
-    let actual = checksum(&fixed.bytes, &body[..header_length], &body[header_length..]);
+    Ok(())
+}
+
+fn verify(fixed: &FixedHeader, header: &[u8], payload: &[u8]) -> Result<(), FrameReadError> {
+    let actual = checksum(&fixed.bytes, header, payload);
     if actual != fixed.header.checksum {
         return Err(FrameError::BadChecksum {
             expected: fixed.header.checksum,
@@ -144,12 +207,7 @@ pub async fn read_frame_body<R: AsyncRead + Unpin + ?Sized>(
         }
         .into());
     }
-    let header = body.split_to(header_length).freeze();
-    Ok(RawFrame {
-        fixed: fixed.header,
-        header,
-        payload: body.freeze(),
-    })
+    Ok(())
 }
 
 /// CRC-32C over the fixed header's first 24 bytes (everything but the checksum and the
@@ -227,5 +285,36 @@ mod tests {
             read_frame(&mut wire.as_slice(), 4).await,
             Err(FrameReadError::Invalid(FrameError::PayloadTooLong { .. }))
         ));
+    }
+
+    #[tokio::test]
+    async fn large_payloads_start_on_a_page_and_are_checked() {
+        for header_length in [0usize, 1, 7, 4095, 4096, 5000] {
+            let header: Vec<u8> = (0..header_length).map(|i| (i * 7) as u8).collect();
+            let payload: Vec<u8> = (0..ALIGNED_PAYLOAD_MIN + 3)
+                .map(|i| (i * 13) as u8)
+                .collect();
+            let mut wire = Vec::new();
+            write_frame(&mut wire, 0, 200, 1, &header, &payload)
+                .await
+                .unwrap();
+            let frame = read_frame(&mut wire.as_slice(), 1 << 20).await.unwrap();
+            assert_eq!(frame.payload.as_ptr() as usize % PAYLOAD_ALIGNMENT, 0);
+            assert_eq!(&frame.header[..], &header[..]);
+            assert_eq!(&frame.payload[..], &payload[..]);
+
+            let mut corrupt = wire.clone();
+            let middle = corrupt.len() - payload.len() / 2;
+            corrupt[middle] ^= 1;
+            assert!(matches!(
+                read_frame(&mut corrupt.as_slice(), 1 << 20).await,
+                Err(FrameReadError::Invalid(FrameError::BadChecksum { .. }))
+            ));
+            let truncated = &wire[..wire.len() - 1];
+            assert!(matches!(
+                read_frame(&mut &truncated[..], 1 << 20).await,
+                Err(FrameReadError::Truncated)
+            ));
+        }
     }
 }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use freeflow_ioserver::{EngineKind, IoConfig};
+use freeflow_ioserver::{DirectIo, EngineKind, IoConfig};
 use freeflow_meta::MetaConfig;
 use freeflow_rpc::ClusterKey;
 
@@ -44,6 +44,8 @@ pub struct Options {
     pub replicas: u32,
     pub port: u16,
     pub engine: String,
+    /// O_DIRECT for large aligned requests on the I/O servers: "off", "writes" or "all".
+    pub direct_io: String,
     pub mountpoint: Option<PathBuf>,
     /// How the mount behaves (its metrics address is set here from the port).
     pub mount_options: super::mount::Options,
@@ -58,6 +60,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         replicas,
         port,
         engine,
+        direct_io,
         mountpoint,
         mount_options,
         metrics,
@@ -86,6 +89,11 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         "threads" => EngineKind::Threads,
         _ => EngineKind::Uring,
     };
+    let direct_io = match direct_io.as_str() {
+        "off" => DirectIo::Off,
+        "all" => DirectIo::All,
+        _ => DirectIo::Writes,
+    };
 
     let meta_config = MetaConfig {
         listen_address: meta_address.clone(),
@@ -104,6 +112,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
                 meta_address: meta_address.clone(),
                 engine,
                 metrics_address: metrics_at(IO_METRICS_PORT_OFFSET + server_id)?,
+                direct_io,
                 ..IoConfig::default()
             })
         })

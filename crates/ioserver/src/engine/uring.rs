@@ -33,8 +33,10 @@
 //! the buffer returns to the pool once the reply is on the socket, so the pool also bounds
 //! the memory of replies waiting to be sent. A read longer than one buffer is done in
 //! buffer-sized pieces copied into one reply. Syncs are `Fsync` with
-//! `DATASYNC`. (O_DIRECT, when it comes, needs aligned memory: such writes will go through
-//! the registered buffers again.)
+//! `DATASYNC`. With `direct_io` the store hands large aligned writes (and, with `all`, reads)
+//! a descriptor opened with O_DIRECT (`store.rs`, `DirectIo`): a write's payload is already
+//! page aligned, as the RPC layer reads large payloads to a page boundary, and the
+//! registered buffers reads land in are page aligned.
 //!
 //! If `register_buffers` fails (for instance `RLIMIT_MEMLOCK` too small for the pool and no
 //! `CAP_IPC_LOCK`), the engine logs a warning and uses plain `Read`/`Write` on the same pool.
