@@ -84,6 +84,10 @@ pub enum Command {
         /// cache: off, writes, or all (reads too) (`direct_io` in an I/O server's config).
         #[arg(long, default_value = "writes", value_parser = ["off", "writes", "all"])]
         direct_io: String,
+        /// How clients and servers of this host reach the I/O servers: unix (a Unix socket
+        /// in each I/O server's data directory, no TCP/IP on the data path) or tcp.
+        #[arg(long, default_value = "unix", value_parser = ["unix", "tcp"])]
+        transport: String,
         /// Also mount the cluster's file system on this directory (FUSE), unmounted at Ctrl-C.
         #[arg(long, value_name = "MOUNTPOINT")]
         mount: Option<PathBuf>,

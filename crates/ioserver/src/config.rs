@@ -45,7 +45,11 @@ pub struct IoConfig {
     /// Where to listen, `host:port`; port 0 picks a free port. Default `127.0.0.1:7710`.
     pub listen_address: String,
     /// The address given to the meta server for clients; default: the bound listen address.
+    /// `unix:/path` (with `unix_socket` = that path) when every client is on this host.
     pub advertise_address: Option<String>,
+    /// Also listen on a Unix socket at this path, for peers on this host (`freeflow up`
+    /// uses it: no TCP/IP stack on the data path). Default: none.
+    pub unix_socket: Option<PathBuf>,
     /// The directory holding this server's objects (one per disk). Default `./freeflow-io`.
     pub data_dir: PathBuf,
     /// The meta server's address. Default `127.0.0.1:7700`.
@@ -91,6 +95,7 @@ impl Default for IoConfig {
             server_id: 1,
             listen_address: "127.0.0.1:7710".to_owned(),
             advertise_address: None,
+            unix_socket: None,
             data_dir: PathBuf::from("freeflow-io"),
             meta_address: "127.0.0.1:7700".to_owned(),
             engine: EngineKind::Uring,
@@ -119,6 +124,7 @@ impl IoConfig {
             server_id: _,
             listen_address,
             advertise_address,
+            unix_socket,
             data_dir,
             meta_address,
             engine: _,
@@ -138,8 +144,27 @@ impl IoConfig {
             direct_io_min_bytes,
         } = self;
         check_address("listen_address", listen_address, true)?;
+        if let Some(path) = unix_socket {
+            // sun_path holds 108 bytes with the terminating zero.
+            if path.as_os_str().is_empty() || path.as_os_str().len() > 107 {
+                return invalid(format!(
+                    "unix_socket {} must be 1..=107 bytes long (the kernel's bound on socket paths)",
+                    path.display()
+                ));
+            }
+        }
         if let Some(advertise_address) = advertise_address {
-            check_address("advertise_address", advertise_address, false)?;
+            match freeflow_rpc::unix_socket_path(advertise_address) {
+                Some(path) => {
+                    if unix_socket.as_deref() != Some(std::path::Path::new(path)) {
+                        return invalid(format!(
+                            "advertise_address {advertise_address:?} names a socket this server does not listen on (unix_socket is {:?})",
+                            unix_socket
+                        ));
+                    }
+                }
+                None => check_address("advertise_address", advertise_address, false)?,
+            }
         }
         check_address("meta_address", meta_address, false)?;
         if let Some(metrics_address) = metrics_address {

@@ -134,6 +134,10 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
             address: config.listen_address.clone(),
             source,
         })?;
+    let unix_listener = match &config.unix_socket {
+        Some(path) => Some(bind_unix(path)?),
+        None => None,
+    };
     let advertise_address = match &config.advertise_address {
         Some(address) => address.clone(),
         None => {
@@ -188,7 +192,13 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
     });
     metrics::register_resync_gauges(&registry, &resync.progress);
     metrics::register_replication_gauges(&registry, &replication);
-    let serve = tokio::spawn(freeflow_rpc::serve(listener, key.clone(), options, service));
+    let serve = tokio::spawn(freeflow_rpc::serve_with_unix(
+        listener,
+        unix_listener,
+        key.clone(),
+        options,
+        service,
+    ));
 
     let (metrics_address, metrics_task) = match metrics_listener {
         Some((listener, address)) => (
@@ -282,7 +292,8 @@ async fn bind_metrics(
 /// The metrics address other hosts should scrape: the bound one, with the advertised
 /// host instead when it is bound to all interfaces.
 fn advertised_metrics_address(bound: SocketAddr, advertise_address: Option<&str>) -> String {
-    match advertise_address.and_then(|address| address.rsplit_once(':')) {
+    let tcp = advertise_address.filter(|address| freeflow_rpc::unix_socket_path(address).is_none());
+    match tcp.and_then(|address| address.rsplit_once(':')) {
         Some((host, _)) if bound.ip().is_unspecified() => format!("{host}:{}", bound.port()),
         _ => bound.to_string(),
     }
@@ -357,4 +368,28 @@ impl RunningIo {
             ))),
         }
     }
+}
+
+/// Listen on a Unix socket at `path`, replacing a socket a stopped server left there (but
+/// nothing else: a regular file at that path is an error naming it).
+fn bind_unix(path: &std::path::Path) -> Result<tokio::net::UnixListener, IoServerError> {
+    use std::os::unix::fs::FileTypeExt;
+    let bind_error = |source| IoServerError::Bind {
+        address: format!("unix:{}", path.display()),
+        source,
+    };
+    match std::fs::symlink_metadata(path) {
+        Ok(metadata) if metadata.file_type().is_socket() => {
+            std::fs::remove_file(path).map_err(bind_error)?;
+        }
+        Ok(_) => {
+            return Err(bind_error(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "something other than a socket is there",
+            )))
+        }
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(bind_error(error)),
+    }
+    tokio::net::UnixListener::bind(path).map_err(bind_error)
 }

@@ -22,7 +22,7 @@ use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::codec::{read_frame, write_frame, RawFrame};
-use crate::transport::{ReadHalf, Tcp, Transport, WriteHalf};
+use crate::transport::{Network, ReadHalf, Transport, WriteHalf};
 use crate::{ClusterKey, RpcError};
 
 #[derive(Clone, Debug)]
@@ -100,13 +100,14 @@ impl std::fmt::Debug for Connection {
 }
 
 impl Connection {
-    /// Connect over TCP and authenticate with the cluster key.
+    /// Connect over TCP, or a Unix socket for a `unix:/path` address, and authenticate with
+    /// the cluster key.
     pub async fn connect(
         address: &str,
         key: &ClusterKey,
         options: &ConnectOptions,
     ) -> Result<Connection, RpcError> {
-        Connection::connect_with(&Tcp, address, key, options).await
+        Connection::connect_with(&Network, address, key, options).await
     }
 
     pub async fn connect_with(

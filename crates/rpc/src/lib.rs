@@ -23,8 +23,13 @@ pub use codec::{
 pub use error::RpcError;
 pub use key::{ClusterKey, KeyError};
 pub use metrics::ServerMetrics;
-pub use server::{handle, serve, serve_connection, Frame, PeerInfo, Reply, ServerOptions, Service};
-pub use transport::{ReadHalf, Tcp, Transport, WriteHalf};
+pub use server::{
+    handle, serve, serve_connection, serve_with_unix, Frame, PeerInfo, Reply, ServerOptions,
+    Service,
+};
+pub use transport::{
+    unix_socket_path, Network, ReadHalf, Tcp, Transport, Unix, WriteHalf, UNIX_ADDRESS_PREFIX,
+};
 
 /// Domain-separation strings for the handshake proofs.
 const CLIENT_PROOF_DOMAIN: &[u8] = b"freeflow v1 client proof";

@@ -19,7 +19,7 @@ use freeflow_proto::frame::{
 use freeflow_proto::handshake::{Authenticate, Hello, ServerProof};
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, Notify, Semaphore};
 
 use crate::codec::{read_fixed_header, read_frame_body, write_frame, FrameLimits, FrameReadError};
@@ -57,7 +57,8 @@ impl Reply {
 /// Who sent a request.
 #[derive(Clone, Debug)]
 pub struct PeerInfo {
-    pub address: SocketAddr,
+    /// `ip:port` of a TCP peer, `unix` for a peer on a Unix socket.
+    pub address: String,
     pub client_name: String,
     /// The client's id from its handshake (0: a peer without one).
     pub client_id: u64,
@@ -158,6 +159,18 @@ pub async fn serve<S: Service>(
     options: ServerOptions,
     service: Arc<S>,
 ) -> std::io::Result<()> {
+    serve_with_unix(listener, None, key, options, service).await
+}
+
+/// As [`serve`], accepting on a Unix socket too (peers on this host); the two share the
+/// limits (connections, handshakes, payload budget).
+pub async fn serve_with_unix<S: Service>(
+    listener: TcpListener,
+    unix: Option<UnixListener>,
+    key: ClusterKey,
+    options: ServerOptions,
+    service: Arc<S>,
+) -> std::io::Result<()> {
     let connections_max = options.connections_max as usize;
     let payload_bytes = options
         .payload_bytes_in_flight_max
@@ -173,7 +186,19 @@ pub async fn serve<S: Service>(
     let mut connections = tokio::task::JoinSet::new();
     loop {
         while connections.try_join_next().is_some() {}
-        let (stream, address) = match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted.map(|(stream, address)| {
+                let _ = stream.set_nodelay(true);
+                let (read, write) = stream.into_split();
+                (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf, address.to_string())
+            }),
+            accepted = accept_unix(unix.as_ref()) => accepted.map(|stream| {
+                crate::transport::widen_send_buffer(&stream);
+                let (read, write) = stream.into_split();
+                (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf, "unix".to_string())
+            }),
+        };
+        let (read, write, address) = match accepted {
             Ok(accepted) => accepted,
             Err(error) => {
                 // Running out of descriptors or a reset during accept is transient.
@@ -190,12 +215,18 @@ pub async fn serve<S: Service>(
             }
             continue;
         }
-        let _ = stream.set_nodelay(true);
-        let (read, write) = stream.into_split();
         let (shared, service) = (shared.clone(), service.clone());
         connections.spawn(async move {
-            run_connection(Box::new(read), Box::new(write), address, shared, service).await;
+            run_connection(read, write, address, shared, service).await;
         });
+    }
+}
+
+/// The next connection on the Unix socket, or never without one.
+async fn accept_unix(unix: Option<&UnixListener>) -> std::io::Result<tokio::net::UnixStream> {
+    match unix {
+        Some(listener) => listener.accept().await.map(|(stream, _)| stream),
+        None => std::future::pending().await,
     }
 }
 
@@ -209,6 +240,7 @@ pub async fn serve_connection<S: Service>(
     options: Arc<ServerOptions>,
     service: Arc<S>,
 ) {
+    let address = address.to_string();
     let options = (*options).clone();
     let shared = Arc::new(ServerShared {
         handshakes: Semaphore::new(1),
@@ -227,7 +259,7 @@ pub async fn serve_connection<S: Service>(
 async fn run_connection<S: Service>(
     read: ReadHalf,
     write: WriteHalf,
-    address: SocketAddr,
+    address: String,
     shared: Arc<ServerShared>,
     service: Arc<S>,
 ) {
@@ -268,7 +300,7 @@ async fn run_connection<S: Service>(
     drop(handshake_slot);
     let _open = metrics.clone().map(OpenConnection::new);
     let peer = Arc::new(PeerInfo {
-        address,
+        address: address.clone(),
         client_name,
         client_id,
     });

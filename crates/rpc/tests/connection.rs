@@ -9,8 +9,8 @@ use bytes::Bytes;
 use freeflow_proto::io::{ReadObject, ReadReply, ServerStats, WriteObject};
 use freeflow_proto::{ErrorCode, Request, WireError};
 use freeflow_rpc::{
-    handle, serve, ClusterKey, ConnectOptions, Connection, Frame, PeerInfo, Reply, RpcError,
-    ServerOptions, Service,
+    handle, serve, serve_with_unix, ClusterKey, ConnectOptions, Connection, Frame, PeerInfo, Reply,
+    RpcError, ServerOptions, Service,
 };
 use freeflow_types::ObjectId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -568,4 +568,56 @@ async fn a_small_server_payload_budget_still_carries_every_request() {
     for call in calls {
         assert_eq!(call.await.unwrap().unwrap(), 40_000);
     }
+}
+
+/// One server on TCP and a Unix socket at once: calls, large payloads (read to a page
+/// boundary) and errors arrive the same way on both, and a wrong key is refused on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_answers_on_tcp_and_on_its_unix_socket() {
+    let key = ClusterKey::generate().unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let socket = directory.path().join("server.sock");
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let tcp_address = tcp.local_addr().unwrap().to_string();
+    let unix = tokio::net::UnixListener::bind(&socket).unwrap();
+    tokio::spawn(serve_with_unix(
+        tcp,
+        Some(unix),
+        key.clone(),
+        ServerOptions::new("both"),
+        Arc::new(Echo),
+    ));
+    let unix_address = format!("unix:{}", socket.display());
+    for address in [&unix_address, &tcp_address] {
+        let connection = Connection::connect(address, &key, &ConnectOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(connection.identity(), "both");
+        let payload = Bytes::from((0..(1 << 20) + 7).map(|i| i as u8).collect::<Vec<u8>>());
+        let (_, echoed) = connection
+            .call(&write_request(1, 0), payload.clone())
+            .await
+            .unwrap();
+        assert_eq!(echoed, payload, "{address}");
+        let error = connection
+            .call(&write_request(0, 0), Bytes::new())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&error, RpcError::Remote(wire) if wire.code == ErrorCode::NotFound),
+            "{address}: {error}"
+        );
+        let wrong = ClusterKey::generate().unwrap();
+        assert!(
+            Connection::connect(address, &wrong, &ConnectOptions::default())
+                .await
+                .is_err(),
+            "{address} refuses a wrong key"
+        );
+    }
+    let missing = format!("unix:{}", directory.path().join("none.sock").display());
+    let error = Connection::connect(&missing, &key, &ConnectOptions::default())
+        .await
+        .unwrap_err();
+    assert!(error.to_string().contains("none.sock"), "{error}");
 }

@@ -8,8 +8,16 @@ use crate::cluster_file;
 pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
     let client = cluster_file::connect(cluster).await?;
     let report = client.cluster_status().await?;
+    // As wide as the longest address (Unix socket paths are long).
+    let width = report
+        .servers
+        .iter()
+        .map(|server| server.address.len())
+        .max()
+        .unwrap_or(0)
+        .max(22);
     println!(
-        "{:<6} {:<22} {:<5} {:<11} {:>11} {:>11} {:>9} {:>10}",
+        "{:<6} {:<width$} {:<5} {:<11} {:>11} {:>11} {:>9} {:>10}",
         "SERVER", "ADDRESS", "STATE", "CHAIN", "CAPACITY", "FREE", "OBJECTS", "LAST SEEN"
     );
     let (mut capacity, mut free, mut up) = (0u64, 0u64, 0usize);
@@ -24,7 +32,7 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
             None => "never".to_string(),
         };
         println!(
-            "{:<6} {:<22} {:<5} {:<11} {:>11} {:>11} {:>9} {:>10}",
+            "{:<6} {:<width$} {:<5} {:<11} {:>11} {:>11} {:>9} {:>10}",
             server.server_id,
             server.address,
             if server.up { "up" } else { "DOWN" },

@@ -46,6 +46,8 @@ pub struct Options {
     pub engine: String,
     /// O_DIRECT for large aligned requests on the I/O servers: "off", "writes" or "all".
     pub direct_io: String,
+    /// The I/O servers listen on Unix sockets too and advertise them.
+    pub unix_sockets: bool,
     pub mountpoint: Option<PathBuf>,
     /// How the mount behaves (its metrics address is set here from the port).
     pub mount_options: super::mount::Options,
@@ -61,6 +63,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         port,
         engine,
         direct_io,
+        unix_sockets,
         mountpoint,
         mount_options,
         metrics,
@@ -104,11 +107,19 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     };
     let io_configs = (0..io_server_count)
         .map(|server_id| {
+            let data_dir = data.join(format!("io-{server_id}"));
+            // Every client of `up` is on this host: the data path needs no TCP/IP. A data
+            // directory too deep for a socket path keeps TCP.
+            let socket = data_dir.join("io.sock");
+            let unix_socket = (unix_sockets && socket.as_os_str().len() <= 107).then_some(socket);
             Ok(IoConfig {
                 server_id,
                 listen_address: loopback_port(port, 10 + server_id)?,
-                advertise_address: None,
-                data_dir: data.join(format!("io-{server_id}")),
+                advertise_address: unix_socket
+                    .as_ref()
+                    .map(|path| format!("unix:{}", path.display())),
+                unix_socket,
+                data_dir,
                 meta_address: meta_address.clone(),
                 engine,
                 metrics_address: metrics_at(IO_METRICS_PORT_OFFSET + server_id)?,
