@@ -270,11 +270,22 @@ fn up_then_the_tools_then_sigint_then_up_again() {
         status.stdout.contains("4 of 4 I/O servers up"),
         "status: {status:?}"
     );
+    // `up` reaches its I/O servers over Unix sockets in their data directories.
+    let canonical = data.canonicalize().expect("the data directory");
     for server in 0..4u16 {
-        let address = format!("127.0.0.1:{}", port + 10 + server);
+        let address = format!(
+            "unix:{}",
+            canonical.join(format!("io-{server}/io.sock")).display()
+        );
         let rows = lines_with(&status.stdout, &address);
         assert_eq!(rows.len(), 1, "status lists {address} once: {status:?}");
         assert!(rows[0].contains(" up "), "{address} is up: {status:?}");
+        // TCP is still served beside the socket, for clients on other hosts.
+        let tcp = format!("127.0.0.1:{}", port + 10 + server);
+        assert!(
+            std::net::TcpStream::connect(&tcp).is_ok(),
+            "I/O server {server} listens on {tcp} too"
+        );
     }
 
     // cp in and out of 24 MiB (+ an unaligned tail) of random data.

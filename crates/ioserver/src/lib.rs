@@ -102,22 +102,33 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         metrics::DiskMetrics::new(&registry),
     ));
     let engine_name = engine.name();
+    // With O_DIRECT a quarter of the descriptor budget holds direct descriptors, so the
+    // two caches together stay within `open_files_max`.
+    let direct_share = match config.direct_io {
+        DirectIo::Off => 0,
+        _ if config.open_files_max < 2 => {
+            tracing::warn!(
+                "open_files_max below 2 leaves no descriptor for O_DIRECT: direct_io is off"
+            );
+            0
+        }
+        _ => (config.open_files_max / 4).max(1),
+    };
     let mut store = ObjectStore::open(
         config.server_id,
         &config.data_dir,
         engine,
-        config.open_files_max,
+        config.open_files_max - direct_share,
     )
     .map_err(|source| IoServerError::DataDir {
         path: config.data_dir.clone(),
         source,
     })?;
-    if config.direct_io != DirectIo::Off {
-        // Direct descriptors are a quarter of the cached ones' bound on top of them.
+    if direct_share > 0 {
         store.use_direct_io(
             u64::from(config.direct_io_min_bytes),
             config.direct_io == DirectIo::All && engine_name == "io_uring",
-            (config.open_files_max / 4).max(1),
+            direct_share,
         );
     }
     let store = Arc::new(store);
@@ -371,7 +382,8 @@ impl RunningIo {
 }
 
 /// Listen on a Unix socket at `path`, replacing a socket a stopped server left there (but
-/// nothing else: a regular file at that path is an error naming it).
+/// not one a running server answers on, nor anything that is not a socket: errors naming
+/// the path).
 fn bind_unix(path: &std::path::Path) -> Result<tokio::net::UnixListener, IoServerError> {
     use std::os::unix::fs::FileTypeExt;
     let bind_error = |source| IoServerError::Bind {
@@ -380,6 +392,13 @@ fn bind_unix(path: &std::path::Path) -> Result<tokio::net::UnixListener, IoServe
     };
     match std::fs::symlink_metadata(path) {
         Ok(metadata) if metadata.file_type().is_socket() => {
+            // A socket a running server answers on is not stale: leave it and say so.
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(bind_error(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    "another server is listening on this socket",
+                )));
+            }
             std::fs::remove_file(path).map_err(bind_error)?;
         }
         Ok(_) => {

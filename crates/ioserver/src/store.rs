@@ -28,6 +28,7 @@
 use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -138,6 +139,26 @@ struct DirectIo {
     writes_done: AtomicU64,
 }
 
+impl DirectIo {
+    /// The file system refused O_DIRECT: from now on every request uses the page cache.
+    fn refuse(&self, data_dir: &Path) {
+        if !self.refused.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                data_dir = %data_dir.display(),
+                "the file system refuses O_DIRECT: every request uses the page cache"
+            );
+        }
+    }
+}
+
+/// Device and inode of an open file: which file a descriptor is.
+fn file_identity(file: &File) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    file.metadata()
+        .ok()
+        .map(|metadata| (metadata.dev(), metadata.ino()))
+}
+
 /// Requests that went through O_DIRECT since the start (for metrics and tests).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DirectCounts {
@@ -201,10 +222,14 @@ impl ObjectStore {
             .unwrap_or_default()
     }
 
-    /// The O_DIRECT descriptor of an existing object, if this request may use one.
+    /// The O_DIRECT descriptor of the object whose cached descriptor is `cached`, if this
+    /// request may use one. It is opened through `/proc/self/fd` from the cached descriptor,
+    /// so it is the same file by construction, and a cached one is used only while it still
+    /// is (an object removed and made again is a new file under the same name).
     async fn direct_file(
         &self,
         object: ObjectId,
+        cached: &File,
         offset: u64,
         length: u64,
         memory: Option<usize>,
@@ -216,10 +241,14 @@ impl ObjectStore {
         if !aligned || length < direct.min_bytes || direct.refused.load(Ordering::Relaxed) {
             return None;
         }
+        let identity = file_identity(cached)?;
         if let Some(file) = direct.cache.get(object) {
-            return Some((direct, file));
+            if file_identity(&file) == Some(identity) {
+                return Some((direct, file));
+            }
+            direct.cache.remove(object);
         }
-        let path = self.object_path(object);
+        let path = PathBuf::from(format!("/proc/self/fd/{}", cached.as_raw_fd()));
         let opened = blocking(move || {
             OpenOptions::new()
                 .read(true)
@@ -229,17 +258,15 @@ impl ObjectStore {
         })
         .await;
         match opened {
-            Ok(file) => Some((direct, direct.cache.insert(object, Arc::new(file)))),
+            Ok(file) if file_identity(&file) == Some(identity) => {
+                Some((direct, direct.cache.insert(object, Arc::new(file))))
+            }
+            Ok(_) => None,
             Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {
-                if !direct.refused.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(
-                        data_dir = %self.data_dir.display(),
-                        "the file system refuses O_DIRECT: every request uses the page cache"
-                    );
-                }
+                direct.refuse(&self.data_dir);
                 None
             }
-            // Removed meanwhile, or out of descriptors: the cached descriptor will say.
+            // Out of descriptors, say: the cached descriptor does the request.
             Err(_) => None,
         }
     }
@@ -324,7 +351,7 @@ impl ObjectStore {
         let file = self.open_or_create(object).await?;
         let length = data.len() as u64;
         if let Some((direct, direct_file)) = self
-            .direct_file(object, offset, length, Some(data.as_ptr() as usize))
+            .direct_file(object, &file, offset, length, Some(data.as_ptr() as usize))
             .await
         {
             match self
@@ -336,9 +363,11 @@ impl ObjectStore {
                     direct.writes_done.fetch_add(1, Ordering::Relaxed);
                     return self.space_of(object, &file);
                 }
-                // A file system that takes O_DIRECT opens but not this request: the
-                // cached descriptor does it (nothing was written: EINVAL comes first).
-                Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {}
+                // A file system that takes O_DIRECT opens but not such requests: the
+                // cached descriptor does this one (all of it again), and every later one.
+                Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {
+                    direct.refuse(&self.data_dir);
+                }
                 Err(error) => return Err(self.error("write", object, error)),
             }
         }
@@ -372,7 +401,7 @@ impl ObjectStore {
                 .is_ok_and(|metadata| offset + u64::from(length_bytes) <= metadata.len());
             if inside {
                 if let Some((direct, direct_file)) = self
-                    .direct_file(object, offset, u64::from(length_bytes), None)
+                    .direct_file(object, &file, offset, u64::from(length_bytes), None)
                     .await
                 {
                     match self

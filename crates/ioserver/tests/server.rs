@@ -405,3 +405,55 @@ async fn registers_once_the_meta_server_appears_and_serves_data_only_when_no_cut
     server.shutdown().await;
     meta_task.abort();
 }
+
+/// An I/O server with `unix_socket` answers there as on TCP; a stale socket left by a
+/// stopped server is replaced, a socket a running server answers on is not taken over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_is_served_and_never_taken_from_a_running_server() {
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let socket = directory.path().join("io.sock");
+    let mut config = config(&directory, EngineKind::Threads, dead_address().await);
+    config.unix_socket = Some(socket.clone());
+    config.advertise_address = Some(format!("unix:{}", socket.display()));
+    let server = start(config.clone(), key.clone()).await.unwrap();
+    let unix = Connection::connect(
+        &format!("unix:{}", socket.display()),
+        &key,
+        &ConnectOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(unix.identity(), "io:5");
+    let (stats, _) = unix.call(&ServerStats {}, Bytes::new()).await.unwrap();
+    assert_eq!(stats.server_id, 5);
+
+    // A second server on the same socket (its own data directory and port) is refused.
+    let other = tempfile::tempdir().unwrap();
+    let mut second = config.clone();
+    second.data_dir = other.path().join("data");
+    let error = start(second.clone(), key.clone())
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        error.to_string().contains("another server is listening"),
+        "{error}"
+    );
+    assert!(unix.call(&ServerStats {}, Bytes::new()).await.is_ok());
+
+    // Stopped, its socket file is stale: the next start replaces it.
+    server.shutdown().await;
+    drop(unix);
+    assert!(socket.exists(), "a stopped server leaves its socket behind");
+    let server = start(second, key.clone()).await.unwrap();
+    let unix = Connection::connect(
+        &format!("unix:{}", socket.display()),
+        &key,
+        &ConnectOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert!(unix.call(&ServerStats {}, Bytes::new()).await.is_ok());
+    server.shutdown().await;
+}

@@ -54,7 +54,19 @@ impl Transport for Unix {
                     format!("{address:?} is not a unix: address"),
                 )
             })?;
-            let stream = tokio::net::UnixStream::connect(path).await?;
+            // A full backlog fails a Unix connect at once (EAGAIN) where TCP would retry its
+            // SYN: retry likewise, within the caller's connect timeout.
+            let mut pause = std::time::Duration::from_millis(1);
+            let stream = loop {
+                match tokio::net::UnixStream::connect(path).await {
+                    Ok(stream) => break stream,
+                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(std::time::Duration::from_millis(100));
+                    }
+                    Err(error) => return Err(error),
+                }
+            };
             widen_send_buffer(&stream);
             let (read, write) = stream.into_split();
             Ok((Box::new(read) as ReadHalf, Box::new(write) as WriteHalf))

@@ -42,13 +42,19 @@ pub async fn get(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
             layout.replicas(),
             copies(layout.replicas())
         );
+        let width = stripes
+            .iter()
+            .map(|(_, server, _)| server.address.len())
+            .max()
+            .unwrap_or(0)
+            .max(22);
         println!(
-            "{:<7} {:<7} {:<22} {:<5} {:<11} {:>14}",
+            "{:<7} {:<7} {:<width$} {:<5} {:<11} {:>14}",
             "STRIPE", "SERVER", "ADDRESS", "STATE", "CHAIN", "OBJECT BYTES"
         );
         for (stripe_index, server, object_bytes) in stripes {
             println!(
-                "{:<7} {:<7} {:<22} {:<5} {:<11} {:>14}",
+                "{:<7} {:<7} {:<width$} {:<5} {:<11} {:>14}",
                 stripe_index,
                 server.server_id,
                 server.address,

@@ -145,10 +145,11 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
     }
     let mut io_servers = Vec::new();
     for config in io_configs {
-        let (server_id, listen, directory) = (
+        let (server_id, listen, directory, socket) = (
             config.server_id,
             config.listen_address.clone(),
             config.data_dir.clone(),
+            config.unix_socket.clone(),
         );
         let server = match freeflow_ioserver::start(config, key.clone()).await {
             Ok(server) => server,
@@ -168,6 +169,9 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
             server.engine_name(),
             directory.display()
         );
+        if let Some(socket) = socket {
+            println!("  clients use    unix:{}", socket.display());
+        }
         if let Some(address) = server.metrics_address() {
             println!("  metrics        http://{address}/metrics");
         }
