@@ -95,6 +95,12 @@ fn os_error(error: ClientError, path: Option<&str>) -> PyErr {
     }
 }
 
+/// A path argument (`str` or `os.PathLike`) as text: Freeflow names are UTF-8.
+fn utf8(path: &std::path::Path) -> PyResult<&str> {
+    path.to_str()
+        .ok_or_else(|| PyValueError::new_err(format!("{} is not valid UTF-8", path.display())))
+}
+
 fn closed_file() -> PyErr {
     PyValueError::new_err("I/O operation on closed file")
 }
@@ -225,22 +231,25 @@ impl Client {
     }
 
     /// The attributes of `path`, following a final symlink, as the fields of `os.stat_result`.
-    fn stat_fields(&self, py: Python<'_>, path: &str) -> PyResult<StatFields> {
+    fn stat_fields(&self, py: Python<'_>, path: PathBuf) -> PyResult<StatFields> {
         self.check()?;
+        let path = utf8(&path)?;
         let attr = wait(py, self.inner.stat(path)).map_err(|e| os_error(e, Some(path)))?;
         Ok(stat_fields(&attr))
     }
 
     /// As `stat_fields`, not following a final symlink.
-    fn lstat_fields(&self, py: Python<'_>, path: &str) -> PyResult<StatFields> {
+    fn lstat_fields(&self, py: Python<'_>, path: PathBuf) -> PyResult<StatFields> {
         self.check()?;
+        let path = utf8(&path)?;
         let attr = wait(py, self.inner.lstat(path)).map_err(|e| os_error(e, Some(path)))?;
         Ok(stat_fields(&attr))
     }
 
     /// The names in the directory `path`, in name order ("." and ".." left out).
-    fn listdir(&self, py: Python<'_>, path: &str) -> PyResult<Vec<String>> {
+    fn listdir(&self, py: Python<'_>, path: PathBuf) -> PyResult<Vec<String>> {
         self.check()?;
+        let path = utf8(&path)?;
         let entries =
             wait(py, self.inner.read_dir_all(path)).map_err(|e| os_error(e, Some(path)))?;
         Ok(entries.into_iter().map(|entry| entry.name).collect())
@@ -248,8 +257,13 @@ impl Client {
 
     /// Each entry of the directory `path` with its kind ("file", "directory", "link",
     /// "other") and stat fields, in one request per page (readdirplus).
-    fn scandir(&self, py: Python<'_>, path: &str) -> PyResult<Vec<(String, String, StatFields)>> {
+    fn scandir(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+    ) -> PyResult<Vec<(String, String, StatFields)>> {
         self.check()?;
+        let path = utf8(&path)?;
         let directory = path.to_string();
         let listed = wait(py, async {
             let entries = self.inner.read_dir_all_plus(&directory).await?;
@@ -280,8 +294,9 @@ impl Client {
     }
 
     #[pyo3(signature = (path, mode=0o777))]
-    fn mkdir(&self, py: Python<'_>, path: &str, mode: u32) -> PyResult<()> {
+    fn mkdir(&self, py: Python<'_>, path: PathBuf, mode: u32) -> PyResult<()> {
         self.check()?;
+        let path = utf8(&path)?;
         wait(py, self.inner.mkdir_path(path, mode & 0o7777))
             .map_err(|e| os_error(e, Some(path)))?;
         Ok(())
@@ -290,8 +305,9 @@ impl Client {
     /// Make `path` and its missing parents; an existing directory is an error unless
     /// `exist_ok`, and an existing non-directory always is.
     #[pyo3(signature = (path, exist_ok=false))]
-    fn makedirs(&self, py: Python<'_>, path: &str, exist_ok: bool) -> PyResult<()> {
+    fn makedirs(&self, py: Python<'_>, path: PathBuf, exist_ok: bool) -> PyResult<()> {
         self.check()?;
+        let path = utf8(&path)?;
         wait(py, async {
             match self.inner.stat(path).await {
                 Ok(attr) if attr.kind == FileKind::Directory && exist_ok => Ok(()),
@@ -310,8 +326,9 @@ impl Client {
     }
 
     /// Remove the empty directory `path`.
-    fn rmdir(&self, py: Python<'_>, path: &str) -> PyResult<()> {
+    fn rmdir(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
         self.check()?;
+        let path = utf8(&path)?;
         wait(py, async {
             let (parent, name) = self.parent_of(path).await?;
             self.inner.rmdir(parent, &name).await
@@ -320,8 +337,9 @@ impl Client {
     }
 
     /// Remove the file or symlink `path` (not a directory: see `rmdir`, `rmtree`).
-    fn remove(&self, py: Python<'_>, path: &str) -> PyResult<()> {
+    fn remove(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
         self.check()?;
+        let path = utf8(&path)?;
         wait(py, async {
             let (parent, name) = self.parent_of(path).await?;
             self.inner.unlink(parent, &name).await
@@ -330,25 +348,30 @@ impl Client {
     }
 
     /// Remove `path` and, for a directory, everything below it (symlinks are not followed).
-    fn rmtree(&self, py: Python<'_>, path: &str) -> PyResult<()> {
+    fn rmtree(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
         self.check()?;
+        let path = utf8(&path)?;
         wait(py, self.inner.remove_all(path)).map_err(|e| os_error(e, Some(path)))
     }
 
     /// Rename `source` to `target`, replacing an existing `target` as `rename(2)` does.
-    fn rename(&self, py: Python<'_>, source: &str, target: &str) -> PyResult<()> {
+    fn rename(&self, py: Python<'_>, source: PathBuf, target: PathBuf) -> PyResult<()> {
         self.check()?;
+        let source = utf8(&source)?;
+        let target = utf8(&target)?;
         wait(py, self.inner.rename_path(source, target)).map_err(|e| os_error2(e, source, target))
     }
 
-    fn truncate(&self, py: Python<'_>, path: &str, length: u64) -> PyResult<()> {
+    fn truncate(&self, py: Python<'_>, path: PathBuf, length: u64) -> PyResult<()> {
         self.check()?;
+        let path = utf8(&path)?;
         wait(py, self.inner.truncate_path(path, length)).map_err(|e| os_error(e, Some(path)))?;
         Ok(())
     }
 
-    fn chmod(&self, py: Python<'_>, path: &str, mode: u32) -> PyResult<()> {
+    fn chmod(&self, py: Python<'_>, path: PathBuf, mode: u32) -> PyResult<()> {
         self.check()?;
+        let path = utf8(&path)?;
         wait(py, async {
             let attr = self.inner.stat(path).await?;
             let changes = SetAttr {
@@ -362,14 +385,17 @@ impl Client {
     }
 
     /// Make a symlink at `link` pointing at `target`.
-    fn symlink(&self, py: Python<'_>, target: &str, link: &str) -> PyResult<()> {
+    fn symlink(&self, py: Python<'_>, target: PathBuf, link: PathBuf) -> PyResult<()> {
         self.check()?;
+        let target = utf8(&target)?;
+        let link = utf8(&link)?;
         wait(py, self.inner.symlink_path(target, link)).map_err(|e| os_error(e, Some(link)))?;
         Ok(())
     }
 
-    fn readlink(&self, py: Python<'_>, path: &str) -> PyResult<String> {
+    fn readlink(&self, py: Python<'_>, path: PathBuf) -> PyResult<String> {
         self.check()?;
+        let path = utf8(&path)?;
         wait(py, async {
             let attr = self.inner.lstat(path).await?;
             self.inner.readlink(attr.inode).await
@@ -378,8 +404,10 @@ impl Client {
     }
 
     /// A second name `new` for the file `existing`.
-    fn link(&self, py: Python<'_>, existing: &str, new: &str) -> PyResult<()> {
+    fn link(&self, py: Python<'_>, existing: PathBuf, new: PathBuf) -> PyResult<()> {
         self.check()?;
+        let existing = utf8(&existing)?;
+        let new = utf8(&new)?;
         wait(py, self.inner.link_path(existing, new)).map_err(|e| os_error2(e, existing, new))?;
         Ok(())
     }
@@ -392,7 +420,7 @@ impl Client {
     fn open_file(
         &self,
         py: Python<'_>,
-        path: &str,
+        path: PathBuf,
         read: bool,
         write: bool,
         append: bool,
@@ -402,6 +430,7 @@ impl Client {
         permissions: u32,
     ) -> PyResult<File> {
         self.check()?;
+        let path = utf8(&path)?;
         let options = OpenOptions::new()
             .read(read)
             .write(write || append)
@@ -441,8 +470,10 @@ impl Client {
 
     /// Copy the file `source` to `target` (created or replaced) on the I/O servers where the
     /// layouts allow, else through this client. Returns the bytes copied.
-    fn copy_file(&self, py: Python<'_>, source: &str, target: &str) -> PyResult<u64> {
+    fn copy_file(&self, py: Python<'_>, source: PathBuf, target: PathBuf) -> PyResult<u64> {
         self.check()?;
+        let source = utf8(&source)?;
+        let target = utf8(&target)?;
         wait(py, async {
             let source_attr = self.inner.stat(source).await?;
             match self.inner.stat(target).await {
@@ -497,8 +528,9 @@ impl Client {
 
     /// Where the data of the file `path` lives: its layout and, per copy of each stripe, the
     /// server, its address, whether it is up, and the object's length.
-    fn stripes<'py>(&self, py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyDict>> {
+    fn stripes<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
         self.check()?;
+        let path = utf8(&path)?;
         let (attr, layout, placements) =
             wait(py, self.inner.stripe_map(path)).map_err(|e| os_error(e, Some(path)))?;
         let dict = PyDict::new(py);

@@ -3,6 +3,7 @@
 import errno
 import io
 import os
+import pathlib
 import stat
 import threading
 import time
@@ -170,6 +171,13 @@ def test_namespace_operations(client, home):
     assert stat.S_IMODE(client.stat(f"{home}/a/two").st_mode) == 0o640
     client.truncate(f"{home}/a/two", 5)
     assert client.read_bytes(f"{home}/a/two") == b"1\0\0\0\0"
+
+    # Path arguments may be os.PathLike.
+    base = pathlib.PurePosixPath(home) / "a"
+    client.mkdir(base / "p")
+    client.rename(base / "p", base / "q")
+    assert client.listdir(base / "q") == []
+    client.rmdir(base / "q")
 
     walked = list(client.walk(f"{home}/a"))
     assert walked[0] == (f"{home}/a", ["b"], ["hard", "link", "two"])
