@@ -184,29 +184,41 @@ pub async fn serve_with_unix<S: Service>(
         key,
     });
     let mut connections = tokio::task::JoinSet::new();
+    // A listener whose accept failed rests a little (running out of descriptors or a reset
+    // during accept is transient); the other keeps accepting meanwhile.
+    let pause = Duration::from_millis(50);
+    let (mut tcp_rests_until, mut unix_rests_until) = (None, None);
     loop {
         while connections.try_join_next().is_some() {}
         let accepted = tokio::select! {
-            accepted = listener.accept() => accepted.map(|(stream, address)| {
-                let _ = stream.set_nodelay(true);
-                let (read, write) = stream.into_split();
-                (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf, address.to_string())
-            }),
-            accepted = accept_unix(unix.as_ref()) => accepted.map(|stream| {
-                crate::transport::widen_send_buffer(&stream);
-                let (read, write) = stream.into_split();
-                (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf, "unix".to_string())
-            }),
+            accepted = accept_after(tcp_rests_until, listener.accept()) => match accepted {
+                Ok((stream, address)) => {
+                    tcp_rests_until = None;
+                    let _ = stream.set_nodelay(true);
+                    let (read, write) = stream.into_split();
+                    (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf, address.to_string())
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "accept on TCP failed; retrying");
+                    tcp_rests_until = Some(tokio::time::Instant::now() + pause);
+                    continue;
+                }
+            },
+            accepted = accept_after(unix_rests_until, accept_unix(unix.as_ref())) => match accepted {
+                Ok(stream) => {
+                    unix_rests_until = None;
+                    crate::transport::widen_send_buffer(&stream);
+                    let (read, write) = stream.into_split();
+                    (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf, "unix".to_string())
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "accept on the Unix socket failed; retrying");
+                    unix_rests_until = Some(tokio::time::Instant::now() + pause);
+                    continue;
+                }
+            },
         };
-        let (read, write, address) = match accepted {
-            Ok(accepted) => accepted,
-            Err(error) => {
-                // Running out of descriptors or a reset during accept is transient.
-                tracing::warn!(%error, "accept failed; retrying");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
+        let (read, write, address) = accepted;
         while connections.try_join_next().is_some() {}
         if connections.len() >= connections_max {
             tracing::warn!(peer = %address, limit = connections_max, "refusing connection: too many connections");
@@ -220,6 +232,17 @@ pub async fn serve_with_unix<S: Service>(
             run_connection(read, write, address, shared, service).await;
         });
     }
+}
+
+/// `accept` once `rests_until` has passed.
+async fn accept_after<T>(
+    rests_until: Option<tokio::time::Instant>,
+    accept: impl std::future::Future<Output = T>,
+) -> T {
+    if let Some(deadline) = rests_until {
+        tokio::time::sleep_until(deadline).await;
+    }
+    accept.await
 }
 
 /// The next connection on the Unix socket, or never without one.
