@@ -240,7 +240,7 @@ def test_threads_share_one_client(client, home):
 def test_the_gil_is_released_while_a_call_waits(client, home):
     """Another Python thread runs while a large read is under way in the native module
     (with the GIL held it could not run a single bytecode until the call returned)."""
-    size = 64 * MiB
+    size = 128 * MiB
     client.write_bytes(f"{home}/big", payload(size, 11))
     ticks = []
     stop = threading.Event()
@@ -262,6 +262,7 @@ def test_the_gil_is_released_while_a_call_waits(client, home):
             counter.join()
     assert len(data) == size
     took = end - start
+    print(f"a {size >> 20} MiB read took {took:.3f} s; {len(ticks)} ticks in all")
     assert took > 0.02, f"the read took only {took:.3f} s: too short to tell"
     # Held, the GIL would let the counter tick only at the edges of the call (until the
     # main thread took it back, one switch interval at most): look in the middle third.
