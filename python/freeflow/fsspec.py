@@ -41,7 +41,9 @@ _clients_lock = threading.Lock()
 
 
 def _shared_client(cluster: Optional[str]) -> Client:
-    key = (os.getpid(), os.path.abspath(cluster) if cluster else os.environ.get("FREEFLOW_CLUSTER", ""))
+    # The file the client will read, as it finds it (see freeflow.Client).
+    path = cluster or os.environ.get("FREEFLOW_CLUSTER") or "./freeflow-data/client.toml"
+    key = (os.getpid(), os.path.abspath(path))
     with _clients_lock:
         client = _clients.get(key)
         if client is None:

@@ -73,6 +73,13 @@ pub fn client_file_path(flag: Option<PathBuf>) -> PathBuf {
 /// Connect a client to the cluster the client file names.
 pub async fn connect(flag: Option<PathBuf>) -> anyhow::Result<freeflow_client::Client> {
     let path = client_file_path(flag);
+    if !path.exists() {
+        return Err(ConfigError(format!(
+            "no cluster file at {}: start a cluster with `freeflow up`, or name one with --cluster FILE",
+            path.display()
+        ))
+        .into());
+    }
     let not_usable = |error: freeflow_client::ClientError| ConfigError(error.to_string());
     let file = ClientFile::read(&path).map_err(not_usable)?;
     let config = file
