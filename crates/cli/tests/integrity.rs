@@ -323,18 +323,113 @@ async fn gathered_writes_on_their_way_are_read_and_never_dropped() {
     }
 }
 
-/// ReadObject requests the I/O servers served so far.
-async fn io_reads(cluster: &Cluster) -> f64 {
+/// Large writes that do not follow stripe unit boundaries, arriving out of order (as a
+/// writeback mount's session threads hand over the kernel's write-back), reach the I/O
+/// servers as whole, aligned units, which they write past their page cache; and nothing
+/// parked at the client is lost or lands over a later write: a rewrite across parked
+/// pieces, a read, and the close each see every byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unaligned_large_writes_go_out_as_whole_units_and_lose_nothing() {
+    const UNIT: u64 = 1 << 20;
+    const LEAD: u64 = 300 << 10;
+    const UNITS: u64 = 9;
+    let cluster = Cluster::start_with(ClusterOptions {
+        metrics: true,
+        stripe_unit_bytes: UNIT as u32,
+        ..ClusterOptions::new(2)
+    })
+    .await;
+    // Parked pieces wait far longer than the test: only whole units and the calls that
+    // must see the bytes send them.
+    let client = cluster
+        .client_with(|config| config.gather_wait_ms = 1_000)
+        .await;
+    let size = LEAD + UNITS * UNIT;
+    let mut random = Xorshift::new(11);
+    let mut model = random.bytes(size as usize);
+    let options = ClusterOpen::new().read(true).write(true).create(true);
+    let file = client
+        .open_path("/drifted", &options)
+        .await
+        .expect("create");
+    // [0, LEAD), then 1 MiB writes from LEAD (each across a unit boundary), the last one
+    // short; handed over in pairs swapped, as the mount's threads may.
+    let mut writes: Vec<(u64, u64)> = vec![(0, LEAD)];
+    let mut offset = LEAD;
+    while offset < size {
+        let end = (offset + UNIT).min(size);
+        writes.push((offset, end));
+        offset = end;
+    }
+    for pair in writes.chunks_mut(2) {
+        pair.reverse();
+    }
+    let before = io_requests(&cluster, "freeflow_rpc_requests_total", "WriteObject").await;
+    let direct_before = io_requests(&cluster, "freeflow_io_direct_operations_total", "write").await;
+    for (start, end) in &writes {
+        let bytes = Bytes::copy_from_slice(&model[*start as usize..*end as usize]);
+        file.write_at(*start, bytes).await.expect("write");
+    }
+    // A read sends what is parked, and sees it.
+    let read = file.read_at(0, size).await.expect("read");
+    assert_bytes_eq(&read, &model, "read back before the close");
+    let requests =
+        io_requests(&cluster, "freeflow_rpc_requests_total", "WriteObject").await - before;
+    let direct =
+        io_requests(&cluster, "freeflow_io_direct_operations_total", "write").await - direct_before;
+    // Nine whole units and the last unit's part: ten requests, not the nineteen the
+    // pieces would make, and every whole unit written past the page cache.
+    assert_eq!(
+        requests,
+        (UNITS + 1) as f64,
+        "WriteObject requests for {} writes",
+        writes.len()
+    );
+    assert_eq!(direct, UNITS as f64, "whole units written with O_DIRECT");
+
+    // Parked pieces, then a rewrite across them: the newer bytes win.
+    for (start, end) in [
+        (LEAD + 2 * UNIT, LEAD + 3 * UNIT),
+        (5 * UNIT + 4096, 5 * UNIT + 200_000),
+    ] {
+        let fresh = random.bytes((end - start) as usize);
+        model[start as usize..end as usize].copy_from_slice(&fresh);
+        file.write_at(start, Bytes::from(fresh))
+            .await
+            .expect("write");
+    }
+    let (start, end) = (2 * UNIT + 100, 5 * UNIT + 150_000);
+    let fresh = random.bytes((end - start) as usize);
+    model[start as usize..end as usize].copy_from_slice(&fresh);
+    file.write_at(start, Bytes::from(fresh))
+        .await
+        .expect("rewrite across parked pieces");
+    file.close().await.expect("close sends what is parked");
+    let reopened = client
+        .open_path("/drifted", &ClusterOpen::new().read(true))
+        .await
+        .expect("open");
+    assert_eq!(reopened.attr().size_bytes, size, "size after the close");
+    let read = reopened.read_at(0, size).await.expect("read");
+    assert_bytes_eq(&read, &model, "read back after the close");
+}
+
+/// Sum of a counter with `op` = `op` over the I/O servers.
+async fn io_requests(cluster: &Cluster, metric: &str, op: &str) -> f64 {
     let mut total = 0.0;
     for index in 0..cluster.io_count() {
         let address = cluster.io_metrics_address(index).expect("metrics are on");
         let text = freeflow_metrics::scrape(address, Duration::from_secs(10))
             .await
             .unwrap_or_else(|error| panic!("scrape {address}: {error}"));
-        total += freeflow_metrics::text::Snapshot::parse(&text)
-            .sum("freeflow_rpc_requests_total", &[("op", "ReadObject")]);
+        total += freeflow_metrics::text::Snapshot::parse(&text).sum(metric, &[("op", op)]);
     }
     total
+}
+
+/// ReadObject requests the I/O servers served so far.
+async fn io_reads(cluster: &Cluster) -> f64 {
+    io_requests(cluster, "freeflow_rpc_requests_total", "ReadObject").await
 }
 
 /// A sequential reader of small pieces is served from what the library fetched ahead

@@ -70,6 +70,10 @@ pub const GATHER_BYTES_MAX: usize = 1 << 20;
 /// Room first made for gathering (it grows up to `GATHER_BYTES_MAX`).
 const GATHER_CAPACITY_START: usize = 64 << 10;
 
+/// Most bytes of large writes parked at once, waiting for the rest of their stripe unit
+/// (see [`HandleState::parked`]). Units longer than half of it are never parked.
+pub const PARKED_BYTES_MAX: usize = 8 << 20;
+
 /// Most bytes one `copy_range_from` copies; callers loop, as with `copy_file_range(2)`.
 pub const COPY_LENGTH_MAX: u64 = 1 << 30;
 
@@ -224,8 +228,26 @@ struct HandleState {
     gathered: Option<Gathered>,
     /// Bumped each time gathering starts, so a timer sends only what it was set for.
     gather_generation: u64,
+    /// Pieces of large writes that cover only part of a stripe unit, kept until the rest of
+    /// their unit comes (a later write, or one that came first: the mount's session
+    /// threads hand the kernel's write-back over out of order), so the unit goes out whole
+    /// and aligned: file offset → piece. Pieces never overlap; at most
+    /// [`PARKED_BYTES_MAX`] bytes in all; each is sent at most `gather_wait_ms` after it
+    /// was parked, or as soon as anything must see it, as gathered bytes are. Never held
+    /// together with `gathered` (a small write sends what is parked before it gathers; a
+    /// large one sends what is gathered before it parks).
+    parked: BTreeMap<u64, ParkedPiece>,
+    parked_bytes: usize,
+    /// Whether a timer task is watching the parked pieces' age.
+    park_timer: bool,
     /// What a sequential reader has fetched ahead (see `readahead.rs`).
     readahead: ReadAhead,
+}
+
+/// A part of a stripe unit written and not sent yet (see [`HandleState::parked`]).
+struct ParkedPiece {
+    data: Bytes,
+    since: Instant,
 }
 
 /// Small adjacent writes gathered into one request.
@@ -271,11 +293,61 @@ struct CommitTicket {
 }
 
 impl HandleState {
+    /// Whether written bytes wait on this handle to be sent (gathered or parked).
+    fn holds_unsent(&self) -> bool {
+        self.gathered.is_some() || !self.parked.is_empty()
+    }
+
+    /// If `piece` (at file offset `start`) and the parked pieces of its stripe unit make
+    /// the whole unit, take them and return the unit (offset, bytes); None otherwise.
+    fn complete_unit(&mut self, start: u64, piece: &Bytes, unit: u64) -> Option<(u64, Bytes)> {
+        let unit_start = start - start % unit;
+        let unit_end = unit_start + unit;
+        let mut covered = piece.len() as u64;
+        for (offset, parked) in self.parked.range(unit_start..unit_end) {
+            let parked_end = *offset + parked.data.len() as u64;
+            if parked_end > unit_end {
+                return None;
+            }
+            covered += parked.data.len() as u64;
+        }
+        // Parked pieces never overlap each other or this one: the lengths tell.
+        if covered != unit {
+            return None;
+        }
+        let mut pieces = self.take_parked(|offset, _| (unit_start..unit_end).contains(&offset));
+        pieces.push((start, piece.clone()));
+        pieces.sort_by_key(|(offset, _)| *offset);
+        let mut whole = BytesMut::with_capacity(unit as usize);
+        for (_, bytes) in pieces {
+            whole.extend_from_slice(&bytes);
+        }
+        Some((unit_start, whole.freeze()))
+    }
+
+    /// Take the parked pieces that `select` keeps, in file order.
+    fn take_parked(&mut self, select: impl Fn(u64, &ParkedPiece) -> bool) -> Vec<(u64, Bytes)> {
+        let offsets: Vec<u64> = self
+            .parked
+            .iter()
+            .filter(|(offset, piece)| select(**offset, piece))
+            .map(|(offset, _)| *offset)
+            .collect();
+        offsets
+            .into_iter()
+            .filter_map(|offset| {
+                let piece = self.parked.remove(&offset)?;
+                self.parked_bytes -= piece.data.len();
+                Some((offset, piece.data))
+            })
+            .collect()
+    }
+
     /// Whether a change of the file's data through this handle is under way (gathered or
     /// in flight, a truncation, fallocate or a copy): what is read past the reader's range
     /// now may predate it, so it is not fetched ahead or kept.
     fn changing_data(&self) -> bool {
-        self.gathered.is_some()
+        self.holds_unsent()
             || !self.writes_outstanding.is_empty()
             || self.truncates_pending > 0
             || self.readahead.changing > 0
@@ -543,6 +615,132 @@ impl HandleShared {
         true
     }
 
+    /// A large write, given the turn: its whole stripe units are sent at once; a piece that
+    /// covers only part of a unit (its first or last) joins the parked pieces of that unit
+    /// and goes out with them once they make the whole unit, or parks. The I/O servers then
+    /// see whole, aligned units, which they write past their page cache (O_DIRECT),
+    /// instead of two partial pieces of every unit when the writes do not follow unit
+    /// boundaries (the kernel's write-back of a writeback mount drifts off them).
+    async fn write_in_units(
+        self: &Arc<Self>,
+        turn: SendTurn,
+        offset: u64,
+        data: Bytes,
+    ) -> Result<(), ClientError> {
+        let unit = u64::from(self.data_layout()?.stripe_unit_bytes);
+        let end = offset + data.len() as u64;
+        // First what this write must not be overtaken by: anything gathered (newer than
+        // every parked piece, so those go first), else the parked pieces it overlaps.
+        let earlier = {
+            let mut state = self.lock();
+            if let Some(gathered) = state.gathered.take() {
+                let mut pieces = state.take_parked(|_, _| true);
+                pieces.push((gathered.offset, gathered.data.freeze()));
+                pieces
+            } else {
+                state.take_parked(|start, piece| {
+                    start < end && start + piece.data.len() as u64 > offset
+                })
+            }
+        };
+        let (sent, turn) = self.send_pieces_ordered(turn, earlier).await;
+        sent?;
+        if unit > (PARKED_BYTES_MAX / 2) as u64 {
+            return self.start_write(offset, data).await;
+        }
+        // Cut at unit boundaries: a partial first piece, whole units, a partial last piece.
+        let head_end = offset.next_multiple_of(unit).min(end);
+        let tail_start = (end - end % unit).max(head_end);
+        let slice =
+            |from: u64, to: u64| data.slice((from - offset) as usize..(to - offset) as usize);
+        let mut sends: Vec<(u64, Bytes)> = Vec::new();
+        if tail_start > head_end {
+            sends.push((head_end, slice(head_end, tail_start)));
+        }
+        let mut partial = Vec::new();
+        if head_end > offset {
+            partial.push((offset, slice(offset, head_end)));
+        }
+        if end > tail_start {
+            partial.push((tail_start, slice(tail_start, end)));
+        }
+        let mut parks = false;
+        // Whether `sends` holds bytes acknowledged before (parked ones): those are sent on
+        // a task of their own, which a cancelled caller cannot stop.
+        let mut acknowledged = false;
+        {
+            let mut state = self.lock();
+            for (start, piece) in partial {
+                if let Some(whole) = state.complete_unit(start, &piece, unit) {
+                    sends.push(whole);
+                    acknowledged = true;
+                    continue;
+                }
+                // Room first: the oldest pieces go out (they are older than this write and
+                // overlap none of it).
+                if state.parked_bytes + piece.len() > PARKED_BYTES_MAX {
+                    let mut older = state.take_parked(|_, _| true);
+                    older.append(&mut sends);
+                    sends = older;
+                    acknowledged = true;
+                }
+                state.parked_bytes += piece.len();
+                let piece_end = start + piece.len() as u64;
+                state.known_size = state.known_size.max(piece_end);
+                state.written_end = state.written_end.max(piece_end);
+                state.parked.insert(
+                    start,
+                    ParkedPiece {
+                        data: piece,
+                        since: Instant::now(),
+                    },
+                );
+                if !state.park_timer {
+                    state.park_timer = true;
+                    parks = true;
+                }
+            }
+        }
+        if parks {
+            self.watch_parked();
+        }
+        if acknowledged {
+            return self.send_pieces_ordered(turn, sends).await.0;
+        }
+        for (start, bytes) in sends {
+            self.start_write(start, bytes).await?;
+        }
+        Ok(())
+    }
+
+    /// Send parked pieces once they waited `gather_wait_ms`, until none is left. Holds the
+    /// handle: parked bytes are sent even if it is dropped without a close.
+    fn watch_parked(self: &Arc<Self>) {
+        let shared = self.clone();
+        let wait = Duration::from_millis(self.client.shared.config.gather_wait_ms);
+        tokio::spawn(async move {
+            loop {
+                let oldest = {
+                    let mut state = shared.lock();
+                    match state.parked.values().map(|piece| piece.since).min() {
+                        Some(oldest) => oldest,
+                        None => {
+                            state.park_timer = false;
+                            return;
+                        }
+                    }
+                };
+                tokio::time::sleep_until((oldest + wait).into()).await;
+                let turn = shared.send_turn().await;
+                let due = shared
+                    .lock()
+                    .take_parked(|_, piece| piece.since.elapsed() >= wait);
+                // A failure is kept on the handle like any write's.
+                let _ = shared.send_pieces_ordered(turn, due).await;
+            }
+        });
+    }
+
     /// Gather a small write (none is gathered now); it is sent by the next call that needs
     /// it on its way, or after `gather_wait_ms` at most.
     fn start_gathering(self: &Arc<Self>, offset: u64, data: &[u8], end: u64) {
@@ -594,15 +792,37 @@ impl HandleShared {
         self: &Arc<Self>,
         turn: SendTurn,
     ) -> (Result<(), ClientError>, SendTurn) {
-        let Some(gathered) = self.lock().gathered.take() else {
-            return (Ok(()), turn);
+        let pieces = {
+            let mut state = self.lock();
+            let mut pieces = state.take_parked(|_, _| true);
+            if let Some(gathered) = state.gathered.take() {
+                pieces.push((gathered.offset, gathered.data.freeze()));
+            }
+            pieces
         };
+        self.send_pieces_ordered(turn, pieces).await
+    }
+
+    /// Send acknowledged pieces taken from the handle (gathered or parked), in the order
+    /// given, on a task that keeps the turn until all are in flight (as
+    /// `send_gathered_ordered`).
+    async fn send_pieces_ordered(
+        self: &Arc<Self>,
+        turn: SendTurn,
+        pieces: Vec<(u64, Bytes)>,
+    ) -> (Result<(), ClientError>, SendTurn) {
+        if pieces.is_empty() {
+            return (Ok(()), turn);
+        }
         let shared = self.clone();
         let sending = tokio::spawn(async move {
-            let sent = shared
-                .start_write(gathered.offset, gathered.data.freeze())
-                .await;
-            (sent, turn)
+            for (offset, data) in pieces {
+                // Fails only on a handle failed already, which every later call reports.
+                if let Err(error) = shared.start_write(offset, data).await {
+                    return (Err(error), turn);
+                }
+            }
+            (Ok(()), turn)
         });
         match sending.await {
             Ok(sent) => sent,
@@ -1383,6 +1603,9 @@ impl FileHandle {
                 stripe_space: BTreeMap::new(),
                 gathered: None,
                 gather_generation: 0,
+                parked: BTreeMap::new(),
+                parked_bytes: 0,
+                park_timer: false,
                 readahead: ReadAhead::default(),
             }),
             send_order: Arc::new(tokio::sync::Mutex::new(())),
@@ -1494,8 +1717,7 @@ impl FileHandle {
         // A refresh sees other clients' changes: so must the next read.
         state.readahead.clear();
         state.readahead.suspended = false;
-        let uncommitted =
-            state.writes_started != state.writes_committed || state.gathered.is_some();
+        let uncommitted = state.writes_started != state.writes_committed || state.holds_unsent();
         state.known_size = if uncommitted {
             attr.size_bytes.max(state.written_end)
         } else {
@@ -1577,9 +1799,13 @@ impl FileHandle {
         if shared.try_gather(offset, &data, end) {
             return Ok(());
         }
+        let gathering = shared.client.shared.config.gather_wait_ms > 0;
+        if gathering && data.len() >= GATHER_WRITE_MAX {
+            return shared.write_in_units(turn, offset, data).await;
+        }
         let (sent, _turn) = shared.send_gathered_ordered(turn).await;
         sent?;
-        if data.len() < GATHER_WRITE_MAX && shared.client.shared.config.gather_wait_ms > 0 {
+        if data.len() < GATHER_WRITE_MAX && gathering {
             shared.start_gathering(offset, &data, end);
             return Ok(());
         }
@@ -1879,7 +2105,7 @@ impl FileHandle {
             return false;
         }
         let state = self.shared.lock();
-        state.gathered.is_none()
+        !state.holds_unsent()
             && state.writes_outstanding.is_empty()
             && state.truncates_pending == 0
             && state.commits_running == 0
