@@ -352,8 +352,9 @@ async fn unaligned_large_writes_go_out_as_whole_units_and_lose_nothing() {
         .open_path("/drifted", &options)
         .await
         .expect("create");
-    // [0, LEAD), then 1 MiB writes from LEAD (each across a unit boundary), the last one
-    // short; handed over in pairs swapped, as the mount's threads may.
+    // [0, LEAD), then 1 MiB writes from LEAD (each across a unit boundary, the last one
+    // ending inside the last unit); handed over in pairs swapped, as the mount's threads
+    // may.
     let mut writes: Vec<(u64, u64)> = vec![(0, LEAD)];
     let mut offset = LEAD;
     while offset < size {

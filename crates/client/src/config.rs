@@ -40,8 +40,9 @@ pub struct ClientConfig {
     pub size_commit_interval_ms: u64,
     /// Sequential read-ahead per handle in bytes (`readahead.rs`); 0 turns it off.
     pub readahead_bytes: u64,
-    /// Longest time small adjacent writes are gathered at the client before they are sent
-    /// as one request (`file.rs`, `GATHER_WRITE_MAX`); 0 sends every write at once.
+    /// Longest time small adjacent writes are gathered, and partial stripe units of large
+    /// writes parked, at the client before they are sent (`file.rs`, `GATHER_WRITE_MAX`,
+    /// `write_in_units`); 0 sends every write at once.
     pub gather_wait_ms: u64,
 }
 

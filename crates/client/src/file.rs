@@ -6,7 +6,11 @@
 //! one shorter than [`GATHER_WRITE_MAX`] is copied into the handle's gathering buffer, which
 //! adjacent small writes join (the mount's session threads append to it directly,
 //! `write_gathered`), and which goes out as one write at most `gather_wait_ms` later, or as
-//! soon as anything must see it (every path that waits for earlier writes sends it first). The bytes in flight over the
+//! soon as anything must see it (every path that waits for earlier writes sends it first).
+//! A large write whose first or last piece covers only part of a stripe unit *parks* that
+//! piece (acknowledged, not sent) until the rest of the unit comes, so the servers get
+//! whole, aligned units (`write_in_units`); parked pieces follow the same rules as gathered
+//! bytes, and a small write sends them all before it gathers. The bytes in flight over the
 //! whole client are bounded by a semaphore of `dirty_bytes_max` bytes: a writer past it waits.
 //! The first failure of a write is kept on the handle and returned by every later write,
 //! flush, fsync and close (it is never lost, and the handle stays failed: the data is gone).
@@ -247,6 +251,9 @@ struct HandleState {
 /// A part of a stripe unit written and not sent yet (see [`HandleState::parked`]).
 struct ParkedPiece {
     data: Bytes,
+    /// Memory it holds, counted against `PARKED_BYTES_MAX`: the whole buffer of the write
+    /// when it is a slice of it.
+    held: usize,
     since: Instant,
 }
 
@@ -299,30 +306,26 @@ impl HandleState {
     }
 
     /// If `piece` (at file offset `start`) and the parked pieces of its stripe unit make
-    /// the whole unit, take them and return the unit (offset, bytes); None otherwise.
-    fn complete_unit(&mut self, start: u64, piece: &Bytes, unit: u64) -> Option<(u64, Bytes)> {
+    /// the whole unit, take those pieces and return them all in file order (`piece`
+    /// among them); None otherwise.
+    fn take_unit(&mut self, start: u64, piece: &Bytes, unit: u64) -> Option<Vec<(u64, Bytes)>> {
         let unit_start = start - start % unit;
         let unit_end = unit_start + unit;
         let mut covered = piece.len() as u64;
         for (offset, parked) in self.parked.range(unit_start..unit_end) {
-            let parked_end = *offset + parked.data.len() as u64;
-            if parked_end > unit_end {
-                return None;
-            }
+            debug_assert!(*offset + parked.data.len() as u64 <= unit_end);
             covered += parked.data.len() as u64;
         }
-        // Parked pieces never overlap each other or this one: the lengths tell.
+        // Parked pieces never overlap each other or this one (the overlapped ones were
+        // sent first), and none crosses a unit boundary: the lengths tell.
+        debug_assert!(covered <= unit, "parked pieces overlap");
         if covered != unit {
             return None;
         }
         let mut pieces = self.take_parked(|offset, _| (unit_start..unit_end).contains(&offset));
         pieces.push((start, piece.clone()));
         pieces.sort_by_key(|(offset, _)| *offset);
-        let mut whole = BytesMut::with_capacity(unit as usize);
-        for (_, bytes) in pieces {
-            whole.extend_from_slice(&bytes);
-        }
-        Some((unit_start, whole.freeze()))
+        Some(pieces)
     }
 
     /// Take the parked pieces that `select` keeps, in file order.
@@ -337,7 +340,7 @@ impl HandleState {
             .into_iter()
             .filter_map(|offset| {
                 let piece = self.parked.remove(&offset)?;
-                self.parked_bytes -= piece.data.len();
+                self.parked_bytes -= piece.held;
                 Some((offset, piece.data))
             })
             .collect()
@@ -634,9 +637,8 @@ impl HandleShared {
         let earlier = {
             let mut state = self.lock();
             if let Some(gathered) = state.gathered.take() {
-                let mut pieces = state.take_parked(|_, _| true);
-                pieces.push((gathered.offset, gathered.data.freeze()));
-                pieces
+                debug_assert!(state.parked.is_empty(), "parked and gathered at once");
+                vec![(gathered.offset, gathered.data.freeze())]
             } else {
                 state.take_parked(|start, piece| {
                     start < end && start + piece.data.len() as u64 > offset
@@ -651,11 +653,24 @@ impl HandleShared {
         // Cut at unit boundaries: a partial first piece, whole units, a partial last piece.
         let head_end = offset.next_multiple_of(unit).min(end);
         let tail_start = (end - end % unit).max(head_end);
+        // A piece kept as a slice holds the whole buffer of the write: a piece of a buffer
+        // longer than two units is copied, so what is parked holds at most about
+        // `PARKED_BYTES_MAX` bytes of memory.
+        let keep_slices = data.len() as u64 <= 2 * unit;
+        let held_per_piece = |piece: &Bytes| {
+            if keep_slices {
+                data.len()
+            } else {
+                piece.len()
+            }
+        };
         let slice =
             |from: u64, to: u64| data.slice((from - offset) as usize..(to - offset) as usize);
-        let mut sends: Vec<(u64, Bytes)> = Vec::new();
+        // The whole units go first: should that fail, or the caller give up, no part of
+        // this write was parked (nothing of it was acknowledged).
         if tail_start > head_end {
-            sends.push((head_end, slice(head_end, tail_start)));
+            self.start_write(head_end, slice(head_end, tail_start))
+                .await?;
         }
         let mut partial = Vec::new();
         if head_end > offset {
@@ -664,27 +679,29 @@ impl HandleShared {
         if end > tail_start {
             partial.push((tail_start, slice(tail_start, end)));
         }
+        // Units made whole (their parked pieces taken) and parked pieces sent for room:
+        // acknowledged bytes, sent on a task of their own below.
+        let mut units: Vec<Vec<(u64, Bytes)>> = Vec::new();
+        let mut room: Vec<(u64, Bytes)> = Vec::new();
         let mut parks = false;
-        // Whether `sends` holds bytes acknowledged before (parked ones): those are sent on
-        // a task of their own, which a cancelled caller cannot stop.
-        let mut acknowledged = false;
         {
             let mut state = self.lock();
             for (start, piece) in partial {
-                if let Some(whole) = state.complete_unit(start, &piece, unit) {
-                    sends.push(whole);
-                    acknowledged = true;
+                if let Some(pieces) = state.take_unit(start, &piece, unit) {
+                    units.push(pieces);
                     continue;
                 }
-                // Room first: the oldest pieces go out (they are older than this write and
-                // overlap none of it).
-                if state.parked_bytes + piece.len() > PARKED_BYTES_MAX {
-                    let mut older = state.take_parked(|_, _| true);
-                    older.append(&mut sends);
-                    sends = older;
-                    acknowledged = true;
+                let piece = if keep_slices {
+                    piece
+                } else {
+                    Bytes::copy_from_slice(&piece)
+                };
+                let held = held_per_piece(&piece);
+                // Room first: what is parked goes out (it overlaps none of this write).
+                if state.parked_bytes + held > PARKED_BYTES_MAX {
+                    room.append(&mut state.take_parked(|_, _| true));
                 }
-                state.parked_bytes += piece.len();
+                state.parked_bytes += held;
                 let piece_end = start + piece.len() as u64;
                 state.known_size = state.known_size.max(piece_end);
                 state.written_end = state.written_end.max(piece_end);
@@ -692,6 +709,7 @@ impl HandleShared {
                     start,
                     ParkedPiece {
                         data: piece,
+                        held,
                         since: Instant::now(),
                     },
                 );
@@ -704,13 +722,17 @@ impl HandleShared {
         if parks {
             self.watch_parked();
         }
-        if acknowledged {
-            return self.send_pieces_ordered(turn, sends).await.0;
+        // Units are put together outside the state lock (a copy of up to a unit).
+        let mut sends = room;
+        for pieces in units {
+            let unit_start = pieces[0].0;
+            let mut whole = BytesMut::with_capacity(unit as usize);
+            for (_, bytes) in pieces {
+                whole.extend_from_slice(&bytes);
+            }
+            sends.push((unit_start, whole.freeze()));
         }
-        for (start, bytes) in sends {
-            self.start_write(start, bytes).await?;
-        }
-        Ok(())
+        self.send_pieces_ordered(turn, sends).await.0
     }
 
     /// Send parked pieces once they waited `gather_wait_ms`, until none is left. Holds the
@@ -833,7 +855,7 @@ impl HandleShared {
                 let error = ClientError::inode(
                     self.inode,
                     ErrorCode::Io,
-                    "the runtime stopped while gathered writes were being sent",
+                    "the runtime stopped while gathered or parked writes were being sent",
                 );
                 self.lock().first_error.get_or_insert(error.clone());
                 let turn = self.send_turn().await;
@@ -1505,7 +1527,7 @@ impl HandleShared {
             ));
         }
         // No write starts after `closed` is set: a `write_at` that took the turn to send
-        // before this call does is gathered or in flight when `send_gathered` has its turn,
+        // before this call does is gathered, parked or in flight when `send_gathered` has its turn,
         // and one that takes it after fails. So waiting for all of them ends.
         let sent = self.send_gathered().await;
         let flushed = self.flush_through(u64::MAX, false).await.and(sent);
@@ -1776,7 +1798,8 @@ impl FileHandle {
         shared.fetch(layout, offset, length).await
     }
 
-    /// Write `data` at `offset`. Returns once every request is in flight; a failure is
+    /// Write `data` at `offset`. Returns once every request is in flight, gathered or
+    /// parked (see the module doc); a failure is
     /// reported by the next write, flush, fsync or close.
     pub async fn write_at(&self, offset: u64, data: Bytes) -> Result<(), ClientError> {
         let shared = &self.shared;
@@ -2097,7 +2120,7 @@ impl FileHandle {
         self.shared.flush().await
     }
 
-    /// Whether [`FileHandle::flush`] would do nothing now: open, nothing gathered, no write
+    /// Whether [`FileHandle::flush`] would do nothing now: open, nothing gathered or parked, no write
     /// in flight or uncommitted, no truncation or size commit running, no failure to report
     /// (a file closed without being written).
     pub fn flush_is_empty(&self) -> bool {

@@ -9,7 +9,7 @@
 //! What was fetched must never be read in place of what this handle wrote: every change
 //! made through the handle (a write, a truncation, fallocate, a copy into it) and every
 //! recall of the file by another client's truncation drops the pieces, and nothing is
-//! fetched ahead while a write of the handle is gathered or in flight. Other clients'
+//! fetched ahead while a write of the handle is gathered, parked or in flight. Other clients'
 //! writes are seen at the next open, as without read-ahead (close-to-open).
 //!
 //! Bounded per handle by `readahead_bytes` and over the client by
