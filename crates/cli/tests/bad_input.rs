@@ -321,6 +321,7 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
         remote_code(
             io.call(
                 &WriteObject {
+                    grant: 0,
                     object,
                     offset: FILE_SIZE_MAX,
                     map_version: 0,
@@ -337,6 +338,7 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
         remote_code(
             io.call(
                 &WriteObject {
+                    grant: 0,
                     object,
                     offset: FILE_SIZE_MAX - 1,
                     map_version: 0,
@@ -353,6 +355,7 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
         remote_code(
             io.call(
                 &WriteObject {
+                    grant: 0,
                     object,
                     offset: u64::MAX - 1,
                     map_version: 0,

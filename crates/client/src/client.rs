@@ -71,6 +71,10 @@ pub(crate) struct Shared {
     /// Directories delegated to this client and the creates answered ahead in them (see
     /// `delegation.rs`).
     pub(crate) delegations: Arc<crate::delegation::Delegations>,
+    /// Space this client holds on the I/O servers (see `space.rs`).
+    pub(crate) space: crate::space::SpaceGrants,
+    /// Handles open for writing (registered and not closed).
+    writers_open: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
@@ -210,6 +214,8 @@ impl Client {
             config,
             closer: Arc::new(crate::closer::Closer::new(pool.clone())),
             delegations: Arc::new(crate::delegation::Delegations::default()),
+            space: crate::space::SpaceGrants::new(),
+            writers_open: std::sync::atomic::AtomicUsize::new(0),
             pool,
             session_id: AtomicU64::new(grant.session_id),
             closed: AtomicBool::new(false),
@@ -347,6 +353,7 @@ impl Client {
             watcher.abort();
         }
         self.shared.closed.store(true, Ordering::Release);
+        self.shared.space.give_back(&self.shared.pool).await;
         let session_id = self.session_id();
         if let Err(error) = self
             .shared
@@ -366,17 +373,31 @@ impl Client {
         let list = handles.entry(inode).or_default();
         list.retain(|weak| weak.strong_count() > 0);
         list.push(Arc::downgrade(handle));
+        if handle.opened_for_writing() {
+            self.shared.writers_open.fetch_add(1, Ordering::AcqRel);
+        }
     }
 
     pub(crate) fn unregister_handle(&self, inode: InodeId, handle: &Arc<HandleShared>) {
-        let mut handles = self.shared.handles.lock().expect("not poisoned");
-        if let Some(list) = handles.get_mut(&inode) {
-            list.retain(|weak| {
-                weak.strong_count() > 0 && !std::ptr::eq(weak.as_ptr(), Arc::as_ptr(handle))
-            });
-            if list.is_empty() {
-                handles.remove(&inode);
+        {
+            let mut handles = self.shared.handles.lock().expect("not poisoned");
+            if let Some(list) = handles.get_mut(&inode) {
+                list.retain(|weak| {
+                    weak.strong_count() > 0 && !std::ptr::eq(weak.as_ptr(), Arc::as_ptr(handle))
+                });
+                if list.is_empty() {
+                    handles.remove(&inode);
+                }
             }
+        }
+        // The last handle open for writing closed: the space held for writes goes back.
+        // (A handle dropped without a close leaves the count up: its space then lapses
+        // at the servers.)
+        if handle.opened_for_writing()
+            && self.shared.writers_open.fetch_sub(1, Ordering::AcqRel) == 1
+        {
+            let shared = self.shared.clone();
+            tokio::spawn(async move { shared.space.give_back(&shared.pool).await });
         }
     }
 

@@ -792,6 +792,41 @@ impl HandleShared {
         });
     }
 
+    /// What a write of `[offset, end)` adds past the size this handle knows, on each
+    /// server that keeps it.
+    fn space_needs(&self, offset: u64, end: u64) -> Vec<(freeflow_types::ServerId, u64)> {
+        let known = self.lock().known_size;
+        match &self.layout {
+            Some(layout) if end > known => crate::space::needs(layout, offset.max(known), end),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Take the space a write of `[offset, end)` adds from this client's grants (asking the
+    /// servers for more if need be): `NoSpace` when a server has no room for it.
+    async fn take_space(&self, offset: u64, end: u64) -> Result<(), ClientError> {
+        let needs = self.space_needs(offset, end);
+        if needs.is_empty() {
+            return Ok(());
+        }
+        let shared = &self.client.shared;
+        shared
+            .space
+            .take(&shared.pool, self.inode, &needs)
+            .await
+            .map_err(|error| match error.code() {
+                ErrorCode::NoSpace => ClientError::inode(
+                    self.inode,
+                    ErrorCode::NoSpace,
+                    format!(
+                        "no space for a write of {} bytes at {offset}: {error}",
+                        end - offset
+                    ),
+                ),
+                _ => error,
+            })
+    }
+
     /// Wait for the turn to send: once it is taken, every write of an earlier call is in
     /// flight or gathered.
     async fn send_turn(&self) -> SendTurn {
@@ -1019,12 +1054,15 @@ impl HandleShared {
             inode: self.inode,
             stripe_index: request.stripe_index,
         };
+        let grant = self.client.shared.space.id;
         let make = |map_version, forward| WriteObject {
             object,
             offset: request.object_offset,
             map_version,
             forward,
+            grant,
         };
+        let sent = Instant::now();
         let result = self
             .client
             .shared
@@ -1052,6 +1090,10 @@ impl HandleShared {
             state.finish_requests(sequence, 1);
             match result {
                 Ok((space, _)) => {
+                    // The servers of the chain saw the grant in use when this was sent.
+                    for server in layout.chain(request.stripe_index) {
+                        self.client.shared.space.used(server, sent);
+                    }
                     state.note_space(request.stripe_index, space);
                     state.acknowledged_end = state.acknowledged_end.max(request.file_end());
                     // Only now: an fsync that took the set before this write landed must not
@@ -1315,6 +1357,11 @@ impl HandleShared {
 
     pub(crate) fn inode(&self) -> InodeId {
         self.inode
+    }
+
+    /// Whether the handle was opened for writing.
+    pub(crate) fn opened_for_writing(&self) -> bool {
+        self.access.write
     }
 
     /// Read `length` bytes at `offset` from the servers, every request at once; holes and
@@ -1818,6 +1865,9 @@ impl FileHandle {
         // A close that took the turn first has flushed without this write: it must fail
         // (close takes the turn after marking the handle closed).
         shared.check_open()?;
+        // Room for what the write adds, before it is acknowledged: a write with no room
+        // fails here, with nothing of it sent.
+        shared.take_space(offset, end).await?;
         // Small writes just past what is gathered join it, and are sent with it.
         if shared.try_gather(offset, &data, end) {
             return Ok(());
@@ -1843,7 +1893,16 @@ impl FileHandle {
         let Some(end) = shared.check_write(offset, data.len())? else {
             return Ok(true);
         };
-        Ok(shared.try_gather(offset, data, end))
+        // Room for what it adds must be held already: asking takes the long way.
+        let needs = shared.space_needs(offset, end);
+        if !shared.client.shared.space.try_take(&needs) {
+            return Ok(false);
+        }
+        if shared.try_gather(offset, data, end) {
+            return Ok(true);
+        }
+        shared.client.shared.space.put_back(&needs);
+        Ok(false)
     }
 
     /// Change the storage of a range without writing through it: preallocate, punch a

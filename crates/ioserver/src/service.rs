@@ -7,16 +7,18 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use freeflow_proto::io::{
-    AllocateObject, CopyObjectRange, IoStats, ListObjects, ObjectListing, ReadObject, ReadReply,
-    RemoveObject, RemoveObjects, ServerStats, SyncObjects, TruncateObject, WriteObject,
-    LIST_OBJECTS_MAX,
+    AllocateMode, AllocateObject, CopyObjectRange, IoStats, ListObjects, ObjectListing, ReadObject,
+    ReadReply, RemoveObject, RemoveObjects, ReserveSpace, ServerStats, SyncObjects, TruncateObject,
+    WriteObject, LIST_OBJECTS_MAX,
 };
 use freeflow_proto::{Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
+use freeflow_types::ObjectId;
 
 use crate::error::StoreError;
 use crate::gate::DataGate;
 use crate::replication::Replication;
+use crate::space::{Admitted, NoRoom, SpaceLedger};
 use crate::store::ObjectStore;
 
 pub struct IoService {
@@ -25,6 +27,8 @@ pub struct IoService {
     gate: Arc<DataGate>,
     /// Writes of replicated stripes (see `replication.rs`).
     replication: Arc<Replication>,
+    /// Space held by writing clients (see `space.rs`).
+    space: SpaceLedger,
 }
 
 impl IoService {
@@ -37,7 +41,50 @@ impl IoService {
             store,
             gate,
             replication,
+            space: SpaceLedger::default(),
         }
+    }
+
+    /// Let in a write of `length` bytes at `offset` of `object` under `grant` (see
+    /// `space.rs`). Without any grant held here there is nothing to check: the file
+    /// system's own ENOSPC is the answer.
+    async fn admit_write(
+        &self,
+        grant: u64,
+        object: ObjectId,
+        offset: u64,
+        length: u64,
+    ) -> Result<Admitted<'_>, WireError> {
+        if grant == 0 && !self.space.any_held() {
+            return self
+                .space
+                .admit(0, None, 0, 0)
+                .map_err(|room| self.no_room(room, "write"));
+        }
+        let end = offset.saturating_add(length);
+        let on_disk = self.store.object_length(object).await?;
+        let space = self.store.space()?;
+        self.space
+            .admit(
+                grant,
+                Some((object, end, on_disk)),
+                space.free_bytes,
+                space.capacity_bytes,
+            )
+            .map_err(|room| self.no_room(room, "write"))
+    }
+
+    fn no_room(&self, room: NoRoom, what: &str) -> WireError {
+        WireError::new(
+            freeflow_proto::ErrorCode::NoSpace,
+            format!(
+                "I/O server {}: no space for this {what}: {} bytes needed beyond the writer's grant, {} free that no other writer holds ({})",
+                self.store.server_id(),
+                room.needed,
+                room.unreserved,
+                self.store.data_dir().display(),
+            ),
+        )
     }
 
     /// The reply to `ServerStats`, also what the registration sends.
@@ -62,8 +109,17 @@ impl Service for IoService {
             WriteObject::OPCODE => {
                 handle(frame, |request: WriteObject, payload| async move {
                     gate.check()?;
+                    let admitted = self
+                        .admit_write(
+                            request.grant,
+                            request.object,
+                            request.offset,
+                            payload.len() as u64,
+                        )
+                        .await?;
                     if request.map_version == 0 {
                         let space = store.write(request.object, request.offset, payload).await?;
+                        admitted.landed();
                         return Ok((space, Bytes::new()));
                     }
                     let end = request.offset.saturating_add(payload.len() as u64);
@@ -82,6 +138,7 @@ impl Service for IoService {
                             payload,
                         )
                         .await?;
+                    admitted.landed();
                     Ok((space, Bytes::new()))
                 })
                 .await
@@ -115,6 +172,7 @@ impl Service for IoService {
                         replication.check_forward(&request.forward)?;
                     }
                     let space = store.truncate(request.object, request.length).await?;
+                    self.space.forget(request.object);
                     if let Some((next, rest)) = request.forward.split_first() {
                         let passed = TruncateObject {
                             object: request.object,
@@ -139,6 +197,22 @@ impl Service for IoService {
             AllocateObject::OPCODE => {
                 handle(frame, |request: AllocateObject, _| async move {
                     gate.check()?;
+                    // An allocation has no grant: it may use only what no writer holds.
+                    if request.mode == AllocateMode::Allocate && self.space.any_held() {
+                        let space = store.space()?;
+                        let unreserved = self
+                            .space
+                            .unreserved(space.free_bytes, space.capacity_bytes);
+                        if request.length > unreserved {
+                            return Err(self.no_room(
+                                NoRoom {
+                                    needed: request.length,
+                                    unreserved,
+                                },
+                                "allocation",
+                            ));
+                        }
+                    }
                     if request.map_version == 0 {
                         let space = store
                             .allocate(request.object, request.offset, request.length, request.mode)
@@ -187,6 +261,24 @@ impl Service for IoService {
                 })
                 .await
             }
+            ReserveSpace::OPCODE => {
+                handle(frame, |request: ReserveSpace, _| async move {
+                    let space = store.space()?;
+                    let grant = self
+                        .space
+                        .reserve(
+                            request.grant,
+                            request.give_back,
+                            request.need,
+                            request.want,
+                            space.free_bytes,
+                            space.capacity_bytes,
+                        )
+                        .map_err(|room| self.no_room(room, "reservation"))?;
+                    Ok((grant, Bytes::new()))
+                })
+                .await
+            }
             SyncObjects::OPCODE => {
                 handle(frame, |request: SyncObjects, _| async move {
                     store.sync(&request.objects).await?;
@@ -197,6 +289,7 @@ impl Service for IoService {
             RemoveObjects::OPCODE => {
                 handle(frame, |request: RemoveObjects, _| async move {
                     store.remove(request.inode, &request.stripes).await?;
+                    self.space.forget_inode(request.inode);
                     Ok(((), Bytes::new()))
                 })
                 .await
