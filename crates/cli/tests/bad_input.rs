@@ -322,6 +322,7 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
             io.call(
                 &WriteObject {
                     grant: 0,
+                    charged: 0,
                     object,
                     offset: FILE_SIZE_MAX,
                     map_version: 0,
@@ -339,6 +340,7 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
             io.call(
                 &WriteObject {
                     grant: 0,
+                    charged: 0,
                     object,
                     offset: FILE_SIZE_MAX - 1,
                     map_version: 0,
@@ -356,6 +358,7 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
             io.call(
                 &WriteObject {
                     grant: 0,
+                    charged: 0,
                     object,
                     offset: u64::MAX - 1,
                     map_version: 0,

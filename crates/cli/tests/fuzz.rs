@@ -123,6 +123,7 @@ fn io_samples() -> Vec<(u16, Vec<u8>)> {
             WriteObject::OPCODE,
             encode(&WriteObject {
                 grant: 0,
+                charged: 0,
                 object,
                 offset: 4096,
                 map_version: 0,
@@ -134,6 +135,7 @@ fn io_samples() -> Vec<(u16, Vec<u8>)> {
             WriteObject::OPCODE,
             encode(&WriteObject {
                 grant: 0,
+                charged: 0,
                 object,
                 offset: 0,
                 map_version: 3,

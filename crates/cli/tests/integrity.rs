@@ -280,6 +280,12 @@ async fn gathered_writes_on_their_way_are_read_and_never_dropped() {
         let path = format!("/on-their-way-{round}");
         let options = ClusterOpen::new().read(true).write(true).create(true);
         let file = Arc::new(client.open_path(&path, &options).await.expect("create"));
+        // Space for what follows is granted while the server runs (a write that extends
+        // the file waits for its grant; this test is about what happens after that).
+        file.write_at(0, Bytes::from_static(b"x"))
+            .await
+            .expect("a first write");
+        file.flush().await.expect("flush");
         cluster.signal_io(0, libc::SIGSTOP);
         file.write_at(0, Bytes::from(vec![b'A'; FULL]))
             .await
@@ -415,8 +421,8 @@ async fn unaligned_large_writes_go_out_as_whole_units_and_lose_nothing() {
     assert_bytes_eq(&read, &model, "read back after the close");
 }
 
-/// A full cluster (issue 12, capacity grants): three clients write until the small file
-/// systems of the I/O servers are full. The write that does not fit fails with `NoSpace`
+/// A full cluster (issue 12, capacity grants): three clients write (one of them appends)
+/// until the small file systems of the I/O servers are full. The write that does not fit fails with `NoSpace`
 /// at the write itself, with nothing of it acknowledged; the close after it reports no
 /// failure (no acknowledged write was refused later); every acknowledged byte reads back;
 /// and removing a file makes room for new writes.
@@ -454,7 +460,13 @@ async fn a_full_cluster_refuses_the_write_that_does_not_fit_and_keeps_every_ackn
                     "writer {writer}: never refused"
                 );
                 let data = Bytes::from(pattern(writer, acknowledged));
-                match file.write_at((acknowledged * WRITE) as u64, data).await {
+                // The last writer appends (its offsets come from the handle's size).
+                let written = if writer == WRITERS - 1 {
+                    file.append(data).await.map(|_| ())
+                } else {
+                    file.write_at((acknowledged * WRITE) as u64, data).await
+                };
+                match written {
                     Ok(()) => acknowledged += 1,
                     Err(error) => {
                         assert_eq!(error.code(), ErrorCode::NoSpace, "writer {writer}: {error}");

@@ -37,6 +37,9 @@ use crate::pool::Pool;
 use crate::{ClientConfig, ClientError};
 
 /// State shared by every clone of a [`Client`] and by its open handles.
+/// How long after its last writing handle closed a client gives its space grants back.
+const GRANT_GIVE_BACK_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
+
 pub(crate) struct Shared {
     pub config: ClientConfig,
     /// Shared with the revocation poll, which must not keep the rest alive while it waits.
@@ -391,13 +394,20 @@ impl Client {
             }
         }
         // The last handle open for writing closed: the space held for writes goes back.
-        // (A handle dropped without a close leaves the count up: its space then lapses
-        // at the servers.)
+        // (A close given up halfway leaves the count up: the space then lapses at the
+        // servers.)
         if handle.opened_for_writing()
             && self.shared.writers_open.fetch_sub(1, Ordering::AcqRel) == 1
         {
+            // A second later, if no writer opened meanwhile (a loop of opens, writes and
+            // closes keeps its grants).
             let shared = self.shared.clone();
-            tokio::spawn(async move { shared.space.give_back(&shared.pool).await });
+            tokio::spawn(async move {
+                tokio::time::sleep(GRANT_GIVE_BACK_DELAY).await;
+                if shared.writers_open.load(Ordering::Acquire) == 0 {
+                    shared.space.give_back(&shared.pool).await;
+                }
+            });
         }
     }
 

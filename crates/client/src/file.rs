@@ -806,13 +806,23 @@ impl HandleShared {
     /// servers for more if need be): `NoSpace` when a server has no room for it.
     async fn take_space(&self, offset: u64, end: u64) -> Result<(), ClientError> {
         let needs = self.space_needs(offset, end);
+        self.take_needs(offset, end, &needs).await
+    }
+
+    /// Take `needs` (the space a write of `[offset, end)` adds) from this client's grants.
+    async fn take_needs(
+        &self,
+        offset: u64,
+        end: u64,
+        needs: &[(freeflow_types::ServerId, u64)],
+    ) -> Result<(), ClientError> {
         if needs.is_empty() {
             return Ok(());
         }
         let shared = &self.client.shared;
         shared
             .space
-            .take(&shared.pool, self.inode, &needs)
+            .take(&shared.pool, self.inode, needs)
             .await
             .map_err(|error| match error.code() {
                 ErrorCode::NoSpace => ClientError::inode(
@@ -1054,13 +1064,16 @@ impl HandleShared {
             inode: self.inode,
             stripe_index: request.stripe_index,
         };
-        let grant = self.client.shared.space.id;
+        let space = &self.client.shared.space;
+        let grant = space.id;
+        let charged = space.charge(&layout.chain(request.stripe_index), request.length);
         let make = |map_version, forward| WriteObject {
             object,
             offset: request.object_offset,
             map_version,
             forward,
             grant,
+            charged,
         };
         let sent = Instant::now();
         let result = self
@@ -1861,13 +1874,14 @@ impl FileHandle {
         let Some(end) = shared.check_write(offset, data.len())? else {
             return Ok(());
         };
+        // Room for what the write adds, before it is acknowledged: a write with no room
+        // fails here, with nothing of it sent. Before the turn: the servers' answers must
+        // not hold up what is gathered or parked.
+        shared.take_space(offset, end).await?;
         let turn = shared.send_turn().await;
         // A close that took the turn first has flushed without this write: it must fail
         // (close takes the turn after marking the handle closed).
         shared.check_open()?;
-        // Room for what the write adds, before it is acknowledged: a write with no room
-        // fails here, with nothing of it sent.
-        shared.take_space(offset, end).await?;
         // Small writes just past what is gathered join it, and are sent with it.
         if shared.try_gather(offset, &data, end) {
             return Ok(());
@@ -2156,12 +2170,31 @@ impl FileHandle {
     pub async fn append(&self, data: Bytes) -> Result<u64, ClientError> {
         self.shared.check_open()?;
         self.shared.check_no_failed_write()?;
-        let offset = {
+        let length = data.len() as u64;
+        let (offset, needs) = {
             let mut state = self.shared.lock();
             let offset = state.known_size;
-            state.known_size = offset.saturating_add(data.len() as u64);
-            offset
+            let end = offset.saturating_add(length);
+            let needs = match &self.shared.layout {
+                Some(layout) => crate::space::needs(layout, offset, end),
+                None => Vec::new(),
+            };
+            state.known_size = end;
+            (offset, needs)
         };
+        // The appended bytes are past the size this handle knew: they take space (the
+        // size was raised first, so `write_at` sees none to take).
+        if let Err(error) = self
+            .shared
+            .take_needs(offset, offset + length, &needs)
+            .await
+        {
+            let mut state = self.shared.lock();
+            if state.known_size == offset + length {
+                state.known_size = offset;
+            }
+            return Err(error);
+        }
         self.write_at(offset, data).await?;
         Ok(offset)
     }

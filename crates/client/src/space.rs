@@ -32,7 +32,10 @@ pub const GRANT_CHUNK_BYTES: u64 = 64 << 20;
 
 #[derive(Debug)]
 struct Held {
+    /// Bytes of the grant not taken yet.
     bytes: u64,
+    /// Bytes taken for acknowledged writes and not yet charged to a request sent.
+    unsent: u64,
     trusted_until: Instant,
 }
 
@@ -41,10 +44,22 @@ struct Held {
 pub(crate) struct SpaceGrants {
     /// The grant id sent with every write (random per client, never 0).
     pub id: u64,
-    held: Mutex<HashMap<ServerId, Held>>,
+    held: Mutex<Grants>,
     /// One reservation round at a time.
     asking: tokio::sync::Mutex<()>,
 }
+
+#[derive(Debug, Default)]
+struct Grants {
+    by_server: HashMap<ServerId, Held>,
+    /// Servers that could not be asked, not asked again before the instant.
+    unreachable: HashMap<ServerId, Instant>,
+}
+
+/// How long a server that could not be asked is left out of the account.
+const UNREACHABLE_MS: u64 = 1_000;
+/// Rounds of asking before a write is refused (each round asks every server short).
+const ASK_ROUNDS_MAX: usize = 8;
 
 /// The bytes `[from, to)` of a file with `layout` take on each server keeping them.
 pub(crate) fn needs(layout: &Layout, from: u64, to: u64) -> Vec<(ServerId, u64)> {
@@ -70,29 +85,42 @@ impl SpaceGrants {
         hasher.write_u32(std::process::id());
         SpaceGrants {
             id: hasher.finish().max(1),
-            held: Mutex::new(HashMap::new()),
+            held: Mutex::new(Grants::default()),
             asking: tokio::sync::Mutex::new(()),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ServerId, Held>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Grants> {
         self.held.lock().expect("space grants lock not poisoned")
     }
 
-    /// Take `needs` from the grants held, all or nothing, without asking anyone.
+    /// Take `needs` from the grants held, all or nothing, without asking anyone. Servers
+    /// left out of the account (unreachable) need nothing.
     pub fn try_take(&self, needs: &[(ServerId, u64)]) -> bool {
         let now = Instant::now();
-        let mut held = self.lock();
+        let mut grants = self.lock();
+        let counted = |grants: &Grants, server: &ServerId| {
+            grants
+                .unreachable
+                .get(server)
+                .is_none_or(|until| *until <= now)
+        };
         let covered = needs.iter().all(|(server, bytes)| {
             *bytes == 0
-                || held
+                || !counted(&grants, server)
+                || grants
+                    .by_server
                     .get(server)
                     .is_some_and(|grant| grant.trusted_until > now && grant.bytes >= *bytes)
         });
         if covered {
             for (server, bytes) in needs {
-                if let Some(grant) = held.get_mut(server) {
+                if !counted(&grants, server) {
+                    continue;
+                }
+                if let Some(grant) = grants.by_server.get_mut(server) {
                     grant.bytes -= (*bytes).min(grant.bytes);
+                    grant.unsent += bytes;
                 }
             }
         }
@@ -101,17 +129,39 @@ impl SpaceGrants {
 
     /// Put back what `try_take` took for a write that was then not made.
     pub fn put_back(&self, needs: &[(ServerId, u64)]) {
-        let mut held = self.lock();
+        let mut grants = self.lock();
         for (server, bytes) in needs {
-            if let Some(grant) = held.get_mut(server) {
-                grant.bytes += bytes;
+            if let Some(grant) = grants.by_server.get_mut(server) {
+                let back = (*bytes).min(grant.unsent);
+                grant.unsent -= back;
+                grant.bytes += back;
             }
         }
     }
 
+    /// The bytes of grant a request of `length` bytes to a stripe kept on `chain` carries
+    /// (`WriteObject::charged`): what acknowledged writes took on its first server and no
+    /// request carried yet, at most its length; taken off every server of the chain.
+    pub fn charge(&self, chain: &[ServerId], length: u64) -> u64 {
+        let mut grants = self.lock();
+        let Some(head) = chain.first() else {
+            return 0;
+        };
+        let charged = grants
+            .by_server
+            .get(head)
+            .map_or(0, |grant| grant.unsent.min(length));
+        for server in chain {
+            if let Some(grant) = grants.by_server.get_mut(server) {
+                grant.unsent -= charged.min(grant.unsent);
+            }
+        }
+        charged
+    }
+
     /// A request that used the grant on `server` was sent at `sent`.
     pub fn used(&self, server: ServerId, sent: Instant) {
-        if let Some(grant) = self.lock().get_mut(&server) {
+        if let Some(grant) = self.lock().by_server.get_mut(&server) {
             grant.trusted_until = grant
                 .trusted_until
                 .max(sent + Duration::from_millis(GRANT_TRUST_MS));
@@ -130,85 +180,91 @@ impl SpaceGrants {
             return Ok(());
         }
         let _asking = self.asking.lock().await;
-        if self.try_take(needs) {
-            return Ok(());
-        }
-        for (server, need) in needs {
-            let now = Instant::now();
-            let (have, give_back) = match self.lock().get(server) {
-                Some(grant) if grant.trusted_until > now => (grant.bytes, 0),
-                // No longer counted on; whatever the server still keeps of it goes back.
-                Some(grant) => (0, grant.bytes),
-                None => (0, 0),
-            };
-            if have >= *need {
-                continue;
+        for _ in 0..ASK_ROUNDS_MAX {
+            if self.try_take(needs) {
+                return Ok(());
             }
-            let short = need - have;
-            let request = ReserveSpace {
-                grant: self.id,
-                give_back,
-                need: short,
-                want: short.max(GRANT_CHUNK_BYTES),
-            };
-            let sent = Instant::now();
-            let reply = pool
-                .io_call(*server, inode, &request, Bytes::new(), || {
-                    format!("space on I/O server {server}")
-                })
-                .await;
-            match reply {
-                Ok((grant, _)) => {
-                    let mut held = self.lock();
-                    let entry = held.entry(*server).or_insert(Held {
-                        bytes: 0,
-                        trusted_until: sent,
-                    });
-                    entry.bytes = have + grant.added;
-                    entry.trusted_until = sent + Duration::from_millis(GRANT_TRUST_MS);
-                }
-                Err(error) if error.code() == ErrorCode::NoSpace => {
-                    if give_back > 0 {
-                        self.lock().remove(server);
+            for (server, need) in needs {
+                let now = Instant::now();
+                let (have, give_back) = {
+                    let grants = self.lock();
+                    if grants
+                        .unreachable
+                        .get(server)
+                        .is_some_and(|until| *until > now)
+                    {
+                        continue;
                     }
-                    return Err(error);
+                    match grants.by_server.get(server) {
+                        Some(grant) if grant.trusted_until > now => (grant.bytes, 0),
+                        // No longer counted on; what the server still keeps of it goes back.
+                        Some(grant) => (0, grant.bytes),
+                        None => (0, 0),
+                    }
+                };
+                if have >= *need {
+                    continue;
                 }
-                // Not reachable (down, or an older server): no account is kept there; its
-                // writes fail or go on without it as they would anyway.
-                Err(error) => {
-                    tracing::debug!(server, %error, "space not reserved");
-                    self.lock().remove(server);
+                let short = need - have;
+                let request = ReserveSpace {
+                    grant: self.id,
+                    give_back,
+                    need: short,
+                    want: short.max(GRANT_CHUNK_BYTES),
+                };
+                let sent = Instant::now();
+                let reply = pool
+                    .io_call(*server, inode, &request, Bytes::new(), || {
+                        format!("space on I/O server {server}")
+                    })
+                    .await;
+                let mut grants = self.lock();
+                match reply {
+                    Ok((grant, _)) => {
+                        let entry = grants.by_server.entry(*server).or_insert(Held {
+                            bytes: 0,
+                            unsent: 0,
+                            trusted_until: sent,
+                        });
+                        if give_back > 0 {
+                            entry.bytes = entry.bytes.saturating_sub(give_back);
+                        }
+                        entry.bytes = entry.bytes.saturating_add(grant.added);
+                        entry.trusted_until = sent + Duration::from_millis(GRANT_TRUST_MS);
+                    }
+                    Err(error) if error.code() == ErrorCode::NoSpace => {
+                        if let Some(entry) = grants.by_server.get_mut(server) {
+                            entry.bytes = entry.bytes.saturating_sub(give_back);
+                        }
+                        return Err(error);
+                    }
+                    // Not reachable (down, or not answering): left out of the account for
+                    // a while; its writes fail or go on without it as they would anyway.
+                    Err(error) => {
+                        tracing::debug!(server, %error, "space not reserved");
+                        grants.unreachable.insert(
+                            *server,
+                            Instant::now() + Duration::from_millis(UNREACHABLE_MS),
+                        );
+                    }
                 }
             }
         }
-        // Servers not asked (unreachable) are left out of the taking.
-        let held_servers: Vec<(ServerId, u64)> = {
-            let held = self.lock();
-            needs
-                .iter()
-                .filter(|(server, _)| held.contains_key(server))
-                .copied()
-                .collect()
-        };
-        if !self.try_take(&held_servers) {
-            // Another round of this client took some meanwhile: take what is left.
-            let mut held = self.lock();
-            for (server, bytes) in held_servers {
-                if let Some(grant) = held.get_mut(&server) {
-                    grant.bytes -= bytes.min(grant.bytes);
-                }
-            }
-        }
-        Ok(())
+        Err(ClientError::inode(
+            inode,
+            ErrorCode::NoSpace,
+            "other writes of this client kept taking the space granted for this one",
+        ))
     }
 
-    /// Give every grant back (the last writing handle closed, or the client shuts down).
+    /// Give the bytes held and not taken back (the client stopped writing, or shuts down).
     pub async fn give_back(&self, pool: &Pool) {
         let _asking = self.asking.lock().await;
         let grants: Vec<(ServerId, u64)> = self
             .lock()
-            .drain()
-            .map(|(server, grant)| (server, grant.bytes))
+            .by_server
+            .iter_mut()
+            .map(|(server, grant)| (*server, std::mem::take(&mut grant.bytes)))
             .filter(|(_, bytes)| *bytes > 0)
             .collect();
         for (server, bytes) in grants {
@@ -251,10 +307,11 @@ mod tests {
         let grants = SpaceGrants::new();
         assert_ne!(grants.id, 0);
         let later = Instant::now() + Duration::from_secs(60);
-        grants.lock().insert(
+        grants.lock().by_server.insert(
             1,
             Held {
                 bytes: 100,
+                unsent: 0,
                 trusted_until: later,
             },
         );
@@ -262,11 +319,22 @@ mod tests {
             !grants.try_take(&[(1, 60), (2, 1)]),
             "server 2 holds nothing"
         );
-        assert_eq!(grants.lock()[&1].bytes, 100, "nothing taken");
+        assert_eq!(grants.lock().by_server[&1].bytes, 100, "nothing taken");
         assert!(grants.try_take(&[(1, 60), (2, 0)]));
         assert!(!grants.try_take(&[(1, 60)]), "40 left");
-        grants.put_back(&[(1, 60)]);
-        grants.lock().get_mut(&1).unwrap().trusted_until = Instant::now();
+        grants.put_back(&[(1, 10)]);
+        assert_eq!(grants.lock().by_server[&1].unsent, 50);
+        // Requests carry what was taken, at most their length, once.
+        assert_eq!(grants.charge(&[1, 2], 30), 30);
+        assert_eq!(grants.charge(&[1], 30), 20);
+        assert_eq!(grants.charge(&[1], 30), 0);
+        // A server left out of the account needs nothing.
+        grants
+            .lock()
+            .unreachable
+            .insert(2, Instant::now() + Duration::from_secs(60));
+        assert!(grants.try_take(&[(1, 10), (2, 1 << 40)]));
+        grants.lock().by_server.get_mut(&1).unwrap().trusted_until = Instant::now();
         assert!(!grants.try_take(&[(1, 1)]), "no longer trusted");
     }
 }

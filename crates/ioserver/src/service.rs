@@ -45,32 +45,33 @@ impl IoService {
         }
     }
 
-    /// Let in a write of `length` bytes at `offset` of `object` under `grant` (see
-    /// `space.rs`). Without any grant held here there is nothing to check: the file
-    /// system's own ENOSPC is the answer.
+    /// Let in a write of `length` bytes at `offset` of `object` under `grant`, charging
+    /// `charged` bytes to it (see `space.rs`).
     async fn admit_write(
         &self,
         grant: u64,
+        charged: u64,
         object: ObjectId,
         offset: u64,
         length: u64,
     ) -> Result<Admitted<'_>, WireError> {
-        if grant == 0 && !self.space.any_held() {
-            return self
-                .space
-                .admit(0, None, 0, 0)
-                .map_err(|room| self.no_room(room, "write"));
-        }
-        let end = offset.saturating_add(length);
-        let on_disk = self.store.object_length(object).await?;
-        let space = self.store.space()?;
+        // The object's length is only needed for a write without a grant, while grants are
+        // held (the ledger asks for it then): read it first only in that case.
+        let on_disk = if grant == 0 && self.space.any_held() {
+            Some(self.store.object_length(object).await?)
+        } else {
+            None
+        };
+        let growth = || -> Result<u64, WireError> {
+            let end = offset.saturating_add(length);
+            Ok(end.saturating_sub(on_disk.unwrap_or(0)).min(length))
+        };
+        let space = || -> Result<(u64, u64), WireError> {
+            let space = self.store.space()?;
+            Ok((space.free_bytes, space.capacity_bytes))
+        };
         self.space
-            .admit(
-                grant,
-                Some((object, end, on_disk)),
-                space.free_bytes,
-                space.capacity_bytes,
-            )
+            .admit(grant, charged, growth, space)?
             .map_err(|room| self.no_room(room, "write"))
     }
 
@@ -112,15 +113,20 @@ impl Service for IoService {
                     let admitted = self
                         .admit_write(
                             request.grant,
+                            request.charged,
                             request.object,
                             request.offset,
                             payload.len() as u64,
                         )
                         .await?;
                     if request.map_version == 0 {
-                        let space = store.write(request.object, request.offset, payload).await?;
-                        admitted.landed();
-                        return Ok((space, Bytes::new()));
+                        return match store.write(request.object, request.offset, payload).await {
+                            Ok(space) => Ok((space, Bytes::new())),
+                            Err(error) => {
+                                admitted.failed();
+                                Err(error.into())
+                            }
+                        };
                     }
                     let end = request.offset.saturating_add(payload.len() as u64);
                     let local = payload.clone();
@@ -137,9 +143,14 @@ impl Service for IoService {
                             },
                             payload,
                         )
-                        .await?;
-                    admitted.landed();
-                    Ok((space, Bytes::new()))
+                        .await;
+                    match space {
+                        Ok(space) => Ok((space, Bytes::new())),
+                        Err(error) => {
+                            admitted.failed();
+                            Err(error)
+                        }
+                    }
                 })
                 .await
             }
@@ -172,7 +183,6 @@ impl Service for IoService {
                         replication.check_forward(&request.forward)?;
                     }
                     let space = store.truncate(request.object, request.length).await?;
-                    self.space.forget(request.object);
                     if let Some((next, rest)) = request.forward.split_first() {
                         let passed = TruncateObject {
                             object: request.object,
@@ -289,7 +299,6 @@ impl Service for IoService {
             RemoveObjects::OPCODE => {
                 handle(frame, |request: RemoveObjects, _| async move {
                     store.remove(request.inode, &request.stripes).await?;
-                    self.space.forget_inode(request.inode);
                     Ok(((), Bytes::new()))
                 })
                 .await

@@ -2,36 +2,39 @@
 //! that writing clients hold, so that a client tells a writer "no space" at the write it
 //! cannot cover, before acknowledging it, never afterwards at a flush or close.
 //!
-//! A client asks with `ReserveSpace` under a grant id of its own and sends that id with
-//! every `WriteObject`. The ledger here is the truth: a write takes what it adds past the
-//! object's end from its grant as it lands ([`SpaceLedger::admit`], then
-//! [`Admitted::landed`]); a write that needs more than its grant holds may use only the
-//! space no grant holds, less a floor kept for the file system's own blocks. The free space
-//! is the file system's (`statvfs`), read when grants are involved, so files removed, or
-//! written by anyone, count at once.
+//! A client asks with `ReserveSpace` under a grant id of its own; every `WriteObject` names
+//! the grant and the bytes of it the write uses (`charged`: what the write adds to the file
+//! as the client counted when it acknowledged it). The server takes exactly those bytes from
+//! the grant as the write is let in ([`SpaceLedger::admit`]) and counts them as landing until
+//! the write is done ([`Admitted`]; given back to the grant if it fails), so client and
+//! server subtract the same numbers and concurrent writes never pass against the same bytes.
+//! The space nobody holds is the file system's free space (`statvfs`) less the grants, the
+//! bytes landing and a floor kept for the file system's own blocks.
+//!
+//! A write without a grant (0) may use only the space nobody holds (what it may add: at most
+//! its length, past the object's length on disk). A write with a grant whose grant no
+//! longer holds what it charges (lapsed, or reclaimed while its bytes waited at the client)
+//! takes the rest from the unreserved space, and is refused only when the file system
+//! itself has no room: it was acknowledged already, so refusing it for anything less would
+//! be the late error grants exist to prevent.
 //!
 //! Grants lapse after `GRANT_IDLE_MS` without a request that used them (a client that died
 //! gives its space back that way), and are taken back after `GRANT_RECLAIM_MS` idle when
 //! another writer's need does not fit otherwise. A client counts on a grant only for
-//! `GRANT_TRUST_MS` after the last request that used it, less than either, so it never acts
-//! on a grant this server has let go.
+//! `GRANT_TRUST_MS` after the last request that used it, less than either.
 //!
-//! Not covered: a write into a hole inside an object adds blocks without moving its end;
-//! it is admitted against the unreserved space like a write without a grant. Bounded: at
-//! most [`GRANT_HOLDERS_MAX`] grants at once.
+//! Not counted: what a write adds beyond its charge (a write into a hole, or past the
+//! client's known size by another client's growth) comes out of the floor. Bounded: at most
+//! [`GRANT_HOLDERS_MAX`] grants at once.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use freeflow_proto::io::{SpaceGrant, GRANT_IDLE_MS, GRANT_RECLAIM_MS};
-use freeflow_types::ObjectId;
 
 /// Most grants held at once on one server; a new one past it is refused (`NoSpace`).
 pub const GRANT_HOLDERS_MAX: usize = 65_536;
-/// Most objects whose admitted end is remembered (past it all are forgotten, and their
-/// length on disk is used again).
-pub const ADMITTED_ENDS_MAX: usize = 65_536;
 
 /// Space never granted: a hundredth of the file system, at least 1 MiB (its own blocks:
 /// directories, inodes, extent trees).
@@ -60,10 +63,8 @@ struct Ledger {
     /// Sum of `grants`' bytes.
     total: u64,
     last_sweep: Option<Instant>,
-    /// The furthest end of each object's writes admitted so far: writes to one object are
-    /// admitted and land concurrently, in any order, so the object's length on disk alone
-    /// would count the bytes of one write as growth of several.
-    ends: BTreeMap<ObjectId, u64>,
+    /// Bytes of writes let in and not done yet: not in the file system's free count yet.
+    landing: u64,
 }
 
 impl Ledger {
@@ -97,7 +98,11 @@ impl Ledger {
 
     /// Free space nobody holds, given the file system's free bytes.
     fn unreserved(&self, free_bytes: u64, floor: u64) -> u64 {
-        free_bytes.saturating_sub(self.total.saturating_add(floor))
+        free_bytes.saturating_sub(
+            self.total
+                .saturating_add(self.landing)
+                .saturating_add(floor),
+        )
     }
 }
 
@@ -107,26 +112,38 @@ pub struct SpaceLedger {
     ledger: Mutex<Ledger>,
 }
 
-/// A write let in: call [`Admitted::landed`] once it is written.
+/// A write let in: its bytes count as landing until it is dropped; a write that failed
+/// ([`Admitted::failed`]) gives what it took back to its grant.
 #[must_use]
 pub struct Admitted<'a> {
     ledger: &'a SpaceLedger,
     grant: u64,
-    growth: u64,
+    /// Taken from the grant.
+    taken: u64,
+    /// Counted as landing (what was taken, and what came from the unreserved space).
+    landing: u64,
+    failed: bool,
 }
 
 impl Admitted<'_> {
-    /// The write landed: what it added comes off its grant.
-    pub fn landed(self) {
-        if self.grant == 0 || self.growth == 0 {
+    /// The write was not made: what it took goes back to its grant.
+    pub fn failed(mut self) {
+        self.failed = true;
+    }
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        if self.landing == 0 && self.taken == 0 {
             return;
         }
         let mut ledger = self.ledger.lock();
-        if let Some(held) = ledger.grants.get_mut(&self.grant) {
-            let taken = held.bytes.min(self.growth);
-            held.bytes -= taken;
-            held.last_used = Instant::now();
-            ledger.total -= taken;
+        ledger.landing -= self.landing.min(ledger.landing);
+        if self.failed && self.taken > 0 {
+            if let Some(held) = ledger.grants.get_mut(&self.grant) {
+                held.bytes += self.taken;
+                ledger.total += self.taken;
+            }
         }
     }
 }
@@ -185,13 +202,22 @@ impl SpaceLedger {
                 held: ledger.held(grant),
             });
         }
-        if !ledger.grants.contains_key(&grant) && ledger.grants.len() >= GRANT_HOLDERS_MAX {
-            return Err(NoRoom {
-                needed: need,
-                unreserved: 0,
+        let added = need + (want - need).min((unreserved - need) / 4);
+        if added == 0 {
+            return Ok(SpaceGrant {
+                added: 0,
+                held: ledger.held(grant),
             });
         }
-        let added = need + (want - need).min((unreserved - need) / 4);
+        if !ledger.grants.contains_key(&grant) && ledger.grants.len() >= GRANT_HOLDERS_MAX {
+            ledger.drop_idle(now, Duration::from_millis(GRANT_RECLAIM_MS), grant);
+            if ledger.grants.len() >= GRANT_HOLDERS_MAX {
+                return Err(NoRoom {
+                    needed: need,
+                    unreserved: 0,
+                });
+            }
+        }
         let held = ledger.grants.entry(grant).or_insert(Held {
             bytes: 0,
             last_used: now,
@@ -203,76 +229,80 @@ impl SpaceLedger {
         Ok(SpaceGrant { added, held })
     }
 
-    /// Let in a write of `object` ending at `end` (its length on disk `length`) under
-    /// `grant` (0: none): what it adds past the furthest end admitted may come from its
-    /// grant and the space nobody holds. None for `object`: nothing to count (no grant is
-    /// held anywhere).
-    pub fn admit(
+    /// Let in a write under `grant` that charges `charged` bytes to it (see the module
+    /// doc). `growth` is what the write may add past its object's length on disk (at most
+    /// its length), asked for only when it is needed: a write without a grant while grants
+    /// are held, or one whose grant no longer covers its charge. `space` gives the file
+    /// system's (free, capacity) bytes, asked for only then too.
+    pub fn admit<E>(
         &self,
         grant: u64,
-        object: Option<(ObjectId, u64, u64)>,
-        free_bytes: u64,
-        capacity_bytes: u64,
-    ) -> Result<Admitted<'_>, NoRoom> {
+        charged: u64,
+        growth: impl FnOnce() -> Result<u64, E>,
+        space: impl FnOnce() -> Result<(u64, u64), E>,
+    ) -> Result<Result<Admitted<'_>, NoRoom>, E> {
         let now = Instant::now();
         let mut ledger = self.lock();
         ledger.sweep(now);
-        let growth = match object {
-            Some((object, end, length)) => {
-                let known = ledger.ends.get(&object).copied().unwrap_or(0).max(length);
-                end.saturating_sub(known)
+        let admitted = |taken: u64, landing: u64| Admitted {
+            ledger: self,
+            grant,
+            taken,
+            landing,
+            failed: false,
+        };
+        if grant == 0 {
+            if ledger.grants.is_empty() {
+                return Ok(Ok(admitted(0, 0)));
+            }
+            drop(ledger);
+            let growth = growth()?;
+            let (free, capacity) = space()?;
+            let mut ledger = self.lock();
+            let unreserved = ledger.unreserved(free, floor_bytes(capacity));
+            if growth > unreserved {
+                return Ok(Err(NoRoom {
+                    needed: growth,
+                    unreserved,
+                }));
+            }
+            ledger.landing += growth;
+            return Ok(Ok(admitted(0, growth)));
+        }
+        let taken = match ledger.grants.get_mut(&grant) {
+            Some(held) => {
+                held.last_used = now;
+                let taken = held.bytes.min(charged);
+                held.bytes -= taken;
+                taken
             }
             None => 0,
         };
-        let held = ledger.held(grant);
-        if let Some(entry) = ledger.grants.get_mut(&grant) {
-            entry.last_used = now;
+        ledger.total -= taken;
+        ledger.landing += taken;
+        let short = charged - taken;
+        if short == 0 {
+            return Ok(Ok(admitted(taken, taken)));
         }
-        if growth > held {
-            let unreserved = ledger.unreserved(free_bytes, floor_bytes(capacity_bytes));
-            let needed = growth - held;
-            if needed > unreserved {
-                return Err(NoRoom { needed, unreserved });
-            }
-        }
-        if let Some((object, end, _)) = object {
-            if ledger.ends.len() >= ADMITTED_ENDS_MAX && !ledger.ends.contains_key(&object) {
-                ledger.ends.clear();
-            }
-            let known = ledger.ends.entry(object).or_insert(0);
-            *known = (*known).max(end);
-        }
-        Ok(Admitted {
-            ledger: self,
-            grant,
-            growth,
-        })
-    }
-
-    /// The object was cut or removed: its length on disk counts again.
-    pub fn forget(&self, object: ObjectId) {
-        self.lock().ends.remove(&object);
-    }
-
-    /// Forget every object of `inode` (its objects were removed).
-    pub fn forget_inode(&self, inode: freeflow_types::InodeId) {
+        // The grant no longer covers the charge: the rest may come from the file system's
+        // free space (even space others hold: this write was acknowledged already).
+        let mut holding = admitted(taken, taken);
+        drop(ledger);
+        let (free, capacity) = space()?;
+        let room = free.saturating_sub(floor_bytes(capacity) / 2);
         let mut ledger = self.lock();
-        let objects: Vec<ObjectId> = ledger
-            .ends
-            .range(
-                ObjectId {
-                    inode,
-                    stripe_index: 0,
-                }..=ObjectId {
-                    inode,
-                    stripe_index: u32::MAX,
-                },
-            )
-            .map(|(object, _)| *object)
-            .collect();
-        for object in objects {
-            ledger.ends.remove(&object);
+        let room = room.saturating_sub(ledger.landing);
+        if short > room {
+            drop(ledger);
+            holding.failed();
+            return Ok(Err(NoRoom {
+                needed: short,
+                unreserved: room,
+            }));
         }
+        ledger.landing += short;
+        holding.landing += short;
+        Ok(Ok(holding))
     }
 
     /// Space nobody holds (for an allocation, which comes without a grant).
@@ -295,8 +325,22 @@ mod tests {
     /// A 200 MiB file system: a floor of 2 MiB.
     const CAPACITY: u64 = 200 * MIB;
 
+    type Never = std::convert::Infallible;
+
+    fn admit(
+        ledger: &SpaceLedger,
+        grant: u64,
+        charged: u64,
+        growth: u64,
+        free: u64,
+    ) -> Result<Admitted<'_>, NoRoom> {
+        ledger
+            .admit::<Never>(grant, charged, || Ok(growth), || Ok((free, CAPACITY)))
+            .unwrap()
+    }
+
     #[test]
-    fn grants_take_free_space_and_writes_take_from_their_grant() {
+    fn grants_take_free_space_and_writes_take_their_charge() {
         let ledger = SpaceLedger::default();
         // 10 MiB free: 8 MiB above the floor.
         let free = 10 * MIB;
@@ -315,67 +359,58 @@ mod tests {
             })
         );
         assert_eq!(ledger.held_total(), first.held);
-        // A write under the grant may use it all even with nothing unreserved.
-        let object = ObjectId {
-            inode: 5,
-            stripe_index: 0,
-        };
-        ledger
-            .admit(
-                1,
-                Some((object, first.held, 0)),
-                2 * MIB + first.held,
-                CAPACITY,
-            )
-            .expect("within the grant")
-            .landed();
+        // A write takes its charge from the grant at once; while it lands the bytes count
+        // as landing, so nobody else is granted them.
+        let landing = admit(&ledger, 1, first.held, 0, free).expect("within the grant");
         assert_eq!(ledger.held_total(), 0);
-        // Without a grant, only what nobody holds.
         assert!(ledger
-            .admit(
-                0,
-                Some((object, first.held + 1, first.held)),
-                2 * MIB,
-                CAPACITY
-            )
+            .reserve(2, 0, left + 1, left + 1, free, CAPACITY)
             .is_err());
-        assert!(
-            ledger
-                .admit(0, Some((object, 4096, first.held)), 2 * MIB, CAPACITY)
-                .is_ok(),
-            "an overwrite"
-        );
+        drop(landing);
+        // Landed: the file system's free count shows the bytes now.
+        let free = free - first.held;
+        assert!(ledger.reserve(2, 0, left, left, free, CAPACITY).is_ok());
     }
 
     #[test]
-    fn writes_landing_out_of_order_take_each_byte_once() {
+    fn a_write_without_a_grant_uses_only_unreserved_space() {
         let ledger = SpaceLedger::default();
-        let free = 100 * MIB;
+        let free = 10 * MIB;
+        // No grant anywhere: nothing is counted.
+        assert!(admit(&ledger, 0, 0, 100 * MIB, free).is_ok());
         ledger
-            .reserve(1, 0, 2 * MIB, 2 * MIB, free, CAPACITY)
-            .unwrap();
-        let object = ObjectId {
-            inode: 5,
-            stripe_index: 0,
-        };
-        // Two writes of 1 MiB admitted before either landed (length on disk still 0).
-        let first = ledger
-            .admit(1, Some((object, MIB, 0)), free, CAPACITY)
-            .unwrap();
-        let second = ledger
-            .admit(1, Some((object, 2 * MIB, 0)), free, CAPACITY)
-            .unwrap();
-        second.landed();
-        first.landed();
-        assert_eq!(ledger.held_total(), 0, "2 MiB taken, not 3");
-        ledger.forget(object);
-        let again = ledger
-            .admit(1, Some((object, MIB, 0)), free, CAPACITY)
+            .reserve(1, 0, 6 * MIB, 6 * MIB, free, CAPACITY)
             .unwrap();
         assert_eq!(
-            again.growth, MIB,
-            "a cut object counts from its length again"
+            admit(&ledger, 0, 0, 3 * MIB, free).err(),
+            Some(NoRoom {
+                needed: 3 * MIB,
+                unreserved: 2 * MIB
+            })
         );
+        assert!(admit(&ledger, 0, 0, 0, free).is_ok(), "an overwrite");
+    }
+
+    #[test]
+    fn a_failed_write_gives_its_charge_back_and_a_short_grant_uses_free_space() {
+        let ledger = SpaceLedger::default();
+        let free = 10 * MIB;
+        ledger
+            .reserve(1, 0, 4 * MIB, 4 * MIB, free, CAPACITY)
+            .unwrap();
+        admit(&ledger, 1, 3 * MIB, 0, free).unwrap().failed();
+        assert_eq!(ledger.held_total(), 4 * MIB, "given back");
+        // Charged beyond the grant (it lapsed or was reclaimed meanwhile): let in while the
+        // file system has room, even room another grant holds.
+        ledger
+            .reserve(2, 0, 4 * MIB, 4 * MIB, free, CAPACITY)
+            .unwrap();
+        let admitted = admit(&ledger, 1, 5 * MIB, 0, free).expect("8 MiB free past the floor");
+        assert_eq!(ledger.held_total(), 4 * MIB, "grant 1 spent");
+        drop(admitted);
+        // Not when the file system has no room for it.
+        assert!(admit(&ledger, 1, 5 * MIB, 0, 3 * MIB).is_err());
+        assert_eq!(ledger.held_total(), 4 * MIB);
     }
 
     #[test]
@@ -392,6 +427,7 @@ mod tests {
             .is_err());
         let back = ledger.reserve(1, 6 * MIB, 0, 0, free, CAPACITY).unwrap();
         assert_eq!(back, SpaceGrant { added: 0, held: 0 });
+        assert!(!ledger.any_held(), "an emptied grant is forgotten");
         assert!(ledger
             .reserve(2, 0, 4 * MIB, 4 * MIB, free, CAPACITY)
             .is_ok());
@@ -406,6 +442,10 @@ mod tests {
             .unwrap();
         assert_eq!(third.held, 6 * MIB);
         assert_eq!(ledger.held_total(), 6 * MIB, "grant 2 was taken back");
+        // Nothing to add: no empty grant is kept.
+        let none = ledger.reserve(4, 0, 0, 1, 2 * MIB, CAPACITY).unwrap();
+        assert_eq!(none, SpaceGrant { added: 0, held: 0 });
+        assert!(!ledger.lock().grants.contains_key(&4));
     }
 
     #[test]
@@ -418,7 +458,7 @@ mod tests {
             inner.grants.get_mut(&1).unwrap().last_used = idle;
             inner.last_sweep = None;
         }
-        ledger.admit(0, None, 100 * MIB, CAPACITY).unwrap().landed();
+        drop(admit(&ledger, 0, 0, 0, 100 * MIB).unwrap());
         assert_eq!(ledger.held_total(), 0);
         assert!(!ledger.any_held());
     }

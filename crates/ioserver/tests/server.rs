@@ -76,6 +76,7 @@ async fn requests_over_rpc(engine: EngineKind) {
         .collect();
     let write = WriteObject {
         grant: 0,
+        charged: 0,
         object,
         offset: 4096,
         map_version: 0,
@@ -173,6 +174,7 @@ async fn requests_over_rpc(engine: EngineKind) {
     }
     let too_far = WriteObject {
         grant: 0,
+        charged: 0,
         object,
         offset: limits::FILE_SIZE_MAX,
         map_version: 0,
@@ -297,6 +299,7 @@ async fn wait_until(what: &str, condition: impl Fn() -> bool) {
 async fn refused_busy(connection: &Connection, object: ObjectId) -> String {
     let write = WriteObject {
         grant: 0,
+        charged: 0,
         object,
         offset: 0,
         map_version: 0,
@@ -377,6 +380,7 @@ async fn registers_once_the_meta_server_appears_and_serves_data_only_when_no_cut
         .call(
             &WriteObject {
                 grant: 0,
+                charged: 0,
                 object,
                 offset: 0,
                 map_version: 0,

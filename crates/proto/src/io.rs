@@ -51,11 +51,14 @@ requests! {
     /// map version, and passes it on to `forward[0]` with the rest of `forward`; the reply
     /// comes once every server of the chain wrote it.
     ///
-    /// `grant` names the writer's space grant here (see `ReserveSpace`; 0: none): what the
-    /// write adds past the object's end is taken from it, and a write that neither its
-    /// grant nor the space nobody reserved can hold is refused with `NoSpace`. A chain
-    /// passes it on, each server taking from its own grant of that id.
-    WriteObject = 200 => ObjectSpace { object: ObjectId, offset: u64, map_version: u64, forward: Vec<ServerId>, grant: u64 }
+    /// `grant` names the writer's space grant here (see `ReserveSpace`; 0: none) and
+    /// `charged` the bytes of it this write uses (what it adds to the file, as the client
+    /// counted when it acknowledged the write): taken from the grant as the write is let in.
+    /// A write without a grant may only use the space no grant holds (else `NoSpace`); a
+    /// write with one is refused only when the file system itself has no room for what
+    /// its grant no longer covers. A chain passes both on, each server taking from its own
+    /// grant of that id.
+    WriteObject = 200 => ObjectSpace { object: ObjectId, offset: u64, map_version: u64, forward: Vec<ServerId>, grant: u64, charged: u64 }
     /// Read up to `length` bytes at `offset`; the data comes back in the reply payload.
     /// For a replicated stripe (`map_version` not 0) the server serves it only while its
     /// lease from the meta server holds: one cut off from the meta server stops serving

@@ -68,6 +68,7 @@ async fn requests_bytes_connections_and_handshake_failures_are_counted() {
     for _ in 0..5 {
         let request = WriteObject {
             grant: 0,
+            charged: 0,
             object: OBJECT,
             offset: 0,
             map_version: 0,
