@@ -244,6 +244,10 @@ struct HandleState {
     parked_bytes: usize,
     /// Whether a timer task is watching the parked pieces' age.
     park_timer: bool,
+    /// Per stripe, the object end this handle's requests charged space up to (see
+    /// `charge_request`; from the size at open, or at the last truncation). Bounded by the
+    /// stripe count.
+    charged_through: BTreeMap<u32, u64>,
     /// What a sequential reader has fetched ahead (see `readahead.rs`).
     readahead: ReadAhead,
 }
@@ -300,6 +304,20 @@ struct CommitTicket {
 }
 
 impl HandleState {
+    /// The bytes of space grant a write request carries (`WriteObject::charged`): what its
+    /// object range adds past what this handle charged on its stripe before.
+    fn charge_request(&mut self, layout: &Layout, request: &ObjectRequest) -> u64 {
+        let size = self.attr.size_bytes;
+        let through = self
+            .charged_through
+            .entry(request.stripe_index)
+            .or_insert_with(|| layout.object_length(size, request.stripe_index));
+        let end = request.object_end();
+        let charged = end.saturating_sub(request.object_offset.max(*through));
+        *through = (*through).max(end);
+        charged
+    }
+
     /// Whether written bytes wait on this handle to be sent (gathered or parked).
     fn holds_unsent(&self) -> bool {
         self.gathered.is_some() || !self.parked.is_empty()
@@ -472,6 +490,8 @@ impl Truncation {
             let mut state = handle.lock();
             state.truncates_pending += 1;
             state.truncate_epoch += 1;
+            // Charges count from the new size (set in `attr` by the truncation's reply).
+            state.charged_through.clear();
             state.readahead.clear();
         }
         // Made before the next await, so a cancelled call still lets the commits go.
@@ -499,6 +519,7 @@ impl Truncation {
                 state.stripe_space.clear();
                 state.attr = attr.clone();
                 state.readahead.clear();
+                state.charged_through.clear();
             }
             handle.notify();
         }
@@ -559,12 +580,14 @@ impl HandleShared {
             };
             shared.begin_write(&request).await;
             unsent.count -= 1;
+            let charged = shared.lock().charge_request(layout, &request);
             tokio::spawn(shared.clone().send_write(
                 layout.clone(),
                 request,
                 sequence,
                 payload,
                 permit,
+                charged,
             ));
         }
         drop(unsent);
@@ -802,13 +825,6 @@ impl HandleShared {
         }
     }
 
-    /// Take the space a write of `[offset, end)` adds from this client's grants (asking the
-    /// servers for more if need be): `NoSpace` when a server has no room for it.
-    async fn take_space(&self, offset: u64, end: u64) -> Result<(), ClientError> {
-        let needs = self.space_needs(offset, end);
-        self.take_needs(offset, end, &needs).await
-    }
-
     /// Take `needs` (the space a write of `[offset, end)` adds) from this client's grants.
     async fn take_needs(
         &self,
@@ -822,7 +838,14 @@ impl HandleShared {
         let shared = &self.client.shared;
         shared
             .space
-            .take(&shared.pool, self.inode, needs)
+            .take(
+                &shared.pool,
+                self.inode,
+                needs,
+                self.layout
+                    .as_ref()
+                    .is_some_and(|layout| layout.replicas() > 1),
+            )
             .await
             .map_err(|error| match error.code() {
                 ErrorCode::NoSpace => ClientError::inode(
@@ -1059,6 +1082,7 @@ impl HandleShared {
         sequence: u64,
         payload: Bytes,
         permit: OwnedSemaphorePermit,
+        charged: u64,
     ) {
         let object = ObjectId {
             inode: self.inode,
@@ -1066,7 +1090,8 @@ impl HandleShared {
         };
         let space = &self.client.shared.space;
         let grant = space.id;
-        let charged = space.charge(&layout.chain(request.stripe_index), request.length);
+        let chain = layout.chain(request.stripe_index);
+        space.charge(&chain, charged, Instant::now());
         let make = |map_version, forward| WriteObject {
             object,
             offset: request.object_offset,
@@ -1075,7 +1100,6 @@ impl HandleShared {
             grant,
             charged,
         };
-        let sent = Instant::now();
         let result = self
             .client
             .shared
@@ -1104,9 +1128,6 @@ impl HandleShared {
             match result {
                 Ok((space, _)) => {
                     // The servers of the chain saw the grant in use when this was sent.
-                    for server in layout.chain(request.stripe_index) {
-                        self.client.shared.space.used(server, sent);
-                    }
                     state.note_space(request.stripe_index, space);
                     state.acknowledged_end = state.acknowledged_end.max(request.file_end());
                     // Only now: an fsync that took the set before this write landed must not
@@ -1688,6 +1709,7 @@ impl FileHandle {
                 parked: BTreeMap::new(),
                 parked_bytes: 0,
                 park_timer: false,
+                charged_through: BTreeMap::new(),
                 readahead: ReadAhead::default(),
             }),
             send_order: Arc::new(tokio::sync::Mutex::new(())),
@@ -1877,26 +1899,36 @@ impl FileHandle {
         // Room for what the write adds, before it is acknowledged: a write with no room
         // fails here, with nothing of it sent. Before the turn: the servers' answers must
         // not hold up what is gathered or parked.
-        shared.take_space(offset, end).await?;
-        let turn = shared.send_turn().await;
-        // A close that took the turn first has flushed without this write: it must fail
-        // (close takes the turn after marking the handle closed).
-        shared.check_open()?;
-        // Small writes just past what is gathered join it, and are sent with it.
-        if shared.try_gather(offset, &data, end) {
-            return Ok(());
+        let needs = shared.space_needs(offset, end);
+        shared.take_needs(offset, end, &needs).await?;
+        let written = async {
+            let turn = shared.send_turn().await;
+            // A close that took the turn first has flushed without this write: it must
+            // fail (close takes the turn after marking the handle closed).
+            shared.check_open()?;
+            // Small writes just past what is gathered join it, and are sent with it.
+            if shared.try_gather(offset, &data, end) {
+                return Ok(());
+            }
+            let gathering = shared.client.shared.config.gather_wait_ms > 0;
+            if gathering && data.len() >= GATHER_WRITE_MAX {
+                return shared.write_in_units(turn, offset, data).await;
+            }
+            let (sent, _turn) = shared.send_gathered_ordered(turn).await;
+            sent?;
+            if data.len() < GATHER_WRITE_MAX && gathering {
+                shared.start_gathering(offset, &data, end);
+                return Ok(());
+            }
+            shared.start_write(offset, data).await
         }
-        let gathering = shared.client.shared.config.gather_wait_ms > 0;
-        if gathering && data.len() >= GATHER_WRITE_MAX {
-            return shared.write_in_units(turn, offset, data).await;
+        .await;
+        if written.is_err() {
+            // Not acknowledged: what it took goes back (its requests, if any went, carry
+            // their own charges).
+            shared.client.shared.space.put_back(&needs);
         }
-        let (sent, _turn) = shared.send_gathered_ordered(turn).await;
-        sent?;
-        if data.len() < GATHER_WRITE_MAX && gathering {
-            shared.start_gathering(offset, &data, end);
-            return Ok(());
-        }
-        shared.start_write(offset, data).await
+        written
     }
 
     /// Write `data` at `offset` without waiting, if it can join the small writes this
@@ -2195,7 +2227,10 @@ impl FileHandle {
             }
             return Err(error);
         }
-        self.write_at(offset, data).await?;
+        if let Err(error) = self.write_at(offset, data).await {
+            self.shared.client.shared.space.put_back(&needs);
+            return Err(error);
+        }
         Ok(offset)
     }
 

@@ -6,13 +6,18 @@
 //!
 //! Grants are asked for in chunks (`GRANT_CHUNK_BYTES`, less when the server is short) and
 //! counted on for `GRANT_TRUST_MS` after the last request that used them was sent; the
-//! server keeps them at least that long. They are given back when the client's last
-//! handle open for writing closes, and at shutdown. A server that cannot be reached is
-//! not asked: its writes fail or go to the rest of their chain as they would anyway.
+//! server keeps them at least that long. They are given back a second after the client's
+//! last handle open for writing closes, and at shutdown. A server that does not answer a
+//! reservation within `ASK_TIMEOUT_MS`, or is out of its chains, is left out of the account
+//! for `UNREACHABLE_MS`: its writes fail or go to the rest of their chain as they would
+//! anyway, and the writes to the others do not wait for it.
 //!
-//! What is taken is an estimate the servers correct: the bytes a write adds past the size
-//! this client knows, on every server of each stripe's chain. The servers take from a grant
-//! what writes add past their object's end as the writes land.
+//! What is taken at the write and what the requests carry (`WriteObject::charged`) add up
+//! to the same per server: a write takes the bytes it adds past the size the handle knows,
+//! on every server of each stripe's chain; each request carries the bytes of its object
+//! range past what its handle charged on that stripe before (`HandleState::charged_through`),
+//! the same number for every server of the chain, and the client subtracts it from what was
+//! taken there (or, past that, from what is held), as the server takes it from the grant.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -21,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use freeflow_proto::io::{ReserveSpace, GRANT_TRUST_MS};
+use freeflow_proto::meta::MemberState;
 use freeflow_proto::ErrorCode;
 use freeflow_types::{InodeId, Layout, ServerId};
 
@@ -57,7 +63,9 @@ struct Grants {
 }
 
 /// How long a server that could not be asked is left out of the account.
-const UNREACHABLE_MS: u64 = 1_000;
+const UNREACHABLE_MS: u64 = 5_000;
+/// How long a reservation may take before its server is left out of the account.
+const ASK_TIMEOUT_MS: u64 = 2_000;
 /// Rounds of asking before a write is refused (each round asks every server short).
 const ASK_ROUNDS_MAX: usize = 8;
 
@@ -139,55 +147,53 @@ impl SpaceGrants {
         }
     }
 
-    /// The bytes of grant a request of `length` bytes to a stripe kept on `chain` carries
-    /// (`WriteObject::charged`): what acknowledged writes took on its first server and no
-    /// request carried yet, at most its length; taken off every server of the chain.
-    pub fn charge(&self, chain: &[ServerId], length: u64) -> u64 {
+    /// A request carrying `charged` bytes of grant to the servers of `chain` is sent at
+    /// `sent`: each subtracts them from what acknowledged writes took there, then from
+    /// what it holds, as the server takes them from the grant; and counts on its grant
+    /// for `GRANT_TRUST_MS` from `sent`.
+    pub fn charge(&self, chain: &[ServerId], charged: u64, sent: Instant) {
         let mut grants = self.lock();
-        let Some(head) = chain.first() else {
-            return 0;
-        };
-        let charged = grants
-            .by_server
-            .get(head)
-            .map_or(0, |grant| grant.unsent.min(length));
         for server in chain {
             if let Some(grant) = grants.by_server.get_mut(server) {
-                grant.unsent -= charged.min(grant.unsent);
+                let from_unsent = charged.min(grant.unsent);
+                grant.unsent -= from_unsent;
+                grant.bytes -= (charged - from_unsent).min(grant.bytes);
+                grant.trusted_until = grant
+                    .trusted_until
+                    .max(sent + Duration::from_millis(GRANT_TRUST_MS));
             }
         }
-        charged
     }
 
-    /// A request that used the grant on `server` was sent at `sent`.
-    pub fn used(&self, server: ServerId, sent: Instant) {
-        if let Some(grant) = self.lock().by_server.get_mut(&server) {
-            grant.trusted_until = grant
-                .trusted_until
-                .max(sent + Duration::from_millis(GRANT_TRUST_MS));
-        }
-    }
-
-    /// Take `needs`, asking the servers for more where the grants held do not cover them.
-    /// `NoSpace` (naming the server) when one has no room for the write.
+    /// Take `needs`, asking the servers for more where the grants held do not cover them
+    /// (all at once). `NoSpace` (naming the server) when one has no room for the write.
     pub async fn take(
         &self,
         pool: &Pool,
         inode: InodeId,
         needs: &[(ServerId, u64)],
+        replicated: bool,
     ) -> Result<(), ClientError> {
         if self.try_take(needs) {
             return Ok(());
         }
         let _asking = self.asking.lock().await;
+        // Servers out of their chains take no writes of replicated files: nothing to
+        // reserve there.
+        let map = if replicated {
+            pool.service_map().await.ok()
+        } else {
+            None
+        };
         for _ in 0..ASK_ROUNDS_MAX {
             if self.try_take(needs) {
                 return Ok(());
             }
-            for (server, need) in needs {
-                let now = Instant::now();
-                let (have, give_back) = {
-                    let grants = self.lock();
+            let now = Instant::now();
+            let mut asks = Vec::new();
+            {
+                let mut grants = self.lock();
+                for (server, need) in needs {
                     if grants
                         .unreachable
                         .get(server)
@@ -195,59 +201,83 @@ impl SpaceGrants {
                     {
                         continue;
                     }
-                    match grants.by_server.get(server) {
+                    if map
+                        .as_ref()
+                        .is_some_and(|map| map.state(*server) == MemberState::Out)
+                    {
+                        grants
+                            .unreachable
+                            .insert(*server, now + Duration::from_millis(UNREACHABLE_MS));
+                        continue;
+                    }
+                    let (have, give_back) = match grants.by_server.get(server) {
                         Some(grant) if grant.trusted_until > now => (grant.bytes, 0),
                         // No longer counted on; what the server still keeps of it goes back.
                         Some(grant) => (0, grant.bytes),
                         None => (0, 0),
+                    };
+                    if have < *need {
+                        asks.push((*server, need - have, give_back));
                     }
-                };
-                if have >= *need {
-                    continue;
                 }
-                let short = need - have;
-                let request = ReserveSpace {
-                    grant: self.id,
-                    give_back,
-                    need: short,
-                    want: short.max(GRANT_CHUNK_BYTES),
-                };
-                let sent = Instant::now();
-                let reply = pool
-                    .io_call(*server, inode, &request, Bytes::new(), || {
-                        format!("space on I/O server {server}")
-                    })
-                    .await;
-                let mut grants = self.lock();
+            }
+            let replies =
+                futures::future::join_all(asks.iter().map(|(server, short, give_back)| {
+                    let request = ReserveSpace {
+                        grant: self.id,
+                        give_back: *give_back,
+                        need: *short,
+                        want: (*short).max(GRANT_CHUNK_BYTES),
+                    };
+                    let server = *server;
+                    async move {
+                        let sent = Instant::now();
+                        let call = pool.io_call(server, inode, &request, Bytes::new(), || {
+                            format!("space on I/O server {server}")
+                        });
+                        let reply =
+                            tokio::time::timeout(Duration::from_millis(ASK_TIMEOUT_MS), call).await;
+                        (sent, reply)
+                    }
+                }))
+                .await;
+            let mut refused = None;
+            let mut grants = self.lock();
+            for ((server, _, give_back), (sent, reply)) in asks.iter().zip(replies) {
                 match reply {
-                    Ok((grant, _)) => {
+                    Ok(Ok((grant, _))) => {
                         let entry = grants.by_server.entry(*server).or_insert(Held {
                             bytes: 0,
                             unsent: 0,
                             trusted_until: sent,
                         });
-                        if give_back > 0 {
-                            entry.bytes = entry.bytes.saturating_sub(give_back);
-                        }
+                        entry.bytes = entry.bytes.saturating_sub(*give_back);
                         entry.bytes = entry.bytes.saturating_add(grant.added);
                         entry.trusted_until = sent + Duration::from_millis(GRANT_TRUST_MS);
                     }
-                    Err(error) if error.code() == ErrorCode::NoSpace => {
+                    Ok(Err(error)) if error.code() == ErrorCode::NoSpace => {
                         if let Some(entry) = grants.by_server.get_mut(server) {
-                            entry.bytes = entry.bytes.saturating_sub(give_back);
+                            entry.bytes = entry.bytes.saturating_sub(*give_back);
                         }
-                        return Err(error);
+                        refused.get_or_insert(error);
                     }
-                    // Not reachable (down, or not answering): left out of the account for
-                    // a while; its writes fail or go on without it as they would anyway.
-                    Err(error) => {
-                        tracing::debug!(server, %error, "space not reserved");
+                    // Not answering, unreachable, or an older server: left out of the
+                    // account for a while.
+                    failed => {
+                        if let Ok(Err(error)) = &failed {
+                            tracing::debug!(server, %error, "space not reserved");
+                        } else {
+                            tracing::debug!(server, "space not reserved in time");
+                        }
                         grants.unreachable.insert(
                             *server,
                             Instant::now() + Duration::from_millis(UNREACHABLE_MS),
                         );
                     }
                 }
+            }
+            if let Some(error) = refused {
+                return Err(error);
             }
         }
         Err(ClientError::inode(
@@ -324,10 +354,16 @@ mod tests {
         assert!(!grants.try_take(&[(1, 60)]), "40 left");
         grants.put_back(&[(1, 10)]);
         assert_eq!(grants.lock().by_server[&1].unsent, 50);
-        // Requests carry what was taken, at most their length, once.
-        assert_eq!(grants.charge(&[1, 2], 30), 30);
-        assert_eq!(grants.charge(&[1], 30), 20);
-        assert_eq!(grants.charge(&[1], 30), 0);
+        assert_eq!(grants.lock().by_server[&1].bytes, 50);
+        // Requests carry what was taken; past it, what is held goes.
+        grants.charge(&[1, 2], 30, Instant::now());
+        assert_eq!(grants.lock().by_server[&1].unsent, 20);
+        grants.charge(&[1], 30, Instant::now());
+        let held = {
+            let grants = grants.lock();
+            (grants.by_server[&1].unsent, grants.by_server[&1].bytes)
+        };
+        assert_eq!(held, (0, 40));
         // A server left out of the account needs nothing.
         grants
             .lock()

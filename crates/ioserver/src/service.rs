@@ -273,6 +273,12 @@ impl Service for IoService {
             }
             ReserveSpace::OPCODE => {
                 handle(frame, |request: ReserveSpace, _| async move {
+                    if request.grant == 0 {
+                        return Err(WireError::new(
+                            freeflow_proto::ErrorCode::InvalidArgument,
+                            "grant id 0 names no grant",
+                        ));
+                    }
                     let space = store.space()?;
                     let grant = self
                         .space

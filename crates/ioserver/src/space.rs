@@ -288,7 +288,13 @@ impl SpaceLedger {
         // free space (even space others hold: this write was acknowledged already).
         let mut holding = admitted(taken, taken);
         drop(ledger);
-        let (free, capacity) = space()?;
+        let (free, capacity) = match space() {
+            Ok(space) => space,
+            Err(error) => {
+                holding.failed();
+                return Err(error);
+            }
+        };
         let room = free.saturating_sub(floor_bytes(capacity) / 2);
         let mut ledger = self.lock();
         let room = room.saturating_sub(ledger.landing);
