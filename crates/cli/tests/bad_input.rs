@@ -321,6 +321,8 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
         remote_code(
             io.call(
                 &WriteObject {
+                    grant: 0,
+                    charged: 0,
                     object,
                     offset: FILE_SIZE_MAX,
                     map_version: 0,
@@ -337,6 +339,8 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
         remote_code(
             io.call(
                 &WriteObject {
+                    grant: 0,
+                    charged: 0,
                     object,
                     offset: FILE_SIZE_MAX - 1,
                     map_version: 0,
@@ -353,6 +357,8 @@ async fn bad_arguments_get_error_codes_and_keep_the_connection() {
         remote_code(
             io.call(
                 &WriteObject {
+                    grant: 0,
+                    charged: 0,
                     object,
                     offset: u64::MAX - 1,
                     map_version: 0,

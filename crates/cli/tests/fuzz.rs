@@ -122,6 +122,8 @@ fn io_samples() -> Vec<(u16, Vec<u8>)> {
         (
             WriteObject::OPCODE,
             encode(&WriteObject {
+                grant: 0,
+                charged: 0,
                 object,
                 offset: 4096,
                 map_version: 0,
@@ -132,6 +134,8 @@ fn io_samples() -> Vec<(u16, Vec<u8>)> {
             // A replicated write: a map version no server holds, a chain of made-up ids.
             WriteObject::OPCODE,
             encode(&WriteObject {
+                grant: 0,
+                charged: 0,
                 object,
                 offset: 0,
                 map_version: 3,

@@ -20,7 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::mount::{errno_of, fuse_available, open_rw, Mount};
 use common::{assert_bytes_eq, Cluster, ClusterOptions, Xorshift};
-use freeflow_client::OpenOptions as ClusterOpen;
+use freeflow_client::{ErrorCode, OpenOptions as ClusterOpen};
 use freeflow_exercise::library::LibraryTarget;
 use freeflow_exercise::posix::PosixTarget;
 
@@ -280,6 +280,12 @@ async fn gathered_writes_on_their_way_are_read_and_never_dropped() {
         let path = format!("/on-their-way-{round}");
         let options = ClusterOpen::new().read(true).write(true).create(true);
         let file = Arc::new(client.open_path(&path, &options).await.expect("create"));
+        // Space for what follows is granted while the server runs (a write that extends
+        // the file waits for its grant; this test is about what happens after that).
+        file.write_at(0, Bytes::from_static(b"x"))
+            .await
+            .expect("a first write");
+        file.flush().await.expect("flush");
         cluster.signal_io(0, libc::SIGSTOP);
         file.write_at(0, Bytes::from(vec![b'A'; FULL]))
             .await
@@ -413,6 +419,119 @@ async fn unaligned_large_writes_go_out_as_whole_units_and_lose_nothing() {
     assert_eq!(reopened.attr().size_bytes, size, "size after the close");
     let read = reopened.read_at(0, size).await.expect("read");
     assert_bytes_eq(&read, &model, "read back after the close");
+}
+
+/// A full cluster (issue 12, capacity grants): three clients write (one of them appends)
+/// until the small file systems of the I/O servers are full. The write that does not fit fails with `NoSpace`
+/// at the write itself, with nothing of it acknowledged; the close after it reports no
+/// failure (no acknowledged write was refused later); every acknowledged byte reads back;
+/// and removing a file makes room for new writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_cluster_refuses_the_write_that_does_not_fit_and_keeps_every_acknowledged_byte() {
+    if !common::small_file_systems_available() {
+        return;
+    }
+    const FILE_SYSTEM: u64 = 24 << 20;
+    const WRITE: usize = 256 << 10;
+    const WRITERS: usize = 3;
+    let cluster = Arc::new(
+        Cluster::start_with(ClusterOptions {
+            io_tmpfs_bytes: Some(FILE_SYSTEM),
+            ..ClusterOptions::new(2)
+        })
+        .await,
+    );
+    let pattern = |writer: usize, index: usize| {
+        let mut random = Xorshift::new((writer * 100_000 + index + 1) as u64);
+        random.bytes(WRITE)
+    };
+    let mut tasks = Vec::new();
+    for writer in 0..WRITERS {
+        let cluster = cluster.clone();
+        tasks.push(tokio::spawn(async move {
+            let client = cluster.client().await;
+            let path = format!("/full-{writer}");
+            let options = ClusterOpen::new().read(true).write(true).create(true);
+            let file = client.open_path(&path, &options).await.expect("create");
+            let mut acknowledged = 0;
+            loop {
+                assert!(
+                    acknowledged * WRITE < 4 * FILE_SYSTEM as usize,
+                    "writer {writer}: never refused"
+                );
+                let data = Bytes::from(pattern(writer, acknowledged));
+                // The last writer appends (its offsets come from the handle's size).
+                let written = if writer == WRITERS - 1 {
+                    file.append(data).await.map(|_| ())
+                } else {
+                    file.write_at((acknowledged * WRITE) as u64, data).await
+                };
+                match written {
+                    Ok(()) => acknowledged += 1,
+                    Err(error) => {
+                        assert_eq!(error.code(), ErrorCode::NoSpace, "writer {writer}: {error}");
+                        break;
+                    }
+                }
+            }
+            file.close()
+                .await
+                .expect("the close: no acknowledged write was refused later");
+            (path, acknowledged)
+        }));
+    }
+    let mut written = Vec::new();
+    for task in tasks {
+        written.push(task.await.expect("writer"));
+    }
+    let total: usize = written.iter().map(|(_, count)| count * WRITE).sum();
+    eprintln!(
+        "acknowledged {total} bytes of {} on the servers",
+        2 * FILE_SYSTEM
+    );
+    // Each server keeps a floor of 1 MiB; grants held idle are taken back when short.
+    assert!(
+        total as u64 >= 2 * FILE_SYSTEM * 3 / 4,
+        "only {total} bytes fitted on two file systems of {FILE_SYSTEM}"
+    );
+    let reader = cluster.client().await;
+    for (writer, (path, count)) in written.iter().enumerate() {
+        let file = reader
+            .open_path(path, &ClusterOpen::new().read(true))
+            .await
+            .expect("open");
+        assert_eq!(
+            file.attr().size_bytes,
+            (count * WRITE) as u64,
+            "{path}: size"
+        );
+        for index in 0..*count {
+            let read = file
+                .read_at((index * WRITE) as u64, WRITE as u64)
+                .await
+                .expect("read");
+            assert_bytes_eq(
+                &read,
+                &pattern(writer, index),
+                &format!("{path} write {index}"),
+            );
+        }
+        file.close().await.expect("close");
+    }
+    // Room again once a file is gone (its objects are removed in the background).
+    reader.remove_path(&written[0].0).await.expect("remove");
+    let options = ClusterOpen::new().read(true).write(true).create(true);
+    let file = reader.open_path("/after", &options).await.expect("create");
+    let mut fitted = false;
+    for _ in 0..100 {
+        if file.write_at(0, Bytes::from(pattern(9, 0))).await.is_ok() {
+            fitted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(fitted, "no room after removing a file");
+    file.close().await.expect("close");
 }
 
 /// Sum of a counter with `op` = `op` over the I/O servers.

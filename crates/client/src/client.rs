@@ -37,6 +37,9 @@ use crate::pool::Pool;
 use crate::{ClientConfig, ClientError};
 
 /// State shared by every clone of a [`Client`] and by its open handles.
+/// How long after its last writing handle closed a client gives its space grants back.
+const GRANT_GIVE_BACK_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
+
 pub(crate) struct Shared {
     pub config: ClientConfig,
     /// Shared with the revocation poll, which must not keep the rest alive while it waits.
@@ -71,6 +74,10 @@ pub(crate) struct Shared {
     /// Directories delegated to this client and the creates answered ahead in them (see
     /// `delegation.rs`).
     pub(crate) delegations: Arc<crate::delegation::Delegations>,
+    /// Space this client holds on the I/O servers (see `space.rs`).
+    pub(crate) space: crate::space::SpaceGrants,
+    /// Handles open for writing (registered and not closed).
+    writers_open: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
@@ -210,6 +217,8 @@ impl Client {
             config,
             closer: Arc::new(crate::closer::Closer::new(pool.clone())),
             delegations: Arc::new(crate::delegation::Delegations::default()),
+            space: crate::space::SpaceGrants::new(),
+            writers_open: std::sync::atomic::AtomicUsize::new(0),
             pool,
             session_id: AtomicU64::new(grant.session_id),
             closed: AtomicBool::new(false),
@@ -347,6 +356,7 @@ impl Client {
             watcher.abort();
         }
         self.shared.closed.store(true, Ordering::Release);
+        self.shared.space.give_back(&self.shared.pool).await;
         let session_id = self.session_id();
         if let Err(error) = self
             .shared
@@ -366,17 +376,38 @@ impl Client {
         let list = handles.entry(inode).or_default();
         list.retain(|weak| weak.strong_count() > 0);
         list.push(Arc::downgrade(handle));
+        if handle.opened_for_writing() {
+            self.shared.writers_open.fetch_add(1, Ordering::AcqRel);
+        }
     }
 
     pub(crate) fn unregister_handle(&self, inode: InodeId, handle: &Arc<HandleShared>) {
-        let mut handles = self.shared.handles.lock().expect("not poisoned");
-        if let Some(list) = handles.get_mut(&inode) {
-            list.retain(|weak| {
-                weak.strong_count() > 0 && !std::ptr::eq(weak.as_ptr(), Arc::as_ptr(handle))
-            });
-            if list.is_empty() {
-                handles.remove(&inode);
+        {
+            let mut handles = self.shared.handles.lock().expect("not poisoned");
+            if let Some(list) = handles.get_mut(&inode) {
+                list.retain(|weak| {
+                    weak.strong_count() > 0 && !std::ptr::eq(weak.as_ptr(), Arc::as_ptr(handle))
+                });
+                if list.is_empty() {
+                    handles.remove(&inode);
+                }
             }
+        }
+        // The last handle open for writing closed: the space held for writes goes back.
+        // (A close given up halfway leaves the count up: the space then lapses at the
+        // servers.)
+        if handle.opened_for_writing()
+            && self.shared.writers_open.fetch_sub(1, Ordering::AcqRel) == 1
+        {
+            // A second later, if no writer opened meanwhile (a loop of opens, writes and
+            // closes keeps its grants).
+            let shared = self.shared.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(GRANT_GIVE_BACK_DELAY).await;
+                if shared.writers_open.load(Ordering::Acquire) == 0 {
+                    shared.space.give_back(&shared.pool).await;
+                }
+            });
         }
     }
 

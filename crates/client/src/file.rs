@@ -244,6 +244,10 @@ struct HandleState {
     parked_bytes: usize,
     /// Whether a timer task is watching the parked pieces' age.
     park_timer: bool,
+    /// Per stripe, the object end this handle's requests charged space up to (see
+    /// `charge_request`; from the size at open, or at the last truncation). Bounded by the
+    /// stripe count.
+    charged_through: BTreeMap<u32, u64>,
     /// What a sequential reader has fetched ahead (see `readahead.rs`).
     readahead: ReadAhead,
 }
@@ -300,6 +304,20 @@ struct CommitTicket {
 }
 
 impl HandleState {
+    /// The bytes of space grant a write request carries (`WriteObject::charged`): what its
+    /// object range adds past what this handle charged on its stripe before.
+    fn charge_request(&mut self, layout: &Layout, request: &ObjectRequest) -> u64 {
+        let size = self.attr.size_bytes;
+        let through = self
+            .charged_through
+            .entry(request.stripe_index)
+            .or_insert_with(|| layout.object_length(size, request.stripe_index));
+        let end = request.object_end();
+        let charged = end.saturating_sub(request.object_offset.max(*through));
+        *through = (*through).max(end);
+        charged
+    }
+
     /// Whether written bytes wait on this handle to be sent (gathered or parked).
     fn holds_unsent(&self) -> bool {
         self.gathered.is_some() || !self.parked.is_empty()
@@ -472,6 +490,8 @@ impl Truncation {
             let mut state = handle.lock();
             state.truncates_pending += 1;
             state.truncate_epoch += 1;
+            // Charges count from the new size (set in `attr` by the truncation's reply).
+            state.charged_through.clear();
             state.readahead.clear();
         }
         // Made before the next await, so a cancelled call still lets the commits go.
@@ -499,6 +519,7 @@ impl Truncation {
                 state.stripe_space.clear();
                 state.attr = attr.clone();
                 state.readahead.clear();
+                state.charged_through.clear();
             }
             handle.notify();
         }
@@ -559,12 +580,14 @@ impl HandleShared {
             };
             shared.begin_write(&request).await;
             unsent.count -= 1;
+            let charged = shared.lock().charge_request(layout, &request);
             tokio::spawn(shared.clone().send_write(
                 layout.clone(),
                 request,
                 sequence,
                 payload,
                 permit,
+                charged,
             ));
         }
         drop(unsent);
@@ -792,6 +815,51 @@ impl HandleShared {
         });
     }
 
+    /// What a write of `[offset, end)` adds past the size this handle knows, on each
+    /// server that keeps it.
+    fn space_needs(&self, offset: u64, end: u64) -> Vec<(freeflow_types::ServerId, u64)> {
+        let known = self.lock().known_size;
+        match &self.layout {
+            Some(layout) if end > known => crate::space::needs(layout, offset.max(known), end),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Take `needs` (the space a write of `[offset, end)` adds) from this client's grants.
+    async fn take_needs(
+        &self,
+        offset: u64,
+        end: u64,
+        needs: &[(freeflow_types::ServerId, u64)],
+    ) -> Result<(), ClientError> {
+        if needs.is_empty() {
+            return Ok(());
+        }
+        let shared = &self.client.shared;
+        shared
+            .space
+            .take(
+                &shared.pool,
+                self.inode,
+                needs,
+                self.layout
+                    .as_ref()
+                    .is_some_and(|layout| layout.replicas() > 1),
+            )
+            .await
+            .map_err(|error| match error.code() {
+                ErrorCode::NoSpace => ClientError::inode(
+                    self.inode,
+                    ErrorCode::NoSpace,
+                    format!(
+                        "no space for a write of {} bytes at {offset}: {error}",
+                        end - offset
+                    ),
+                ),
+                _ => error,
+            })
+    }
+
     /// Wait for the turn to send: once it is taken, every write of an earlier call is in
     /// flight or gathered.
     async fn send_turn(&self) -> SendTurn {
@@ -1014,16 +1082,23 @@ impl HandleShared {
         sequence: u64,
         payload: Bytes,
         permit: OwnedSemaphorePermit,
+        charged: u64,
     ) {
         let object = ObjectId {
             inode: self.inode,
             stripe_index: request.stripe_index,
         };
+        let space = &self.client.shared.space;
+        let grant = space.id;
+        let chain = layout.chain(request.stripe_index);
+        space.charge(&chain, charged, Instant::now());
         let make = |map_version, forward| WriteObject {
             object,
             offset: request.object_offset,
             map_version,
             forward,
+            grant,
+            charged,
         };
         let result = self
             .client
@@ -1052,6 +1127,7 @@ impl HandleShared {
             state.finish_requests(sequence, 1);
             match result {
                 Ok((space, _)) => {
+                    // The servers of the chain saw the grant in use when this was sent.
                     state.note_space(request.stripe_index, space);
                     state.acknowledged_end = state.acknowledged_end.max(request.file_end());
                     // Only now: an fsync that took the set before this write landed must not
@@ -1315,6 +1391,11 @@ impl HandleShared {
 
     pub(crate) fn inode(&self) -> InodeId {
         self.inode
+    }
+
+    /// Whether the handle was opened for writing.
+    pub(crate) fn opened_for_writing(&self) -> bool {
+        self.access.write
     }
 
     /// Read `length` bytes at `offset` from the servers, every request at once; holes and
@@ -1628,6 +1709,7 @@ impl FileHandle {
                 parked: BTreeMap::new(),
                 parked_bytes: 0,
                 park_timer: false,
+                charged_through: BTreeMap::new(),
                 readahead: ReadAhead::default(),
             }),
             send_order: Arc::new(tokio::sync::Mutex::new(())),
@@ -1814,25 +1896,39 @@ impl FileHandle {
         let Some(end) = shared.check_write(offset, data.len())? else {
             return Ok(());
         };
-        let turn = shared.send_turn().await;
-        // A close that took the turn first has flushed without this write: it must fail
-        // (close takes the turn after marking the handle closed).
-        shared.check_open()?;
-        // Small writes just past what is gathered join it, and are sent with it.
-        if shared.try_gather(offset, &data, end) {
-            return Ok(());
+        // Room for what the write adds, before it is acknowledged: a write with no room
+        // fails here, with nothing of it sent. Before the turn: the servers' answers must
+        // not hold up what is gathered or parked.
+        let needs = shared.space_needs(offset, end);
+        shared.take_needs(offset, end, &needs).await?;
+        let written = async {
+            let turn = shared.send_turn().await;
+            // A close that took the turn first has flushed without this write: it must
+            // fail (close takes the turn after marking the handle closed).
+            shared.check_open()?;
+            // Small writes just past what is gathered join it, and are sent with it.
+            if shared.try_gather(offset, &data, end) {
+                return Ok(());
+            }
+            let gathering = shared.client.shared.config.gather_wait_ms > 0;
+            if gathering && data.len() >= GATHER_WRITE_MAX {
+                return shared.write_in_units(turn, offset, data).await;
+            }
+            let (sent, _turn) = shared.send_gathered_ordered(turn).await;
+            sent?;
+            if data.len() < GATHER_WRITE_MAX && gathering {
+                shared.start_gathering(offset, &data, end);
+                return Ok(());
+            }
+            shared.start_write(offset, data).await
         }
-        let gathering = shared.client.shared.config.gather_wait_ms > 0;
-        if gathering && data.len() >= GATHER_WRITE_MAX {
-            return shared.write_in_units(turn, offset, data).await;
+        .await;
+        if written.is_err() {
+            // Not acknowledged: what it took goes back (its requests, if any went, carry
+            // their own charges).
+            shared.client.shared.space.put_back(&needs);
         }
-        let (sent, _turn) = shared.send_gathered_ordered(turn).await;
-        sent?;
-        if data.len() < GATHER_WRITE_MAX && gathering {
-            shared.start_gathering(offset, &data, end);
-            return Ok(());
-        }
-        shared.start_write(offset, data).await
+        written
     }
 
     /// Write `data` at `offset` without waiting, if it can join the small writes this
@@ -1843,7 +1939,16 @@ impl FileHandle {
         let Some(end) = shared.check_write(offset, data.len())? else {
             return Ok(true);
         };
-        Ok(shared.try_gather(offset, data, end))
+        // Room for what it adds must be held already: asking takes the long way.
+        let needs = shared.space_needs(offset, end);
+        if !shared.client.shared.space.try_take(&needs) {
+            return Ok(false);
+        }
+        if shared.try_gather(offset, data, end) {
+            return Ok(true);
+        }
+        shared.client.shared.space.put_back(&needs);
+        Ok(false)
     }
 
     /// Change the storage of a range without writing through it: preallocate, punch a
@@ -2097,13 +2202,35 @@ impl FileHandle {
     pub async fn append(&self, data: Bytes) -> Result<u64, ClientError> {
         self.shared.check_open()?;
         self.shared.check_no_failed_write()?;
-        let offset = {
+        let length = data.len() as u64;
+        let (offset, needs) = {
             let mut state = self.shared.lock();
             let offset = state.known_size;
-            state.known_size = offset.saturating_add(data.len() as u64);
-            offset
+            let end = offset.saturating_add(length);
+            let needs = match &self.shared.layout {
+                Some(layout) => crate::space::needs(layout, offset, end),
+                None => Vec::new(),
+            };
+            state.known_size = end;
+            (offset, needs)
         };
-        self.write_at(offset, data).await?;
+        // The appended bytes are past the size this handle knew: they take space (the
+        // size was raised first, so `write_at` sees none to take).
+        if let Err(error) = self
+            .shared
+            .take_needs(offset, offset + length, &needs)
+            .await
+        {
+            let mut state = self.shared.lock();
+            if state.known_size == offset + length {
+                state.known_size = offset;
+            }
+            return Err(error);
+        }
+        if let Err(error) = self.write_at(offset, data).await {
+            self.shared.client.shared.space.put_back(&needs);
+            return Err(error);
+        }
         Ok(offset)
     }
 

@@ -27,6 +27,7 @@ mod pool;
 mod readahead;
 mod replay;
 mod replicated;
+mod space;
 
 pub use client::Client;
 pub use config::{

@@ -18,7 +18,8 @@ use freeflow_client::{
     OpenOptions, SetAttr, TimeSpec, ROOT_INODE,
 };
 use freeflow_proto::io::{
-    ObjectSpace, ReadObject, ReadReply, RemoveObjects, SyncObjects, TruncateObject, WriteObject,
+    ObjectSpace, ReadObject, ReadReply, RemoveObjects, ReserveSpace, SpaceGrant, SyncObjects,
+    TruncateObject, WriteObject,
 };
 use freeflow_proto::meta::*;
 use freeflow_proto::{Request, WireError};
@@ -546,6 +547,14 @@ impl FakeIo {
                         object.truncate(r.length as usize);
                     }
                     Ok((ObjectSpace::default(), none()))
+                })
+                .await
+            }
+            // Room for everything: this fake's disk never fills.
+            ReserveSpace::OPCODE => {
+                typed::<ReserveSpace>(frame, |r, _| {
+                    let added = r.want.max(r.need);
+                    Ok((SpaceGrant { added, held: added }, none()))
                 })
                 .await
             }

@@ -24,6 +24,7 @@ pub mod register;
 pub mod replication;
 pub mod resync;
 pub mod service;
+pub mod space;
 pub mod store;
 
 use std::net::SocketAddr;

@@ -7,16 +7,18 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use freeflow_proto::io::{
-    AllocateObject, CopyObjectRange, IoStats, ListObjects, ObjectListing, ReadObject, ReadReply,
-    RemoveObject, RemoveObjects, ServerStats, SyncObjects, TruncateObject, WriteObject,
-    LIST_OBJECTS_MAX,
+    AllocateMode, AllocateObject, CopyObjectRange, IoStats, ListObjects, ObjectListing, ReadObject,
+    ReadReply, RemoveObject, RemoveObjects, ReserveSpace, ServerStats, SyncObjects, TruncateObject,
+    WriteObject, LIST_OBJECTS_MAX,
 };
 use freeflow_proto::{Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
+use freeflow_types::ObjectId;
 
 use crate::error::StoreError;
 use crate::gate::DataGate;
 use crate::replication::Replication;
+use crate::space::{Admitted, NoRoom, SpaceLedger};
 use crate::store::ObjectStore;
 
 pub struct IoService {
@@ -25,6 +27,8 @@ pub struct IoService {
     gate: Arc<DataGate>,
     /// Writes of replicated stripes (see `replication.rs`).
     replication: Arc<Replication>,
+    /// Space held by writing clients (see `space.rs`).
+    space: SpaceLedger,
 }
 
 impl IoService {
@@ -37,7 +41,51 @@ impl IoService {
             store,
             gate,
             replication,
+            space: SpaceLedger::default(),
         }
+    }
+
+    /// Let in a write of `length` bytes at `offset` of `object` under `grant`, charging
+    /// `charged` bytes to it (see `space.rs`).
+    async fn admit_write(
+        &self,
+        grant: u64,
+        charged: u64,
+        object: ObjectId,
+        offset: u64,
+        length: u64,
+    ) -> Result<Admitted<'_>, WireError> {
+        // The object's length is only needed for a write without a grant, while grants are
+        // held (the ledger asks for it then): read it first only in that case.
+        let on_disk = if grant == 0 && self.space.any_held() {
+            Some(self.store.object_length(object).await?)
+        } else {
+            None
+        };
+        let growth = || -> Result<u64, WireError> {
+            let end = offset.saturating_add(length);
+            Ok(end.saturating_sub(on_disk.unwrap_or(0)).min(length))
+        };
+        let space = || -> Result<(u64, u64), WireError> {
+            let space = self.store.space()?;
+            Ok((space.free_bytes, space.capacity_bytes))
+        };
+        self.space
+            .admit(grant, charged, growth, space)?
+            .map_err(|room| self.no_room(room, "write"))
+    }
+
+    fn no_room(&self, room: NoRoom, what: &str) -> WireError {
+        WireError::new(
+            freeflow_proto::ErrorCode::NoSpace,
+            format!(
+                "I/O server {}: no space for this {what}: {} bytes needed beyond the writer's grant, {} free that no other writer holds ({})",
+                self.store.server_id(),
+                room.needed,
+                room.unreserved,
+                self.store.data_dir().display(),
+            ),
+        )
     }
 
     /// The reply to `ServerStats`, also what the registration sends.
@@ -62,9 +110,23 @@ impl Service for IoService {
             WriteObject::OPCODE => {
                 handle(frame, |request: WriteObject, payload| async move {
                     gate.check()?;
+                    let admitted = self
+                        .admit_write(
+                            request.grant,
+                            request.charged,
+                            request.object,
+                            request.offset,
+                            payload.len() as u64,
+                        )
+                        .await?;
                     if request.map_version == 0 {
-                        let space = store.write(request.object, request.offset, payload).await?;
-                        return Ok((space, Bytes::new()));
+                        return match store.write(request.object, request.offset, payload).await {
+                            Ok(space) => Ok((space, Bytes::new())),
+                            Err(error) => {
+                                admitted.failed();
+                                Err(error.into())
+                            }
+                        };
                     }
                     let end = request.offset.saturating_add(payload.len() as u64);
                     let local = payload.clone();
@@ -81,8 +143,14 @@ impl Service for IoService {
                             },
                             payload,
                         )
-                        .await?;
-                    Ok((space, Bytes::new()))
+                        .await;
+                    match space {
+                        Ok(space) => Ok((space, Bytes::new())),
+                        Err(error) => {
+                            admitted.failed();
+                            Err(error)
+                        }
+                    }
                 })
                 .await
             }
@@ -139,6 +207,22 @@ impl Service for IoService {
             AllocateObject::OPCODE => {
                 handle(frame, |request: AllocateObject, _| async move {
                     gate.check()?;
+                    // An allocation has no grant: it may use only what no writer holds.
+                    if request.mode == AllocateMode::Allocate && self.space.any_held() {
+                        let space = store.space()?;
+                        let unreserved = self
+                            .space
+                            .unreserved(space.free_bytes, space.capacity_bytes);
+                        if request.length > unreserved {
+                            return Err(self.no_room(
+                                NoRoom {
+                                    needed: request.length,
+                                    unreserved,
+                                },
+                                "allocation",
+                            ));
+                        }
+                    }
                     if request.map_version == 0 {
                         let space = store
                             .allocate(request.object, request.offset, request.length, request.mode)
@@ -184,6 +268,30 @@ impl Service for IoService {
                         )
                         .await?;
                     Ok((space, Bytes::new()))
+                })
+                .await
+            }
+            ReserveSpace::OPCODE => {
+                handle(frame, |request: ReserveSpace, _| async move {
+                    if request.grant == 0 {
+                        return Err(WireError::new(
+                            freeflow_proto::ErrorCode::InvalidArgument,
+                            "grant id 0 names no grant",
+                        ));
+                    }
+                    let space = store.space()?;
+                    let grant = self
+                        .space
+                        .reserve(
+                            request.grant,
+                            request.give_back,
+                            request.need,
+                            request.want,
+                            space.free_bytes,
+                            space.capacity_bytes,
+                        )
+                        .map_err(|room| self.no_room(room, "reservation"))?;
+                    Ok((grant, Bytes::new()))
                 })
                 .await
             }

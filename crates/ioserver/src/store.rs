@@ -378,6 +378,17 @@ impl ObjectStore {
         self.space_of(object, &file)
     }
 
+    /// The object's length (`st_size`); 0 when it does not exist.
+    pub async fn object_length(&self, object: ObjectId) -> Result<u64, StoreError> {
+        match self.open_existing(object).await? {
+            Some(file) => file
+                .metadata()
+                .map(|metadata| metadata.len())
+                .map_err(|error| self.error("stat", object, error)),
+            None => Ok(0),
+        }
+    }
+
     /// Reads up to `length_bytes` at `offset`: fewer when the object ends first, none when
     /// it does not exist.
     pub async fn read(

@@ -75,6 +75,8 @@ async fn requests_over_rpc(engine: EngineKind) {
         .map(|index: u32| (index % 251) as u8)
         .collect();
     let write = WriteObject {
+        grant: 0,
+        charged: 0,
         object,
         offset: 4096,
         map_version: 0,
@@ -171,6 +173,8 @@ async fn requests_over_rpc(engine: EngineKind) {
         result.unwrap_err().code()
     }
     let too_far = WriteObject {
+        grant: 0,
+        charged: 0,
         object,
         offset: limits::FILE_SIZE_MAX,
         map_version: 0,
@@ -294,6 +298,8 @@ async fn wait_until(what: &str, condition: impl Fn() -> bool) {
 /// The `Busy` refusal a data request gets while the gate is closed, with its message.
 async fn refused_busy(connection: &Connection, object: ObjectId) -> String {
     let write = WriteObject {
+        grant: 0,
+        charged: 0,
         object,
         offset: 0,
         map_version: 0,
@@ -373,6 +379,8 @@ async fn registers_once_the_meta_server_appears_and_serves_data_only_when_no_cut
     connection
         .call(
             &WriteObject {
+                grant: 0,
+                charged: 0,
                 object,
                 offset: 0,
                 map_version: 0,

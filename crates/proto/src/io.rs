@@ -50,7 +50,15 @@ requests! {
     /// replicated stripe (`map_version` not 0) the server takes it only under that service
     /// map version, and passes it on to `forward[0]` with the rest of `forward`; the reply
     /// comes once every server of the chain wrote it.
-    WriteObject = 200 => ObjectSpace { object: ObjectId, offset: u64, map_version: u64, forward: Vec<ServerId> }
+    ///
+    /// `grant` names the writer's space grant here (see `ReserveSpace`; 0: none) and
+    /// `charged` the bytes of it this write uses (what it adds to the file, as the client
+    /// counted when it acknowledged the write): taken from the grant as the write is let in.
+    /// A write without a grant may only use the space no grant holds (else `NoSpace`); a
+    /// write with one is refused only when the file system itself has no room for what
+    /// its grant no longer covers. A chain passes both on, each server taking from its own
+    /// grant of that id.
+    WriteObject = 200 => ObjectSpace { object: ObjectId, offset: u64, map_version: u64, forward: Vec<ServerId>, grant: u64, charged: u64 }
     /// Read up to `length` bytes at `offset`; the data comes back in the reply payload.
     /// For a replicated stripe (`map_version` not 0) the server serves it only while its
     /// lease from the meta server holds: one cut off from the meta server stops serving
@@ -92,6 +100,32 @@ requests! {
     /// `RemoveObjects`, which also refuses later writes to the inode): `freeflow fsck`'s
     /// repair of an object outside its file's layout. A missing object is not an error.
     RemoveObject = 209 => () { object: ObjectId }
+    /// Space reservation (a capacity grant, seed 000's fastwrite): a writing client holds
+    /// bytes of this server's free space under a grant id of its own, so it can tell a
+    /// writer there is no room at the write itself, before acknowledging it, and never
+    /// after. Gives back `give_back` bytes of the grant, then adds at least `need` bytes
+    /// (or fails with `NoSpace`, adding none) and up to `want` if there is room. A grant
+    /// not used for [`GRANT_IDLE_MS`] lapses (sooner, [`GRANT_RECLAIM_MS`], when another
+    /// writer is short of space); its holder stops counting on it after
+    /// [`GRANT_TRUST_MS`] without a request that used it.
+    ReserveSpace = 210 => SpaceGrant { grant: u64, give_back: u64, need: u64, want: u64 }
+}
+
+/// A grant unused this long lapses at its server.
+pub const GRANT_IDLE_MS: u64 = 30_000;
+/// A grant unused this long is taken back when another writer's `need` does not fit.
+pub const GRANT_RECLAIM_MS: u64 = 2_000;
+/// How long a client counts on a grant after sending the last request that used it (less
+/// than [`GRANT_RECLAIM_MS`]: the server measures from the request's arrival, later).
+pub const GRANT_TRUST_MS: u64 = 1_000;
+
+/// The reply to `ReserveSpace`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpaceGrant {
+    /// Bytes added to the grant by this request.
+    pub added: u64,
+    /// Bytes the grant holds now.
+    pub held: u64,
 }
 
 /// Most objects one `ListObjects` returns.

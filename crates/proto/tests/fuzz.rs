@@ -98,6 +98,7 @@ fn every_io_message(bytes: &[u8]) {
         CopyObjectRange,
         ListObjects,
         RemoveObject,
+        ReserveSpace,
     );
 }
 
@@ -314,6 +315,16 @@ fn samples() -> Vec<Vec<u8>> {
             more: true,
         })),
         encode(&RemoveObject { object }),
+        encode(&ReserveSpace {
+            grant: u64::MAX,
+            give_back: 1 << 20,
+            need: 4096,
+            want: 64 << 20,
+        }),
+        encode(&Ok::<SpaceGrant, WireError>(SpaceGrant {
+            added: 4096,
+            held: 1 << 30,
+        })),
         encode(&InodeRange {
             first: 4096,
             count: 1024,

@@ -57,6 +57,8 @@ async fn start_server(key: &ClusterKey, options: ServerOptions) -> String {
 
 fn write_request(inode: u64, delay_ms: u64) -> WriteObject {
     WriteObject {
+        grant: 0,
+        charged: 0,
         object: ObjectId {
             inode,
             stripe_index: 0,

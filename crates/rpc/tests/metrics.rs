@@ -67,6 +67,8 @@ async fn requests_bytes_connections_and_handshake_failures_are_counted() {
         .unwrap();
     for _ in 0..5 {
         let request = WriteObject {
+            grant: 0,
+            charged: 0,
             object: OBJECT,
             offset: 0,
             map_version: 0,

@@ -227,6 +227,26 @@ pub struct ClusterOptions {
     pub cache_lease_ms: u32,
     /// Copies of each stripe of new files (the meta server's `replicas`).
     pub replicas: u32,
+    /// Put each I/O server's data directory on a tmpfs of this many bytes (a small file
+    /// system to fill; needs root: see [`small_file_systems_available`]).
+    pub io_tmpfs_bytes: Option<u64>,
+}
+
+/// Whether this process may mount a tmpfs (root); says why not when it may not.
+pub fn small_file_systems_available() -> bool {
+    let probe = tempfile::tempdir().expect("a temporary directory");
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "freeflow-probe"])
+        .arg(probe.path())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success());
+    if mounted {
+        let _ = Command::new("umount").arg(probe.path()).status();
+    } else {
+        eprintln!("skipping: cannot mount a tmpfs here (not root?)");
+    }
+    mounted
 }
 
 impl ClusterOptions {
@@ -240,6 +260,7 @@ impl ClusterOptions {
             recovery_window_ms: 10_000,
             cache_lease_ms: 10_000,
             replicas: 1,
+            io_tmpfs_bytes: None,
         }
     }
 }
@@ -321,7 +342,28 @@ impl Cluster {
                 child: None,
                 metrics_address: metrics_address(options.metrics),
             })
-            .collect();
+            .collect::<Vec<IoServer>>();
+        if let Some(bytes) = options.io_tmpfs_bytes {
+            for server in &io {
+                std::fs::create_dir_all(&server.data_dir).expect("make a data directory");
+                let status = Command::new("mount")
+                    .args([
+                        "-t",
+                        "tmpfs",
+                        "-o",
+                        &format!("size={bytes}"),
+                        "freeflow-test",
+                    ])
+                    .arg(&server.data_dir)
+                    .status()
+                    .expect("run mount");
+                assert!(
+                    status.success(),
+                    "mount a tmpfs on {}",
+                    server.data_dir.display()
+                );
+            }
+        }
         let mut cluster = Cluster {
             meta_log_path: dir.path().join("meta.log"),
             meta_config_path: dir.path().join("meta.toml"),
@@ -790,6 +832,9 @@ impl Drop for Cluster {
             if let Some(mut child) = server.child.take() {
                 let _ = child.kill();
                 let _ = child.wait();
+            }
+            if self.options.io_tmpfs_bytes.is_some() {
+                let _ = Command::new("umount").arg(&server.data_dir).status();
             }
         }
     }
