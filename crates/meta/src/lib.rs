@@ -13,6 +13,7 @@ pub mod leases;
 pub mod locks;
 pub mod metrics;
 pub mod ops;
+pub mod raft;
 pub mod reaper;
 pub mod records;
 pub mod recovery;

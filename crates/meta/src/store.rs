@@ -54,10 +54,34 @@ pub enum TableId {
     /// client id u64 BE → versioned client record: clients that may hold mutations not yet
     /// durable, waited for in the recovery window after a restart.
     Clients,
+    /// Replicated metadata only (`raft/`): txn u64 BE → the before-images of a batch the
+    /// leader applied ahead of its Raft commit, to take it back if the entry is lost.
+    Undo,
+    /// Replicated metadata only: name → the state machine's own records (last applied log
+    /// id, membership), changed in the same transactions as what they describe.
+    RaftState,
 }
 
 impl TableId {
-    pub const ALL: [TableId; 11] = [
+    pub const ALL: [TableId; 13] = [
+        TableId::Inodes,
+        TableId::Dirents,
+        TableId::Symlinks,
+        TableId::Xattrs,
+        TableId::Orphans,
+        TableId::Counters,
+        TableId::Servers,
+        TableId::Truncations,
+        TableId::Replies,
+        TableId::ReplyExpiry,
+        TableId::Clients,
+        TableId::Undo,
+        TableId::RaftState,
+    ];
+
+    /// The tables a replicated batch changes and a snapshot carries: all but the state
+    /// machine's own bookkeeping.
+    pub const REPLICATED: [TableId; 11] = [
         TableId::Inodes,
         TableId::Dirents,
         TableId::Symlinks,
@@ -70,6 +94,29 @@ impl TableId {
         TableId::ReplyExpiry,
         TableId::Clients,
     ];
+
+    /// The table's number in write-sets and snapshots (stable: it is on disk in Raft logs).
+    pub fn code(self) -> u8 {
+        match self {
+            TableId::Inodes => 1,
+            TableId::Dirents => 2,
+            TableId::Symlinks => 3,
+            TableId::Xattrs => 4,
+            TableId::Orphans => 5,
+            TableId::Counters => 6,
+            TableId::Servers => 7,
+            TableId::Truncations => 8,
+            TableId::Replies => 9,
+            TableId::ReplyExpiry => 10,
+            TableId::Clients => 11,
+            TableId::Undo => 12,
+            TableId::RaftState => 13,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<TableId> {
+        TableId::ALL.into_iter().find(|table| table.code() == code)
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -84,6 +131,8 @@ impl TableId {
             TableId::Replies => "replies",
             TableId::ReplyExpiry => "reply_expiry",
             TableId::Clients => "clients",
+            TableId::Undo => "undo",
+            TableId::RaftState => "raft_state",
         }
     }
 
@@ -104,7 +153,9 @@ impl TableId {
             | TableId::Servers
             | TableId::Replies
             | TableId::ReplyExpiry
-            | TableId::Clients => None,
+            | TableId::Clients
+            | TableId::Undo
+            | TableId::RaftState => None,
         }
     }
 
@@ -287,6 +338,7 @@ impl MetaStore for RedbStore {
         Ok(RedbWrite {
             transaction,
             touched: RefCell::default(),
+            captured: None,
         })
     }
 }
@@ -299,6 +351,68 @@ pub struct RedbRead {
 pub struct RedbWrite {
     transaction: WriteTransaction,
     touched: RefCell<Touches>,
+    /// Every change in order, with what it replaced, when capturing (replicated metadata).
+    captured: Option<Vec<Change>>,
+}
+
+/// One change of a write transaction: the key's new value (None: deleted) and the value it
+/// replaced (None: there was none). A batch's changes, in order, are its Raft entry;
+/// their before-images, in reverse, take it back.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Change {
+    pub table: u8,
+    pub key: Vec<u8>,
+    pub value: Option<Vec<u8>>,
+    pub before: Option<Vec<u8>>,
+}
+
+impl RedbWrite {
+    /// Record every change from now on (see [`Change`]).
+    pub fn capture(&mut self) {
+        self.captured.get_or_insert_with(Vec::new);
+    }
+
+    /// The changes recorded since [`RedbWrite::capture`], in order.
+    pub fn take_changes(&mut self) -> Vec<Change> {
+        self.captured
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Set (or delete) a key as a change says, without recording it: applying a batch of
+    /// another server, or taking one back.
+    pub fn apply_raw(
+        &mut self,
+        table: TableId,
+        key: &[u8],
+        value: Option<&[u8]>,
+    ) -> Result<(), StoreError> {
+        let mut opened = self
+            .transaction
+            .open_table(table.definition())
+            .map_err(StoreError::backend)?;
+        match value {
+            Some(value) => {
+                opened.insert(key, value).map_err(StoreError::backend)?;
+            }
+            None => {
+                opened.remove(key).map_err(StoreError::backend)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Delete every key of a table (installing a snapshot).
+    pub fn clear_table(&mut self, table: TableId) -> Result<(), StoreError> {
+        self.transaction
+            .delete_table(table.definition())
+            .map_err(StoreError::backend)?;
+        self.transaction
+            .open_table(table.definition())
+            .map_err(StoreError::backend)?;
+        Ok(())
+    }
 }
 
 /// Bound on what one transaction records; past it the transaction counts as touching
@@ -425,7 +539,15 @@ impl StoreWrite for RedbWrite {
             .transaction
             .open_table(table.definition())
             .map_err(StoreError::backend)?;
-        opened.insert(key, value).map_err(StoreError::backend)?;
+        let before = opened.insert(key, value).map_err(StoreError::backend)?;
+        if let Some(captured) = &mut self.captured {
+            captured.push(Change {
+                table: table.code(),
+                key: key.to_vec(),
+                value: Some(value.to_vec()),
+                before: before.map(|old| old.value().to_vec()),
+            });
+        }
         Ok(())
     }
 
@@ -436,7 +558,16 @@ impl StoreWrite for RedbWrite {
             .open_table(table.definition())
             .map_err(StoreError::backend)?;
         let removed = opened.remove(key).map_err(StoreError::backend)?;
-        Ok(removed.is_some())
+        let existed = removed.is_some();
+        if let (Some(captured), Some(old)) = (&mut self.captured, removed) {
+            captured.push(Change {
+                table: table.code(),
+                key: key.to_vec(),
+                value: None,
+                before: Some(old.value().to_vec()),
+            });
+        }
+        Ok(existed)
     }
 
     fn set_durable(&mut self, durable: bool) -> Result<(), StoreError> {

@@ -11,6 +11,7 @@ pub mod frame;
 pub mod handshake;
 pub mod io;
 pub mod meta;
+pub mod raft;
 
 pub use error::{ErrorCode, WireError};
 

@@ -1,0 +1,266 @@
+//! The Raft log and vote, in their own redb file beside the namespace (`raft-log.redb`).
+//!
+//! Every append is one durable redb commit (one fsync for however many entries openraft
+//! hands over at once: the leader's batches and a follower's replicated run of them), and
+//! openraft is told the entries are on disk only after it. The vote is saved the same way
+//! before it is returned, as Raft requires. Entries are encoded with postcard.
+
+use std::fmt::Debug;
+use std::ops::{Bound, RangeBounds};
+use std::path::Path;
+use std::sync::Arc;
+
+use openraft::storage::{LogFlushed, LogState, RaftLogReader, RaftLogStorage};
+use openraft::{AnyError, ErrorSubject, ErrorVerb, StorageError, StorageIOError};
+use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+
+use crate::raft::types::{Entry, LogId, NodeId, TypeConfig, Vote};
+
+/// Name of the log file inside the data directory.
+pub const LOG_FILE_NAME: &str = "raft-log.redb";
+
+const ENTRIES: TableDefinition<'static, u64, &'static [u8]> = TableDefinition::new("entries");
+const STATE: TableDefinition<'static, &'static str, &'static [u8]> = TableDefinition::new("state");
+
+const KEY_VOTE: &str = "vote";
+const KEY_PURGED: &str = "last_purged";
+const KEY_COMMITTED: &str = "committed";
+
+/// A storage error of openraft's kind about `subject`.
+pub fn storage_error(
+    subject: ErrorSubject<NodeId>,
+    verb: ErrorVerb,
+    error: impl std::fmt::Display,
+) -> StorageError<NodeId> {
+    StorageError::IO {
+        source: StorageIOError::new(subject, verb, AnyError::error(error.to_string())),
+    }
+}
+
+fn logs_error(verb: ErrorVerb, error: impl std::fmt::Display) -> StorageError<NodeId> {
+    storage_error(ErrorSubject::Logs, verb, error)
+}
+
+fn vote_error(verb: ErrorVerb, error: impl std::fmt::Display) -> StorageError<NodeId> {
+    storage_error(ErrorSubject::Vote, verb, error)
+}
+
+/// The log store; clones share the file (the reader openraft's replication tasks use).
+#[derive(Clone)]
+pub struct LogStore {
+    database: Arc<Database>,
+}
+
+impl LogStore {
+    pub fn open(path: &Path) -> Result<LogStore, StorageError<NodeId>> {
+        let database = Database::create(path).map_err(|e| logs_error(ErrorVerb::Write, e))?;
+        let write = database
+            .begin_write()
+            .map_err(|e| logs_error(ErrorVerb::Write, e))?;
+        write
+            .open_table(ENTRIES)
+            .map_err(|e| logs_error(ErrorVerb::Write, e))?;
+        write
+            .open_table(STATE)
+            .map_err(|e| logs_error(ErrorVerb::Write, e))?;
+        write
+            .commit()
+            .map_err(|e| logs_error(ErrorVerb::Write, e))?;
+        Ok(LogStore {
+            database: Arc::new(database),
+        })
+    }
+
+    fn read_state<T: serde::de::DeserializeOwned>(&self, key: &str) -> Result<Option<T>, String> {
+        let read = self.database.begin_read().map_err(|e| e.to_string())?;
+        let table = read.open_table(STATE).map_err(|e| e.to_string())?;
+        let Some(value) = table.get(key).map_err(|e| e.to_string())? else {
+            return Ok(None);
+        };
+        postcard::from_bytes(value.value())
+            .map(Some)
+            .map_err(|e| format!("raft log state {key}: {e}"))
+    }
+
+    /// Run one durable write transaction on a blocking thread.
+    async fn write<F>(&self, work: F) -> Result<(), String>
+    where
+        F: FnOnce(&redb::WriteTransaction) -> Result<(), String> + Send + 'static,
+    {
+        let database = self.database.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut write = database.begin_write().map_err(|e| e.to_string())?;
+            write
+                .set_durability(Durability::Immediate)
+                .map_err(|e| e.to_string())?;
+            work(&write)?;
+            write.commit().map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
+    fn put_state<T: serde::Serialize>(
+        write: &redb::WriteTransaction,
+        key: &str,
+        value: &T,
+    ) -> Result<(), String> {
+        let encoded = postcard::to_allocvec(value).map_err(|e| e.to_string())?;
+        let mut table = write.open_table(STATE).map_err(|e| e.to_string())?;
+        table
+            .insert(key, encoded.as_slice())
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    fn entries_in(&self, start: Bound<u64>, end: Bound<u64>) -> Result<Vec<Entry>, String> {
+        let read = self.database.begin_read().map_err(|e| e.to_string())?;
+        let table = read.open_table(ENTRIES).map_err(|e| e.to_string())?;
+        let mut entries = Vec::new();
+        for item in table.range((start, end)).map_err(|e| e.to_string())? {
+            let (index, value) = item.map_err(|e| e.to_string())?;
+            let entry: Entry = postcard::from_bytes(value.value())
+                .map_err(|e| format!("raft log entry {}: {e}", index.value()))?;
+            entries.push(entry);
+        }
+        Ok(entries)
+    }
+
+    fn last_entry_id(&self) -> Result<Option<LogId>, String> {
+        let read = self.database.begin_read().map_err(|e| e.to_string())?;
+        let table = read.open_table(ENTRIES).map_err(|e| e.to_string())?;
+        let Some(last) = table.last().map_err(|e| e.to_string())? else {
+            return Ok(None);
+        };
+        let entry: Entry = postcard::from_bytes(last.1.value())
+            .map_err(|e| format!("raft log entry {}: {e}", last.0.value()))?;
+        Ok(Some(entry.log_id))
+    }
+}
+
+fn owned<R: RangeBounds<u64>>(range: &R) -> (Bound<u64>, Bound<u64>) {
+    (range.start_bound().cloned(), range.end_bound().cloned())
+}
+
+impl RaftLogReader<TypeConfig> for LogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + Send>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry>, StorageError<NodeId>> {
+        let (start, end) = owned(&range);
+        self.entries_in(start, end)
+            .map_err(|e| logs_error(ErrorVerb::Read, e))
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for LogStore {
+    type LogReader = LogStore;
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
+        let last_purged_log_id: Option<LogId> = self
+            .read_state(KEY_PURGED)
+            .map_err(|e| logs_error(ErrorVerb::Read, e))?;
+        let last = self
+            .last_entry_id()
+            .map_err(|e| logs_error(ErrorVerb::Read, e))?;
+        Ok(LogState {
+            last_purged_log_id,
+            last_log_id: last.or(last_purged_log_id),
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> LogStore {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote) -> Result<(), StorageError<NodeId>> {
+        let vote = *vote;
+        self.write(move |write| LogStore::put_state(write, KEY_VOTE, &vote))
+            .await
+            .map_err(|e| vote_error(ErrorVerb::Write, e))
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote>, StorageError<NodeId>> {
+        self.read_state(KEY_VOTE)
+            .map_err(|e| vote_error(ErrorVerb::Read, e))
+    }
+
+    async fn save_committed(
+        &mut self,
+        committed: Option<LogId>,
+    ) -> Result<(), StorageError<NodeId>> {
+        self.write(move |write| LogStore::put_state(write, KEY_COMMITTED, &committed))
+            .await
+            .map_err(|e| logs_error(ErrorVerb::Write, e))
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError<NodeId>> {
+        Ok(self
+            .read_state::<Option<LogId>>(KEY_COMMITTED)
+            .map_err(|e| logs_error(ErrorVerb::Read, e))?
+            .flatten())
+    }
+
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<TypeConfig>,
+    ) -> Result<(), StorageError<NodeId>>
+    where
+        I: IntoIterator<Item = Entry> + Send,
+        I::IntoIter: Send,
+    {
+        let mut encoded = Vec::new();
+        for entry in entries {
+            let bytes =
+                postcard::to_allocvec(&entry).map_err(|e| logs_error(ErrorVerb::Write, e))?;
+            encoded.push((entry.log_id.index, bytes));
+        }
+        let outcome = self
+            .write(move |write| {
+                let mut table = write.open_table(ENTRIES).map_err(|e| e.to_string())?;
+                for (index, bytes) in &encoded {
+                    table
+                        .insert(*index, bytes.as_slice())
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            })
+            .await;
+        match outcome {
+            Ok(()) => {
+                callback.log_io_completed(Ok(()));
+                Ok(())
+            }
+            Err(error) => {
+                callback.log_io_completed(Err(std::io::Error::other(error.clone())));
+                Err(logs_error(ErrorVerb::Write, error))
+            }
+        }
+    }
+
+    async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError<NodeId>> {
+        self.write(move |write| {
+            let mut table = write.open_table(ENTRIES).map_err(|e| e.to_string())?;
+            table
+                .retain_in(log_id.index.., |_, _| false)
+                .map_err(|e| e.to_string())?;
+            Ok(())
+        })
+        .await
+        .map_err(|e| logs_error(ErrorVerb::Delete, e))
+    }
+
+    async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError<NodeId>> {
+        self.write(move |write| {
+            LogStore::put_state(write, KEY_PURGED, &Some(log_id))?;
+            let mut table = write.open_table(ENTRIES).map_err(|e| e.to_string())?;
+            table
+                .retain_in(..=log_id.index, |_, _| false)
+                .map_err(|e| e.to_string())?;
+            Ok(())
+        })
+        .await
+        .map_err(|e| logs_error(ErrorVerb::Delete, e))
+    }
+}

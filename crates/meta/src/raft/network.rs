@@ -1,0 +1,226 @@
+//! Raft between metadata servers over Freeflow's RPC layer (opcodes in
+//! `freeflow_proto::raft`): the client side openraft calls, and the service each meta
+//! server runs on its `raft_address`.
+
+use std::error::Error;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use freeflow_proto::raft::{RaftAppend, RaftSnapshot, RaftVote};
+use freeflow_proto::{Request, WireError};
+use freeflow_rpc::{
+    handle, ClusterKey, ConnectOptions, Connection, Frame, PeerInfo, Reply, Service,
+};
+use openraft::error::{
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::BasicNode;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::raft::types::{NodeId, Raft, TypeConfig};
+
+/// Makes one [`Peer`] per other meta server.
+#[derive(Clone)]
+pub struct Network {
+    pub key: ClusterKey,
+}
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = Peer;
+
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> Peer {
+        Peer {
+            target,
+            node: node.clone(),
+            key: self.key.clone(),
+            connection: None,
+        }
+    }
+}
+
+/// The connection to one other meta server's Raft service, made when first needed and
+/// again after it broke.
+pub struct Peer {
+    target: NodeId,
+    node: BasicNode,
+    key: ClusterKey,
+    connection: Option<Connection>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Failure(String);
+
+impl Peer {
+    async fn send<R, Q, S, E>(
+        &mut self,
+        header: R,
+        request: &Q,
+        option: &RPCOption,
+    ) -> Result<S, RPCError<NodeId, BasicNode, E>>
+    where
+        R: Request<Reply = ()>,
+        Q: Serialize,
+        S: DeserializeOwned,
+        E: DeserializeOwned + Error,
+    {
+        let connection = match &self.connection {
+            Some(connection) if !connection.is_closed() => connection.clone(),
+            _ => {
+                let options = ConnectOptions {
+                    client_name: "meta-raft".to_string(),
+                    call_timeout_ms: option.hard_ttl().as_millis() as u64,
+                    connect_timeout_ms: option.hard_ttl().as_millis().clamp(50, 2000) as u64,
+                    ..ConnectOptions::default()
+                };
+                let connection = Connection::connect(&self.node.addr, &self.key, &options)
+                    .await
+                    .map_err(|error| {
+                        RPCError::Unreachable(Unreachable::new(&Failure(format!(
+                            "meta server {} at {}: {error}",
+                            self.target, self.node.addr
+                        ))))
+                    })?;
+                self.connection = Some(connection.clone());
+                connection
+            }
+        };
+        let payload = postcard::to_allocvec(request)
+            .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
+        let call = connection.call(&header, Bytes::from(payload));
+        let reply = match tokio::time::timeout(option.hard_ttl(), call).await {
+            Ok(Ok((_, reply))) => reply,
+            Ok(Err(error)) => {
+                self.connection = None;
+                return Err(RPCError::Unreachable(Unreachable::new(&Failure(format!(
+                    "meta server {} at {}: {error}",
+                    self.target, self.node.addr
+                )))));
+            }
+            Err(_) => {
+                return Err(RPCError::Network(NetworkError::new(&Failure(format!(
+                    "meta server {} at {} did not answer {} within {:?}",
+                    self.target,
+                    self.node.addr,
+                    R::NAME,
+                    option.hard_ttl()
+                )))))
+            }
+        };
+        let result: Result<S, E> = postcard::from_bytes(&reply)
+            .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
+        result.map_err(|error| {
+            RPCError::RemoteError(RemoteError::new_with_node(
+                self.target,
+                self.node.clone(),
+                error,
+            ))
+        })
+    }
+}
+
+impl RaftNetwork<TypeConfig> for Peer {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.send(RaftAppend {}, &rpc, &option).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<
+        InstallSnapshotResponse<NodeId>,
+        RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
+    > {
+        self.send(RaftSnapshot {}, &rpc, &option).await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.send(RaftVote {}, &rpc, &option).await
+    }
+}
+
+/// The Raft service a meta server runs for its peers.
+pub struct RaftService {
+    pub raft: Raft,
+}
+
+fn malformed(error: postcard::Error) -> WireError {
+    WireError::new(
+        freeflow_proto::ErrorCode::Protocol,
+        format!("malformed raft message: {error}"),
+    )
+}
+
+fn encoded<T: Serialize>(value: &T) -> Result<((), Bytes), WireError> {
+    postcard::to_allocvec(value)
+        .map(|bytes| ((), Bytes::from(bytes)))
+        .map_err(malformed)
+}
+
+impl Service for RaftService {
+    async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
+        let raft = self.raft.clone();
+        match frame.opcode {
+            RaftAppend::OPCODE => {
+                handle::<RaftAppend, _, _>(frame, |_, payload| async move {
+                    let request: AppendEntriesRequest<TypeConfig> =
+                        postcard::from_bytes(&payload).map_err(malformed)?;
+                    encoded(&raft.append_entries(request).await)
+                })
+                .await
+            }
+            RaftVote::OPCODE => {
+                handle::<RaftVote, _, _>(frame, |_, payload| async move {
+                    let request: VoteRequest<NodeId> =
+                        postcard::from_bytes(&payload).map_err(malformed)?;
+                    encoded(&raft.vote(request).await)
+                })
+                .await
+            }
+            RaftSnapshot::OPCODE => {
+                handle::<RaftSnapshot, _, _>(frame, |_, payload| async move {
+                    let request: InstallSnapshotRequest<TypeConfig> =
+                        postcard::from_bytes(&payload).map_err(malformed)?;
+                    encoded(&raft.install_snapshot(request).await)
+                })
+                .await
+            }
+            other => Err(format!("opcode {other} is not a raft request")),
+        }
+    }
+}
+
+/// Serve the Raft service on `listener` until the task is aborted.
+pub fn spawn_service(
+    listener: tokio::net::TcpListener,
+    key: ClusterKey,
+    raft: Raft,
+) -> tokio::task::JoinHandle<std::io::Result<()>> {
+    let mut options = freeflow_rpc::ServerOptions::new("meta-raft");
+    options.payload_length_max = RAFT_PAYLOAD_MAX;
+    tokio::spawn(freeflow_rpc::serve(
+        listener,
+        key,
+        options,
+        Arc::new(RaftService { raft }),
+    ))
+}
+
+/// Largest Raft message: entries are sent at most `max_payload_entries` at a time and
+/// snapshots in chunks well below it.
+pub const RAFT_PAYLOAD_MAX: u32 = 64 << 20;

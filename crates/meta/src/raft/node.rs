@@ -1,0 +1,274 @@
+//! Starting one metadata server's Raft node: its log, its state machine over the
+//! namespace store, its peers and the service they call.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use freeflow_rpc::ClusterKey;
+use openraft::{BasicNode, Config, SnapshotPolicy};
+use tokio::task::JoinHandle;
+
+use crate::raft::log_store::{LogStore, LOG_FILE_NAME};
+use crate::raft::network::{spawn_service, Network};
+use crate::raft::state_machine::StateMachine;
+use crate::raft::types::{NodeId, Raft};
+use crate::store::RedbStore;
+
+/// Timing of elections and heartbeats (milliseconds).
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    pub heartbeat_ms: u64,
+    pub election_min_ms: u64,
+    pub election_max_ms: u64,
+}
+
+/// Entries between snapshots; the log keeps this many behind a snapshot for followers
+/// that are a little behind.
+const SNAPSHOT_EVERY: u64 = 20_000;
+const LOG_KEPT_BEHIND_SNAPSHOT: u64 = 2_000;
+/// Entries in one append message (each a batch of up to `commit_batch_max` mutations).
+const ENTRIES_PER_MESSAGE: u64 = 64;
+
+/// A running Raft node.
+pub struct RaftNode {
+    pub id: NodeId,
+    pub raft: Raft,
+    pub members: BTreeMap<NodeId, BasicNode>,
+    service: JoinHandle<std::io::Result<()>>,
+}
+
+impl RaftNode {
+    /// Start the node on `listener` (its Raft address) with its log in `data_dir` and the
+    /// namespace `store` as its state machine. A node whose log is empty proposes the
+    /// membership `members` (every node may: all propose the same one, and a node that
+    /// has joined already refuses).
+    pub async fn start(
+        id: NodeId,
+        members: BTreeMap<NodeId, BasicNode>,
+        listener: tokio::net::TcpListener,
+        data_dir: &Path,
+        store: Arc<RedbStore>,
+        key: ClusterKey,
+        timing: Timing,
+    ) -> Result<RaftNode, String> {
+        let config = Config {
+            cluster_name: "freeflow-meta".to_string(),
+            heartbeat_interval: timing.heartbeat_ms,
+            election_timeout_min: timing.election_min_ms,
+            election_timeout_max: timing.election_max_ms,
+            max_payload_entries: ENTRIES_PER_MESSAGE,
+            snapshot_policy: SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY),
+            max_in_snapshot_log_to_keep: LOG_KEPT_BEHIND_SNAPSHOT,
+            ..Config::default()
+        };
+        let config = Arc::new(
+            config
+                .validate()
+                .map_err(|error| format!("raft configuration: {error}"))?,
+        );
+        let log = LogStore::open(&data_dir.join(LOG_FILE_NAME))
+            .map_err(|error| format!("raft log in {}: {error}", data_dir.display()))?;
+        let state_machine = StateMachine::new(store);
+        let raft = Raft::new(id, config, Network { key: key.clone() }, log, state_machine)
+            .await
+            .map_err(|error| format!("starting raft node {id}: {error}"))?;
+        let service = spawn_service(listener, key, raft.clone());
+        let initialized = raft
+            .is_initialized()
+            .await
+            .map_err(|error| format!("raft node {id}: {error}"))?;
+        if !initialized {
+            if let Err(error) = raft.initialize(members.clone()).await {
+                tracing::info!(%error, id, "raft membership proposed by another node");
+            }
+        }
+        Ok(RaftNode {
+            id,
+            raft,
+            members,
+            service,
+        })
+    }
+
+    /// The node's idea of the leader and its address.
+    pub fn leader(&self) -> Option<(NodeId, String)> {
+        let metrics = self.raft.metrics();
+        let metrics = metrics.borrow();
+        let leader = metrics.current_leader?;
+        let address = metrics
+            .membership_config
+            .membership()
+            .get_node(&leader)
+            .map(|node| node.addr.clone())?;
+        Some((leader, address))
+    }
+
+    pub async fn stop(self) {
+        if let Err(error) = self.raft.shutdown().await {
+            tracing::warn!(%error, id = self.id, "raft node did not stop cleanly");
+        }
+        self.service.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ops::Bound;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::raft::batch::Batch;
+    use crate::store::{MetaStore, StoreRead, TableId};
+
+    fn dump(store: &RedbStore) -> Vec<(u8, Vec<u8>, Vec<u8>)> {
+        let read = store.begin_read().unwrap();
+        let mut all = Vec::new();
+        for table in TableId::REPLICATED {
+            for (key, value) in read
+                .range(table, Bound::Unbounded, Bound::Unbounded, usize::MAX)
+                .unwrap()
+            {
+                all.push((table.code(), key, value));
+            }
+        }
+        all
+    }
+
+    async fn wait_for_leader(nodes: &[&RaftNode]) -> NodeId {
+        for _ in 0..200 {
+            let leaders: Vec<NodeId> = nodes
+                .iter()
+                .filter_map(|node| node.raft.metrics().borrow().current_leader)
+                .collect();
+            if leaders.len() == nodes.len() && leaders.iter().all(|l| *l == leaders[0]) {
+                let leader = leaders[0];
+                if nodes.iter().any(|node| node.id == leader) {
+                    return leader;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("no leader agreed on");
+    }
+
+    async fn wait_applied(nodes: &[&RaftNode], index: u64) {
+        for node in nodes {
+            node.raft
+                .wait(Some(Duration::from_secs(10)))
+                .applied_index_at_least(Some(index), "applied")
+                .await
+                .unwrap();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn three_nodes_replicate_batches_and_survive_the_leaders_loss() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = ClusterKey::generate().unwrap();
+        let mut listeners = Vec::new();
+        let mut members = BTreeMap::new();
+        for id in 1..=3u64 {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            members.insert(
+                id,
+                BasicNode::new(listener.local_addr().unwrap().to_string()),
+            );
+            listeners.push(listener);
+        }
+        let timing = Timing {
+            heartbeat_ms: 50,
+            election_min_ms: 300,
+            election_max_ms: 600,
+        };
+        let mut nodes = Vec::new();
+        let mut stores = Vec::new();
+        for (listener, id) in listeners.into_iter().zip(1..=3u64) {
+            let data = dir.path().join(format!("m{id}"));
+            std::fs::create_dir_all(&data).unwrap();
+            let store = Arc::new(RedbStore::open(&data.join("meta.redb")).unwrap());
+            stores.push(store.clone());
+            nodes.push(
+                RaftNode::start(
+                    id,
+                    members.clone(),
+                    listener,
+                    &data,
+                    store,
+                    key.clone(),
+                    timing,
+                )
+                .await
+                .unwrap(),
+            );
+        }
+        let all: Vec<&RaftNode> = nodes.iter().collect();
+        let leader = wait_for_leader(&all).await;
+        let write = |txn: u64| Batch {
+            txn,
+            changes: vec![
+                (
+                    TableId::Inodes.code(),
+                    txn.to_be_bytes().to_vec(),
+                    Some(vec![txn as u8; 100]),
+                ),
+                (
+                    TableId::Counters.code(),
+                    b"last".to_vec(),
+                    Some(txn.to_be_bytes().to_vec()),
+                ),
+                (
+                    TableId::Inodes.code(),
+                    (txn - 1).to_be_bytes().to_vec(),
+                    if txn.is_multiple_of(2) {
+                        None
+                    } else {
+                        Some(vec![1])
+                    },
+                ),
+            ],
+        };
+        let leader_node = nodes.iter().find(|node| node.id == leader).unwrap();
+        let mut last = 0;
+        for txn in 1..=40u64 {
+            let response = leader_node.raft.client_write(write(txn)).await.unwrap();
+            assert_eq!(response.data, txn);
+            last = response.log_id.index;
+        }
+        wait_applied(&all, last).await;
+        let expected = dump(&stores[0]);
+        assert!(!expected.is_empty());
+        assert_eq!(dump(&stores[1]), expected);
+        assert_eq!(dump(&stores[2]), expected);
+
+        // The leader goes; the other two elect one and go on.
+        let index = nodes.iter().position(|node| node.id == leader).unwrap();
+        let gone = nodes.remove(index);
+        stores.remove(index);
+        gone.stop().await;
+        let rest: Vec<&RaftNode> = nodes.iter().collect();
+        let new_leader = wait_for_leader(&rest).await;
+        assert_ne!(new_leader, leader);
+        let leader_node = nodes.iter().find(|node| node.id == new_leader).unwrap();
+        for txn in 41..=60u64 {
+            last = leader_node
+                .raft
+                .client_write(write(txn))
+                .await
+                .unwrap()
+                .log_id
+                .index;
+        }
+        wait_applied(&rest, last).await;
+        let expected = dump(&stores[0]);
+        assert_eq!(dump(&stores[1]), expected);
+        let read = stores[0].begin_read().unwrap();
+        assert_eq!(
+            read.get(TableId::Counters, b"last").unwrap(),
+            Some(60u64.to_be_bytes().to_vec())
+        );
+        for node in nodes {
+            node.stop().await;
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! The metadata servers' Raft service (issue 11): openraft's three peer calls, on each
+//! meta server's `raft_address`.
+//!
+//! Each request's payload is openraft's request encoded with postcard, and each reply's
+//! payload is openraft's `Result` of its response and its error, encoded the same way;
+//! the headers are empty. The messages are openraft's own types, so this crate names only
+//! the opcodes (400-409).
+
+use crate::requests;
+
+requests! {
+    /// Payload: `AppendEntriesRequest`; reply payload: `Result<AppendEntriesResponse,
+    /// RaftError>`.
+    RaftAppend = 400 => () {}
+    /// Payload: `VoteRequest`; reply payload: `Result<VoteResponse, RaftError>`.
+    RaftVote = 401 => () {}
+    /// Payload: `InstallSnapshotRequest` (one chunk); reply payload:
+    /// `Result<InstallSnapshotResponse, RaftError<InstallSnapshotError>>`.
+    RaftSnapshot = 402 => () {}
+}
