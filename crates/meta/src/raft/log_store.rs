@@ -52,20 +52,12 @@ pub struct LogStore {
 }
 
 impl LogStore {
-    pub fn open(path: &Path) -> Result<LogStore, StorageError<NodeId>> {
-        let database = Database::create(path).map_err(|e| logs_error(ErrorVerb::Write, e))?;
-        let write = database
-            .begin_write()
-            .map_err(|e| logs_error(ErrorVerb::Write, e))?;
-        write
-            .open_table(ENTRIES)
-            .map_err(|e| logs_error(ErrorVerb::Write, e))?;
-        write
-            .open_table(STATE)
-            .map_err(|e| logs_error(ErrorVerb::Write, e))?;
-        write
-            .commit()
-            .map_err(|e| logs_error(ErrorVerb::Write, e))?;
+    pub fn open(path: &Path) -> Result<LogStore, String> {
+        let database = Database::create(path).map_err(|e| e.to_string())?;
+        let write = database.begin_write().map_err(|e| e.to_string())?;
+        write.open_table(ENTRIES).map_err(|e| e.to_string())?;
+        write.open_table(STATE).map_err(|e| e.to_string())?;
+        write.commit().map_err(|e| e.to_string())?;
         Ok(LogStore {
             database: Arc::new(database),
         })
