@@ -87,8 +87,9 @@ fn status_for_code(code: ErrorCode) -> u8 {
 /// Logs go to stderr; the level comes from `--log` or `RUST_LOG` (servers default to info,
 /// tools to warn so that their output stays clean).
 pub fn init_logging(arguments: &crate::args::Cli) {
+    // openraft narrates every vote and replication step at info: its warnings are enough.
     let default = if arguments.command.is_server() {
-        "info"
+        "info,openraft=warn"
     } else {
         "warn"
     };

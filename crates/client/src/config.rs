@@ -24,7 +24,8 @@ pub const GATHER_WAIT_MS_MAX: u64 = 1_000;
 
 #[derive(Clone)]
 pub struct ClientConfig {
-    /// `host:port` of the metadata server.
+    /// `host:port` of the metadata server; for a replicated metadata cluster every
+    /// member's, comma separated (the client finds the leader among them).
     pub meta_address: String,
     pub key: ClusterKey,
     /// How this client names itself to servers (logs, session lists).

@@ -91,7 +91,11 @@ const RESEND_PAUSE_MS: u64 = 100;
 
 /// A connection slot for one server address, connected on first use.
 struct Endpoint {
+    /// One address, or for the metadata service of a replicated cluster several, comma
+    /// separated (see `Connection::connect_leader`).
     address: String,
+    /// Index of the address that answered last (several addresses only).
+    preferred: AtomicU64,
     /// The identity the server must announce in its hello ("meta", "io:<id>"): a server
     /// answering at a stale address must not receive another server's data.
     identity: String,
@@ -105,6 +109,7 @@ impl Endpoint {
     fn new(address: String, identity: String) -> Endpoint {
         Endpoint {
             address,
+            preferred: AtomicU64::new(0),
             identity,
             current: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
@@ -131,7 +136,15 @@ impl Endpoint {
         if let Some(connection) = self.open_connection() {
             return Ok(connection);
         }
-        let connection = Connection::connect(&self.address, key, options).await?;
+        let connection = if self.replicated() {
+            let first = self.preferred.load(Ordering::Relaxed) as usize;
+            let (connection, index) =
+                Connection::connect_leader(&self.address, first, key, options).await?;
+            self.preferred.store(index as u64, Ordering::Relaxed);
+            connection
+        } else {
+            Connection::connect(&self.address, key, options).await?
+        };
         if connection.identity() != self.identity {
             return Err(RpcError::Protocol {
                 address: self.address.clone(),
@@ -145,6 +158,32 @@ impl Endpoint {
         *self.current.lock().expect("not poisoned") = Some(connection.clone());
         Ok(connection)
     }
+
+    /// Several addresses: the members of a replicated metadata cluster.
+    fn replicated(&self) -> bool {
+        self.address.contains(',')
+    }
+
+    /// Stop using `connection` (its server no longer leads): the next call finds the
+    /// leader again, starting with the next address.
+    fn forget(&self, connection: &Connection) {
+        let mut current = self.current.lock().expect("not poisoned");
+        if current
+            .as_ref()
+            .is_some_and(|kept| Connection::same(kept, connection))
+        {
+            *current = None;
+            self.preferred.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Whether a reply frame is the `NotLeader` error of a metadata server that does not
+/// lead (its header is a postcard `Result`: variant 1, then the `WireError`).
+fn is_not_leader(frame: &RawFrame) -> bool {
+    frame.header.first() == Some(&1)
+        && decode::<WireError>(&frame.header[1..])
+            .is_ok_and(|error| error.code == ErrorCode::NotLeader)
 }
 
 pub(crate) struct Pool {
@@ -397,6 +436,7 @@ impl Pool {
                 request_id,
             }
         });
+        let replicated = self.meta.replicated();
         loop {
             let attempt = match self.meta_connection().await {
                 Ok(connection) => {
@@ -419,11 +459,20 @@ impl Pool {
                             Bytes::new(),
                         )
                         .await
+                        .map(|frame| (frame, connection))
                 }
                 Err(error) => Err(error),
             };
             match attempt {
-                Ok(frame) => return self.meta_reply::<R>(frame, request_id, header),
+                // A member that stopped leading: the leader is elsewhere (or being
+                // elected); the same request goes there.
+                Ok((frame, connection)) if is_not_leader(&frame) && Instant::now() < deadline => {
+                    tracing::debug!(request = R::NAME, request_id, "not the leader; finding it");
+                    self.meta.forget(&connection);
+                    flags = FLAG_RESEND;
+                    tokio::time::sleep(Duration::from_millis(RESEND_PAUSE_MS)).await;
+                }
+                Ok((frame, _)) => return self.meta_reply::<R>(frame, request_id, header),
                 // Sent, and the connection broke before the reply (the server may be
                 // restarting): the same request again on a new one. A first attempt that
                 // cannot connect fails at once: the server is simply not there.
@@ -433,6 +482,7 @@ impl Pool {
                     | RpcError::Handshake { .. }),
                 ) if (flags != 0
                     || is_patient
+                    || replicated
                     || matches!(error, RpcError::Disconnected { .. }))
                     && Instant::now() < deadline =>
                 {

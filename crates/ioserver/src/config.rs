@@ -52,7 +52,8 @@ pub struct IoConfig {
     pub unix_socket: Option<PathBuf>,
     /// The directory holding this server's objects (one per disk). Default `./freeflow-io`.
     pub data_dir: PathBuf,
-    /// The meta server's address. Default `127.0.0.1:7700`.
+    /// The meta server's address; for a replicated metadata cluster every member's,
+    /// comma separated (the leader is found among them). Default `127.0.0.1:7700`.
     pub meta_address: String,
     /// Default `uring`.
     pub engine: EngineKind,
@@ -174,7 +175,10 @@ impl IoConfig {
                 None => check_address("advertise_address", advertise_address, false)?,
             }
         }
-        check_address("meta_address", meta_address, false)?;
+        // Several, comma separated, for a replicated metadata cluster.
+        for address in meta_address.split(',') {
+            check_address("meta_address", address.trim(), false)?;
+        }
         if let Some(metrics_address) = metrics_address {
             check_address("metrics_address", metrics_address, true)?;
         }

@@ -176,9 +176,10 @@ async fn register_once(
     let stats = IoService::stats(store).map_err(RegisterError::Stats)?;
     if connection.as_ref().is_none_or(Connection::is_closed) {
         *connection = None;
-        let connected = Connection::connect(&options.meta_address, key, connect_options)
-            .await
-            .map_err(RegisterError::Rpc)?;
+        let (connected, _) =
+            Connection::connect_leader(&options.meta_address, 0, key, connect_options)
+                .await
+                .map_err(RegisterError::Rpc)?;
         *connection = Some(connected);
     }
     let Some(link) = connection.as_ref() else {

@@ -237,9 +237,10 @@ impl Replication {
             let mut meta = self.meta.lock().await;
             if meta.as_ref().is_none_or(Connection::is_closed) {
                 *meta = Some(
-                    Connection::connect(&self.meta_address, &self.key, &self.options)
+                    Connection::connect_leader(&self.meta_address, 0, &self.key, &self.options)
                         .await
-                        .map_err(|error| error.to_string())?,
+                        .map_err(|error| error.to_string())?
+                        .0,
                 );
             }
             let Some(connection) = meta.as_ref() else {

@@ -96,7 +96,7 @@ impl Resync {
                 order.map_version, map.version
             ));
         }
-        let meta = Connection::connect(&self.meta_address, &self.key, &self.options)
+        let (meta, _) = Connection::connect_leader(&self.meta_address, 0, &self.key, &self.options)
             .await
             .map_err(|error| error.to_string())?;
         // 1. Candidates: (object) -> listed by whom.

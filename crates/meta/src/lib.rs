@@ -104,6 +104,29 @@ pub struct MetaConfig {
     /// Where to serve Prometheus metrics over HTTP (`GET /metrics`), `host:port`; port 0
     /// picks a free port. Default: none (no endpoint; the counters still run).
     pub metrics_address: Option<String>,
+    /// Replicated metadata (issue 11): this server's id among `peers`; 0 (the default):
+    /// a single metadata server, no Raft.
+    pub node_id: u64,
+    /// Replicated metadata: every metadata server of the cluster, this one included (an
+    /// odd number: 3 survive the loss of one). Empty for a single server.
+    pub peers: Vec<MetaPeer>,
+    /// Replicated metadata: the leader's heartbeat to its followers. Default 100.
+    pub raft_heartbeat_ms: u64,
+    /// Replicated metadata: a follower that hears no leader for this long (up to twice
+    /// it, at random) calls an election. Default 1000.
+    pub raft_election_ms: u64,
+}
+
+/// One metadata server of a replicated cluster.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetaPeer {
+    /// Its Raft node id (at least 1, unique).
+    pub id: u64,
+    /// Where clients and I/O servers reach it (its `listen_address` as others see it).
+    pub address: String,
+    /// Where the other metadata servers reach its Raft service.
+    pub raft_address: String,
 }
 
 impl Default for MetaConfig {
@@ -129,6 +152,10 @@ impl Default for MetaConfig {
             reap_concurrency_max: 32,
             store_cache_bytes: 256 << 20,
             metrics_address: None,
+            node_id: 0,
+            peers: Vec::new(),
+            raft_heartbeat_ms: 100,
+            raft_election_ms: 1000,
         }
     }
 }
@@ -185,6 +212,10 @@ impl MetaConfig {
             reap_concurrency_max,
             store_cache_bytes,
             metrics_address,
+            node_id,
+            peers,
+            raft_heartbeat_ms,
+            raft_election_ms,
         } = self;
         if listen_address.is_empty() || !listen_address.contains(':') {
             return Err(invalid(
@@ -277,6 +308,49 @@ impl MetaConfig {
                 format!("{store_cache_bytes} is below 1 MiB"),
             ));
         }
+        if *node_id == 0 {
+            if !peers.is_empty() {
+                return Err(invalid(
+                    "node_id",
+                    "peers are set, so node_id must name this server among them",
+                ));
+            }
+            return Ok(());
+        }
+        if !peers.iter().any(|peer| peer.id == *node_id) {
+            return Err(invalid(
+                "peers",
+                format!("no peer has this server's node_id {node_id}"),
+            ));
+        }
+        let mut ids = std::collections::BTreeSet::new();
+        for peer in peers {
+            if peer.id == 0 || !ids.insert(peer.id) {
+                return Err(invalid(
+                    "peers",
+                    format!("peer id {} is 0 or given twice", peer.id),
+                ));
+            }
+            for (what, address) in [
+                ("address", &peer.address),
+                ("raft_address", &peer.raft_address),
+            ] {
+                if !address.contains(':') {
+                    return Err(invalid(
+                        "peers",
+                        format!("peer {}'s {what} {address:?} is not host:port", peer.id),
+                    ));
+                }
+            }
+        }
+        if *raft_heartbeat_ms == 0 || *raft_election_ms < 3 * *raft_heartbeat_ms {
+            return Err(invalid(
+                "raft_election_ms",
+                format!(
+                    "{raft_election_ms} must be at least three heartbeats ({raft_heartbeat_ms} ms each, at least 1)"
+                ),
+            ));
+        }
         Ok(())
     }
 }
@@ -308,10 +382,32 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         source,
     };
     let store = RedbStore::open_with_cache(&path, config.store_cache_bytes).map_err(store_error)?;
-    let (state, servers, clients) = {
+    let state = {
         let mut write = store.begin_write().map_err(store_error)?;
         let state = ops::initialise(&mut write, ops::now()).map_err(store_error)?;
         write.commit().map_err(store_error)?;
+        state
+    };
+    launch(config, key, Arc::new(store), state, started, None).await
+}
+
+/// Serve the namespace in `store` (initialised: `state` is its writer state) with this
+/// process's writer, service and background tasks; `raft` when it leads a replicated
+/// cluster.
+pub(crate) async fn launch(
+    config: MetaConfig,
+    key: ClusterKey,
+    store: Arc<RedbStore>,
+    state: WriterState,
+    started: Instant,
+    raft: Option<raft::link::RaftLink>,
+) -> Result<RunningMeta, MetaError> {
+    let path = config.data_dir.join(DATABASE_FILE_NAME);
+    let store_error = |source| MetaError::Store {
+        path: path.clone(),
+        source,
+    };
+    let (servers, clients) = {
         let read = store.begin_read().map_err(store_error)?;
         let servers = ops::servers::load_servers(&read).map_err(|error| match error {
             ops::OpError::Store(source) => store_error(source),
@@ -329,7 +425,7 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
             .iter()
             .filter_map(|key| key.as_slice().try_into().ok().map(u64::from_be_bytes))
             .collect();
-        (state, servers, clients)
+        (servers, clients)
     };
     let listener = tokio::net::TcpListener::bind(&config.listen_address)
         .await
@@ -372,7 +468,7 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
             Duration::from_millis(config.server_down_after_ms),
         )),
         cuts_confirmed: Mutex::new(HashMap::new()),
-        store: RwLock::new(Some(Arc::new(store))),
+        store: RwLock::new(Some(store)),
         writer: writer_sender,
         inode_count: AtomicU64::new(state_inode_count),
         orphan_count: AtomicU64::new(state.orphan_count),
@@ -408,6 +504,7 @@ pub async fn start(config: MetaConfig, key: ClusterKey) -> Result<RunningMeta, M
         mutation_finished: Notify::new(),
         leases: leases::Leases::new(config.cache_lease_ms),
         locks: locks::LockTable::new(),
+        raft,
         config,
     });
     if !clients.is_empty() {
@@ -662,6 +759,8 @@ impl RunningMeta {
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             guard.take()
         };
+        // Replicated: the Raft node holds the store too and outlives this server.
+        let store = store.filter(|_| self.shared.raft.is_none());
         if let Some(mut store) = store {
             let deadline = Instant::now() + Duration::from_millis(STORE_RELEASE_WAIT_MS);
             loop {

@@ -138,12 +138,14 @@ fn record_reply<T: Serialize>(
 }
 
 /// What identifies one mutation and how it is to be applied.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct MutationId {
     client: u64,
     request_id: u64,
     /// The inode id a replayed create must keep.
     forced_inode: Option<InodeId>,
+    /// The layout a replayed create of a regular file must keep.
+    forced_layout: Option<freeflow_types::Layout>,
     /// A replay after a restart (a create then opens nothing: its session is gone).
     replay: bool,
 }
@@ -333,17 +335,25 @@ fn error_reply(shared: &Shared, error: WireError) -> Reply {
 }
 
 /// The inode id a replayed create was given the first time, from its original reply.
-fn replayed_inode(replay: &ReplayOf, opcode: u16) -> Result<Option<InodeId>, WireError> {
-    let inode = match opcode {
+/// and the layout a regular file was given (its client may have written by it already).
+fn replayed_inode(
+    replay: &ReplayOf,
+    opcode: u16,
+) -> Result<(Option<InodeId>, Option<freeflow_types::Layout>), WireError> {
+    let replayed = match opcode {
         Create::OPCODE => decode::<Result<CreateReply, WireError>>(&replay.reply)?
             .ok()
-            .map(|reply| reply.attr.inode),
-        Mkdir::OPCODE | Symlink::OPCODE => decode::<Result<Attr, WireError>>(&replay.reply)?
-            .ok()
-            .map(|attr| attr.inode),
-        _ => None,
+            .map(|reply| (Some(reply.attr.inode), reply.attr.layout))
+            .unwrap_or_default(),
+        Mkdir::OPCODE | Symlink::OPCODE => (
+            decode::<Result<Attr, WireError>>(&replay.reply)?
+                .ok()
+                .map(|attr| attr.inode),
+            None,
+        ),
+        _ => (None, None),
     };
-    Ok(inode)
+    Ok(replayed)
 }
 
 impl MetaService {
@@ -372,7 +382,7 @@ impl MetaService {
             }
         }
         let replay = frame.flags & FLAG_REPLAY != 0;
-        let forced_inode = if replay {
+        let (forced_inode, forced_layout) = if replay {
             let original: ReplayOf = match decode(&frame.payload) {
                 Ok(original) => original,
                 Err(error) => return Err(format!("a replay without its original reply: {error}")),
@@ -393,16 +403,17 @@ impl MetaService {
                 ));
             }
             match replayed_inode(&original, frame.opcode) {
-                Ok(inode) => inode,
+                Ok(replayed) => replayed,
                 Err(error) => return Err(format!("a replay with an undecodable reply: {error}")),
             }
         } else {
-            None
+            (None, None)
         };
         let id = MutationId {
             client,
             request_id: frame.request_id,
             forced_inode,
+            forced_layout,
             replay,
         };
         self.apply_mutation(frame, id).await
@@ -475,6 +486,7 @@ impl Service for MetaService {
                 client: 0,
                 request_id: frame.request_id,
                 forced_inode: None,
+                forced_layout: None,
                 replay: false,
             };
             return self.apply_mutation(frame, id).await;
@@ -983,6 +995,7 @@ async fn create(
     let created = shared
         .mutate(id.client, false, move |write, context| {
             context.forced_inode = id.forced_inode;
+            context.forced_layout = id.forced_layout;
             let mut outcome = ops::create::create(write, context, &request)?;
             if let Some((_, handle_id)) = reserved {
                 // Written already: a lost handle (session ended) is reported after the

@@ -78,6 +78,9 @@ pub struct Shared {
     pub leases: crate::leases::Leases,
     /// The cluster's file locks (see `locks.rs`).
     pub locks: crate::locks::LockTable,
+    /// Replicated metadata: this server leads, and every batch goes through Raft
+    /// (`raft/`); "durable" then means committed by a majority. None: a single server.
+    pub raft: Option<crate::raft::link::RaftLink>,
 }
 
 /// How a request was answered: the transaction of a mutation (0 for a read) and the lease

@@ -49,8 +49,8 @@ use crate::ops::{now, OpContext, OpError, OpResult, WriterState};
 use crate::records::{encode_versioned, ClientRecord};
 use crate::shared::{Shared, CHANGED_ATTRIBUTES_MAX};
 use crate::store::{
-    MetaStore, RedbWrite, StoreError, StoreRead, StoreWrite, TableId, TouchedInodes, Touches,
-    TOUCHED_ALL,
+    Change, MetaStore, RedbWrite, StoreError, StoreRead, StoreWrite, TableId, TouchedInodes,
+    Touches, TOUCHED_ALL,
 };
 
 /// Most inodes remembered as changed by a transaction not durable yet; reaching it makes
@@ -320,9 +320,16 @@ impl Writer {
         let operations = batch.len();
         // Applied, not committed yet: the transaction, its number, and whether it must be
         // durable before its callers are answered.
-        let applied = (|| -> Result<(RedbWrite, u64, bool), StoreError> {
+        let replicated = shared.raft.is_some();
+        if replicated {
+            self.catch_up_commits();
+        }
+        let applied = (|| -> Result<(RedbWrite, u64, bool, Vec<Change>), StoreError> {
             let store = shared.store().map_err(|_| StoreError::Closed)?;
             let mut write = store.begin_write()?;
+            if replicated {
+                write.capture();
+            }
             self.state.high_water_moved = false;
             let txn = self.state.begin_txn(&mut write)?;
             let mut context = OpContext::new(now(), &placement, &mut self.state, txn);
@@ -366,7 +373,17 @@ impl Writer {
                 prune_replies(&mut write, prune_limit)?;
             }
             context.state.persist(&mut write)?;
-            write.set_durable(durable)?;
+            // Replicated: the batch's changes are its Raft entry; "durable" is the entry's
+            // commit, and the store keeps the batch's undo record until then.
+            let changes = if replicated {
+                let changes = write.take_changes();
+                crate::raft::batch::remember(&mut write, txn, &changes)?;
+                write.set_durable(false)?;
+                changes
+            } else {
+                write.set_durable(durable)?;
+                Vec::new()
+            };
             // Marked before the commit makes the changes visible: a reader that sees them
             // also sees that they are not durable yet.
             if !durable {
@@ -375,7 +392,7 @@ impl Writer {
                     dirty.insert(*inode, (*client, txn));
                 }
             }
-            Ok((write, txn, durable))
+            Ok((write, txn, durable, changes))
         })();
         // A batch that need not be durable is answered before its commit, which then runs
         // while the replies travel (most of a small mutation's time at this server). Reads
@@ -386,7 +403,8 @@ impl Writer {
         // answered after their commit, so that its next read sees them.
         let clients_only = batch.iter().all(|job| job.client() != 0);
         let mut answered_early = false;
-        let outcome = applied.and_then(|(write, txn, durable)| {
+        let mut proposal = None;
+        let outcome = applied.and_then(|(write, txn, durable, changes)| {
             if !durable && clients_only {
                 shared.answered_txn.fetch_max(txn, Ordering::AcqRel);
                 for job in batch.drain(..) {
@@ -409,8 +427,52 @@ impl Writer {
                     std::process::exit(EXIT_STORE_FAILED);
                 }
             }
-            committed.map(|()| txn)
+            committed?;
+            proposal = Some(changes);
+            Ok(txn)
         });
+        // Replicated: hand the batch to Raft in transaction order; a batch that must be
+        // durable is answered once a majority holds it.
+        let outcome = match (outcome, shared.raft.as_ref(), proposal) {
+            (Ok(txn), Some(link), Some(changes)) => match link.propose(txn, &changes) {
+                Ok(receiver) if durable => match link.wait_committed(receiver) {
+                    Ok(()) => Ok(txn),
+                    Err(reason) => {
+                        link.depose(reason.clone());
+                        Err(StoreError::Backend(reason))
+                    }
+                },
+                Ok(receiver) => {
+                    let watcher = shared.clone();
+                    link.runtime.spawn(async move {
+                        let outcome =
+                            tokio::time::timeout(crate::raft::link::COMMIT_WAIT, receiver).await;
+                        match crate::raft::link::committed(outcome) {
+                            Ok(()) => {
+                                watcher.durable.send_if_modified(|durable| {
+                                    let newer = txn > *durable;
+                                    if newer {
+                                        *durable = txn;
+                                    }
+                                    newer
+                                });
+                            }
+                            Err(reason) => {
+                                if let Some(link) = &watcher.raft {
+                                    link.depose(reason);
+                                }
+                            }
+                        }
+                    });
+                    Ok(txn)
+                }
+                Err(reason) => {
+                    link.depose(reason.clone());
+                    Err(StoreError::Backend(reason))
+                }
+            },
+            (outcome, _, _) => outcome,
+        };
         let outcome = match outcome {
             Ok(txn) => {
                 shared.commit_count.fetch_add(1, Ordering::Relaxed);
@@ -475,13 +537,56 @@ impl Writer {
         }
     }
 
-    /// Commit an empty durable transaction if anything committed is not durable yet.
+    /// Replicated: take in the commits the watcher tasks saw (batches answered before
+    /// their commit): what they changed is no longer shared ahead of durability.
+    fn catch_up_commits(&mut self) {
+        let committed = *self.shared.durable.borrow();
+        if self
+            .durable_history
+            .back()
+            .is_some_and(|(_, txn)| *txn >= committed)
+        {
+            return;
+        }
+        self.shared.dirty().retain(|_, (_, txn)| *txn > committed);
+        if committed >= self.shared.last_txn.load(Ordering::Acquire) {
+            self.oldest_not_durable = None;
+        }
+        self.durable_history.push_back((Instant::now(), committed));
+    }
+
+    /// Commit an empty durable transaction if anything committed is not durable yet
+    /// (replicated: wait until Raft committed everything proposed).
     fn make_durable(&mut self) {
         let last = self.shared.last_txn.load(Ordering::Acquire);
         if last <= *self.shared.durable.borrow() {
             return;
         }
         let shared = self.shared.clone();
+        if let Some(link) = &shared.raft {
+            if link.deposed.borrow().is_some() {
+                return;
+            }
+            let mut durable = shared.durable.subscribe();
+            let waited = link.runtime.block_on(async {
+                // The borrow `wait_for` returns is dropped here, before the watch is
+                // written below.
+                tokio::time::timeout(
+                    crate::raft::link::COMMIT_WAIT,
+                    durable.wait_for(|txn| *txn >= last),
+                )
+                .await
+                .is_ok_and(|waited| waited.is_ok())
+            });
+            match waited {
+                true => self.became_durable(last),
+                false => link.depose(format!(
+                    "transaction {last} not committed within {:?}",
+                    crate::raft::link::COMMIT_WAIT
+                )),
+            }
+            return;
+        }
         let outcome = (|| -> Result<(), StoreError> {
             let store = shared.store().map_err(|_| StoreError::Closed)?;
             let mut write = store.begin_write()?;

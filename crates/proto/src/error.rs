@@ -33,6 +33,9 @@ pub enum ErrorCode {
     NoData = 61,
     Protocol = 71,
     Overflow = 75,
+    /// A metadata server that does not lead its replicated cluster (EREMCHG): the client
+    /// goes to the leader the message names, or tries the others. Never reaches users.
+    NotLeader = 78,
     NotSupported = 95,
     Unreachable = 107,
     TimedOut = 110,
@@ -72,6 +75,7 @@ impl ErrorCode {
             ErrorCode::NoData => "no data available",
             ErrorCode::Protocol => "protocol error",
             ErrorCode::Overflow => "value too large",
+            ErrorCode::NotLeader => "not the metadata leader",
             ErrorCode::NotSupported => "operation not supported",
             ErrorCode::Unreachable => "not connected to the server",
             ErrorCode::TimedOut => "timed out",
@@ -105,6 +109,7 @@ impl ErrorCode {
             61 => ErrorCode::NoData,
             71 => ErrorCode::Protocol,
             75 => ErrorCode::Overflow,
+            78 => ErrorCode::NotLeader,
             95 => ErrorCode::NotSupported,
             107 => ErrorCode::Unreachable,
             110 => ErrorCode::TimedOut,
@@ -164,6 +169,7 @@ mod tests {
             ErrorCode::NotPermitted,
             ErrorCode::PermissionDenied,
             ErrorCode::NotEmpty,
+            ErrorCode::NotLeader,
             ErrorCode::Stale,
         ] {
             let bytes = crate::encode(&code);

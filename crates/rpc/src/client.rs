@@ -110,6 +110,44 @@ impl Connection {
         Connection::connect_with(&Network, address, key, options).await
     }
 
+    /// Connect to the metadata server that serves among `addresses` (comma separated,
+    /// several for a replicated metadata cluster), trying them in turn from `first`. A
+    /// member that does not lead says so with epoch 0 in its hello and is passed over
+    /// (with a single address it is taken as it is). Returns the connection and the index
+    /// of its address.
+    pub async fn connect_leader(
+        addresses: &str,
+        first: usize,
+        key: &ClusterKey,
+        options: &ConnectOptions,
+    ) -> Result<(Connection, usize), RpcError> {
+        let list: Vec<&str> = addresses
+            .split(',')
+            .map(str::trim)
+            .filter(|address| !address.is_empty())
+            .collect();
+        if list.len() <= 1 {
+            let connection = Connection::connect(addresses.trim(), key, options).await?;
+            return Ok((connection, 0));
+        }
+        let mut failures = Vec::new();
+        for attempt in 0..list.len() {
+            let index = (first + attempt) % list.len();
+            match Connection::connect(list[index], key, options).await {
+                Ok(connection) if connection.epoch() == 0 => {
+                    failures.push(format!("{}: not the leader", list[index]));
+                }
+                Ok(connection) => return Ok((connection, index)),
+                Err(error @ RpcError::Refused { .. }) => return Err(error),
+                Err(error) => failures.push(error.to_string()),
+            }
+        }
+        Err(RpcError::Connect {
+            address: addresses.to_string(),
+            reason: format!("no metadata leader answered ({})", failures.join("; ")),
+        })
+    }
+
     pub async fn connect_with(
         transport: &dyn Transport,
         address: &str,
@@ -181,6 +219,11 @@ impl Connection {
                 call_timeout_ms: options.call_timeout_ms,
             }),
         })
+    }
+
+    /// Whether two handles are the same connection.
+    pub fn same(a: &Connection, b: &Connection) -> bool {
+        std::sync::Arc::ptr_eq(&a.inner, &b.inner)
     }
 
     pub fn identity(&self) -> &str {

@@ -15,6 +15,15 @@ pub async fn run_meta(config_path: &Path) -> anyhow::Result<()> {
     config
         .validate()
         .map_err(|error| ConfigError(format!("{}: {error}", config_path.display())))?;
+    if config.node_id != 0 {
+        let server = freeflow_meta::raft::supervisor::start_replicated(config, key)
+            .await
+            .context("metadata server failed to start")?;
+        super::shutdown_signal().await?;
+        tracing::info!("shutting down");
+        server.shutdown().await;
+        return Ok(());
+    }
     let server = freeflow_meta::start(config, key)
         .await
         .context("metadata server failed to start")?;

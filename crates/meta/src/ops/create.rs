@@ -170,8 +170,9 @@ pub fn create<W: StoreWrite>(
         });
     }
     require_access(&parent.attr, caller, ACCESS_WRITE | ACCESS_EXECUTE)?;
-    let layout = match request.kind {
-        FileKind::Regular => Some(choose_layout(
+    let layout = match (request.kind, context.forced_layout.take()) {
+        (FileKind::Regular, Some(layout)) => Some(layout),
+        (FileKind::Regular, None) => Some(choose_layout(
             context.placement,
             &parent.attr,
             context.state.placement_counter,

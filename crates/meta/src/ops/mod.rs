@@ -306,6 +306,9 @@ pub struct OpContext<'a> {
     /// The id the next inode created must have (a replayed create keeps the id the client
     /// was first given).
     pub forced_inode: Option<InodeId>,
+    /// The layout the next regular file created must have (a replayed create keeps the
+    /// layout the client was first given: it may have written data by it already).
+    pub forced_layout: Option<freeflow_types::Layout>,
 }
 
 impl<'a> OpContext<'a> {
@@ -322,6 +325,7 @@ impl<'a> OpContext<'a> {
             txn,
             demand_durable: false,
             forced_inode: None,
+            forced_layout: None,
         }
     }
 

@@ -79,11 +79,18 @@ impl LogStore {
     where
         F: FnOnce(&redb::WriteTransaction) -> Result<(), String> + Send + 'static,
     {
+        self.write_with(Durability::Immediate, work).await
+    }
+
+    async fn write_with<F>(&self, durability: Durability, work: F) -> Result<(), String>
+    where
+        F: FnOnce(&redb::WriteTransaction) -> Result<(), String> + Send + 'static,
+    {
         let database = self.database.clone();
         tokio::task::spawn_blocking(move || {
             let mut write = database.begin_write().map_err(|e| e.to_string())?;
             write
-                .set_durability(Durability::Immediate)
+                .set_durability(durability)
                 .map_err(|e| e.to_string())?;
             work(&write)?;
             write.commit().map_err(|e| e.to_string())
@@ -181,9 +188,14 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         &mut self,
         committed: Option<LogId>,
     ) -> Result<(), StorageError<NodeId>> {
-        self.write(move |write| LogStore::put_state(write, KEY_COMMITTED, &committed))
-            .await
-            .map_err(|e| logs_error(ErrorVerb::Write, e))
+        // Not fsynced on its own (openraft saves it at every commit): the next append
+        // makes it durable. A crash may bring back an older one, which only means that
+        // fewer entries are applied again at start-up before the leader tells the rest.
+        self.write_with(Durability::None, move |write| {
+            LogStore::put_state(write, KEY_COMMITTED, &committed)
+        })
+        .await
+        .map_err(|e| logs_error(ErrorVerb::Write, e))
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError<NodeId>> {

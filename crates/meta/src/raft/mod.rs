@@ -5,8 +5,10 @@
 //! (`batch.rs`); followers apply them. See docs/replication.md.
 
 pub mod batch;
+pub mod link;
 pub mod log_store;
 pub mod network;
 pub mod node;
 pub mod state_machine;
+pub mod supervisor;
 pub mod types;

@@ -2,14 +2,13 @@
 //! namespace store, its peers and the service they call.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::Arc;
 
 use freeflow_rpc::ClusterKey;
 use openraft::{BasicNode, Config, SnapshotPolicy};
 use tokio::task::JoinHandle;
 
-use crate::raft::log_store::{LogStore, LOG_FILE_NAME};
+use crate::raft::log_store::LogStore;
 use crate::raft::network::{spawn_service, Network};
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{NodeId, Raft};
@@ -39,7 +38,8 @@ pub struct RaftNode {
 }
 
 impl RaftNode {
-    /// Start the node on `listener` (its Raft address) with its log in `data_dir` and the
+    /// Start the node on `listener` (its Raft address) with its `log` (kept open across
+    /// restarts of the node: openraft's tasks may hold it a moment after a stop) and the
     /// namespace `store` as its state machine. A node whose log is empty proposes the
     /// membership `members` (every node may: all propose the same one, and a node that
     /// has joined already refuses).
@@ -47,7 +47,7 @@ impl RaftNode {
         id: NodeId,
         members: BTreeMap<NodeId, BasicNode>,
         listener: tokio::net::TcpListener,
-        data_dir: &Path,
+        log: LogStore,
         store: Arc<RedbStore>,
         key: ClusterKey,
         timing: Timing,
@@ -67,8 +67,6 @@ impl RaftNode {
                 .validate()
                 .map_err(|error| format!("raft configuration: {error}"))?,
         );
-        let log = LogStore::open(&data_dir.join(LOG_FILE_NAME))
-            .map_err(|error| format!("raft log in {}: {error}", data_dir.display()))?;
         let state_machine = StateMachine::new(store);
         let raft = Raft::new(id, config, Network { key: key.clone() }, log, state_machine)
             .await
@@ -104,7 +102,7 @@ impl RaftNode {
         Some((leader, address))
     }
 
-    pub async fn stop(self) {
+    pub async fn stop(&self) {
         if let Err(error) = self.raft.shutdown().await {
             tracing::warn!(%error, id = self.id, "raft node did not stop cleanly");
         }
@@ -188,12 +186,13 @@ mod tests {
             std::fs::create_dir_all(&data).unwrap();
             let store = Arc::new(RedbStore::open(&data.join("meta.redb")).unwrap());
             stores.push(store.clone());
+            let log = LogStore::open(&data.join("raft-log.redb")).unwrap();
             nodes.push(
                 RaftNode::start(
                     id,
                     members.clone(),
                     listener,
-                    &data,
+                    log,
                     store,
                     key.clone(),
                     timing,

@@ -38,13 +38,16 @@ fn sm_error(verb: ErrorVerb, error: impl std::fmt::Display) -> StorageError<Node
     storage_error(ErrorSubject::StateMachine, verb, error)
 }
 
+/// (table code, key, value).
+type TablePair = (u8, Vec<u8>, Vec<u8>);
+
 /// What a snapshot holds.
 #[derive(Serialize, Deserialize)]
 struct SnapshotBody {
     applied: Option<LogId>,
     membership: StoredMembership,
-    /// (table code, key, value) of every replicated table.
-    pairs: Vec<(u8, Vec<u8>, Vec<u8>)>,
+    /// Every pair of the replicated tables.
+    pairs: Vec<TablePair>,
 }
 
 /// A snapshot's description and bytes.
@@ -142,7 +145,29 @@ fn build(store: &RedbStore) -> Result<(SnapshotMeta, Vec<u8>), StoreError> {
     let read = store.begin_read()?;
     let applied = read_record::<Option<LogId>, _>(&read, KEY_APPLIED)?.flatten();
     let membership: StoredMembership = read_record(&read, KEY_MEMBERSHIP)?.unwrap_or_default();
-    // (table, key) → value before the oldest speculative batch that changed it.
+    let pairs = applied_pairs(&read)?;
+    let body = SnapshotBody {
+        applied,
+        membership: membership.clone(),
+        pairs,
+    };
+    let bytes = postcard::to_allocvec(&body).map_err(StoreError::backend)?;
+    let snapshot_id = match applied {
+        Some(log_id) => format!("{}-{}-{}", log_id.leader_id.term, log_id.index, bytes.len()),
+        None => format!("empty-{}", bytes.len()),
+    };
+    let meta = SnapshotMeta {
+        last_log_id: applied,
+        last_membership: membership,
+        snapshot_id,
+    };
+    Ok((meta, bytes))
+}
+
+/// Every pair of the replicated tables as of the last applied entry: the store's, except
+/// that a key a batch not applied as committed yet changed (one with an undo record, read
+/// in the same transaction) has the value from before the oldest such batch.
+fn applied_pairs<R: StoreRead>(read: &R) -> Result<Vec<TablePair>, StoreError> {
     let mut before: HashMap<(u8, Vec<u8>), Option<Vec<u8>>> = HashMap::new();
     for (_, record) in read.range(
         TableId::Undo,
@@ -169,29 +194,28 @@ fn build(store: &RedbStore) -> Result<(SnapshotMeta, Vec<u8>), StoreError> {
                 None => pairs.push((code, key, value)),
             }
         }
-        // Keys a speculative batch deleted.
+        // Keys a batch not applied yet deleted.
         for (key, value) in overrides {
             if let Some(value) = value {
                 pairs.push((code, key, value));
             }
         }
     }
-    let body = SnapshotBody {
-        applied,
-        membership: membership.clone(),
-        pairs,
-    };
-    let bytes = postcard::to_allocvec(&body).map_err(StoreError::backend)?;
-    let snapshot_id = match applied {
-        Some(log_id) => format!("{}-{}-{}", log_id.leader_id.term, log_id.index, bytes.len()),
-        None => format!("empty-{}", bytes.len()),
-    };
-    let meta = SnapshotMeta {
-        last_log_id: applied,
-        last_membership: membership,
-        snapshot_id,
-    };
-    Ok((meta, bytes))
+    Ok(pairs)
+}
+
+/// What a replica holds as of its last applied entry: that entry's log id, the number of
+/// pairs of the replicated tables and a digest of them (key order). Equal digests at the
+/// same applied entry: identical replicas.
+pub fn replicated_digest(store: &RedbStore) -> Result<(Option<LogId>, u64, u64), StoreError> {
+    use std::hash::{Hash, Hasher};
+    let read = store.begin_read()?;
+    let applied = read_record::<Option<LogId>, _>(&read, KEY_APPLIED)?.flatten();
+    let mut pairs = applied_pairs(&read)?;
+    pairs.sort();
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    pairs.hash(&mut hasher);
+    Ok((applied, pairs.len() as u64, hasher.finish()))
 }
 
 /// Replace the whole state with a snapshot's.

@@ -1,0 +1,393 @@
+//! Replicated metadata (issue 11), with real processes: three metadata servers run the
+//! namespace under Raft and two I/O servers hold the data. While two clients create,
+//! write, fsync and rename files, the leader is killed with SIGKILL; the other two elect a
+//! new one and the clients go on without an error (a pause at most). Every operation the
+//! clients were answered is there afterwards, byte for byte; the killed server comes back
+//! as a follower and catches up; and all three replicas end identical (digests of their
+//! replicated tables at the same applied entry).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{free_port, poll_until, FREEFLOW};
+use freeflow_client::{Client, ClientConfig, ClusterKey, OpenAccess, RenameMode, ROOT_INODE};
+
+struct Node {
+    id: u64,
+    address: String,
+    config: PathBuf,
+    log: PathBuf,
+    data: PathBuf,
+    child: Option<Child>,
+}
+
+struct ReplicatedCluster {
+    dir: tempfile::TempDir,
+    key: ClusterKey,
+    metas: Vec<Node>,
+    io: Vec<Child>,
+}
+
+fn spawn(role: &str, config: &Path, log: &Path) -> Child {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("open a server log");
+    let copy = file.try_clone().expect("clone the log handle");
+    Command::new(FREEFLOW)
+        .arg(role)
+        .arg("--config")
+        .arg(config)
+        .env("RUST_LOG", "info,openraft=warn")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(file))
+        .stderr(Stdio::from(copy))
+        .spawn()
+        .expect("start a server")
+}
+
+impl ReplicatedCluster {
+    fn start(io_count: usize) -> ReplicatedCluster {
+        let dir = tempfile::Builder::new()
+            .prefix("freeflow-raft-")
+            .tempdir()
+            .expect("a temporary directory");
+        let key = ClusterKey::generate().expect("a cluster key");
+        key.write_new(&dir.path().join("cluster.key"))
+            .expect("write the key");
+        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+        let mut peers = String::new();
+        for (index, (client, raft)) in ports.iter().enumerate() {
+            peers.push_str(&format!(
+                "\n[[meta.peers]]\nid = {}\naddress = \"127.0.0.1:{client}\"\nraft_address = \"127.0.0.1:{raft}\"\n",
+                index + 1
+            ));
+        }
+        let mut metas = Vec::new();
+        for (index, (client, _)) in ports.iter().enumerate() {
+            let id = index as u64 + 1;
+            let config = dir.path().join(format!("meta-{id}.toml"));
+            let text = format!(
+                "key_file = \"cluster.key\"\n\n[meta]\nlisten_address = \"127.0.0.1:{client}\"\n\
+                 data_dir = \"meta-{id}\"\nnode_id = {id}\nserver_down_after_ms = 3000\n\
+                 heartbeat_interval_ms = 500\nrecovery_window_ms = 3000\ncache_lease_ms = 3000\n\
+                 store_cache_bytes = 16777216\n{peers}"
+            );
+            std::fs::write(&config, text).expect("write a meta config");
+            metas.push(Node {
+                id,
+                address: format!("127.0.0.1:{client}"),
+                log: dir.path().join(format!("meta-{id}.log")),
+                data: dir.path().join(format!("meta-{id}")),
+                config,
+                child: None,
+            });
+        }
+        let meta_addresses = metas
+            .iter()
+            .map(|node| node.address.clone())
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cluster = ReplicatedCluster {
+            dir,
+            key,
+            metas,
+            io: Vec::new(),
+        };
+        for index in 0..3 {
+            cluster.start_meta(index);
+        }
+        for server in 0..io_count {
+            let config = cluster.dir.path().join(format!("io-{server}.toml"));
+            let text = format!(
+                "key_file = \"cluster.key\"\n\n[io]\nserver_id = {server}\n\
+                 listen_address = \"127.0.0.1:{}\"\ndata_dir = \"io-{server}\"\n\
+                 meta_address = \"{meta_addresses}\"\nbuffer_count = 16\nworker_threads = 4\n\
+                 register_backoff_max_ms = 500\n",
+                free_port()
+            );
+            std::fs::write(&config, text).expect("write an io config");
+            let log = cluster.dir.path().join(format!("io-{server}.log"));
+            cluster.io.push(spawn("io", &config, &log));
+        }
+        cluster
+    }
+
+    fn start_meta(&mut self, index: usize) {
+        let node = &mut self.metas[index];
+        assert!(node.child.is_none());
+        node.child = Some(spawn("meta", &node.config, &node.log));
+    }
+
+    fn kill_meta(&mut self, index: usize) {
+        let mut child = self.metas[index].child.take().expect("running");
+        child.kill().expect("SIGKILL");
+        child.wait().expect("reaped");
+    }
+
+    /// Stop a metadata server cleanly (SIGTERM) and wait for it.
+    fn stop_meta(&mut self, index: usize) {
+        let mut child = self.metas[index].child.take().expect("running");
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(child.id().to_string())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        child.kill().expect("SIGKILL after SIGTERM did not stop it");
+        child.wait().expect("reaped");
+    }
+
+    fn meta_addresses(&self) -> String {
+        self.metas
+            .iter()
+            .map(|node| node.address.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn client_config(&self, name: &str) -> ClientConfig {
+        let mut config = ClientConfig::new(self.meta_addresses(), self.key.clone());
+        config.connect_timeout_ms = 1_000;
+        config.call_timeout_ms = 30_000;
+        config.client_name = name.to_string();
+        config
+    }
+
+    /// The index of the server that leads now: the one whose hello carries an epoch.
+    async fn leader(&self) -> Option<usize> {
+        let options = freeflow_rpc::ConnectOptions {
+            connect_timeout_ms: 500,
+            ..freeflow_rpc::ConnectOptions::default()
+        };
+        for (index, node) in self.metas.iter().enumerate() {
+            if node.child.is_none() {
+                continue;
+            }
+            if let Ok(connection) =
+                freeflow_rpc::Connection::connect(&node.address, &self.key, &options).await
+            {
+                if connection.epoch() != 0 {
+                    return Some(index);
+                }
+            }
+        }
+        None
+    }
+
+    fn logs(&self) -> String {
+        let mut text = String::new();
+        for node in &self.metas {
+            let log = std::fs::read_to_string(&node.log).unwrap_or_default();
+            text.push_str(&format!("---- meta {} ----\n{log}\n", node.id));
+        }
+        text
+    }
+}
+
+impl Drop for ReplicatedCluster {
+    fn drop(&mut self) {
+        for node in &mut self.metas {
+            if let Some(mut child) = node.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        for child in &mut self.io {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn content(client: usize, index: usize) -> Bytes {
+    let mut bytes = vec![0u8; 16 << 10];
+    for (offset, byte) in bytes.iter_mut().enumerate() {
+        *byte = (offset as u8) ^ (client as u8).wrapping_mul(31) ^ (index as u8).wrapping_mul(7);
+    }
+    Bytes::from(bytes)
+}
+
+/// One client's work: create, write, fsync, close, and rename every third file. Returns
+/// the names it was answered for, with their contents' seeds.
+async fn work(client: Arc<Client>, which: usize, files: usize) -> Vec<(String, usize)> {
+    let directory = client
+        .mkdir(ROOT_INODE, &format!("client-{which}"), 0o755)
+        .await
+        .expect("mkdir")
+        .inode;
+    let mut done = Vec::new();
+    for index in 0..files {
+        let name = format!("f{index}");
+        let (file, _) = client
+            .create_open(
+                directory,
+                &name,
+                0o644,
+                true,
+                OpenAccess {
+                    read: true,
+                    write: true,
+                },
+            )
+            .await
+            .unwrap_or_else(|error| panic!("client {which} create {name}: {error}"));
+        file.write_at(0, content(which, index))
+            .await
+            .unwrap_or_else(|error| panic!("client {which} write {name}: {error}"));
+        file.fsync()
+            .await
+            .unwrap_or_else(|error| panic!("client {which} fsync {name}: {error}"));
+        file.close()
+            .await
+            .unwrap_or_else(|error| panic!("client {which} close {name}: {error}"));
+        let final_name = if index % 3 == 0 {
+            let renamed = format!("r{index}");
+            client
+                .rename(directory, &name, directory, &renamed, RenameMode::NoReplace)
+                .await
+                .unwrap_or_else(|error| panic!("client {which} rename {name}: {error}"));
+            renamed
+        } else {
+            name
+        };
+        done.push((format!("client-{which}/{final_name}"), index));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    done
+}
+
+async fn digest(data: &Path) -> (Option<String>, u64, u64) {
+    let store =
+        freeflow_meta::store::RedbStore::open(&data.join("meta.redb")).expect("open a replica");
+    let (applied, pairs, hash) =
+        freeflow_meta::raft::state_machine::replicated_digest(&store).expect("digest");
+    (applied.map(|log_id| log_id.to_string()), pairs, hash)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killing_the_meta_leader_under_two_writers_loses_nothing_and_replicas_agree() {
+    let mut cluster = ReplicatedCluster::start(2);
+    let first = poll_until(20_000, || async { cluster.leader().await })
+        .await
+        .unwrap_or_else(|| panic!("no leader\n{}", cluster.logs()));
+    let clients: Vec<Arc<Client>> = {
+        let mut clients = Vec::new();
+        for which in 0..2 {
+            let config = cluster.client_config(&format!("writer-{which}"));
+            let client = poll_until(20_000, || async {
+                Client::connect(config.clone()).await.ok()
+            })
+            .await
+            .expect("a client connects");
+            clients.push(Arc::new(client));
+        }
+        clients
+    };
+    // Wait for both I/O servers to be up before writing.
+    poll_until(20_000, || async {
+        let servers = clients[0].servers().await.ok()?;
+        (servers.iter().filter(|server| server.up).count() == 2).then_some(())
+    })
+    .await
+    .expect("both I/O servers registered");
+
+    const FILES: usize = 60;
+    let writers: Vec<_> = clients
+        .iter()
+        .enumerate()
+        .map(|(which, client)| tokio::spawn(work(client.clone(), which, FILES)))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    cluster.kill_meta(first);
+    let killed_at = Instant::now();
+    let second = poll_until(20_000, || async { cluster.leader().await })
+        .await
+        .unwrap_or_else(|| panic!("no new leader\n{}", cluster.logs()));
+    assert_ne!(second, first);
+    let elected_after = killed_at.elapsed();
+    let mut answered = Vec::new();
+    for writer in writers {
+        answered.extend(writer.await.expect("a writer finished without an error"));
+    }
+    assert_eq!(answered.len(), 2 * FILES);
+
+    // Every answered operation is there, byte for byte, as a fresh client sees it.
+    let reader = Client::connect(cluster.client_config("reader"))
+        .await
+        .expect("reader connects");
+    for (path, index) in &answered {
+        let (directory, name) = path.split_once('/').expect("dir/name");
+        let which: usize = directory.trim_start_matches("client-").parse().unwrap();
+        let parent = reader
+            .lookup(ROOT_INODE, directory)
+            .await
+            .expect("directory");
+        let attr = reader
+            .lookup(parent.inode, name)
+            .await
+            .unwrap_or_else(|error| panic!("{path} was answered but is gone: {error}"));
+        let file = reader
+            .open(
+                attr.inode,
+                OpenAccess {
+                    read: true,
+                    write: false,
+                },
+            )
+            .await
+            .expect("open");
+        let bytes = file.read_at(0, 1 << 20).await.expect("read");
+        if bytes != content(which, *index) {
+            let zeros = bytes.iter().filter(|byte| **byte == 0).count();
+            panic!(
+                "{path}: {} bytes read, {zeros} zero, differ from what was written (inode {})\n{}",
+                bytes.len(),
+                attr.inode,
+                cluster.logs()
+            );
+        }
+        file.close().await.expect("close");
+    }
+    reader.shutdown().await;
+    for client in &clients {
+        client.shutdown().await;
+    }
+
+    // The killed server comes back as a follower and catches up; then all three agree.
+    cluster.start_meta(first);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let leader = cluster.leader().await.expect("a leader");
+    // Followers first, so that the leader's last commit reaches them before it stops.
+    for index in (0..3).filter(|index| *index != leader) {
+        cluster.stop_meta(index);
+    }
+    cluster.stop_meta(leader);
+    let mut digests = Vec::new();
+    for node in &cluster.metas {
+        digests.push((node.id, digest(&node.data).await));
+    }
+    let (_, reference) = &digests[0];
+    assert!(reference.1 > 0, "replicas hold nothing");
+    for (id, replica) in &digests {
+        assert_eq!(
+            replica,
+            reference,
+            "replica {id} differs: {digests:?}\n{}",
+            cluster.logs()
+        );
+    }
+    eprintln!("new leader elected {elected_after:?} after the kill; replicas {digests:?}");
+}

@@ -1,0 +1,85 @@
+//! What the leader's writer and service need of Raft: proposing a batch's changes in
+//! order, learning when they are committed, and giving up the lead.
+
+use std::time::Duration;
+
+use tokio::sync::{oneshot, watch};
+
+use crate::raft::batch::Batch;
+use crate::raft::types::{NodeId, Raft, TypeConfig};
+use crate::store::Change;
+
+/// How long the writer waits for a batch it must answer durably to be committed before it
+/// gives up the lead (a leader cut off from its followers commits nothing).
+pub const COMMIT_WAIT: Duration = Duration::from_secs(10);
+
+pub type CommitReceiver = oneshot::Receiver<
+    Result<
+        openraft::raft::ClientWriteResponse<TypeConfig>,
+        openraft::error::ClientWriteError<NodeId, openraft::BasicNode>,
+    >,
+>;
+
+/// The leader's handle on Raft.
+pub struct RaftLink {
+    pub raft: Raft,
+    pub id: NodeId,
+    /// The runtime the writer thread enters to propose.
+    pub runtime: tokio::runtime::Handle,
+    /// Set once this server must stop leading (a proposal failed, or a commit did not come
+    /// in time); the node's supervisor watches it.
+    pub deposed: watch::Sender<Option<String>>,
+}
+
+impl RaftLink {
+    /// Hand a batch's changes to Raft, after every batch proposed before it. Called by the
+    /// writer thread (never from inside the runtime).
+    pub fn propose(&self, txn: u64, changes: &[Change]) -> Result<CommitReceiver, String> {
+        let batch = Batch::new(txn, changes);
+        self.runtime
+            .block_on(self.raft.client_write_ff(batch))
+            .map_err(|error| format!("raft stopped: {error}"))
+    }
+
+    /// Wait (on the writer thread) for a proposed batch's commit.
+    pub fn wait_committed(&self, receiver: CommitReceiver) -> Result<(), String> {
+        let outcome = self
+            .runtime
+            .block_on(async { tokio::time::timeout(COMMIT_WAIT, receiver).await });
+        committed(outcome)
+    }
+
+    /// Stop leading, for `reason`; the supervisor restarts this server as a follower.
+    pub fn depose(&self, reason: String) {
+        self.deposed.send_if_modified(|current| {
+            if current.is_none() {
+                tracing::warn!(%reason, "giving up the metadata lead");
+                *current = Some(reason);
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
+type Outcome = Result<
+    Result<
+        Result<
+            openraft::raft::ClientWriteResponse<TypeConfig>,
+            openraft::error::ClientWriteError<NodeId, openraft::BasicNode>,
+        >,
+        oneshot::error::RecvError,
+    >,
+    tokio::time::error::Elapsed,
+>;
+
+/// Whether a proposal's outcome says it was committed, or why not.
+pub fn committed(outcome: Outcome) -> Result<(), String> {
+    match outcome {
+        Ok(Ok(Ok(_))) => Ok(()),
+        Ok(Ok(Err(error))) => Err(format!("not committed: {error}")),
+        Ok(Err(_)) => Err("raft dropped the proposal".to_string()),
+        Err(_) => Err(format!("not committed within {COMMIT_WAIT:?}")),
+    }
+}

@@ -1,0 +1,396 @@
+//! One metadata server of a replicated cluster: its Raft node, and the metadata service
+//! it runs while it leads.
+//!
+//! A server that does not lead answers every client request with `NotLeader`, naming the
+//! leader when it knows one, and its hello carries epoch 0. Once Raft makes it leader and
+//! it has applied everything committed before its term, it starts the full service over
+//! the replicated store: the writer (whose batches go through Raft), sessions, leases,
+//! the reaper and the rest, exactly as a single server after a restart, with a new boot
+//! epoch (itself a replicated batch), so clients replay what the old leader answered but
+//! had not committed (the recovery window). When it stops leading (another node won a
+//! term, or a batch was not committed in time) it stops that service, takes back the
+//! batches it ran that were not committed (their undo records), restarts its Raft node
+//! from its log and follows again.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use freeflow_proto::{encode, ErrorCode, WireError};
+use freeflow_rpc::{ClusterKey, Frame, PeerInfo, Reply, Service};
+use openraft::{BasicNode, ServerState};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::raft::batch::{self, Batch};
+use crate::raft::link::RaftLink;
+use crate::raft::log_store::{LogStore, LOG_FILE_NAME};
+use crate::raft::node::{RaftNode, Timing};
+use crate::raft::types::{NodeId, Raft};
+use crate::store::{MetaStore, RedbStore, StoreError, StoreWrite};
+use crate::{ops, MetaConfig, MetaError, RunningMeta, DATABASE_FILE_NAME};
+
+/// What this server is doing now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    Starting,
+    Following { leader: Option<NodeId> },
+    Leading { term: u64 },
+    Stopped,
+}
+
+/// A running member of a replicated metadata cluster.
+pub struct ReplicatedMeta {
+    stop: watch::Sender<bool>,
+    role: watch::Receiver<Role>,
+    task: JoinHandle<()>,
+}
+
+impl ReplicatedMeta {
+    pub fn role(&self) -> Role {
+        self.role.borrow().clone()
+    }
+
+    /// Wait until this server leads (or `timeout` passes).
+    pub async fn wait_leading(&self, timeout: Duration) -> bool {
+        let mut role = self.role.clone();
+        tokio::time::timeout(
+            timeout,
+            role.wait_for(|role| matches!(role, Role::Leading { .. })),
+        )
+        .await
+        .is_ok_and(|waited| waited.is_ok())
+    }
+
+    /// Stop serving and leave the Raft cluster's work to the others.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}
+
+/// Start this server's Raft node and serve as its role says (see the module doc).
+pub async fn start_replicated(
+    config: MetaConfig,
+    key: ClusterKey,
+) -> Result<ReplicatedMeta, MetaError> {
+    config.validate()?;
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| MetaError::DataDir {
+        path: config.data_dir.clone(),
+        source,
+    })?;
+    let path = config.data_dir.join(DATABASE_FILE_NAME);
+    let store = RedbStore::open_with_cache(&path, config.store_cache_bytes).map_err(|source| {
+        MetaError::Store {
+            path: path.clone(),
+            source,
+        }
+    })?;
+    let store = Arc::new(store);
+    take_back(&store).map_err(|source| MetaError::Store { path, source })?;
+    let log_path = config.data_dir.join(LOG_FILE_NAME);
+    let log = LogStore::open(&log_path).map_err(|reason| {
+        MetaError::Task(format!(
+            "cannot open the raft log {}: {reason}",
+            log_path.display()
+        ))
+    })?;
+    let node = start_node(&config, &key, &log, &store).await?;
+    let (stop, stop_receiver) = watch::channel(false);
+    let (role_sender, role) = watch::channel(Role::Starting);
+    let task = tokio::spawn(supervise(
+        config,
+        key,
+        log,
+        store,
+        node,
+        stop_receiver,
+        role_sender,
+    ));
+    Ok(ReplicatedMeta { stop, role, task })
+}
+
+/// Take back every batch run ahead of its commit (a leader's, before a crash or after it
+/// stopped leading): Raft applies again whatever of them was committed.
+fn take_back(store: &RedbStore) -> Result<(), StoreError> {
+    let mut write = store.begin_write()?;
+    let taken = batch::take_back_all(&mut write)?;
+    write.commit()?;
+    if !taken.is_empty() {
+        tracing::info!(
+            batches = taken.len(),
+            "took back batches not known committed"
+        );
+    }
+    Ok(())
+}
+
+fn members(config: &MetaConfig) -> BTreeMap<NodeId, BasicNode> {
+    config
+        .peers
+        .iter()
+        .map(|peer| (peer.id, BasicNode::new(peer.raft_address.clone())))
+        .collect()
+}
+
+async fn bind_retrying(address: &str) -> Result<tokio::net::TcpListener, MetaError> {
+    let mut tries = 0;
+    loop {
+        match tokio::net::TcpListener::bind(address).await {
+            Ok(listener) => return Ok(listener),
+            Err(source) if tries >= 50 => {
+                return Err(MetaError::Bind {
+                    address: address.to_string(),
+                    source,
+                })
+            }
+            Err(_) => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
+async fn start_node(
+    config: &MetaConfig,
+    key: &ClusterKey,
+    log: &LogStore,
+    store: &Arc<RedbStore>,
+) -> Result<RaftNode, MetaError> {
+    let me = config
+        .peers
+        .iter()
+        .find(|peer| peer.id == config.node_id)
+        .ok_or_else(|| MetaError::Task("node_id is not among peers".into()))?;
+    let listener = bind_retrying(&me.raft_address).await?;
+    let timing = Timing {
+        heartbeat_ms: config.raft_heartbeat_ms,
+        election_min_ms: config.raft_election_ms,
+        election_max_ms: config.raft_election_ms * 2,
+    };
+    RaftNode::start(
+        config.node_id,
+        members(config),
+        listener,
+        log.clone(),
+        store.clone(),
+        key.clone(),
+        timing,
+    )
+    .await
+    .map_err(MetaError::Task)
+}
+
+/// Answers every request with `NotLeader`, naming the leader's client address if known.
+struct NotLeaderService {
+    raft: Raft,
+    addresses: BTreeMap<NodeId, String>,
+}
+
+impl Service for NotLeaderService {
+    async fn call(&self, _frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
+        let leader = self.raft.metrics().borrow().current_leader;
+        let message = match leader.and_then(|id| self.addresses.get(&id)) {
+            Some(address) => format!("not the metadata leader; leader: {address}"),
+            None => "not the metadata leader; no leader known yet".to_string(),
+        };
+        let error = WireError::new(ErrorCode::NotLeader, message);
+        Ok(Reply {
+            header: encode(&Err::<(), WireError>(error)).into(),
+            payload: bytes::Bytes::new(),
+        })
+    }
+}
+
+/// The leader's address for clients in a `NotLeader` message, if it names one.
+pub fn leader_hint(message: &str) -> Option<&str> {
+    message
+        .split_once("leader: ")
+        .map(|(_, address)| address.trim())
+        .filter(|address| !address.is_empty())
+}
+
+async fn supervise(
+    config: MetaConfig,
+    key: ClusterKey,
+    log: LogStore,
+    store: Arc<RedbStore>,
+    mut node: RaftNode,
+    mut stop: watch::Receiver<bool>,
+    role: watch::Sender<Role>,
+) {
+    let addresses: BTreeMap<NodeId, String> = config
+        .peers
+        .iter()
+        .map(|peer| (peer.id, peer.address.clone()))
+        .collect();
+    loop {
+        // Following: answer NotLeader until this node leads.
+        let follower = match bind_retrying(&config.listen_address).await {
+            Ok(listener) => {
+                let mut options = freeflow_rpc::ServerOptions::new("meta");
+                options.epoch = 0;
+                Some(tokio::spawn(freeflow_rpc::serve(
+                    listener,
+                    key.clone(),
+                    options,
+                    Arc::new(NotLeaderService {
+                        raft: node.raft.clone(),
+                        addresses: addresses.clone(),
+                    }),
+                )))
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for clients while following");
+                None
+            }
+        };
+        let term = {
+            let mut metrics = node.raft.metrics();
+            loop {
+                let (state, term, leader) = {
+                    let now = metrics.borrow();
+                    (now.state, now.current_term, now.current_leader)
+                };
+                if state == ServerState::Leader {
+                    break Some(term);
+                }
+                role.send_if_modified(|current| {
+                    let following = Role::Following { leader };
+                    let changed = *current != following;
+                    *current = following;
+                    changed
+                });
+                tokio::select! {
+                    changed = metrics.changed() => if changed.is_err() { break None },
+                    _ = stop.changed() => break None,
+                }
+            }
+        };
+        let Some(term) = term else {
+            if let Some(follower) = follower {
+                follower.abort();
+            }
+            break;
+        };
+        // Everything committed before this term must be applied before serving.
+        let caught_up = tokio::time::timeout(
+            Duration::from_millis(config.raft_election_ms * 4),
+            node.raft.ensure_linearizable(),
+        )
+        .await;
+        if let Some(follower) = follower {
+            follower.abort();
+            let _ = follower.await;
+        }
+        let mut reason = match caught_up {
+            Ok(Ok(_)) => None,
+            // Nothing was run ahead of a commit yet: follow again as we are.
+            Ok(Err(error)) => {
+                tracing::info!(%error, "lead lost before catching up");
+                continue;
+            }
+            Err(_) => Some("not caught up as leader in time".to_string()),
+        };
+        if reason.is_none() {
+            let (deposed, mut deposed_receiver) = watch::channel(None);
+            let link = RaftLink {
+                raft: node.raft.clone(),
+                id: node.id,
+                runtime: tokio::runtime::Handle::current(),
+                deposed,
+            };
+            match start_leader(config.clone(), key.clone(), store.clone(), link).await {
+                Ok(running) => {
+                    role.send_replace(Role::Leading { term });
+                    tracing::info!(term, node = node.id, "leading the metadata cluster");
+                    let mut metrics = node.raft.metrics();
+                    reason = loop {
+                        {
+                            let now = metrics.borrow();
+                            if now.state != ServerState::Leader || now.current_term != term {
+                                break Some(format!(
+                                    "term {} state {:?}",
+                                    now.current_term, now.state
+                                ));
+                            }
+                        }
+                        tokio::select! {
+                            changed = metrics.changed() => if changed.is_err() {
+                                break Some("raft stopped".into());
+                            },
+                            _ = deposed_receiver.changed() => {
+                                break deposed_receiver.borrow().clone();
+                            }
+                            _ = stop.changed() => break None,
+                        }
+                    };
+                    running.shutdown().await;
+                }
+                Err(error) => reason = Some(format!("cannot start leading: {error}")),
+            }
+        }
+        if *stop.borrow() {
+            break;
+        }
+        // Follow again from what is committed: restart the node over the store without
+        // the batches this term ran ahead of their commit.
+        tracing::warn!(reason = reason.as_deref().unwrap_or(""), "stopped leading");
+        role.send_replace(Role::Starting);
+        node.stop().await;
+        if let Err(error) = take_back(&store) {
+            tracing::error!(%error, "cannot take back uncommitted batches; stopping");
+            break;
+        }
+        node = match start_node(&config, &key, &log, &store).await {
+            Ok(node) => node,
+            Err(error) => {
+                tracing::error!(%error, "cannot restart the raft node; stopping");
+                role.send_replace(Role::Stopped);
+                return;
+            }
+        };
+    }
+    node.stop().await;
+    role.send_replace(Role::Stopped);
+}
+
+/// Lead: a new boot epoch through Raft (so clients replay to this leader what the last
+/// one had not committed), then the full service over the store.
+async fn start_leader(
+    config: MetaConfig,
+    key: ClusterKey,
+    store: Arc<RedbStore>,
+    link: RaftLink,
+) -> Result<RunningMeta, MetaError> {
+    let started = Instant::now();
+    let path = config.data_dir.join(DATABASE_FILE_NAME);
+    let store_error = |source| MetaError::Store {
+        path: path.clone(),
+        source,
+    };
+    let (state, txn, changes) = {
+        let mut write = store.begin_write().map_err(store_error)?;
+        write.capture();
+        let mut state = ops::initialise(&mut write, ops::now()).map_err(store_error)?;
+        let txn = state.begin_txn(&mut write).map_err(store_error)?;
+        state.recovered_txn = txn;
+        let changes = write.take_changes();
+        batch::remember(&mut write, txn, &changes).map_err(store_error)?;
+        write.set_durable(false).map_err(store_error)?;
+        write.commit().map_err(store_error)?;
+        (state, txn, changes)
+    };
+    let committed = tokio::time::timeout(
+        crate::raft::link::COMMIT_WAIT,
+        link.raft.client_write(Batch::new(txn, &changes)),
+    )
+    .await;
+    match committed {
+        Ok(Ok(_)) => {}
+        Ok(Err(error)) => return Err(MetaError::Task(format!("new epoch not committed: {error}"))),
+        Err(_) => return Err(MetaError::Task("new epoch not committed in time".into())),
+    }
+    crate::launch(config, key, store, state, started, Some(link)).await
+}
