@@ -72,9 +72,14 @@ pub enum Command {
         /// --io-servers); directories may set their own with `freeflow stripe set`.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4))]
         replicas: u32,
+        /// Metadata servers: 1, or 3 or 5 running the namespace under Raft (a cluster of 3
+        /// survives the loss of any one). The first listens on PORT, the others on PORT +
+        /// 3, PORT + 4, ...; their Raft services on PORT + 74, PORT + 75, ...
+        #[arg(long, default_value = "1", value_parser = ["1", "3", "5"])]
+        meta_servers: String,
         /// Port of the metadata server; I/O server i listens on PORT + 10 + i. Metrics
-        /// endpoints: the metadata server on PORT + 1, the mount on PORT + 2, I/O server i
-        /// on PORT + 100 + i.
+        /// endpoints: the metadata server on PORT + 1 (others of a replicated cluster on
+        /// PORT + 80 + i), the mount on PORT + 2, I/O server i on PORT + 100 + i.
         #[arg(long, default_value_t = 7700)]
         port: u16,
         /// Disk engine of the I/O servers.

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use freeflow_ioserver::{DirectIo, EngineKind, IoConfig};
-use freeflow_meta::MetaConfig;
+use freeflow_meta::raft::supervisor::{start_replicated, ReplicatedMeta, Role};
+use freeflow_meta::{MetaConfig, MetaPeer};
 use freeflow_rpc::ClusterKey;
 
 use crate::cluster_file::{self, ClientFile, IoFile, MetaFile};
@@ -25,6 +26,10 @@ const REGISTRATION_WAIT_MS: u64 = 10_000;
 pub const META_METRICS_PORT_OFFSET: u32 = 1;
 pub const MOUNT_METRICS_PORT_OFFSET: u32 = 2;
 pub const IO_METRICS_PORT_OFFSET: u32 = 100;
+/// Raft services of a replicated metadata cluster (member i on PORT + 74 + i), and the
+/// metrics of its members past the first (PORT + 80 + i).
+pub const RAFT_PORT_OFFSET: u32 = 74;
+pub const REPLICA_METRICS_PORT_OFFSET: u32 = 80;
 
 /// `127.0.0.1:(port + offset)`, refusing ports past 65535.
 fn loopback_port(port: u16, offset: u32) -> anyhow::Result<String> {
@@ -42,6 +47,8 @@ pub struct Options {
     pub io_server_count: u32,
     /// Copies of each stripe of new files.
     pub replicas: u32,
+    /// Metadata servers: 1, or an odd number run under Raft.
+    pub meta_server_count: u32,
     pub port: u16,
     pub engine: String,
     /// O_DIRECT for large aligned requests on the I/O servers: "off", "writes" or "all".
@@ -60,6 +67,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         data,
         io_server_count,
         replicas,
+        meta_server_count,
         port,
         engine,
         direct_io,
@@ -87,7 +95,31 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", data.display()))?;
     let key = load_or_create_key(&data.join("cluster.key"))?;
-    let meta_address = format!("127.0.0.1:{port}");
+    // A replicated cluster: member i (0-based) for clients on PORT (i = 0) or PORT + 2 + i,
+    // its Raft service on PORT + 74 + i, its metrics on PORT + 1 (i = 0) or PORT + 80 + i.
+    let member_port = |i: u32| if i == 0 { 0 } else { 2 + i };
+    let peers = if meta_server_count > 1 {
+        (0..meta_server_count)
+            .map(|i| {
+                Ok(MetaPeer {
+                    id: u64::from(i) + 1,
+                    address: loopback_port(port, member_port(i))?,
+                    raft_address: loopback_port(port, RAFT_PORT_OFFSET + i)?,
+                })
+            })
+            .collect::<anyhow::Result<Vec<MetaPeer>>>()?
+    } else {
+        Vec::new()
+    };
+    let meta_address = if peers.is_empty() {
+        format!("127.0.0.1:{port}")
+    } else {
+        peers
+            .iter()
+            .map(|peer| peer.address.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
     let engine = match engine {
         "threads" => EngineKind::Threads,
         _ => EngineKind::Uring,
@@ -98,12 +130,35 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
         _ => DirectIo::Writes,
     };
 
-    let meta_config = MetaConfig {
-        listen_address: meta_address.clone(),
-        data_dir: data.join("meta"),
-        metrics_address: metrics_at(META_METRICS_PORT_OFFSET)?,
-        replicas,
-        ..MetaConfig::default()
+    let meta_configs = if peers.is_empty() {
+        vec![MetaConfig {
+            listen_address: meta_address.clone(),
+            data_dir: data.join("meta"),
+            metrics_address: metrics_at(META_METRICS_PORT_OFFSET)?,
+            replicas,
+            ..MetaConfig::default()
+        }]
+    } else {
+        peers
+            .iter()
+            .map(|peer| {
+                let index = (peer.id - 1) as u32;
+                let metrics_offset = if index == 0 {
+                    META_METRICS_PORT_OFFSET
+                } else {
+                    REPLICA_METRICS_PORT_OFFSET + index
+                };
+                Ok(MetaConfig {
+                    listen_address: peer.address.clone(),
+                    data_dir: data.join(format!("meta-{}", peer.id)),
+                    metrics_address: metrics_at(metrics_offset)?,
+                    replicas,
+                    node_id: peer.id,
+                    peers: peers.clone(),
+                    ..MetaConfig::default()
+                })
+            })
+            .collect::<anyhow::Result<Vec<MetaConfig>>>()?
     };
     let io_configs = (0..io_server_count)
         .map(|server_id| {
@@ -128,21 +183,9 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
             })
         })
         .collect::<anyhow::Result<Vec<IoConfig>>>()?;
-    write_configs(&data, &meta_config, &io_configs, &meta_address)?;
+    write_configs(&data, &meta_configs, &io_configs, &meta_address)?;
 
-    let meta = freeflow_meta::start(meta_config, key.clone())
-        .await
-        .with_context(|| format!("metadata server failed to start on {meta_address}"))?;
-    println!(
-        "metadata server  {}  ready in {} ms, {} inodes  (data {})",
-        meta.listen_address(),
-        meta.ready_ms(),
-        meta.inode_count(),
-        data.join("meta").display()
-    );
-    if let Some(address) = meta.metrics_address() {
-        println!("  metrics        http://{address}/metrics");
-    }
+    let meta = MetaServers::start(meta_configs, &key).await?;
     let mut io_servers = Vec::new();
     for config in io_configs {
         let (server_id, listen, directory, socket) = (
@@ -237,10 +280,98 @@ fn load_or_create_key(path: &Path) -> anyhow::Result<ClusterKey> {
     Ok(key)
 }
 
-/// Configs for the same cluster as separate processes, and the client file for tools.
+/// The metadata service `up` runs: one server, or the members of a replicated cluster.
+enum MetaServers {
+    Single(freeflow_meta::RunningMeta),
+    Replicated(Vec<ReplicatedMeta>),
+}
+
+/// How long `up` waits for a replicated cluster to elect its first leader.
+const ELECTION_WAIT_MS: u64 = 20_000;
+
+impl MetaServers {
+    async fn start(configs: Vec<MetaConfig>, key: &ClusterKey) -> anyhow::Result<MetaServers> {
+        if configs.len() == 1 && configs[0].node_id == 0 {
+            let config = configs.into_iter().next().expect("one config");
+            let (address, directory) = (config.listen_address.clone(), config.data_dir.clone());
+            let meta = freeflow_meta::start(config, key.clone())
+                .await
+                .with_context(|| format!("metadata server failed to start on {address}"))?;
+            println!(
+                "metadata server  {}  ready in {} ms, {} inodes  (data {})",
+                meta.listen_address(),
+                meta.ready_ms(),
+                meta.inode_count(),
+                directory.display()
+            );
+            if let Some(address) = meta.metrics_address() {
+                println!("  metrics        http://{address}/metrics");
+            }
+            return Ok(MetaServers::Single(meta));
+        }
+        let mut members = Vec::new();
+        for config in configs {
+            let (id, address, directory) = (
+                config.node_id,
+                config.listen_address.clone(),
+                config.data_dir.clone(),
+            );
+            let metrics = config.metrics_address.clone();
+            match start_replicated(config, key.clone()).await {
+                Ok(member) => members.push(member),
+                Err(error) => {
+                    for member in members {
+                        member.shutdown().await;
+                    }
+                    return Err(error).with_context(|| {
+                        format!("metadata server {id} failed to start on {address}")
+                    });
+                }
+            }
+            println!(
+                "metadata server {id}  {address}  (data {})",
+                directory.display()
+            );
+            if let Some(address) = metrics {
+                println!("  metrics        http://{address}/metrics (while it leads)");
+            }
+        }
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_millis(ELECTION_WAIT_MS) {
+            if let Some(Role::Leading { term }) = members
+                .iter()
+                .map(ReplicatedMeta::role)
+                .find(|role| matches!(role, Role::Leading { .. }))
+            {
+                println!(
+                    "metadata leader  elected in {} ms (term {term})",
+                    started.elapsed().as_millis()
+                );
+                return Ok(MetaServers::Replicated(members));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        eprintln!("freeflow: no metadata leader elected yet; going on");
+        Ok(MetaServers::Replicated(members))
+    }
+
+    async fn shutdown(self) {
+        match self {
+            MetaServers::Single(meta) => meta.shutdown().await,
+            MetaServers::Replicated(members) => {
+                for member in members {
+                    member.shutdown().await;
+                }
+            }
+        }
+    }
+}
+
+/// Configs for the same cluster as separate processes, and the client file for tools:
+/// `meta.toml`, or `meta-1.toml`... for the members of a replicated cluster.
 fn write_configs(
     data: &Path,
-    meta: &MetaConfig,
+    metas: &[MetaConfig],
     io: &[IoConfig],
     meta_address: &str,
 ) -> anyhow::Result<()> {
@@ -250,16 +381,23 @@ fn write_configs(
             .map(Path::to_owned)
             .unwrap_or_else(|_| path.to_owned())
     };
-    let mut meta = meta.clone();
-    meta.data_dir = relative(&meta.data_dir);
-    cluster_file::write(
-        &data.join("meta.toml"),
-        &MetaFile {
-            key_file: key_file.clone(),
-            meta,
-        },
-        true,
-    )?;
+    for meta in metas {
+        let mut meta = meta.clone();
+        meta.data_dir = relative(&meta.data_dir);
+        let name = if meta.node_id == 0 {
+            "meta.toml".to_string()
+        } else {
+            format!("meta-{}.toml", meta.node_id)
+        };
+        cluster_file::write(
+            &data.join(name),
+            &MetaFile {
+                key_file: key_file.clone(),
+                meta,
+            },
+            true,
+        )?;
+    }
     for config in io {
         let mut config = config.clone();
         config.data_dir = relative(&config.data_dir);
