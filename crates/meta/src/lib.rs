@@ -112,8 +112,10 @@ pub struct MetaConfig {
     pub peers: Vec<MetaPeer>,
     /// Replicated metadata: the leader's heartbeat to its followers. Default 100.
     pub raft_heartbeat_ms: u64,
-    /// Replicated metadata: a follower that hears no leader for this long (up to twice
-    /// it, at random) calls an election. Default 1000.
+    /// Replicated metadata: the election timeout, between this and twice it at random. A
+    /// follower that has not heard from its leader for twice this (the leader's lease)
+    /// plus its timeout calls an election, so a failover takes about three to four times
+    /// this. Default 300.
     pub raft_election_ms: u64,
 }
 
@@ -155,7 +157,7 @@ impl Default for MetaConfig {
             node_id: 0,
             peers: Vec::new(),
             raft_heartbeat_ms: 100,
-            raft_election_ms: 1000,
+            raft_election_ms: 300,
         }
     }
 }
