@@ -102,6 +102,8 @@ impl MetaMetrics {
 
 /// Registers the gauges read from the server's state at each scrape. Holds it weakly, so a
 /// stopped server is freed.
+const MEMBER_LABELS: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+
 pub fn register_state_gauges(registry: &Registry, shared: &Arc<Shared>, inode_count_at_start: u64) {
     let inodes = registry.gauge("freeflow_meta_inodes", "Inodes in use.", &[]);
     let orphans = registry.gauge(
@@ -158,6 +160,30 @@ pub fn register_state_gauges(registry: &Registry, shared: &Arc<Shared>, inode_co
             &[],
         )
         .set(inode_count_at_start);
+    // Replicated metadata: how far each follower's log is behind the leader's.
+    let mut lags = Vec::new();
+    for peer in &shared.config.peers {
+        if peer.id == shared.config.node_id {
+            continue;
+        }
+        // Label values are static: members 1 to 9 (a cluster has 3 or 5).
+        let Some(id) = MEMBER_LABELS.get(peer.id as usize) else {
+            continue;
+        };
+        let gauge = registry.gauge(
+            "freeflow_meta_raft_follower_lag_entries",
+            "Log entries a follower of this leader is behind it (replicated metadata).",
+            &[("member", id)],
+        );
+        lags.push((peer.id, gauge));
+    }
+    let term = shared.raft.as_ref().map(|_| {
+        registry.gauge(
+            "freeflow_meta_raft_term",
+            "The Raft term this server leads in (replicated metadata).",
+            &[],
+        )
+    });
     let shared: Weak<Shared> = Arc::downgrade(shared);
     registry.on_render(move || {
         let Some(shared) = shared.upgrade() else {
@@ -183,5 +209,13 @@ pub fn register_state_gauges(registry: &Registry, shared: &Arc<Shared>, inode_co
             .commit_queue_max
             .saturating_sub(shared.writer.capacity());
         writer_queue.set(queued as u64);
+        for member in crate::service::meta_members(&shared) {
+            if let Some((_, gauge)) = lags.iter().find(|(id, _)| *id == member.id) {
+                gauge.set(member.lag_entries.unwrap_or(u64::MAX));
+            }
+            if let Some(term) = &term {
+                term.set(member.term);
+            }
+        }
     });
 }

@@ -232,6 +232,22 @@ pub struct ClusterReport {
     pub uptime_ms: u64,
     /// `host:port` of the meta server's metrics endpoint (None: off).
     pub meta_metrics_address: Option<String>,
+    /// A replicated metadata cluster's members as the leader sees them (empty for a
+    /// single server).
+    pub meta_members: Vec<MetaMember>,
+}
+
+/// One member of a replicated metadata cluster, in a [`ClusterReport`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaMember {
+    pub id: u64,
+    /// Where clients reach it.
+    pub address: String,
+    pub leader: bool,
+    /// The Raft term the leader leads in.
+    pub term: u64,
+    /// Log entries it is behind the leader's last (None: not heard from in this term).
+    pub lag_entries: Option<u64>,
 }
 
 /// The space one stripe object of a file occupies, as its I/O server last reported it

@@ -56,11 +56,34 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
         report.inode_count,
         report.orphan_count
     );
-    println!(
-        "metadata server ready in {} ms, up for {}",
-        report.ready_ms,
-        human_duration_ms(report.uptime_ms)
-    );
+    if report.meta_members.is_empty() {
+        println!(
+            "metadata server ready in {} ms, up for {}",
+            report.ready_ms,
+            human_duration_ms(report.uptime_ms)
+        );
+    } else {
+        println!(
+            "metadata leader ready in {} ms, leading for {}",
+            report.ready_ms,
+            human_duration_ms(report.uptime_ms)
+        );
+        println!("META ADDRESS                ROLE      TERM  BEHIND");
+        for member in &report.meta_members {
+            let behind = match member.lag_entries {
+                Some(0) => "in step".to_string(),
+                Some(entries) => format!("{entries} entries"),
+                None => "not heard from".to_string(),
+            };
+            println!(
+                "{:<4} {:<22} {:<9} {:<5} {behind}",
+                member.id,
+                member.address,
+                if member.leader { "leader" } else { "follower" },
+                member.term
+            );
+        }
+    }
     client.shutdown().await;
     Ok(())
 }
