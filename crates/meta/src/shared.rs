@@ -345,7 +345,17 @@ impl Shared {
             .send(WriterMessage::Sync(reply))
             .await
             .map_err(|_| shutting_down())?;
-        receiver.await.map_err(|_| shutting_down())?;
+        let durable = receiver.await.map_err(|_| shutting_down())?;
+        // Replicated: a leadership that ended before the commit made nothing durable; the
+        // caller asks the next leader.
+        if self.raft.is_some() && durable < through {
+            return Err(WireError::new(
+                freeflow_proto::ErrorCode::NotLeader,
+                format!(
+                    "transaction {through} not known committed (this metadata server stopped leading)"
+                ),
+            ));
+        }
         Ok(())
     }
 

@@ -57,6 +57,15 @@ use crate::store::{
 /// the next batch durable (which empties the table).
 pub const DIRTY_INODES_MAX: usize = 262_144;
 
+/// The answer of a leadership that is over (replicated metadata): the client sends the
+/// request again to the next leader.
+fn not_leader() -> WireError {
+    WireError::new(
+        ErrorCode::NotLeader,
+        "this metadata server stopped leading; the request goes to the next leader",
+    )
+}
+
 /// The exit status of a server whose store failed a commit it had answered for (EX_IOERR).
 const EXIT_STORE_FAILED: i32 = 74;
 
@@ -321,7 +330,15 @@ impl Writer {
         // Applied, not committed yet: the transaction, its number, and whether it must be
         // durable before its callers are answered.
         let replicated = shared.raft.is_some();
-        if replicated {
+        if let Some(link) = &shared.raft {
+            // A leadership that is over runs nothing more: its callers go to the next.
+            if link.is_deposed() {
+                let refused = Err(not_leader());
+                for job in batch {
+                    job.finish(&refused);
+                }
+                return;
+            }
             self.catch_up_commits();
         }
         let applied = (|| -> Result<(RedbWrite, u64, bool, Vec<Change>), StoreError> {
@@ -377,7 +394,8 @@ impl Writer {
             // commit, and the store keeps the batch's undo record until then.
             let changes = if replicated {
                 let changes = write.take_changes();
-                crate::raft::batch::remember(&mut write, txn, &changes)?;
+                let origin = shared.raft.as_ref().map_or(0, |link| link.origin);
+                crate::raft::batch::remember(&mut write, origin, txn, &changes)?;
                 write.set_durable(false)?;
                 changes
             } else {
@@ -433,12 +451,18 @@ impl Writer {
         });
         // Replicated: hand the batch to Raft in transaction order; a batch that must be
         // durable is answered once a majority holds it.
+        // A batch committed here but not known committed by Raft is neither undone nor
+        // reported failed: its callers get `NotLeader` and send it again to the next
+        // leader, which answers from its reply record if the entry was committed after
+        // all. The writer runs nothing more (`is_deposed`); its counters stay past it.
+        let mut lost_lead = None;
         let outcome = match (outcome, shared.raft.as_ref(), proposal) {
             (Ok(txn), Some(link), Some(changes)) => match link.propose(txn, &changes) {
                 Ok(receiver) if durable => match link.wait_committed(receiver) {
                     Ok(()) => Ok(txn),
                     Err(reason) => {
                         link.depose(reason.clone());
+                        lost_lead = Some(txn);
                         Err(StoreError::Backend(reason))
                     }
                 },
@@ -468,13 +492,19 @@ impl Writer {
                 }
                 Err(reason) => {
                     link.depose(reason.clone());
+                    lost_lead = Some(txn);
                     Err(StoreError::Backend(reason))
                 }
             },
             (outcome, _, _) => outcome,
         };
-        let outcome = match outcome {
-            Ok(txn) => {
+        let outcome = match (outcome, lost_lead) {
+            (_, Some(txn)) => {
+                shared.last_txn.store(txn, Ordering::Release);
+                shared.visible_txn.send_replace(txn);
+                Err(not_leader())
+            }
+            (Ok(txn), None) => {
                 shared.commit_count.fetch_add(1, Ordering::Relaxed);
                 shared.last_txn.store(txn, Ordering::Release);
                 shared.visible_txn.send_replace(txn);
@@ -494,7 +524,7 @@ impl Writer {
                 }
                 Ok(txn)
             }
-            Err(error) => {
+            (Err(error), None) => {
                 tracing::error!(%error, operations, "metadata batch failed; aborted");
                 self.state = saved;
                 // The changes never became visible: forget them.
@@ -568,15 +598,17 @@ impl Writer {
                 return;
             }
             let mut durable = shared.durable.subscribe();
+            let mut deposed = link.deposed.subscribe();
             let waited = link.runtime.block_on(async {
                 // The borrow `wait_for` returns is dropped here, before the watch is
-                // written below.
-                tokio::time::timeout(
-                    crate::raft::link::COMMIT_WAIT,
-                    durable.wait_for(|txn| *txn >= last),
-                )
-                .await
-                .is_ok_and(|waited| waited.is_ok())
+                // written below. A leadership that ends meanwhile stops the wait.
+                tokio::select! {
+                    waited = tokio::time::timeout(
+                        crate::raft::link::COMMIT_WAIT,
+                        durable.wait_for(|txn| *txn >= last),
+                    ) => waited.is_ok_and(|waited| waited.is_ok()),
+                    _ = deposed.wait_for(|reason| reason.is_some()) => false,
+                }
             });
             match waited {
                 true => self.became_durable(last),

@@ -16,17 +16,20 @@ use serde::{Deserialize, Serialize};
 
 use crate::store::{Change, RedbWrite, StoreError, StoreRead, TableId};
 
-/// One replicated batch: the transaction number the leader gave it and its changes in
-/// order (table code, key, new value or None for a deletion).
+/// One replicated batch: the leadership that ran it (a random number per leader and
+/// term, `RaftLink::origin`), the transaction number it gave it and its changes in order
+/// (table code, key, new value or None for a deletion).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Batch {
+    pub origin: u64,
     pub txn: u64,
     pub changes: Vec<(u8, Vec<u8>, Option<Vec<u8>>)>,
 }
 
 impl Batch {
-    pub fn new(txn: u64, changes: &[Change]) -> Batch {
+    pub fn new(origin: u64, txn: u64, changes: &[Change]) -> Batch {
         Batch {
+            origin,
             txn,
             changes: changes
                 .iter()
@@ -53,10 +56,15 @@ pub fn apply(write: &mut RedbWrite, batch: &Batch) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// The before-images of a batch, in the order of its changes.
-type UndoRecord = Vec<(u8, Vec<u8>, Option<Vec<u8>>)>;
+/// The undo record of a batch: the leadership that ran it, and the before-images of its
+/// changes in their order (table code, key, value before or None).
+#[derive(Serialize, Deserialize)]
+pub struct UndoRecord {
+    pub origin: u64,
+    pub before: Vec<(u8, Vec<u8>, Option<Vec<u8>>)>,
+}
 
-/// Decode an undo record: (table code, key, value before) in the order of the changes.
+/// Decode an undo record.
 pub fn undo_record(encoded: &[u8]) -> Result<UndoRecord, StoreError> {
     postcard::from_bytes(encoded).map_err(|error| StoreError::Corrupt {
         table: "undo",
@@ -64,59 +72,79 @@ pub fn undo_record(encoded: &[u8]) -> Result<UndoRecord, StoreError> {
     })
 }
 
-/// Keep what `changes` replaced, so the batch `txn` can be taken back.
-pub fn remember(write: &mut RedbWrite, txn: u64, changes: &[Change]) -> Result<(), StoreError> {
-    let record: UndoRecord = changes
-        .iter()
-        .map(|change| (change.table, change.key.clone(), change.before.clone()))
-        .collect();
+/// Keep what `changes` replaced, so the batch `txn` run by leadership `origin` can be
+/// taken back. A transaction number is never given twice by one leadership: an undo
+/// record already there is a bug, refused rather than overwritten.
+pub fn remember(
+    write: &mut RedbWrite,
+    origin: u64,
+    txn: u64,
+    changes: &[Change],
+) -> Result<(), StoreError> {
+    let key = txn.to_be_bytes();
+    if write.get(TableId::Undo, &key)?.is_some() {
+        return Err(StoreError::Corrupt {
+            table: "undo",
+            reason: format!("transaction {txn} has an undo record already"),
+        });
+    }
+    let record = UndoRecord {
+        origin,
+        before: changes
+            .iter()
+            .map(|change| (change.table, change.key.clone(), change.before.clone()))
+            .collect(),
+    };
     let encoded = postcard::to_allocvec(&record).map_err(StoreError::backend)?;
-    write.apply_raw(TableId::Undo, &txn.to_be_bytes(), Some(&encoded))
+    write.apply_raw(TableId::Undo, &key, Some(&encoded))
 }
 
-/// The batch `txn` is committed: its undo record is no longer needed.
-pub fn forget(write: &mut RedbWrite, txn: u64) -> Result<bool, StoreError> {
-    let key = txn.to_be_bytes();
-    let existed = write.get(TableId::Undo, &key)?.is_some();
-    if existed {
-        write.apply_raw(TableId::Undo, &key, None)?;
+/// The committed `batch` is one this server ran ahead of its commit (an undo record of
+/// the same transaction and leadership): forget the record and say so. False: the batch
+/// is another leadership's, to be applied.
+pub fn forget(write: &mut RedbWrite, batch: &Batch) -> Result<bool, StoreError> {
+    let key = batch.txn.to_be_bytes();
+    let Some(encoded) = write.get(TableId::Undo, &key)? else {
+        return Ok(false);
+    };
+    if undo_record(&encoded)?.origin != batch.origin {
+        return Ok(false);
     }
-    Ok(existed)
+    write.apply_raw(TableId::Undo, &key, None)?;
+    Ok(true)
+}
+
+/// Whether any batch run ahead of its commit is still to be committed or taken back.
+pub fn has_undo(write: &RedbWrite) -> Result<bool, StoreError> {
+    Ok(!write
+        .range_keys(TableId::Undo, Bound::Unbounded, Bound::Unbounded, 1)?
+        .is_empty())
 }
 
 /// Take back every batch with an undo record, newest first: what is left is the state of
 /// the last batch applied as committed. Returns the transactions taken back.
 pub fn take_back_all(write: &mut RedbWrite) -> Result<Vec<u64>, StoreError> {
-    let mut taken = Vec::new();
-    loop {
-        let keys = write.range_keys(
-            TableId::Undo,
-            Bound::Unbounded,
-            Bound::Unbounded,
-            usize::MAX,
-        )?;
-        let Some(last) = keys.last() else {
-            return Ok(taken);
-        };
+    let records = write.range(
+        TableId::Undo,
+        Bound::Unbounded,
+        Bound::Unbounded,
+        usize::MAX,
+    )?;
+    let mut taken = Vec::with_capacity(records.len());
+    for (key, encoded) in records.iter().rev() {
         let txn =
-            u64::from_be_bytes(
-                last.as_slice()
-                    .try_into()
-                    .map_err(|_| StoreError::Corrupt {
-                        table: "undo",
-                        reason: format!("key of {} bytes", last.len()),
-                    })?,
-            );
-        let Some(encoded) = write.get(TableId::Undo, last)? else {
-            return Ok(taken);
-        };
-        let record = undo_record(&encoded)?;
-        for (code, key, before) in record.iter().rev() {
+            u64::from_be_bytes(key.as_slice().try_into().map_err(|_| StoreError::Corrupt {
+                table: "undo",
+                reason: format!("key of {} bytes", key.len()),
+            })?);
+        let record = undo_record(encoded)?;
+        for (code, key, before) in record.before.iter().rev() {
             write.apply_raw(table_of(*code)?, key, before.as_deref())?;
         }
-        write.apply_raw(TableId::Undo, last, None)?;
+        write.apply_raw(TableId::Undo, key, None)?;
         taken.push(txn);
     }
+    Ok(taken)
 }
 
 #[cfg(test)]
@@ -171,7 +199,7 @@ mod tests {
         // Deleting a missing key changes nothing and is not recorded.
         assert_eq!(changes.len(), 4);
         write.commit().unwrap();
-        let batch = Batch::new(5, &changes);
+        let batch = Batch::new(1, 5, &changes);
         let encoded = postcard::to_allocvec(&batch).unwrap();
         let batch: Batch = postcard::from_bytes(&encoded).unwrap();
         let mut write = follower.begin_write().unwrap();
@@ -194,7 +222,7 @@ mod tests {
                 .put(TableId::Xattrs, &txn.to_be_bytes(), b"x")
                 .unwrap();
             let changes = write.take_changes();
-            remember(&mut write, txn, &changes).unwrap();
+            remember(&mut write, 7, txn, &changes).unwrap();
             write.commit().unwrap();
         }
         assert_ne!(dump(&store), before);
@@ -218,11 +246,14 @@ mod tests {
         write.capture();
         mutate(&mut write);
         let changes = write.take_changes();
-        remember(&mut write, 9, &changes).unwrap();
+        remember(&mut write, 7, 9, &changes).unwrap();
+        assert!(remember(&mut write, 7, 9, &changes).is_err());
         write.commit().unwrap();
         let after = dump(&store);
         let mut write = store.begin_write().unwrap();
-        assert!(forget(&mut write, 9).unwrap());
+        // Another leadership's batch of the same number is not this one.
+        assert!(!forget(&mut write, &Batch::new(8, 9, &changes)).unwrap());
+        assert!(forget(&mut write, &Batch::new(7, 9, &changes)).unwrap());
         assert!(take_back_all(&mut write).unwrap().is_empty());
         write.commit().unwrap();
         assert_eq!(dump(&store), after);
@@ -234,11 +265,13 @@ mod tests {
         let store = RedbStore::open(&dir.path().join("s.redb")).unwrap();
         let mut write = store.begin_write().unwrap();
         let batch = Batch {
+            origin: 1,
             txn: 1,
             changes: vec![(TableId::Undo.code(), b"k".to_vec(), None)],
         };
         assert!(apply(&mut write, &batch).is_err());
         let batch = Batch {
+            origin: 1,
             txn: 1,
             changes: vec![(200, b"k".to_vec(), None)],
         };

@@ -24,18 +24,22 @@ pub type CommitReceiver = oneshot::Receiver<
 pub struct RaftLink {
     pub raft: Raft,
     pub id: NodeId,
+    /// This leadership (random, new for each time this server starts leading): carried by
+    /// its batches and their undo records, so that a batch of another leadership is never
+    /// taken for one of its own, even with the same transaction number.
+    pub origin: u64,
     /// The runtime the writer thread enters to propose.
     pub runtime: tokio::runtime::Handle,
-    /// Set once this server must stop leading (a proposal failed, or a commit did not come
-    /// in time); the node's supervisor watches it.
-    pub deposed: watch::Sender<Option<String>>,
+    /// Set once this server must stop leading (a proposal failed, a commit did not come
+    /// in time, Raft no longer makes it leader); the supervisor and the writer watch it.
+    pub deposed: std::sync::Arc<watch::Sender<Option<String>>>,
 }
 
 impl RaftLink {
     /// Hand a batch's changes to Raft, after every batch proposed before it. Called by the
     /// writer thread (never from inside the runtime).
     pub fn propose(&self, txn: u64, changes: &[Change]) -> Result<CommitReceiver, String> {
-        let batch = Batch::new(txn, changes);
+        let batch = Batch::new(self.origin, txn, changes);
         self.runtime
             .block_on(self.raft.client_write_ff(batch))
             .map_err(|error| format!("raft stopped: {error}"))
@@ -49,9 +53,21 @@ impl RaftLink {
         committed(outcome)
     }
 
+    /// Whether this server has stopped leading.
+    pub fn is_deposed(&self) -> bool {
+        self.deposed.borrow().is_some()
+    }
+
     /// Stop leading, for `reason`; the supervisor restarts this server as a follower.
     pub fn depose(&self, reason: String) {
-        self.deposed.send_if_modified(|current| {
+        depose(&self.deposed, reason);
+    }
+}
+
+/// Mark a leadership over (once; the first reason is kept).
+pub fn depose(deposed: &watch::Sender<Option<String>>, reason: String) {
+    {
+        deposed.send_if_modified(|current| {
             if current.is_none() {
                 tracing::warn!(%reason, "giving up the metadata lead");
                 *current = Some(reason);

@@ -104,13 +104,15 @@ impl Peer {
                 )))));
             }
             Err(_) => {
+                // A connection that did not answer in time may be half open: a new one next.
+                self.connection = None;
                 return Err(RPCError::Network(NetworkError::new(&Failure(format!(
                     "meta server {} at {} did not answer {} within {:?}",
                     self.target,
                     self.node.addr,
                     R::NAME,
                     option.hard_ttl()
-                )))))
+                )))));
             }
         };
         let result: Result<S, E> = postcard::from_bytes(&reply)

@@ -26,6 +26,8 @@ pub struct Timing {
 /// that are a little behind.
 const SNAPSHOT_EVERY: u64 = 20_000;
 const LOG_KEPT_BEHIND_SNAPSHOT: u64 = 2_000;
+/// Time for one snapshot chunk to be sent and taken in.
+const SNAPSHOT_CHUNK_TIMEOUT_MS: u64 = 10_000;
 /// Entries in one append message (each a batch of up to `commit_batch_max` mutations).
 const ENTRIES_PER_MESSAGE: u64 = 64;
 
@@ -60,6 +62,8 @@ impl RaftNode {
             max_payload_entries: ENTRIES_PER_MESSAGE,
             snapshot_policy: SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY),
             max_in_snapshot_log_to_keep: LOG_KEPT_BEHIND_SNAPSHOT,
+            // The last chunk of a snapshot rewrites the follower's whole store.
+            install_snapshot_timeout: SNAPSHOT_CHUNK_TIMEOUT_MS,
             ..Config::default()
         };
         let config = Arc::new(
@@ -204,6 +208,7 @@ mod tests {
         let all: Vec<&RaftNode> = nodes.iter().collect();
         let leader = wait_for_leader(&all).await;
         let write = |txn: u64| Batch {
+            origin: 1,
             txn,
             changes: vec![
                 (

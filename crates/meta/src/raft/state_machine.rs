@@ -112,8 +112,19 @@ fn apply_entries(store: &RedbStore, entries: Vec<Entry>) -> Result<Vec<u64>, Sto
         match &entry.payload {
             EntryPayload::Blank => responses.push(0),
             EntryPayload::Normal(batch) => {
-                // The leader ran its own batches already: only their undo record goes.
-                if !batch::forget(&mut write, batch.txn)? {
+                // A leader ran its own batches already: only their undo record goes.
+                if !batch::forget(&mut write, batch)? {
+                    // Another leadership's batch. Any batch this server still holds ahead
+                    // of its commit can no longer commit (entries of its term that did
+                    // were applied before this one, in log order): take them back first,
+                    // so that this batch lands on the committed state.
+                    if batch::has_undo(&write)? {
+                        let taken = batch::take_back_all(&mut write)?;
+                        tracing::warn!(
+                            batches = taken.len(),
+                            "a newer leader's entry arrived: took back batches not committed"
+                        );
+                    }
                     batch::apply(&mut write, batch)?;
                 }
                 responses.push(batch.txn);
@@ -138,11 +149,12 @@ fn apply_entries(store: &RedbStore, entries: Vec<Entry>) -> Result<Vec<u64>, Sto
 /// with the value it had before the oldest of them (their undo records, read in the same
 /// transaction as the tables).
 fn build(store: &RedbStore) -> Result<(SnapshotMeta, Vec<u8>), StoreError> {
-    // Durable first: the log may be purged up to this snapshot once it exists.
+    let read = store.begin_read()?;
+    // Durable at least up to what is read: the log may be purged up to this snapshot
+    // once it exists.
     let mut write = store.begin_write()?;
     write.set_durable(true)?;
     write.commit()?;
-    let read = store.begin_read()?;
     let applied = read_record::<Option<LogId>, _>(&read, KEY_APPLIED)?.flatten();
     let membership: StoredMembership = read_record(&read, KEY_MEMBERSHIP)?.unwrap_or_default();
     let pairs = applied_pairs(&read)?;
@@ -175,7 +187,7 @@ fn applied_pairs<R: StoreRead>(read: &R) -> Result<Vec<TablePair>, StoreError> {
         Bound::Unbounded,
         usize::MAX,
     )? {
-        for (table, key, value) in batch::undo_record(&record)? {
+        for (table, key, value) in batch::undo_record(&record)?.before {
             before.entry((table, key)).or_insert(value);
         }
     }
@@ -324,5 +336,114 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             meta,
             snapshot: Box::new(Cursor::new(bytes)),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::{CommittedLeaderId, EntryPayload};
+
+    use super::*;
+    use crate::raft::batch::Batch;
+    use crate::store::{StoreWrite, TableId};
+
+    fn entry(term: u64, index: u64, batch: Batch) -> Entry {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(term, 1), index),
+            payload: EntryPayload::Normal(batch),
+        }
+    }
+
+    fn value(store: &RedbStore, key: &[u8]) -> Option<Vec<u8>> {
+        store
+            .begin_read()
+            .unwrap()
+            .get(TableId::Inodes, key)
+            .unwrap()
+    }
+
+    /// A deposed leader ran a batch ahead of its commit; the new leader's committed entry
+    /// changes the same key. Applying that entry takes the batch back first, so the entry
+    /// lands on the committed state, and a later take-back finds nothing to undo.
+    #[test]
+    fn another_leaders_entry_takes_back_what_was_not_committed_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStore::open(&dir.path().join("s.redb")).unwrap();
+        // Committed state: X = v0.
+        apply_entries(
+            &store,
+            vec![entry(
+                1,
+                1,
+                Batch {
+                    origin: 5,
+                    txn: 10,
+                    changes: vec![(
+                        TableId::Inodes.code(),
+                        b"xxxxxxxxX".to_vec(),
+                        Some(b"v0".to_vec()),
+                    )],
+                },
+            )],
+        )
+        .unwrap();
+        // This server, leading term 2 as origin 7, runs txn 11 ahead of its commit: X = v1,
+        // Y = y1.
+        let mut write = store.begin_write().unwrap();
+        write.capture();
+        write.put(TableId::Inodes, b"xxxxxxxxX", b"v1").unwrap();
+        write.put(TableId::Inodes, b"xxxxxxxxY", b"y1").unwrap();
+        let changes = write.take_changes();
+        batch::remember(&mut write, 7, 11, &changes).unwrap();
+        write.commit().unwrap();
+        // The new leader (origin 9, term 3) commits its own txn 11: X = v2.
+        apply_entries(
+            &store,
+            vec![entry(
+                3,
+                2,
+                Batch {
+                    origin: 9,
+                    txn: 11,
+                    changes: vec![(
+                        TableId::Inodes.code(),
+                        b"xxxxxxxxX".to_vec(),
+                        Some(b"v2".to_vec()),
+                    )],
+                },
+            )],
+        )
+        .unwrap();
+        assert_eq!(value(&store, b"xxxxxxxxX"), Some(b"v2".to_vec()));
+        assert_eq!(value(&store, b"xxxxxxxxY"), None);
+        let mut write = store.begin_write().unwrap();
+        assert!(batch::take_back_all(&mut write).unwrap().is_empty());
+        write.commit().unwrap();
+        assert_eq!(value(&store, b"xxxxxxxxX"), Some(b"v2".to_vec()));
+        let (applied, _) = applied_state(&store).unwrap();
+        assert_eq!(applied.map(|log_id| log_id.index), Some(2));
+    }
+
+    /// This server's own committed batch only loses its undo record.
+    #[test]
+    fn an_own_entry_is_not_applied_twice() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RedbStore::open(&dir.path().join("s.redb")).unwrap();
+        let mut write = store.begin_write().unwrap();
+        write.capture();
+        write.put(TableId::Inodes, b"xxxxxxxxX", b"v1").unwrap();
+        let changes = write.take_changes();
+        batch::remember(&mut write, 7, 11, &changes).unwrap();
+        write.commit().unwrap();
+        // Later in the same leadership (not replicated yet): X = v3.
+        let mut write = store.begin_write().unwrap();
+        write.capture();
+        write.put(TableId::Inodes, b"xxxxxxxxX", b"v3").unwrap();
+        let later = write.take_changes();
+        batch::remember(&mut write, 7, 12, &later).unwrap();
+        write.commit().unwrap();
+        // Txn 11 commits: applying it again would set X back to v1.
+        apply_entries(&store, vec![entry(2, 1, Batch::new(7, 11, &changes))]).unwrap();
+        assert_eq!(value(&store, b"xxxxxxxxX"), Some(b"v3".to_vec()));
     }
 }

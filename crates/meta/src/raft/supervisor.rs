@@ -274,18 +274,31 @@ async fn supervise(
             }
             break;
         };
-        // Everything committed before this term must be applied before serving.
-        let caught_up = tokio::time::timeout(
-            Duration::from_millis(config.raft_election_ms * 4),
-            node.raft.ensure_linearizable(),
-        )
-        .await;
+        // Everything in this leader's log must be committed and applied before it serves:
+        // what earlier terms committed, and entries of its own term from before a restart
+        // (openraft brings a node back as the leader of the term its vote is for; the
+        // store took those entries back at the restart).
+        let caught_up =
+            tokio::time::timeout(Duration::from_millis(config.raft_election_ms * 4), async {
+                node.raft
+                    .ensure_linearizable()
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let last = node.raft.metrics().borrow().last_log_index;
+                node.raft
+                    .wait(None)
+                    .applied_index_at_least(last, "leader applied its whole log")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok::<(), String>(())
+            })
+            .await;
         if let Some(follower) = follower {
             follower.abort();
             let _ = follower.await;
         }
         let mut reason = match caught_up {
-            Ok(Ok(_)) => None,
+            Ok(Ok(())) => None,
             // Nothing was run ahead of a commit yet: follow again as we are.
             Ok(Err(error)) => {
                 tracing::info!(%error, "lead lost before catching up");
@@ -294,13 +307,20 @@ async fn supervise(
             Err(_) => Some("not caught up as leader in time".to_string()),
         };
         if reason.is_none() {
-            let (deposed, mut deposed_receiver) = watch::channel(None);
+            let deposed = Arc::new(watch::Sender::new(None));
+            let mut deposed_receiver = deposed.subscribe();
             let link = RaftLink {
                 raft: node.raft.clone(),
                 id: node.id,
+                origin: new_origin(node.id, term),
                 runtime: tokio::runtime::Handle::current(),
-                deposed,
+                deposed: deposed.clone(),
             };
+            // A leader that has not heard from a majority for longer than a follower waits
+            // before it elects another may be cut off: it stops (openraft 0.9 does not).
+            let quorum_lost_after = config.raft_election_ms * 2;
+            let mut tick = tokio::time::interval(Duration::from_millis(config.raft_heartbeat_ms));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             match start_leader(config.clone(), key.clone(), store.clone(), link).await {
                 Ok(running) => {
                     role.send_replace(Role::Leading { term });
@@ -323,9 +343,21 @@ async fn supervise(
                             _ = deposed_receiver.changed() => {
                                 break deposed_receiver.borrow().clone();
                             }
+                            _ = tick.tick() => {
+                                let silent = metrics.borrow().millis_since_quorum_ack;
+                                if silent.is_some_and(|ms| ms > quorum_lost_after) {
+                                    break Some(format!(
+                                        "no majority heard from for {quorum_lost_after} ms"
+                                    ));
+                                }
+                            }
                             _ = stop.changed() => break None,
                         }
                     };
+                    // The writer refuses everything from now on, before the service stops.
+                    if let Some(reason) = &reason {
+                        crate::raft::link::depose(&deposed, reason.clone());
+                    }
                     running.shutdown().await;
                 }
                 Err(error) => reason = Some(format!("cannot start leading: {error}")),
@@ -356,6 +388,22 @@ async fn supervise(
     role.send_replace(Role::Stopped);
 }
 
+/// A number for one leadership of this node in `term`, different from every other (random,
+/// mixed with the node and the term).
+fn new_origin(node: NodeId, term: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(node);
+    hasher.write_u64(term);
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|elapsed| elapsed.as_nanos())
+            .unwrap_or(0),
+    );
+    hasher.finish().max(1)
+}
+
 /// Lead: a new boot epoch through Raft (so clients replay to this leader what the last
 /// one had not committed), then the full service over the store.
 async fn start_leader(
@@ -377,14 +425,15 @@ async fn start_leader(
         let txn = state.begin_txn(&mut write).map_err(store_error)?;
         state.recovered_txn = txn;
         let changes = write.take_changes();
-        batch::remember(&mut write, txn, &changes).map_err(store_error)?;
+        batch::remember(&mut write, link.origin, txn, &changes).map_err(store_error)?;
         write.set_durable(false).map_err(store_error)?;
         write.commit().map_err(store_error)?;
         (state, txn, changes)
     };
     let committed = tokio::time::timeout(
         crate::raft::link::COMMIT_WAIT,
-        link.raft.client_write(Batch::new(txn, &changes)),
+        link.raft
+            .client_write(Batch::new(link.origin, txn, &changes)),
     )
     .await;
     match committed {
