@@ -16,7 +16,6 @@ FF=${FREEFLOW:-$PWD/target/release/freeflow}
 DIR=${DIR:-/var/tmp/freeflow-meta-failover}
 KILLS=${KILLS:-10}
 RESTART_AFTER=${RESTART_AFTER:-5}
-PORT=${PORT:-7900}
 MNT=$DIR/mnt
 
 cleanup() {
@@ -28,32 +27,9 @@ trap cleanup EXIT
 
 rm -rf "$DIR"
 mkdir -p "$DIR"
-"$FF" init --out "$DIR" --meta-host 127.0.0.1 --io-hosts 127.0.0.1,127.0.0.1,127.0.0.1 \
-  --key-path "$DIR/cluster.key" --data-root "$DIR/data" --replicas 2 >/dev/null
-members=""
-peers=""
-for id in 1 2 3; do
-  members="$members${members:+,}127.0.0.1:$((PORT + id))"
-  peers="$peers
-[[meta.peers]]
-id = $id
-address = \"127.0.0.1:$((PORT + id))\"
-raft_address = \"127.0.0.1:$((PORT + 10 + id))\"
-"
-done
-for id in 1 2 3; do
-  cat >"$DIR/meta-$id.toml" <<TOML
-key_file = "cluster.key"
-
-[meta]
-listen_address = "127.0.0.1:$((PORT + id))"
-data_dir = "data/meta-$id"
-replicas = 2
-node_id = $id
-$peers
-TOML
-done
-sed -i "s|^meta_address = .*|meta_address = \"$members\"|" "$DIR"/io-*.toml "$DIR/client.toml"
+"$FF" init --out "$DIR" --meta-hosts 127.0.0.1,127.0.0.1,127.0.0.1 \
+  --io-hosts 127.0.0.1,127.0.0.1,127.0.0.1 --key-path "$DIR/cluster.key" --data-root "$DIR/data" \
+  --replicas 2 >/dev/null
 declare -a PIDS
 start_meta() { "$FF" meta --config "$DIR/meta-$1.toml" >>"$DIR/meta-$1.log" 2>&1 & PIDS[$1]=$!; }
 for id in 1 2 3; do start_meta "$id"; done

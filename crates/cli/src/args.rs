@@ -121,9 +121,11 @@ pub enum Command {
         /// Directory to write cluster.key, meta.toml, io-N.toml and client.toml into.
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
-        /// Host (name or address) of the metadata server.
-        #[arg(long)]
-        meta_host: String,
+        /// Host (name or address) of the metadata server; three or five, comma separated,
+        /// for a replicated metadata cluster under Raft (`meta-1.toml`...; members sharing
+        /// a host get consecutive ports).
+        #[arg(long, alias = "meta-hosts", value_delimiter = ',', required = true)]
+        meta_host: Vec<String>,
         /// Hosts of the I/O servers, comma separated, one server each (repeat a host for
         /// several servers on it).
         #[arg(long, value_delimiter = ',', required = true)]
