@@ -148,11 +148,12 @@ pub fn take_back_all(write: &mut RedbWrite) -> Result<Vec<u64>, StoreError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::store::{MetaStore, RedbStore, StoreWrite};
 
-    fn dump(store: &RedbStore) -> Vec<(u8, Vec<u8>, Vec<u8>)> {
+    /// Every pair of the replicated tables, for comparing stores.
+    pub(crate) fn dump(store: &RedbStore) -> Vec<(u8, Vec<u8>, Vec<u8>)> {
         let read = store.begin_read().unwrap();
         let mut all = Vec::new();
         for table in TableId::REPLICATED {

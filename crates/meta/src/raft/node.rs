@@ -116,26 +116,12 @@ impl RaftNode {
 
 #[cfg(test)]
 mod tests {
-    use std::ops::Bound;
     use std::time::Duration;
 
     use super::*;
+    use crate::raft::batch::tests::dump;
     use crate::raft::batch::Batch;
     use crate::store::{MetaStore, StoreRead, TableId};
-
-    fn dump(store: &RedbStore) -> Vec<(u8, Vec<u8>, Vec<u8>)> {
-        let read = store.begin_read().unwrap();
-        let mut all = Vec::new();
-        for table in TableId::REPLICATED {
-            for (key, value) in read
-                .range(table, Bound::Unbounded, Bound::Unbounded, usize::MAX)
-                .unwrap()
-            {
-                all.push((table.code(), key, value));
-            }
-        }
-        all
-    }
 
     async fn wait_for_leader(nodes: &[&RaftNode]) -> NodeId {
         for _ in 0..200 {
