@@ -291,36 +291,7 @@ async fn digest(data: &Path) -> (Option<String>, u64, u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn killing_the_meta_leader_under_two_writers_loses_nothing_and_replicas_agree() {
     let mut cluster = ReplicatedCluster::start(2);
-    let first = poll_until(20_000, || async { cluster.leader().await })
-        .await
-        .unwrap_or_else(|| panic!("no leader\n{}", cluster.logs()));
-    let clients: Vec<Arc<Client>> = {
-        let mut clients = Vec::new();
-        for which in 0..2 {
-            let config = cluster.client_config(&format!("writer-{which}"));
-            let client = poll_until(20_000, || async {
-                Client::connect(config.clone()).await.ok()
-            })
-            .await
-            .expect("a client connects");
-            clients.push(Arc::new(client));
-        }
-        clients
-    };
-    // Wait for both I/O servers to be up before writing.
-    poll_until(20_000, || async {
-        let servers = clients[0].servers().await.ok()?;
-        (servers.iter().filter(|server| server.up).count() == 2).then_some(())
-    })
-    .await
-    .expect("both I/O servers registered");
-
-    const FILES: usize = 60;
-    let writers: Vec<_> = clients
-        .iter()
-        .enumerate()
-        .map(|(which, client)| tokio::spawn(work(client.clone(), which, FILES)))
-        .collect();
+    let (first, clients, writers) = start_writers(&cluster).await;
     tokio::time::sleep(Duration::from_millis(800)).await;
     cluster.kill_meta(first);
     let killed_at = Instant::now();
@@ -344,6 +315,44 @@ async fn killing_the_meta_leader_under_two_writers_loses_nothing_and_replicas_ag
     tokio::time::sleep(Duration::from_secs(3)).await;
     let digests = stop_and_compare(&mut cluster).await;
     eprintln!("new leader elected {elected_after:?} after the kill; replicas {digests:?}");
+}
+
+const FILES: usize = 60;
+
+/// Wait for a leader and both I/O servers, then start two clients writing (`work`).
+/// Returns the leader's index, the clients and their tasks.
+async fn start_writers(
+    cluster: &ReplicatedCluster,
+) -> (
+    usize,
+    Vec<Arc<Client>>,
+    Vec<tokio::task::JoinHandle<Vec<(String, usize)>>>,
+) {
+    let first = poll_until(20_000, || async { cluster.leader().await })
+        .await
+        .unwrap_or_else(|| panic!("no leader\n{}", cluster.logs()));
+    let mut clients = Vec::new();
+    for which in 0..2 {
+        let config = cluster.client_config(&format!("writer-{which}"));
+        let client = poll_until(20_000, || async {
+            Client::connect(config.clone()).await.ok()
+        })
+        .await
+        .expect("a client connects");
+        clients.push(Arc::new(client));
+    }
+    poll_until(20_000, || async {
+        let servers = clients[0].servers().await.ok()?;
+        (servers.iter().filter(|server| server.up).count() == 2).then_some(())
+    })
+    .await
+    .expect("both I/O servers registered");
+    let writers = clients
+        .iter()
+        .enumerate()
+        .map(|(which, client)| tokio::spawn(work(client.clone(), which, FILES)))
+        .collect();
+    (first, clients, writers)
 }
 
 /// Every answered file is there, byte for byte, as a fresh client sees it.
@@ -420,31 +429,7 @@ async fn stop_and_compare(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_leader_paused_past_an_election_steps_down_and_replicas_agree() {
     let mut cluster = ReplicatedCluster::start(2);
-    let first = poll_until(20_000, || async { cluster.leader().await })
-        .await
-        .unwrap_or_else(|| panic!("no leader\n{}", cluster.logs()));
-    let mut clients = Vec::new();
-    for which in 0..2 {
-        let config = cluster.client_config(&format!("writer-{which}"));
-        let client = poll_until(20_000, || async {
-            Client::connect(config.clone()).await.ok()
-        })
-        .await
-        .expect("a client connects");
-        clients.push(Arc::new(client));
-    }
-    poll_until(20_000, || async {
-        let servers = clients[0].servers().await.ok()?;
-        (servers.iter().filter(|server| server.up).count() == 2).then_some(())
-    })
-    .await
-    .expect("both I/O servers registered");
-    const FILES: usize = 60;
-    let writers: Vec<_> = clients
-        .iter()
-        .enumerate()
-        .map(|(which, client)| tokio::spawn(work(client.clone(), which, FILES)))
-        .collect();
+    let (first, clients, writers) = start_writers(&cluster).await;
     tokio::time::sleep(Duration::from_millis(600)).await;
     cluster.signal_meta(first, "STOP");
     // The others elect a leader among themselves (the paused one cannot say it leads).
