@@ -628,6 +628,7 @@ impl Pool {
                     Bytes::from(encode(&original)),
                 )
                 .await?;
+            self.stepped_down(connection, &frame)?;
             let stamp = decode::<ReplyStamp>(&frame.payload).unwrap_or_default();
             match decode::<Result<(), WireError>>(&frame.header) {
                 // Any reply type: only Err is looked at (it encodes the same for all).
@@ -673,6 +674,7 @@ impl Pool {
                     Bytes::from(encode(&original)),
                 )
                 .await?;
+            self.stepped_down(connection, &frame)?;
             match decode::<Result<(), WireError>>(&frame.header) {
                 Ok(Err(error)) => tracing::error!(
                     request = name,
@@ -711,6 +713,7 @@ impl Pool {
                 Bytes::new(),
             )
             .await?;
+        self.stepped_down(connection, &frame)?;
         let mut kept = self.kept();
         kept.start_epoch(connection.epoch());
         // Kept again under their new transactions, with the replies first given (a create
@@ -722,6 +725,19 @@ impl Pool {
             kept.durable(stamp.epoch, stamp.durable_txn);
         }
         Ok(())
+    }
+
+    /// A replay answered `NotLeader`: the server stopped leading in the middle of the
+    /// recovery. Nothing kept is dropped; the connection is given up, so the caller's
+    /// resend finds the next leader and replays everything to it.
+    fn stepped_down(&self, connection: &Connection, frame: &RawFrame) -> Result<(), RpcError> {
+        if !is_not_leader(frame) {
+            return Ok(());
+        }
+        self.meta.forget(connection);
+        Err(RpcError::Disconnected {
+            address: connection.address().to_string(),
+        })
     }
 
     /// Fetch the server list from the meta server and update the addresses we know.

@@ -334,6 +334,10 @@ fn error_reply(shared: &Shared, error: WireError) -> Reply {
     }
 }
 
+/// How many epochs back a replayed change may have been answered: the restarts (or
+/// changes of leader) in a row a client may have missed while it replays.
+const REPLAY_EPOCHS_MAX: u64 = 8;
+
 /// The inode id a replayed create was given the first time, from its original reply.
 /// and the layout a regular file was given (its client may have written by it already).
 fn replayed_inode(
@@ -360,6 +364,14 @@ impl MetaService {
     /// A mutation of a client: applied once, however often it is sent.
     async fn client_mutation(&self, frame: Frame, client: u64) -> Result<Reply, String> {
         let shared = &self.shared;
+        // A leadership that is over answers nothing, not even from a reply record of a
+        // batch it may have run ahead of a commit that never came.
+        if shared.raft.as_ref().is_some_and(|link| link.is_deposed()) {
+            return Ok(error_reply(
+                shared,
+                WireError::new(ErrorCode::NotLeader, "this metadata server stopped leading"),
+            ));
+        }
         let key = (client, frame.request_id);
         let _in_progress = begin_mutation(shared, key).await;
         let resent = frame.flags & (FLAG_RESEND | FLAG_REPLAY) != 0;
@@ -389,7 +401,13 @@ impl MetaService {
             };
             // Only what the run just before this one answered, and only while the window
             // is open: anything else was lost (its client came back too late).
-            if !shared.recovery.is_recovering() || original.epoch + 1 != shared.boot_epoch {
+            // A replicated cluster may change leader again in the middle of a recovery, so
+            // a change answered a few epochs back is still taken (its reply record, kept
+            // for two leases after it is durable, answers it if it was applied).
+            if !shared.recovery.is_recovering()
+                || original.epoch >= shared.boot_epoch
+                || shared.boot_epoch - original.epoch > REPLAY_EPOCHS_MAX
+            {
                 return Ok(error_reply(
                     shared,
                     WireError::new(

@@ -403,8 +403,9 @@ impl Writer {
                 Vec::new()
             };
             // Marked before the commit makes the changes visible: a reader that sees them
-            // also sees that they are not durable yet.
-            if !durable {
+            // also sees that they are not durable yet. Replicated, a durable batch too is
+            // visible here before Raft commits it (`became_durable` clears the marks).
+            if !durable || replicated {
                 let mut dirty = shared.dirty();
                 for (inode, client) in &batch_changes {
                     dirty.insert(*inode, (*client, txn));

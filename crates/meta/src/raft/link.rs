@@ -45,12 +45,18 @@ impl RaftLink {
             .map_err(|error| format!("raft stopped: {error}"))
     }
 
-    /// Wait (on the writer thread) for a proposed batch's commit.
+    /// Wait (on the writer thread) for a proposed batch's commit; a leadership that ends
+    /// meanwhile ends the wait.
     pub fn wait_committed(&self, receiver: CommitReceiver) -> Result<(), String> {
-        let outcome = self
-            .runtime
-            .block_on(async { tokio::time::timeout(COMMIT_WAIT, receiver).await });
-        committed(outcome)
+        let mut deposed = self.deposed.subscribe();
+        self.runtime.block_on(async {
+            tokio::select! {
+                outcome = tokio::time::timeout(COMMIT_WAIT, receiver) => committed(outcome),
+                _ = deposed.wait_for(|reason| reason.is_some()) => {
+                    Err("stopped leading while waiting for a commit".to_string())
+                }
+            }
+        })
     }
 
     /// Whether this server has stopped leading.

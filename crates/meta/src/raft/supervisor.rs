@@ -302,6 +302,7 @@ async fn supervise(
             // Nothing was run ahead of a commit yet: follow again as we are.
             Ok(Err(error)) => {
                 tracing::info!(%error, "lead lost before catching up");
+                tokio::time::sleep(Duration::from_millis(config.raft_heartbeat_ms)).await;
                 continue;
             }
             Err(_) => Some("not caught up as leader in time".to_string()),
@@ -319,6 +320,7 @@ async fn supervise(
             // A leader that has not heard from a majority for longer than a follower waits
             // before it elects another may be cut off: it stops (openraft 0.9 does not).
             let quorum_lost_after = config.raft_election_ms * 2;
+            let mut silent_ticks = 0;
             let mut tick = tokio::time::interval(Duration::from_millis(config.raft_heartbeat_ms));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             match start_leader(config.clone(), key.clone(), store.clone(), link).await {
@@ -344,8 +346,15 @@ async fn supervise(
                                 break deposed_receiver.borrow().clone();
                             }
                             _ = tick.tick() => {
+                                // Twice in a row: one reading can be stale after a stall
+                                // of the Raft task (metrics go out before queued acks).
                                 let silent = metrics.borrow().millis_since_quorum_ack;
                                 if silent.is_some_and(|ms| ms > quorum_lost_after) {
+                                    silent_ticks += 1;
+                                } else {
+                                    silent_ticks = 0;
+                                }
+                                if silent_ticks >= 2 {
                                     break Some(format!(
                                         "no majority heard from for {quorum_lost_after} ms"
                                     ));
