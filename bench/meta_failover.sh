@@ -41,23 +41,7 @@ mkdir -p "$MNT"
 PIDS[20]=$!
 for _ in $(seq 100); do mountpoint -q "$MNT" && break; sleep 0.1; done
 
-python3 - "$MNT" "$DIR/done.txt" <<'PY' &
-import os, sys, time
-mnt, log = sys.argv[1], sys.argv[2]
-data = os.urandom(65536)
-with open(log, "w", buffering=1) as out:
-    i = 0
-    while True:
-        try:
-            fd = os.open(f"{mnt}/f{i % 2000}", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-            os.write(fd, data)
-            os.fsync(fd)
-            os.close(fd)
-            out.write(f"{time.time():.6f}\n")
-        except OSError as error:
-            out.write(f"ERROR {time.time():.6f} {error}\n")
-        i += 1
-PY
+python3 bench/fsync_writer.py "$MNT" "$DIR/done.txt" &
 WRITER=$!
 sleep 2
 # The member that leads now: the last "leading" line of all the logs.

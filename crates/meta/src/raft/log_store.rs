@@ -112,6 +112,25 @@ impl LogStore {
         Ok(())
     }
 
+    /// Write entries durably (one fsync), each under its index.
+    async fn put_entries(&self, entries: Vec<Entry>) -> Result<(), String> {
+        let mut encoded = Vec::with_capacity(entries.len());
+        for entry in &entries {
+            let bytes = postcard::to_allocvec(entry).map_err(|e| e.to_string())?;
+            encoded.push((entry.log_id.index, bytes));
+        }
+        self.write(move |write| {
+            let mut table = write.open_table(ENTRIES).map_err(|e| e.to_string())?;
+            for (index, bytes) in &encoded {
+                table
+                    .insert(*index, bytes.as_slice())
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
     fn entries_in(&self, start: Bound<u64>, end: Bound<u64>) -> Result<Vec<Entry>, String> {
         let read = self.database.begin_read().map_err(|e| e.to_string())?;
         let table = read.open_table(ENTRIES).map_err(|e| e.to_string())?;
@@ -214,23 +233,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry> + Send,
         I::IntoIter: Send,
     {
-        let mut encoded = Vec::new();
-        for entry in entries {
-            let bytes =
-                postcard::to_allocvec(&entry).map_err(|e| logs_error(ErrorVerb::Write, e))?;
-            encoded.push((entry.log_id.index, bytes));
-        }
-        let outcome = self
-            .write(move |write| {
-                let mut table = write.open_table(ENTRIES).map_err(|e| e.to_string())?;
-                for (index, bytes) in &encoded {
-                    table
-                        .insert(*index, bytes.as_slice())
-                        .map_err(|e| e.to_string())?;
-                }
-                Ok(())
-            })
-            .await;
+        let outcome = self.put_entries(entries.into_iter().collect()).await;
         match outcome {
             Ok(()) => {
                 callback.log_io_completed(Ok(()));
@@ -289,22 +292,7 @@ mod tests {
         {
             let mut store = LogStore::open(&path).unwrap();
             let entries: Vec<Entry> = (1..=10).map(|index| entry(2, index)).collect();
-            let encoded: Vec<(u64, Vec<u8>)> = entries
-                .iter()
-                .map(|e| (e.log_id.index, postcard::to_allocvec(e).unwrap()))
-                .collect();
-            store
-                .write(move |write| {
-                    let mut table = write.open_table(ENTRIES).map_err(|e| e.to_string())?;
-                    for (index, bytes) in &encoded {
-                        table
-                            .insert(*index, bytes.as_slice())
-                            .map_err(|e| e.to_string())?;
-                    }
-                    Ok(())
-                })
-                .await
-                .unwrap();
+            store.put_entries(entries).await.unwrap();
             store.purge(entry(2, 4).log_id).await.unwrap();
             store.truncate(entry(2, 9).log_id).await.unwrap();
             store

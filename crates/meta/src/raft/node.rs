@@ -93,19 +93,6 @@ impl RaftNode {
         })
     }
 
-    /// The node's idea of the leader and its address.
-    pub fn leader(&self) -> Option<(NodeId, String)> {
-        let metrics = self.raft.metrics();
-        let metrics = metrics.borrow();
-        let leader = metrics.current_leader?;
-        let address = metrics
-            .membership_config
-            .membership()
-            .get_node(&leader)
-            .map(|node| node.addr.clone())?;
-        Some((leader, address))
-    }
-
     pub async fn stop(&self) {
         if let Err(error) = self.raft.shutdown().await {
             tracing::warn!(%error, id = self.id, "raft node did not stop cleanly");

@@ -6,10 +6,11 @@
 //! membership live in the `RaftState` table, changed in the same transaction as what they
 //! describe, so the store never claims more or less than it holds.
 //!
-//! Applying commits without an fsync: the Raft log is the durable copy. After a crash
-//! redb comes back at its last durable commit, with the applied log id of that moment,
-//! and openraft applies the rest from the log again. Building a snapshot makes the store
-//! durable first, so the log is never purged past what the store durably holds.
+//! Applying commits without an fsync but once a second: the Raft log is the durable copy.
+//! After a crash redb comes back at its last durable commit, with the applied log id of
+//! that moment, and openraft applies the rest (at most a second's worth) from the log.
+//! Building a snapshot makes the store durable first, so the log is never purged past
+//! what the store durably holds.
 //!
 //! A snapshot is every replicated table's pairs as of the last applied entry, encoded with
 //! postcard and held in memory (the leader's speculative batches are left out by reading
@@ -58,6 +59,8 @@ type Built = (SnapshotMeta, Vec<u8>);
 pub struct StateMachine {
     store: Arc<RedbStore>,
     current: Arc<Mutex<Option<Built>>>,
+    /// When applying last made the store durable.
+    last_durable: Arc<Mutex<std::time::Instant>>,
 }
 
 impl StateMachine {
@@ -65,7 +68,18 @@ impl StateMachine {
         StateMachine {
             store,
             current: Arc::default(),
+            last_durable: Arc::new(Mutex::new(std::time::Instant::now())),
         }
+    }
+
+    /// Whether the next apply should be durable (once per `APPLIED_DURABLE_EVERY`).
+    fn durable_due(&self) -> bool {
+        let mut last = self.last_durable.lock().unwrap_or_else(|p| p.into_inner());
+        if last.elapsed() < APPLIED_DURABLE_EVERY {
+            return false;
+        }
+        *last = std::time::Instant::now();
+        true
     }
 }
 
@@ -101,11 +115,19 @@ pub fn applied_state(store: &RedbStore) -> Result<(Option<LogId>, StoredMembersh
     Ok((applied, membership))
 }
 
+/// How often applying makes the store durable: what a member applies again from its log
+/// after a crash is at most this much of the cluster's work.
+const APPLIED_DURABLE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Apply committed entries in one transaction; one response per entry (the batch's
-/// transaction number, 0 for other entries).
-fn apply_entries(store: &RedbStore, entries: Vec<Entry>) -> Result<Vec<u64>, StoreError> {
+/// transaction number, 0 for other entries). `durable`: make this transaction durable.
+fn apply_entries(
+    store: &RedbStore,
+    entries: Vec<Entry>,
+    durable: bool,
+) -> Result<Vec<u64>, StoreError> {
     let mut write = store.begin_write()?;
-    write.set_durable(false)?;
+    write.set_durable(durable)?;
     let mut responses = Vec::with_capacity(entries.len());
     let mut last = None;
     for entry in entries {
@@ -296,7 +318,11 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     {
         let entries: Vec<Entry> = entries.into_iter().collect();
         let store = self.store.clone();
-        blocking(ErrorVerb::Write, move || apply_entries(&store, entries)).await
+        let durable = self.durable_due();
+        blocking(ErrorVerb::Write, move || {
+            apply_entries(&store, entries, durable)
+        })
+        .await
     }
 
     async fn get_snapshot_builder(&mut self) -> StateMachine {
@@ -385,6 +411,7 @@ mod tests {
                     )],
                 },
             )],
+            false,
         )
         .unwrap();
         // This server, leading term 2 as origin 7, runs txn 11 ahead of its commit: X = v1,
@@ -412,6 +439,7 @@ mod tests {
                     )],
                 },
             )],
+            false,
         )
         .unwrap();
         assert_eq!(value(&store, b"xxxxxxxxX"), Some(b"v2".to_vec()));
@@ -443,7 +471,12 @@ mod tests {
         batch::remember(&mut write, 7, 12, &later).unwrap();
         write.commit().unwrap();
         // Txn 11 commits: applying it again would set X back to v1.
-        apply_entries(&store, vec![entry(2, 1, Batch::new(7, 11, &changes))]).unwrap();
+        apply_entries(
+            &store,
+            vec![entry(2, 1, Batch::new(7, 11, &changes))],
+            false,
+        )
+        .unwrap();
         assert_eq!(value(&store, b"xxxxxxxxX"), Some(b"v3".to_vec()));
     }
 }

@@ -51,17 +51,6 @@ impl ReplicatedMeta {
         self.role.borrow().clone()
     }
 
-    /// Wait until this server leads (or `timeout` passes).
-    pub async fn wait_leading(&self, timeout: Duration) -> bool {
-        let mut role = self.role.clone();
-        tokio::time::timeout(
-            timeout,
-            role.wait_for(|role| matches!(role, Role::Leading { .. })),
-        )
-        .await
-        .is_ok_and(|waited| waited.is_ok())
-    }
-
     /// Stop serving and leave the Raft cluster's work to the others.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
@@ -201,14 +190,6 @@ impl Service for NotLeaderService {
             payload: bytes::Bytes::new(),
         })
     }
-}
-
-/// The leader's address for clients in a `NotLeader` message, if it names one.
-pub fn leader_hint(message: &str) -> Option<&str> {
-    message
-        .split_once("leader: ")
-        .map(|(_, address)| address.trim())
-        .filter(|address| !address.is_empty())
 }
 
 async fn supervise(
