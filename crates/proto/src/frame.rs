@@ -38,6 +38,10 @@ pub const FLAG_REPLAY: u8 = 0x04;
 /// Opcodes of the connection handshake, handled by the RPC layer itself.
 pub const OPCODE_HELLO: u16 = 1;
 pub const OPCODE_AUTHENTICATE: u16 = 2;
+/// "Are you there?": a client that waits for replies and has heard nothing for a while
+/// sends it (request id 0, empty sections); the server's connection answers it at once,
+/// outside its request limits, with an empty reply.
+pub const OPCODE_PING: u16 = 3;
 
 /// The fixed header of a frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

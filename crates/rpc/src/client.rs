@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use freeflow_proto::frame::{
-    FLAG_REPLY, OPCODE_AUTHENTICATE, OPCODE_HELLO, PAYLOAD_LENGTH_MAX_DEFAULT,
+    FLAG_REPLY, OPCODE_AUTHENTICATE, OPCODE_HELLO, OPCODE_PING, PAYLOAD_LENGTH_MAX_DEFAULT,
 };
 use freeflow_proto::handshake::{Authenticate, Hello, ServerProof};
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
@@ -34,6 +34,12 @@ pub struct ConnectOptions {
     pub send_queue_max: usize,
     /// Sent in the handshake (see `Authenticate::client_id`); 0 for none.
     pub client_id: u64,
+    /// A connection with calls waiting that has heard nothing from its server for this
+    /// long is taken for dead and closed (its calls fail with `Disconnected`, and callers
+    /// that retry go elsewhere or reconnect); after a quarter of it, it pings the server,
+    /// which answers at once however long its requests take. This is what finds a server
+    /// cut off or hung without closing its socket well before a call times out. 0: never.
+    pub liveness_timeout_ms: u64,
 }
 
 impl Default for ConnectOptions {
@@ -44,9 +50,13 @@ impl Default for ConnectOptions {
             connect_timeout_ms: 5_000,
             send_queue_max: 1024,
             client_id: 0,
+            liveness_timeout_ms: LIVENESS_TIMEOUT_MS_DEFAULT,
         }
     }
 }
+
+/// Default of [`ConnectOptions::liveness_timeout_ms`].
+pub const LIVENESS_TIMEOUT_MS_DEFAULT: u64 = 3_000;
 
 type ReplySlot = oneshot::Sender<RawFrame>;
 
@@ -54,9 +64,24 @@ struct Shared {
     address: String,
     pending: Mutex<HashMap<u64, ReplySlot>>,
     closed: AtomicBool,
+    /// When the connection was made, and milliseconds after that when its last byte
+    /// came in (liveness).
+    born: tokio::time::Instant,
+    heard_ms: AtomicU64,
 }
 
 impl Shared {
+    fn heard(&self) {
+        let now = self.born.elapsed().as_millis() as u64;
+        self.heard_ms.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// Milliseconds since a byte last came in.
+    fn silent_ms(&self) -> u64 {
+        let now = self.born.elapsed().as_millis() as u64;
+        now.saturating_sub(self.heard_ms.load(Ordering::Relaxed))
+    }
+
     /// Mark the connection dead and fail every waiting call (dropping a slot wakes its call).
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
@@ -200,11 +225,27 @@ impl Connection {
             address: address.to_owned(),
             pending: Mutex::default(),
             closed: AtomicBool::new(false),
+            born: tokio::time::Instant::now(),
+            heard_ms: AtomicU64::new(0),
         });
         let (sender, receiver) = mpsc::channel(options.send_queue_max.max(1));
         tokio::spawn(writer_loop(writer, receiver, shared.clone()));
         let reply_payload_max = hello.payload_length_max.max(PAYLOAD_LENGTH_MAX_DEFAULT);
+        let reader = BufReader::with_capacity(
+            64 << 10,
+            Heard {
+                inner: reader.into_inner(),
+                shared: shared.clone(),
+            },
+        );
         tokio::spawn(reader_loop(reader, shared.clone(), reply_payload_max));
+        if options.liveness_timeout_ms > 0 {
+            tokio::spawn(liveness_loop(
+                shared.clone(),
+                sender.downgrade(),
+                Duration::from_millis(options.liveness_timeout_ms),
+            ));
+        }
         let window_bytes = hello.window_bytes.max(1);
         Ok(Connection {
             inner: Arc::new(Inner {
@@ -307,6 +348,12 @@ impl Connection {
     ) -> Result<RawFrame, RpcError> {
         let inner = &*self.inner;
         let address = || inner.shared.address.clone();
+        if request_id == 0 {
+            return Err(RpcError::Protocol {
+                address: address(),
+                reason: format!("{name}: request id 0 is the connection's ping"),
+            });
+        }
         if payload.len() > inner.payload_length_max as usize {
             return Err(RpcError::Remote(WireError::new(
                 ErrorCode::InvalidArgument,
@@ -500,11 +547,70 @@ async fn writer_loop(
     let _ = writer.shutdown().await;
 }
 
-async fn reader_loop(
-    mut reader: BufReader<ReadHalf>,
+/// The read half, noting when bytes come in (a large reply arriving slowly is alive).
+struct Heard {
+    inner: ReadHalf,
     shared: Arc<Shared>,
-    payload_length_max: u32,
-) {
+}
+
+impl tokio::io::AsyncRead for Heard {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        context: &mut std::task::Context<'_>,
+        buffer: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buffer.filled().len();
+        let polled = std::pin::Pin::new(&mut self.inner).poll_read(context, buffer);
+        if buffer.filled().len() > before {
+            self.shared.heard();
+        }
+        polled
+    }
+}
+
+/// While calls wait: ping a server that has been silent for a quarter of `timeout`, and
+/// close the connection once it has been silent for all of it. Ends with the connection.
+async fn liveness_loop(shared: Arc<Shared>, sender: mpsc::WeakSender<Outgoing>, timeout: Duration) {
+    let timeout_ms = timeout.as_millis() as u64;
+    let quarter = (timeout / 4).max(Duration::from_millis(1));
+    let mut tick = tokio::time::interval(quarter);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Silence before the first call does not count.
+    let mut waiting_since: Option<tokio::time::Instant> = None;
+    loop {
+        tick.tick().await;
+        if shared.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(sender) = sender.upgrade() else {
+            return;
+        };
+        if shared.pending.lock().expect("not poisoned").is_empty() {
+            waiting_since = None;
+            continue;
+        }
+        let since = *waiting_since.get_or_insert_with(tokio::time::Instant::now);
+        let silent_ms = shared.silent_ms().min(since.elapsed().as_millis() as u64);
+        if silent_ms >= timeout_ms {
+            tracing::info!(address = %shared.address, silent_ms, "server silent with calls waiting; closing the connection");
+            shared.close();
+            return;
+        }
+        if silent_ms >= quarter.as_millis() as u64 {
+            let ping = Outgoing {
+                opcode: OPCODE_PING,
+                flags: 0,
+                request_id: 0,
+                header: Vec::new(),
+                payload: Bytes::new(),
+            };
+            // A full queue means calls are being written: no ping needed.
+            let _ = sender.try_send(ping);
+        }
+    }
+}
+
+async fn reader_loop(mut reader: BufReader<Heard>, shared: Arc<Shared>, payload_length_max: u32) {
     loop {
         let frame = match read_frame(&mut reader, payload_length_max).await {
             Ok(frame) => frame,
@@ -522,6 +628,9 @@ async fn reader_loop(
             tracing::warn!(address = %shared.address, opcode = frame.fixed.opcode, "server sent a non-reply frame; closing");
             shared.close();
             return;
+        }
+        if frame.fixed.opcode == OPCODE_PING {
+            continue;
         }
         let slot = shared
             .pending

@@ -12,10 +12,11 @@ mod codec;
 mod error;
 mod key;
 mod metrics;
+pub mod net;
 mod server;
 mod transport;
 
-pub use client::{ConnectOptions, Connection};
+pub use client::{ConnectOptions, Connection, LIVENESS_TIMEOUT_MS_DEFAULT};
 pub use codec::{
     read_fixed_header, read_frame, read_frame_body, write_frame, FixedHeader, FrameLimits,
     FrameReadError, RawFrame,
@@ -28,7 +29,8 @@ pub use server::{
     Service,
 };
 pub use transport::{
-    unix_socket_path, Network, ReadHalf, Tcp, Transport, Unix, WriteHalf, UNIX_ADDRESS_PREFIX,
+    unix_socket_path, ConnectFuture, Network, ReadHalf, Tcp, Transport, Unix, WriteHalf,
+    UNIX_ADDRESS_PREFIX,
 };
 
 /// Domain-separation strings for the handshake proofs.

@@ -14,16 +14,17 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use freeflow_proto::frame::{
-    FLAG_REPLY, OPCODE_AUTHENTICATE, OPCODE_HELLO, PAYLOAD_LENGTH_MAX_DEFAULT,
+    FLAG_REPLY, OPCODE_AUTHENTICATE, OPCODE_HELLO, OPCODE_PING, PAYLOAD_LENGTH_MAX_DEFAULT,
 };
 use freeflow_proto::handshake::{Authenticate, Hello, ServerProof};
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::UnixListener;
 use tokio::sync::{mpsc, Notify, Semaphore};
 
 use crate::codec::{read_fixed_header, read_frame_body, write_frame, FrameLimits, FrameReadError};
 use crate::metrics::ServerMetrics;
+use crate::net::Accept;
 use crate::transport::{ReadHalf, WriteHalf};
 use crate::ClusterKey;
 
@@ -154,7 +155,7 @@ struct ServerShared {
 /// connection it accepted (they live in its `JoinSet`), so a stopped server holds no
 /// sockets and no references to its service.
 pub async fn serve<S: Service>(
-    listener: TcpListener,
+    listener: impl Accept,
     key: ClusterKey,
     options: ServerOptions,
     service: Arc<S>,
@@ -165,7 +166,7 @@ pub async fn serve<S: Service>(
 /// As [`serve`], accepting on a Unix socket too (peers on this host); the two share the
 /// limits (connections, handshakes, payload budget).
 pub async fn serve_with_unix<S: Service>(
-    listener: TcpListener,
+    listener: impl Accept,
     unix: Option<UnixListener>,
     key: ClusterKey,
     options: ServerOptions,
@@ -192,11 +193,9 @@ pub async fn serve_with_unix<S: Service>(
         while connections.try_join_next().is_some() {}
         let accepted = tokio::select! {
             accepted = accept_after(tcp_rests_until, listener.accept()) => match accepted {
-                Ok((stream, address)) => {
+                Ok(accepted) => {
                     tcp_rests_until = None;
-                    let _ = stream.set_nodelay(true);
-                    let (read, write) = stream.into_split();
-                    (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf, address.to_string())
+                    accepted
                 }
                 Err(error) => {
                     tracing::warn!(%error, "accept on TCP failed; retrying");
@@ -347,18 +346,6 @@ async fn run_connection<S: Service>(
 
     let reason = loop {
         while requests.try_join_next().is_some() {}
-        let permit = match in_flight.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => {
-                if let Some(metrics) = &metrics {
-                    metrics.credit_wait();
-                }
-                tokio::select! {
-                    permit = in_flight.clone().acquire_owned() => permit.expect("semaphore never closed"),
-                    () = close.notified() => break take_reason(),
-                }
-            }
-        };
         // An idle connection may wait for its next request as long as it likes.
         let fixed = tokio::select! {
             fixed = read_fixed_header(&mut reader, &limits) => fixed,
@@ -379,6 +366,37 @@ async fn run_connection<S: Service>(
         if header.opcode == OPCODE_HELLO || header.opcode == OPCODE_AUTHENTICATE {
             break Some("handshake frame after the handshake".to_string());
         }
+        if header.opcode == OPCODE_PING {
+            // Answered here, outside the request limits: it asks whether this connection
+            // is alive, not whether the service is idle.
+            if header.header_length != 0 || header.payload_length != 0 {
+                break Some("ping frame with a body".to_string());
+            }
+            let pong = Reply {
+                header: Bytes::new(),
+                payload: Bytes::new(),
+            };
+            if reply_sender
+                .send((OPCODE_PING, header.request_id, pong))
+                .await
+                .is_err()
+            {
+                break None;
+            }
+            continue;
+        }
+        let permit = match in_flight.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                if let Some(metrics) = &metrics {
+                    metrics.credit_wait();
+                }
+                tokio::select! {
+                    permit = in_flight.clone().acquire_owned() => permit.expect("semaphore never closed"),
+                    () = close.notified() => break take_reason(),
+                }
+            }
+        };
         // Room for the payload in the server-wide budget before reading it.
         let payload_permit = match shared
             .payload_bytes

@@ -95,11 +95,15 @@ pub fn widen_send_buffer(stream: &impl std::os::fd::AsRawFd) {
     }
 }
 
-/// [`Unix`] for `unix:` addresses, [`Tcp`] for the rest.
+/// [`Unix`] for `unix:` addresses, [`Tcp`] for the rest; on a thread with a simulated
+/// network (`net::simulate_on_this_thread`), that network.
 pub struct Network;
 
 impl Transport for Network {
     fn connect<'a>(&'a self, address: &'a str) -> ConnectFuture<'a> {
+        if let Some(simulated) = crate::net::connect_simulated(address) {
+            return simulated;
+        }
         if unix_socket_path(address).is_some() {
             Unix.connect(address)
         } else {

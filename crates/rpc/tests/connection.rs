@@ -623,3 +623,98 @@ async fn a_server_answers_on_tcp_and_on_its_unix_socket() {
         .unwrap_err();
     assert!(error.to_string().contains("none.sock"), "{error}");
 }
+
+/// A request that takes longer than the liveness timeout on a server that is alive is
+/// not cut off: the server answers the connection's pings while the request runs.
+#[tokio::test]
+async fn a_slow_request_on_a_live_server_outlasts_the_liveness_timeout() {
+    let key = ClusterKey::generate().unwrap();
+    let address = start_server(&key, ServerOptions::new("test")).await;
+    let connection = Connection::connect(
+        &address,
+        &key,
+        &ConnectOptions {
+            liveness_timeout_ms: 200,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (_, echoed) = connection
+        .call(&write_request(1, 1_000), Bytes::from_static(b"slow"))
+        .await
+        .expect("a slow request on a live server completes");
+    assert_eq!(&echoed[..], b"slow");
+    assert!(!connection.is_closed());
+}
+
+/// Passes bytes both ways between a client and a server until frozen; then holds both
+/// sockets open and passes nothing (a server cut off or hung, as the client sees it).
+async fn freezable_proxy(server: String) -> (String, Arc<std::sync::atomic::AtomicBool>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let frozen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = frozen.clone();
+    tokio::spawn(async move {
+        let (client, _) = listener.accept().await.unwrap();
+        let upstream = tokio::net::TcpStream::connect(&server).await.unwrap();
+        let (client_read, client_write) = client.into_split();
+        let (server_read, server_write) = upstream.into_split();
+        let pass = |mut from: tokio::net::tcp::OwnedReadHalf,
+                    mut to: tokio::net::tcp::OwnedWriteHalf,
+                    frozen: Arc<std::sync::atomic::AtomicBool>| async move {
+            let mut buffer = vec![0u8; 64 << 10];
+            while let Ok(read) = from.read(&mut buffer).await {
+                if read == 0 {
+                    break;
+                }
+                if frozen.load(std::sync::atomic::Ordering::Acquire) {
+                    // Hold everything: keep both halves, pass nothing, forever.
+                    std::future::pending::<()>().await;
+                }
+                if to.write_all(&buffer[..read]).await.is_err() {
+                    break;
+                }
+            }
+            (from, to)
+        };
+        let up = tokio::spawn(pass(client_read, server_write, flag.clone()));
+        let down = tokio::spawn(pass(server_read, client_write, flag));
+        let _ = (up.await, down.await);
+    });
+    (address, frozen)
+}
+
+/// A server that goes silent without closing its socket (cut off, hung) while a call
+/// waits is found out by the liveness check: the call fails with `Disconnected` long
+/// before its own timeout, and the connection is closed, so a caller that retries goes
+/// elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_server_is_found_dead_before_the_call_times_out() {
+    let key = ClusterKey::generate().unwrap();
+    let server = start_server(&key, ServerOptions::new("test")).await;
+    let (address, frozen) = freezable_proxy(server).await;
+    let connection = Connection::connect(
+        &address,
+        &key,
+        &ConnectOptions {
+            call_timeout_ms: 60_000,
+            liveness_timeout_ms: 400,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (_, echoed) = connection
+        .call(&write_request(1, 0), Bytes::from_static(b"alive"))
+        .await
+        .unwrap();
+    assert_eq!(&echoed[..], b"alive");
+    frozen.store(true, std::sync::atomic::Ordering::Release);
+    let error = connection
+        .call(&write_request(1, 0), Bytes::from_static(b"lost"))
+        .await
+        .unwrap_err();
+    assert!(matches!(error, RpcError::Disconnected { .. }), "{error}");
+    assert!(connection.is_closed());
+}
