@@ -41,7 +41,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use freeflow_proto::io::{
@@ -775,7 +776,7 @@ impl HandleShared {
                         }
                     }
                 };
-                tokio::time::sleep_until((oldest + wait).into()).await;
+                tokio::time::sleep_until(oldest + wait).await;
                 let turn = shared.send_turn().await;
                 let due = shared
                     .lock()

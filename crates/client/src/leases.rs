@@ -14,7 +14,8 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use freeflow_proto::meta::{Revocation, WaitRevocations};
 use freeflow_types::InodeId;

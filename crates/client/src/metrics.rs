@@ -7,7 +7,7 @@
 //! atomic adds per request.
 
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use freeflow_metrics::{Counter, Gauge, Histogram, Registry, LATENCY_BUCKETS_US};
 

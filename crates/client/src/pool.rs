@@ -10,7 +10,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
@@ -840,7 +841,7 @@ impl Pool {
         payload: Bytes,
         target: impl Fn() -> String,
     ) -> Result<(R::Reply, Bytes), ClientError> {
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let payload_bytes = payload.len() as u64;
         let result = self
             .io_call_unmetered(server_id, inode, request, payload, target)
@@ -852,7 +853,7 @@ impl Pool {
     /// Count an I/O request that ended: its latency and outcome, and the bytes it moved.
     fn meter<R: Request>(
         &self,
-        started: std::time::Instant,
+        started: Instant,
         payload_bytes: u64,
         result: &Result<(R::Reply, Bytes), ClientError>,
     ) {
@@ -915,7 +916,7 @@ impl Pool {
         payload: Bytes,
         target: impl Fn() -> String,
     ) -> Result<(R::Reply, Bytes), ClientError> {
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let payload_bytes = payload.len() as u64;
         let connection = match self.io_connection(server_id, inode).await {
             Ok(connection) => connection,

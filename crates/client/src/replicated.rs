@@ -16,7 +16,8 @@
 //! is sent again only once that member is out or is another process (the old one could
 //! otherwise still apply it after a newer write of the same bytes' range).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use freeflow_proto::io::{ReadObject, SyncObjects};

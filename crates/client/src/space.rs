@@ -22,7 +22,8 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use freeflow_proto::io::{ReserveSpace, GRANT_TRUST_MS};

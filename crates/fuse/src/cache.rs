@@ -735,7 +735,7 @@ mod tests {
         let cache = KernelCache::new(false);
         cache.enabled.store(true, Ordering::Release);
         let lease = Lease {
-            until: Some(Instant::now() + Duration::from_secs(10)),
+            until: Some(tokio::time::Instant::now() + Duration::from_secs(10)),
             seq: 5,
             epoch: 1,
             delegated: false,
@@ -743,7 +743,7 @@ mod tests {
         let good = |lease: &Lease| {
             lease
                 .until
-                .and_then(|until| until.checked_duration_since(Instant::now()))
+                .and_then(|until| until.checked_duration_since(tokio::time::Instant::now()))
         };
         {
             let mut admission = cache.admit();

@@ -22,7 +22,8 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use freeflow_proto::io::TruncateObject;
 use freeflow_proto::meta::{MemberState, StripeSpace};

@@ -24,7 +24,8 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use freeflow_proto::meta::Revocation;
 use freeflow_types::InodeId;
@@ -594,8 +595,7 @@ impl Leases {
                     Some(until) => until,
                 }
             };
-            let _ = tokio::time::timeout_at(tokio::time::Instant::from_std(next_expiry), notified)
-                .await;
+            let _ = tokio::time::timeout_at(next_expiry, notified).await;
         }
     }
 

@@ -32,7 +32,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use freeflow_metrics::Registry as MetricsRegistry;
 use freeflow_rpc::{ClusterKey, ServerOptions};
@@ -117,6 +118,12 @@ pub struct MetaConfig {
     /// plus its timeout calls an election, so a failover takes about three to four times
     /// this. Default 300.
     pub raft_election_ms: u64,
+    /// Replicated metadata: entries between two snapshots of the applied state (a
+    /// follower further behind than the log keeps gets a snapshot). Default 20,000.
+    pub raft_snapshot_entries: u64,
+    /// Replicated metadata: entries the log keeps behind its last snapshot, for followers
+    /// a little behind. Default 2,000.
+    pub raft_log_kept_entries: u64,
 }
 
 /// One metadata server of a replicated cluster.
@@ -158,6 +165,8 @@ impl Default for MetaConfig {
             peers: Vec::new(),
             raft_heartbeat_ms: 100,
             raft_election_ms: 300,
+            raft_snapshot_entries: 20_000,
+            raft_log_kept_entries: 2_000,
         }
     }
 }
@@ -218,6 +227,8 @@ impl MetaConfig {
             peers,
             raft_heartbeat_ms,
             raft_election_ms,
+            raft_snapshot_entries,
+            raft_log_kept_entries: _,
         } = self;
         if listen_address.is_empty() || !listen_address.contains(':') {
             return Err(invalid(
@@ -353,6 +364,12 @@ impl MetaConfig {
                 ),
             ));
         }
+        if *raft_snapshot_entries == 0 {
+            return Err(invalid(
+                "raft_snapshot_entries",
+                "must be at least 1 (entries between snapshots)",
+            ));
+        }
         Ok(())
     }
 }
@@ -429,7 +446,7 @@ pub(crate) async fn launch(
             .collect();
         (servers, clients)
     };
-    let listener = tokio::net::TcpListener::bind(&config.listen_address)
+    let listener = freeflow_rpc::net::bind(&config.listen_address)
         .await
         .map_err(|source| MetaError::Bind {
             address: config.listen_address.clone(),
@@ -664,7 +681,7 @@ async fn end_recovery_in_time(shared: Arc<Shared>) {
     if !shared.recovery.is_recovering() {
         return;
     }
-    let deadline = tokio::time::Instant::from_std(shared.recovery.deadline());
+    let deadline = shared.recovery.deadline();
     tokio::select! {
         () = tokio::time::sleep_until(deadline) => {}
         () = shared.recovery.wait() => return,

@@ -310,7 +310,7 @@ mod tests {
             .unwrap();
         assert_eq!(result.unwrap_err().code, ErrorCode::WouldBlock);
         // And a wait that runs out fails the same way.
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let error = table
             .set_waiting(
                 &request(4, 1, Some(LockKind::Write), 0, 0),

@@ -5,7 +5,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
-use std::time::Instant;
+use tokio::time::Instant;
 
 use freeflow_metrics::{Counter, Histogram, Registry, COUNT_BUCKETS, LATENCY_BUCKETS_US};
 

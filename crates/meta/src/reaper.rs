@@ -19,7 +19,8 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use freeflow_proto::io::RemoveObjects;
 use freeflow_types::{InodeId, ServerId};
@@ -336,7 +337,7 @@ pub async fn run(shared: Arc<Shared>) {
         let deadline = Instant::now() + wait;
         tokio::select! {
             _ = shared.reaper_wake.notified() => {}
-            _ = tokio::time::sleep_until(deadline.into()) => {}
+            _ = tokio::time::sleep_until(deadline) => {}
         }
     }
 }

@@ -13,7 +13,8 @@
 //! persisted with the server's entry, so an out server stays out across a restart.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use freeflow_proto::meta::{Member, MemberState, ResyncOrder, ServerRecord, ServiceMap};
 use freeflow_types::ServerId;

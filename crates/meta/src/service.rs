@@ -12,7 +12,8 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
@@ -526,7 +527,7 @@ impl Service for MetaService {
             }
             CloseSession::OPCODE => {
                 handle(frame, |request: CloseSession, _| async move {
-                    let result = close_session(shared, request.session_id).await;
+                    let result = close_session(shared, request.session_id, client).await;
                     unstamped(shared, result)
                 })
                 .await
@@ -833,14 +834,32 @@ async fn wait_revocations(
 /// End a session; a client left without one is forgotten (its record goes). What was
 /// answered early is made durable first: a client that leaves cleanly can no longer replay,
 /// so its changes must not depend on it (only a client that dies can lose its own).
-async fn close_session(shared: &Shared, session_id: u64) -> Result<(), WireError> {
+/// Close a session of the client `caller` (the connection's client id). A session this
+/// server does not know (it was opened with another leader, or expired) is an error, but
+/// the caller is forgotten all the same if it holds no other session here: it closes
+/// after replaying into this epoch and syncing, so it has nothing left to replay, and its
+/// record would otherwise make every later failover wait out the recovery window for it.
+async fn close_session(shared: &Shared, session_id: u64, caller: u64) -> Result<(), WireError> {
     shared.sync().await?;
-    let (closed, client, left) = {
+    let outcome = {
         let mut sessions = shared.sessions();
         let client = sessions.client_of(session_id);
-        let closed = sessions.close_session(session_id)?;
-        let left = client.is_some_and(|client| sessions.has_sessions_of(client));
-        (closed, client, left)
+        match sessions.close_session(session_id) {
+            Ok(closed) => {
+                let left = client.is_some_and(|client| sessions.has_sessions_of(client));
+                Ok((closed, client, left))
+            }
+            Err(error) => Err((error, caller != 0 && !sessions.has_sessions_of(caller))),
+        }
+    };
+    let (closed, client, left) = match outcome {
+        Ok(closed) => closed,
+        Err((error, gone)) => {
+            if gone {
+                shared.forget_client(caller).await;
+            }
+            return Err(error);
+        }
     };
     shared.locks.release_session(session_id);
     wake_reaper_for(shared, &closed);
@@ -966,7 +985,7 @@ async fn set_attributes(
             }
         }
         if !recall.is_empty() {
-            let (started, sent) = (std::time::Instant::now(), recall.len());
+            let (started, sent) = (Instant::now(), recall.len());
             let expired = shared.leases.wait(recall).await;
             shared.metrics.revoked(sent, expired, started);
         }

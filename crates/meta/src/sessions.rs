@@ -7,7 +7,8 @@
 //! wait one lease before being reaped (see `reaper.rs`).
 
 use std::collections::{HashMap, HashSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use freeflow_proto::meta::OpenAccess;
 use freeflow_proto::{ErrorCode, WireError};

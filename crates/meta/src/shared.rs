@@ -4,7 +4,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use std::time::Instant;
+use tokio::time::Instant;
 
 use freeflow_proto::{ErrorCode, WireError};
 use freeflow_types::{InodeId, ServerId};
@@ -284,7 +284,7 @@ impl Shared {
         let (value, committed) = self.write_as(client, durable, operation).await?;
         let pending = self.leases.changed(client, &committed.touches);
         if !pending.is_empty() {
-            let (started, sent) = (std::time::Instant::now(), pending.len());
+            let (started, sent) = (Instant::now(), pending.len());
             let expired = self.leases.wait(pending).await;
             self.metrics.revoked(sent, expired, started);
         }
@@ -460,7 +460,7 @@ impl Shared {
                     .leases
                     .recall_delegations(client, &touched.inodes, bound);
                 if !pending.is_empty() {
-                    let (started, sent) = (std::time::Instant::now(), pending.len());
+                    let (started, sent) = (Instant::now(), pending.len());
                     let expired = self.leases.wait(pending).await;
                     self.metrics.revoked(sent, expired, started);
                 }

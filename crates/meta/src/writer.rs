@@ -39,7 +39,8 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Bound;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use freeflow_proto::{ErrorCode, WireError};
 use freeflow_types::{Attr, InodeId};

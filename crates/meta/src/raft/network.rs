@@ -209,7 +209,7 @@ impl Service for RaftService {
 
 /// Serve the Raft service on `listener` until the task is aborted.
 pub fn spawn_service(
-    listener: tokio::net::TcpListener,
+    listener: freeflow_rpc::net::Listener,
     key: ClusterKey,
     raft: Raft,
 ) -> tokio::task::JoinHandle<std::io::Result<()>> {

@@ -14,18 +14,17 @@ use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{NodeId, Raft};
 use crate::store::RedbStore;
 
-/// Timing of elections and heartbeats (milliseconds).
+/// Timing of elections and heartbeats (milliseconds), and of snapshots (entries).
 #[derive(Clone, Copy, Debug)]
 pub struct Timing {
     pub heartbeat_ms: u64,
     pub election_min_ms: u64,
     pub election_max_ms: u64,
+    /// Entries between snapshots.
+    pub snapshot_entries: u64,
+    /// Entries the log keeps behind a snapshot, for followers a little behind.
+    pub log_kept_entries: u64,
 }
-
-/// Entries between snapshots; the log keeps this many behind a snapshot for followers
-/// that are a little behind.
-const SNAPSHOT_EVERY: u64 = 20_000;
-const LOG_KEPT_BEHIND_SNAPSHOT: u64 = 2_000;
 /// Time for one snapshot chunk to be sent and taken in.
 const SNAPSHOT_CHUNK_TIMEOUT_MS: u64 = 10_000;
 /// Entries in one append message (each a batch of up to `commit_batch_max` mutations).
@@ -48,7 +47,7 @@ impl RaftNode {
     pub async fn start(
         id: NodeId,
         members: BTreeMap<NodeId, BasicNode>,
-        listener: tokio::net::TcpListener,
+        listener: freeflow_rpc::net::Listener,
         log: LogStore,
         store: Arc<RedbStore>,
         key: ClusterKey,
@@ -60,8 +59,8 @@ impl RaftNode {
             election_timeout_min: timing.election_min_ms,
             election_timeout_max: timing.election_max_ms,
             max_payload_entries: ENTRIES_PER_MESSAGE,
-            snapshot_policy: SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY),
-            max_in_snapshot_log_to_keep: LOG_KEPT_BEHIND_SNAPSHOT,
+            snapshot_policy: SnapshotPolicy::LogsSinceLast(timing.snapshot_entries),
+            max_in_snapshot_log_to_keep: timing.log_kept_entries,
             // The last chunk of a snapshot rewrites the follower's whole store.
             install_snapshot_timeout: SNAPSHOT_CHUNK_TIMEOUT_MS,
             ..Config::default()
@@ -155,6 +154,8 @@ mod tests {
             heartbeat_ms: 50,
             election_min_ms: 300,
             election_max_ms: 600,
+            snapshot_entries: 20_000,
+            log_kept_entries: 2_000,
         };
         let mut nodes = Vec::new();
         let mut stores = Vec::new();
@@ -168,7 +169,7 @@ mod tests {
                 RaftNode::start(
                     id,
                     members.clone(),
-                    listener,
+                    Box::new(listener),
                     log,
                     store,
                     key.clone(),

@@ -292,6 +292,7 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachine {
     async fn build_snapshot(&mut self) -> Result<Snapshot, StorageError<NodeId>> {
         let store = self.store.clone();
         let (meta, bytes) = blocking(ErrorVerb::Read, move || build(&store)).await?;
+        tracing::debug!(last_log_id = ?meta.last_log_id, bytes = bytes.len(), "built a snapshot");
         *self.current.lock().unwrap_or_else(|p| p.into_inner()) =
             Some((meta.clone(), bytes.clone()));
         Ok(Snapshot {
@@ -348,6 +349,11 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             install(&store, &installed_meta, &kept)
         })
         .await?;
+        tracing::info!(
+            last_log_id = ?meta.last_log_id,
+            bytes = bytes.len(),
+            "installed a snapshot from the leader"
+        );
         *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some((meta.clone(), bytes));
         Ok(())
     }

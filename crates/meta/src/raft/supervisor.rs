@@ -14,7 +14,8 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use freeflow_proto::{encode, ErrorCode, WireError};
 use freeflow_rpc::{ClusterKey, Frame, PeerInfo, Reply, Service};
@@ -44,11 +45,19 @@ pub struct ReplicatedMeta {
     stop: watch::Sender<bool>,
     role: watch::Receiver<Role>,
     task: JoinHandle<()>,
+    store: Arc<RedbStore>,
 }
 
 impl ReplicatedMeta {
     pub fn role(&self) -> Role {
         self.role.borrow().clone()
+    }
+
+    /// The replicated state as applied here: the last applied log id, the number of
+    /// pairs and a hash of them (`state_machine::replicated_digest`). Two members at the
+    /// same applied id must agree.
+    pub fn digest(&self) -> Result<(Option<crate::raft::types::LogId>, u64, u64), StoreError> {
+        crate::raft::state_machine::replicated_digest(&self.store)
     }
 
     /// Stop serving and leave the Raft cluster's work to the others.
@@ -91,12 +100,17 @@ pub async fn start_replicated(
         config,
         key,
         log,
-        store,
+        store.clone(),
         node,
         stop_receiver,
         role_sender,
     ));
-    Ok(ReplicatedMeta { stop, role, task })
+    Ok(ReplicatedMeta {
+        stop,
+        role,
+        task,
+        store,
+    })
 }
 
 /// Take back every batch run ahead of its commit (a leader's, before a crash or after it
@@ -122,10 +136,10 @@ fn members(config: &MetaConfig) -> BTreeMap<NodeId, BasicNode> {
         .collect()
 }
 
-async fn bind_retrying(address: &str) -> Result<tokio::net::TcpListener, MetaError> {
+async fn bind_retrying(address: &str) -> Result<freeflow_rpc::net::Listener, MetaError> {
     let mut tries = 0;
     loop {
-        match tokio::net::TcpListener::bind(address).await {
+        match freeflow_rpc::net::bind(address).await {
             Ok(listener) => return Ok(listener),
             Err(source) if tries >= 50 => {
                 return Err(MetaError::Bind {
@@ -157,6 +171,8 @@ async fn start_node(
         heartbeat_ms: config.raft_heartbeat_ms,
         election_min_ms: config.raft_election_ms,
         election_max_ms: config.raft_election_ms * 2,
+        snapshot_entries: config.raft_snapshot_entries,
+        log_kept_entries: config.raft_log_kept_entries,
     };
     RaftNode::start(
         config.node_id,
