@@ -8,6 +8,7 @@
 #![allow(dead_code)]
 
 pub mod mount;
+pub mod netswitch;
 pub mod raw;
 
 use std::path::{Path, PathBuf};
@@ -230,6 +231,9 @@ pub struct ClusterOptions {
     /// Put each I/O server's data directory on a tmpfs of this many bytes (a small file
     /// system to fill; needs root: see [`small_file_systems_available`]).
     pub io_tmpfs_bytes: Option<u64>,
+    /// Network namespaces: I/O server i runs in the switch's host i (for each host it
+    /// has), the rest here on the switch's address, so a test can cut one off.
+    pub switch: Option<std::sync::Arc<netswitch::NetSwitch>>,
 }
 
 /// Whether this process may mount a tmpfs (root); says why not when it may not.
@@ -261,6 +265,7 @@ impl ClusterOptions {
             cache_lease_ms: 10_000,
             replicas: 1,
             io_tmpfs_bytes: None,
+            switch: None,
         }
     }
 }
@@ -288,19 +293,49 @@ pub struct Cluster {
     meta_metrics_address: Option<String>,
 }
 
+/// The switch host that I/O server `index` runs in, if any.
+fn io_host(options: &ClusterOptions, index: usize) -> Option<usize> {
+    let switch = options.switch.as_ref()?;
+    (index < switch.hosts()).then_some(index)
+}
+
+/// Where I/O server `index` listens: its namespace's address, this namespace's switch
+/// address, or loopback.
+fn io_address(options: &ClusterOptions, index: usize) -> String {
+    let ip = match (&options.switch, io_host(options, index)) {
+        (Some(switch), Some(host)) => switch.ip(host),
+        (Some(switch), None) => switch.here_ip(),
+        (None, _) => "127.0.0.1".to_string(),
+    };
+    format!("{ip}:{}", free_port())
+}
+
+/// Where the meta server listens: this namespace's switch address, or loopback.
+fn meta_address(options: &ClusterOptions) -> String {
+    let ip = options
+        .switch
+        .as_ref()
+        .map_or("127.0.0.1".to_string(), |switch| switch.here_ip());
+    format!("{ip}:{}", free_port())
+}
+
 /// A fresh loopback metrics address when `enabled`.
 fn metrics_address(enabled: bool) -> Option<String> {
     enabled.then(|| format!("127.0.0.1:{}", free_port()))
 }
 
 fn spawn_server(role: &str, config: &Path, log: &Path) -> Child {
+    spawn_server_as(Command::new(FREEFLOW), role, config, log)
+}
+
+fn spawn_server_as(mut command: Command, role: &str, config: &Path, log: &Path) -> Child {
     let log_file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)
         .expect("open the server log");
     let log_copy = log_file.try_clone().expect("clone the log handle");
-    Command::new(FREEFLOW)
+    command
         .arg(role)
         .arg("--config")
         .arg(config)
@@ -335,7 +370,7 @@ impl Cluster {
         let io = (0..options.io_count)
             .map(|server_id| IoServer {
                 server_id,
-                address: format!("127.0.0.1:{}", free_port()),
+                address: io_address(&options, server_id as usize),
                 log_path: dir.path().join(format!("io-{server_id}.log")),
                 data_dir: dir.path().join(format!("io-{server_id}")),
                 config_path: dir.path().join(format!("io-{server_id}.toml")),
@@ -369,7 +404,7 @@ impl Cluster {
             meta_config_path: dir.path().join("meta.toml"),
             dir,
             key,
-            meta_address: format!("127.0.0.1:{}", free_port()),
+            meta_address: meta_address(&options),
             meta_metrics_address: metrics_address(options.metrics),
             options,
             meta: None,
@@ -385,7 +420,7 @@ impl Cluster {
                 break;
             }
             assert!(attempt + 1 < PORT_ATTEMPTS, "meta server: no free port");
-            cluster.meta_address = format!("127.0.0.1:{}", free_port());
+            cluster.meta_address = meta_address(&cluster.options);
             cluster.meta_metrics_address = metrics_address(cluster.options.metrics);
         }
         for index in 0..cluster.io.len() {
@@ -400,7 +435,7 @@ impl Cluster {
                     attempt + 1 < PORT_ATTEMPTS,
                     "I/O server {index}: no free port"
                 );
-                cluster.io[index].address = format!("127.0.0.1:{}", free_port());
+                cluster.io[index].address = io_address(&cluster.options, index);
                 cluster.io[index].metrics_address = metrics_address(cluster.options.metrics);
             }
         }
@@ -494,9 +529,18 @@ impl Cluster {
     }
 
     fn spawn_io(&mut self, index: usize) {
+        let command = match (&self.options.switch, io_host(&self.options, index)) {
+            (Some(switch), Some(host)) => switch.command(host, FREEFLOW),
+            _ => Command::new(FREEFLOW),
+        };
         let server = &mut self.io[index];
         assert!(server.child.is_none(), "I/O server {index} already running");
-        server.child = Some(spawn_server("io", &server.config_path, &server.log_path));
+        server.child = Some(spawn_server_as(
+            command,
+            "io",
+            &server.config_path,
+            &server.log_path,
+        ));
     }
 
     /// Every log, for failure messages.
