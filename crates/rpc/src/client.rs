@@ -64,6 +64,8 @@ struct Shared {
     address: String,
     pending: Mutex<HashMap<u64, ReplySlot>>,
     closed: AtomicBool,
+    /// The connection's reader and writer tasks, ended on close so the socket goes too.
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
     /// When the connection was made, and milliseconds after that when its last byte
     /// came in (liveness).
     born: tokio::time::Instant,
@@ -86,6 +88,9 @@ impl Shared {
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
         self.pending.lock().expect("not poisoned").clear();
+        for task in self.tasks.lock().expect("not poisoned").drain(..) {
+            task.abort();
+        }
     }
 }
 
@@ -225,12 +230,15 @@ impl Connection {
             address: address.to_owned(),
             pending: Mutex::default(),
             closed: AtomicBool::new(false),
+            tasks: Mutex::new(Vec::new()),
             born: tokio::time::Instant::now(),
             heard_ms: AtomicU64::new(0),
         });
         let (sender, receiver) = mpsc::channel(options.send_queue_max.max(1));
-        tokio::spawn(writer_loop(writer, receiver, shared.clone()));
+        let writer_task = tokio::spawn(writer_loop(writer, receiver, shared.clone()));
         let reply_payload_max = hello.payload_length_max.max(PAYLOAD_LENGTH_MAX_DEFAULT);
+        // Nothing comes after the server's authenticate reply until a request is answered.
+        debug_assert!(reader.buffer().is_empty());
         let reader = BufReader::with_capacity(
             64 << 10,
             Heard {
@@ -238,7 +246,12 @@ impl Connection {
                 shared: shared.clone(),
             },
         );
-        tokio::spawn(reader_loop(reader, shared.clone(), reply_payload_max));
+        let reader_task = tokio::spawn(reader_loop(reader, shared.clone(), reply_payload_max));
+        shared
+            .tasks
+            .lock()
+            .expect("not poisoned")
+            .extend([writer_task.abort_handle(), reader_task.abort_handle()]);
         if options.liveness_timeout_ms > 0 {
             tokio::spawn(liveness_loop(
                 shared.clone(),
@@ -577,8 +590,16 @@ async fn liveness_loop(shared: Arc<Shared>, sender: mpsc::WeakSender<Outgoing>, 
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Silence before the first call does not count.
     let mut waiting_since: Option<tokio::time::Instant> = None;
+    let mut last_tick = tokio::time::Instant::now();
     loop {
         tick.tick().await;
+        // This process itself stalled (stopped, starved): replies may sit unread in the
+        // socket. Count the silence afresh rather than blame the server.
+        let gap = last_tick.elapsed();
+        last_tick = tokio::time::Instant::now();
+        if gap > quarter * 2 {
+            waiting_since = None;
+        }
         if shared.closed.load(Ordering::Acquire) {
             return;
         }

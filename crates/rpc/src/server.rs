@@ -392,7 +392,7 @@ async fn run_connection<S: Service>(
                     metrics.credit_wait();
                 }
                 tokio::select! {
-                    permit = in_flight.clone().acquire_owned() => permit.expect("semaphore never closed"),
+                    permit = with_pongs(in_flight.clone().acquire_owned(), &reply_sender) => permit.expect("semaphore never closed"),
                     () = close.notified() => break take_reason(),
                 }
             }
@@ -409,7 +409,7 @@ async fn run_connection<S: Service>(
                     metrics.budget_wait();
                 }
                 tokio::select! {
-                    permit = shared.payload_bytes.clone().acquire_many_owned(header.payload_length) => permit.expect("semaphore never closed"),
+                    permit = with_pongs(shared.payload_bytes.clone().acquire_many_owned(header.payload_length), &reply_sender) => permit.expect("semaphore never closed"),
                     () = close.notified() => break take_reason(),
                 }
             }
@@ -467,6 +467,33 @@ async fn run_connection<S: Service>(
     drop(requests);
     drop(reply_sender);
     let _ = (&mut writer_task.0).await;
+}
+
+/// How often a connection whose reading waits for room (its requests at their limit, or
+/// the server's payload budget used up) tells its client it is alive: the pings behind the
+/// waiting frame are not read meanwhile. Well under any client's liveness timeout.
+const PONG_INTERVAL: Duration = Duration::from_millis(200);
+
+/// Wait for `room`, sending the client an unasked ping reply every [`PONG_INTERVAL`]
+/// meanwhile (a busy server is alive; the client ignores these replies).
+async fn with_pongs<T>(
+    room: impl Future<Output = T>,
+    replies: &mpsc::Sender<(u16, u64, Reply)>,
+) -> T {
+    tokio::pin!(room);
+    loop {
+        tokio::select! {
+            ready = &mut room => return ready,
+            () = tokio::time::sleep(PONG_INTERVAL) => {
+                let pong = Reply {
+                    header: Bytes::new(),
+                    payload: Bytes::new(),
+                };
+                // A full queue is replies on their way: the client hears those.
+                let _ = replies.try_send((OPCODE_PING, 0, pong));
+            }
+        }
+    }
 }
 
 /// Counts an authenticated connection as open until dropped.

@@ -718,3 +718,34 @@ async fn a_silent_server_is_found_dead_before_the_call_times_out() {
     assert!(matches!(error, RpcError::Disconnected { .. }), "{error}");
     assert!(connection.is_closed());
 }
+
+/// A server whose connection is at its request limit reads nothing more (the pings wait
+/// behind the next request), but tells the client it is alive while it waits: requests
+/// queued behind a slow one outlast the liveness timeout and complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_at_its_request_limit_is_not_taken_for_dead() {
+    let key = ClusterKey::generate().unwrap();
+    let mut options = ServerOptions::new("test");
+    options.requests_in_flight_max = 1;
+    let address = start_server(&key, options).await;
+    let connection = Connection::connect(
+        &address,
+        &key,
+        &ConnectOptions {
+            liveness_timeout_ms: 400,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (slow_request, queued_request) = (write_request(1, 1_500), write_request(1, 0));
+    let slow = connection.call(&slow_request, Bytes::from_static(b"slow"));
+    let queued = connection.call(&queued_request, Bytes::from_static(b"queued"));
+    let (slow, queued) = tokio::join!(slow, queued);
+    assert_eq!(&slow.expect("the slow request completes").1[..], b"slow");
+    assert_eq!(
+        &queued.expect("the queued request completes").1[..],
+        b"queued"
+    );
+    assert!(!connection.is_closed());
+}
