@@ -134,7 +134,7 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
     }
     let store = Arc::new(store);
 
-    let listener = tokio::net::TcpListener::bind(&config.listen_address)
+    let listener = freeflow_rpc::net::bind(&config.listen_address)
         .await
         .map_err(|source| IoServerError::Bind {
             address: config.listen_address.clone(),
@@ -193,7 +193,6 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         store: Arc::clone(&store),
         replication: Arc::clone(&replication),
         key: key.clone(),
-        meta_address: config.meta_address.clone(),
         options: freeflow_rpc::ConnectOptions {
             client_name: format!("io:{}:resync", config.server_id),
             call_timeout_ms: config.meta_call_timeout_ms,
@@ -244,7 +243,6 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
     let registered = Arc::new(AtomicBool::new(false));
     let registration = tokio::spawn(register::run_registration(
         Arc::clone(&store),
-        key,
         register::RegistrationOptions {
             meta_address: config.meta_address.clone(),
             advertise_address,

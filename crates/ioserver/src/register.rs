@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use freeflow_proto::meta::RegisterServer;
-use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RpcError};
+use freeflow_rpc::{ConnectOptions, Connection, RpcError};
 
 use crate::gate::DataGate;
 use crate::replication::Replication;
@@ -66,7 +66,6 @@ enum LinkState {
 /// owed is followed by the next attempt after the shortest retry delay, not a heartbeat).
 pub async fn run_registration(
     store: Arc<ObjectStore>,
-    key: ClusterKey,
     mut options: RegistrationOptions,
     registered: Arc<AtomicBool>,
     gate: Arc<DataGate>,
@@ -83,14 +82,13 @@ pub async fn run_registration(
     let mut state = LinkState::Starting;
     let mut backoff_ms = RETRY_BACKOFF_INITIAL_MS;
     loop {
-        let sent = std::time::Instant::now();
+        let sent = tokio::time::Instant::now();
         let attempt = register_once(
             &store,
-            &key,
             &options,
             &connect_options,
             &mut connection,
-            replication.version(),
+            &replication,
         )
         .await;
         let (next_state, delay_ms) = match &attempt {
@@ -167,19 +165,19 @@ struct Registered {
 /// One registration.
 async fn register_once(
     store: &ObjectStore,
-    key: &ClusterKey,
     options: &RegistrationOptions,
     connect_options: &ConnectOptions,
     connection: &mut Option<Connection>,
-    map_version: u64,
+    replication: &Replication,
 ) -> Result<Registered, RegisterError> {
+    let map_version = replication.version();
     let stats = IoService::stats(store).map_err(RegisterError::Stats)?;
     if connection.as_ref().is_none_or(Connection::is_closed) {
         *connection = None;
-        let (connected, _) =
-            Connection::connect_leader(&options.meta_address, 0, key, connect_options)
-                .await
-                .map_err(RegisterError::Rpc)?;
+        let connected = replication
+            .connect_meta(connect_options)
+            .await
+            .map_err(RegisterError::Rpc)?;
         *connection = Some(connected);
     }
     let Some(link) = connection.as_ref() else {

@@ -53,7 +53,10 @@ pub struct Replication {
     newer_seen: tokio::sync::Notify,
     /// Until when replicated stripes may be served without hearing from the meta server
     /// (see `RegisterReply::lease_ms`); None before the first registration.
-    lease_until: Mutex<Option<std::time::Instant>>,
+    lease_until: Mutex<Option<tokio::time::Instant>>,
+    /// Which of the comma-separated `meta_address`es led when last reached: the next
+    /// connection to the meta server tries it first (registration, map fetches, resync).
+    meta_leader_hint: std::sync::atomic::AtomicUsize,
     pub ranges: RangeLocks,
     /// Requests passed on to the next member, their payload bytes, and those that failed.
     pub passed_on: std::sync::atomic::AtomicU64,
@@ -91,6 +94,7 @@ impl Replication {
             meta: tokio::sync::Mutex::new(None),
             newer_seen: tokio::sync::Notify::new(),
             lease_until: Mutex::new(None),
+            meta_leader_hint: std::sync::atomic::AtomicUsize::new(0),
             ranges: RangeLocks::default(),
             passed_on: std::sync::atomic::AtomicU64::new(0),
             passed_on_bytes: std::sync::atomic::AtomicU64::new(0),
@@ -177,7 +181,7 @@ impl Replication {
     }
 
     /// A registration sent at `sent` was answered with this lease.
-    pub fn renew_lease(&self, sent: std::time::Instant, lease_ms: u64) {
+    pub fn renew_lease(&self, sent: tokio::time::Instant, lease_ms: u64) {
         let until = sent + std::time::Duration::from_millis(lease_ms);
         let mut lease = self
             .lease_until
@@ -191,7 +195,7 @@ impl Replication {
             .lease_until
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if lease.is_some_and(|until| std::time::Instant::now() < until) {
+        if lease.is_some_and(|until| tokio::time::Instant::now() < until) {
             return Ok(());
         }
         Err(WireError::new(
@@ -231,16 +235,28 @@ impl Replication {
         ))
     }
 
+    /// Connect to the metadata server that leads among `meta_address`, trying first the
+    /// one that led last time.
+    pub async fn connect_meta(&self, options: &ConnectOptions) -> Result<Connection, RpcError> {
+        let first = self
+            .meta_leader_hint
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let (connection, index) =
+            Connection::connect_leader(&self.meta_address, first, &self.key, options).await?;
+        self.meta_leader_hint
+            .store(index, std::sync::atomic::Ordering::Relaxed);
+        Ok(connection)
+    }
+
     /// Fetch the map from the meta server and hold it from now on.
     pub async fn fetch(&self) -> Result<u64, String> {
         let fetched = {
             let mut meta = self.meta.lock().await;
             if meta.as_ref().is_none_or(Connection::is_closed) {
                 *meta = Some(
-                    Connection::connect_leader(&self.meta_address, 0, &self.key, &self.options)
+                    self.connect_meta(&self.options)
                         .await
-                        .map_err(|error| error.to_string())?
-                        .0,
+                        .map_err(|error| error.to_string())?,
                 );
             }
             let Some(connection) = meta.as_ref() else {

@@ -5,8 +5,9 @@
 //! many milliseconds (the time it was out and a margin; everything when its data directory
 //! is new). From then on every replicated write is also passed on to it, at the end of its
 //! chains. The copy:
-//! 1. lists the objects of every partner in service written within the window, and its own
-//!    (a write it took just before it failed may never have reached its partners);
+//! 1. lists the objects of every partner not out (in service or syncing) written within
+//!    the window, and its own (a write it took just before it failed may never have
+//!    reached its partners);
 //! 2. asks the meta server for those inodes' layouts and keeps the objects whose chain
 //!    names this server, each to be copied from one source: the first member in service;
 //! 3. copies each whole object from its source while holding the object's range lock here,
@@ -51,7 +52,6 @@ pub struct Resync {
     pub store: Arc<ObjectStore>,
     pub replication: Arc<Replication>,
     pub key: ClusterKey,
-    pub meta_address: String,
     pub options: ConnectOptions,
     pub progress: Arc<ResyncProgress>,
 }
@@ -96,7 +96,9 @@ impl Resync {
                 order.map_version, map.version
             ));
         }
-        let (meta, _) = Connection::connect_leader(&self.meta_address, 0, &self.key, &self.options)
+        let meta = self
+            .replication
+            .connect_meta(&self.options)
             .await
             .map_err(|error| error.to_string())?;
         // 1. Candidates: (object) -> listed by whom.
@@ -104,7 +106,10 @@ impl Resync {
         let partners: Vec<ServerId> = map
             .members
             .iter()
-            .filter(|member| member.state == MemberState::InService && member.server_id != me)
+            // Syncing partners too: an object whose freshest copy is on one (its chain has
+            // no member in service) is copied from it, or waited for (`source_of`); not
+            // listing them missed such objects altogether (found by the simulation).
+            .filter(|member| member.state != MemberState::Out && member.server_id != me)
             .map(|member| member.server_id)
             .collect();
         for partner in &partners {

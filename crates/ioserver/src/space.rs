@@ -29,7 +29,8 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use freeflow_proto::io::{SpaceGrant, GRANT_IDLE_MS, GRANT_RECLAIM_MS};
 
