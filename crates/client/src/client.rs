@@ -128,6 +128,9 @@ impl std::fmt::Debug for Client {
     }
 }
 
+/// Times an open reopens a session the meta server does not know before it gives up.
+const SESSION_REOPENS_MAX: u32 = 5;
+
 fn is_session_unknown(error: &ClientError) -> bool {
     matches!(
         error,
@@ -699,13 +702,18 @@ impl Client {
         // cannot find its own file and fail an exclusive create.
         // A create answered ahead must reach the server: it is sent patiently.
         let patient = inode.is_some();
-        let (reply, lease) = match self.send_create(&request, patient, target).await {
-            Err(error) if is_open_session_unknown(&error) => {
-                session_id = self.shared.reopen_session(session_id).await?;
-                request.open = Some((session_id, access));
-                self.send_create(&request, patient, target).await?
+        // The session can be lost again between its reopening and the create (another
+        // metadata leader): reopen again, a few times.
+        let mut reopened = 0;
+        let (reply, lease) = loop {
+            match self.send_create(&request, patient, target).await {
+                Err(error) if is_open_session_unknown(&error) && reopened < SESSION_REOPENS_MAX => {
+                    reopened += 1;
+                    session_id = self.shared.reopen_session(session_id).await?;
+                    request.open = Some((session_id, access));
+                }
+                reply => break reply?,
             }
-            reply => reply?,
         };
         let handle = match reply.handle_id {
             Some(handle_id) => {
@@ -1080,12 +1088,15 @@ impl Client {
             inode,
             access,
         };
-        let grant = match self.meta(&request, || format!("inode {inode}")).await {
-            Err(error) if is_open_session_unknown(&error) => {
-                request.session_id = self.shared.reopen_session(request.session_id).await?;
-                self.meta(&request, || format!("inode {inode}")).await?
+        let mut reopened = 0;
+        let grant = loop {
+            match self.meta(&request, || format!("inode {inode}")).await {
+                Err(error) if is_open_session_unknown(&error) && reopened < SESSION_REOPENS_MAX => {
+                    reopened += 1;
+                    request.session_id = self.shared.reopen_session(request.session_id).await?;
+                }
+                grant => break grant?,
             }
-            grant => grant?,
         };
         let handle = FileHandle::new(
             self.clone(),

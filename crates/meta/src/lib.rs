@@ -589,9 +589,15 @@ fn spawn_writer(
     receiver: mpsc::Receiver<WriterMessage>,
     state: WriterState,
 ) -> Result<std::thread::JoinHandle<()>, MetaError> {
+    // In the runtime's context, so the writer's clock is the runtime's (the same as the
+    // rest of the server's; only a paused clock under simulation can differ).
+    let runtime = tokio::runtime::Handle::current();
     std::thread::Builder::new()
         .name("meta-writer".into())
-        .spawn(move || writer::run(shared, receiver, state))
+        .spawn(move || {
+            let _context = runtime.enter();
+            writer::run(shared, receiver, state)
+        })
         .map_err(|error| MetaError::Task(format!("cannot start the writer thread: {error}")))
 }
 

@@ -365,18 +365,19 @@ impl Registry {
 
     /// Servers new files are placed on: those up and not out of their chains (a syncing
     /// one takes every write already), or every registered one if none is (just after a
-    /// meta server restart, before the first heartbeats).
-    pub fn placement_servers(&self, now: Instant) -> Vec<ServerId> {
-        let up: Vec<ServerId> = self
+    /// meta server restart, before the first heartbeats); and the spares, those not out
+    /// but silent of late (see `Placement::spares`).
+    pub fn placement_servers(&self, now: Instant) -> (Vec<ServerId>, Vec<ServerId>) {
+        let (up, silent): (Vec<(&ServerId, &ServerState)>, Vec<_>) = self
             .servers
             .iter()
-            .filter(|(_, state)| self.is_up(state, now) && state.entry.state != MemberState::Out)
-            .map(|(id, _)| *id)
-            .collect();
+            .filter(|(_, state)| state.entry.state != MemberState::Out)
+            .partition(|(_, state)| self.is_up(state, now));
+        let spares = silent.into_iter().map(|(id, _)| *id).collect();
         if up.is_empty() {
-            self.servers.keys().copied().collect()
+            (self.servers.keys().copied().collect(), Vec::new())
         } else {
-            up
+            (up.into_iter().map(|(id, _)| *id).collect(), spares)
         }
     }
 
@@ -464,7 +465,7 @@ mod tests {
         assert_eq!(map.member(2).unwrap().state, MemberState::Out);
         assert_eq!(map.write_chain(&[2, 1]), vec![1]);
         assert_eq!(map.read_chain(&[1, 2]), vec![1]);
-        assert!(!registry.placement_servers(later).contains(&2));
+        assert!(!registry.placement_servers(later).0.contains(&2));
         // Back: syncing, but no copy before server 1 holds the new map.
         let back = later + Duration::from_millis(10);
         registry.heartbeat(2, entry("b:1"), back);
@@ -518,12 +519,12 @@ mod tests {
         assert!(registry.needs_persist(3, "a:2"));
         assert!(registry.needs_persist(4, "b:1"));
         // Never seen: not up, but still placed on when nothing is up.
-        assert_eq!(registry.placement_servers(start), vec![3]);
+        assert_eq!(registry.placement_servers(start).0, vec![3]);
         assert!(registry.heartbeat(4, entry("b:1"), start));
         assert!(!registry.heartbeat(4, entry("b:1"), start));
         assert!(registry.server_is_up(4, start));
         assert!(!registry.server_is_up(3, start));
-        assert_eq!(registry.placement_servers(start), vec![4]);
+        assert_eq!(registry.placement_servers(start).0, vec![4]);
         let totals = registry.totals(start);
         assert_eq!(
             (totals.servers_up, totals.servers_total, totals.free_bytes),
@@ -531,7 +532,7 @@ mod tests {
         );
         let later = start + Duration::from_millis(80);
         assert!(registry.records(later).iter().all(|record| !record.up));
-        assert_eq!(registry.placement_servers(later), vec![3, 4]);
+        assert_eq!(registry.placement_servers(later).0, vec![3, 4]);
         assert!(
             registry.heartbeat(4, entry("b:1"), later),
             "back after silence"

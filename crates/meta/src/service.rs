@@ -327,6 +327,38 @@ fn recorded_reply(
     })
 }
 
+/// The recorded reply of a create that also opened the file, as a resend or replay gets
+/// it: the handle it names was opened by the server (or the leadership) that applied the
+/// create, and this one may not hold it (a restart, a new metadata leader). When the
+/// client's session is here and the handle is not, the file is opened again in it and the
+/// reply names the new handle, so the client's handle is known here and its close works;
+/// otherwise the record is answered as it is (the client finds its session gone).
+fn opened_again(shared: &Shared, frame: &Frame, reply: Vec<u8>) -> Vec<u8> {
+    let Ok(request) = decode::<Create>(&frame.header) else {
+        return reply;
+    };
+    let Some((session_id, access)) = request.open else {
+        return reply;
+    };
+    let Ok(Ok(mut created)) = decode::<Result<CreateReply, WireError>>(&reply) else {
+        return reply;
+    };
+    let Some(handle_id) = created.handle_id else {
+        return reply;
+    };
+    let mut sessions = shared.sessions();
+    if sessions.holds(session_id, handle_id) || !sessions.exists(session_id) {
+        return reply;
+    }
+    match sessions.open_handle(session_id, created.attr.inode, access) {
+        Ok(opened) => {
+            created.handle_id = Some(opened);
+            encode(&Ok::<CreateReply, WireError>(created))
+        }
+        Err(_) => reply,
+    }
+}
+
 /// An error reply, whatever the request's reply type (`Err` encodes the same for all).
 fn error_reply(shared: &Shared, error: WireError) -> Reply {
     Reply {
@@ -385,8 +417,13 @@ impl MetaService {
                         txn: record.txn,
                         ..Answered::default()
                     };
+                    let header = if frame.opcode == Create::OPCODE {
+                        opened_again(shared, &frame, record.reply)
+                    } else {
+                        record.reply
+                    };
                     return Ok(Reply {
-                        header: record.reply.into(),
+                        header: header.into(),
                         payload: stamp(shared, answered),
                     });
                 }
@@ -831,14 +868,14 @@ async fn wait_revocations(
     Ok(shared.leases.poll(client, request.acknowledged, wait).await)
 }
 
-/// End a session; a client left without one is forgotten (its record goes). What was
-/// answered early is made durable first: a client that leaves cleanly can no longer replay,
-/// so its changes must not depend on it (only a client that dies can lose its own).
-/// Close a session of the client `caller` (the connection's client id). A session this
-/// server does not know (it was opened with another leader, or expired) is an error, but
-/// the caller is forgotten all the same if it holds no other session here: it closes
-/// after replaying into this epoch and syncing, so it has nothing left to replay, and its
-/// record would otherwise make every later failover wait out the recovery window for it.
+/// End a session of the client `caller` (the connection's client id); a client left
+/// without one is forgotten (its record goes). What was answered early is made durable
+/// first: a client that leaves cleanly can no longer replay, so its changes must not
+/// depend on it (only a client that dies can lose its own). A session this server does not
+/// know (opened with another leader, or expired) is an error, but the caller is forgotten
+/// all the same if it holds no other session here: it closes after replaying into this
+/// epoch, so it has nothing left to replay, and its record would otherwise make every
+/// later failover wait out the recovery window for it.
 async fn close_session(shared: &Shared, session_id: u64, caller: u64) -> Result<(), WireError> {
     shared.sync().await?;
     let outcome = {

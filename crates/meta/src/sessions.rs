@@ -110,6 +110,13 @@ impl Sessions {
         self.sessions.contains_key(&session_id)
     }
 
+    /// Whether `handle_id` is open in `session_id`.
+    pub fn holds(&self, session_id: u64, handle_id: u64) -> bool {
+        self.handles
+            .get(&handle_id)
+            .is_some_and(|handle| handle.session_id == session_id)
+    }
+
     /// Register a handle first, before checking the inode is still linked: an unlink that
     /// commits after that check is then sure to see the handle (see `reaper.rs`).
     pub fn open_handle(

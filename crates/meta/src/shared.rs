@@ -233,8 +233,10 @@ impl Shared {
     }
 
     pub fn placement(&self) -> Placement {
+        let (servers, spares) = self.registry().placement_servers(Instant::now());
         Placement {
-            servers: self.registry().placement_servers(Instant::now()),
+            servers,
+            spares,
             default_stripe_unit_bytes: self.config.stripe_unit_bytes,
             default_stripe_count: self.config.stripe_count,
             default_replicas: self.config.replicas,

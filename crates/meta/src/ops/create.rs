@@ -80,10 +80,26 @@ pub fn choose_layout(placement: &Placement, parent: &Attr, rotation: u64) -> OpR
     } else {
         (wanted_count as usize).min(available)
     };
-    // Fewer servers up than copies asked for: as many copies as there are servers.
-    let replicas = (wanted_replicas.max(1) as usize).min(servers.len());
+    // Fewer servers up than copies asked for: the spares make up the missing copies, and
+    // without enough of them, as many copies as there are servers.
+    let wanted_replicas = wanted_replicas.max(1) as usize;
+    let replicas = wanted_replicas.min(servers.len());
     let start = (rotation % servers.len() as u64) as usize;
-    let (heads, copies) = chains_over(servers, start, count, replicas);
+    let (heads, mut copies) = chains_over(servers, start, count, replicas);
+    let extra = wanted_replicas
+        .saturating_sub(replicas)
+        .min(placement.spares.len());
+    if extra > 0 {
+        let per_chain = replicas - 1;
+        let mut filled = Vec::with_capacity(count * (per_chain + extra));
+        for stripe in 0..count {
+            filled.extend_from_slice(&copies[stripe * per_chain..(stripe + 1) * per_chain]);
+            for further in 0..extra {
+                filled.push(placement.spares[(stripe + further) % placement.spares.len()]);
+            }
+        }
+        copies = filled;
+    }
     Layout::replicated(stripe_unit_bytes, heads, copies)
         .map_err(|error| refuse(ErrorCode::InvalidArgument, format!("layout: {error}")))
 }
@@ -332,4 +348,44 @@ pub fn symlink<W: StoreWrite>(
     touch_directory(&mut parent, context.now);
     save_inode(write, &parent)?;
     Ok(attr)
+}
+
+#[cfg(test)]
+mod tests {
+    use freeflow_types::TimeSpec;
+
+    use super::*;
+
+    fn root() -> Attr {
+        Attr::new_inode(1, FileKind::Directory, 0o755, 0, 0, TimeSpec::new(0, 0))
+    }
+
+    fn placement(servers: Vec<ServerId>, spares: Vec<ServerId>) -> Placement {
+        Placement {
+            servers,
+            spares,
+            default_stripe_unit_bytes: 1 << 20,
+            default_stripe_count: 0,
+            default_replicas: 2,
+        }
+    }
+
+    /// One server up and another silent but not out: the silent one makes up the second
+    /// copy (before, such a file kept one copy for good); heads stay on servers up.
+    #[test]
+    fn a_silent_server_not_yet_out_makes_up_a_missing_copy() {
+        let layout = choose_layout(&placement(vec![1], vec![2, 3]), &root(), 0).unwrap();
+        assert_eq!(layout.replicas(), 2);
+        assert_eq!(layout.stripe_count(), 1);
+        assert_eq!(layout.chain(0), vec![1, 2]);
+        // Enough servers up: spares are not used.
+        let layout = choose_layout(&placement(vec![1, 2, 3], vec![4]), &root(), 1).unwrap();
+        assert_eq!(layout.replicas(), 2);
+        for stripe in 0..layout.stripe_count() {
+            assert!(!layout.chain(stripe).contains(&4));
+        }
+        // No spare: as many copies as servers up.
+        let layout = choose_layout(&placement(vec![1], Vec::new()), &root(), 0).unwrap();
+        assert_eq!(layout.replicas(), 1);
+    }
 }

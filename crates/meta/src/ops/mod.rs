@@ -98,6 +98,12 @@ pub fn refuse(code: ErrorCode, message: impl Into<String>) -> OpError {
 pub struct Placement {
     /// Registered I/O servers to place new files on, in id order.
     pub servers: Vec<ServerId>,
+    /// Servers not out of their chains but silent of late (a crash or a cut not yet
+    /// counted out): no stripe is headed by one, but when `servers` are fewer than the
+    /// copies asked for, chains take their missing copies from these, so a file made
+    /// while servers come and go still gets every copy (writes wait for a silent member
+    /// until it is put out, as they do for files already on it).
+    pub spares: Vec<ServerId>,
     pub default_stripe_unit_bytes: u32,
     /// 0: all servers.
     pub default_stripe_count: u32,

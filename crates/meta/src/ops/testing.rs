@@ -37,6 +37,7 @@ impl Harness {
             },
             placement: Placement {
                 servers: vec![10, 11, 12],
+                spares: Vec::new(),
                 default_stripe_unit_bytes: 1 << 20,
                 default_stripe_count: 0,
                 default_replicas: 1,
