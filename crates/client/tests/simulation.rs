@@ -1,35 +1,40 @@
-//! Replicated metadata under a simulated network and clock (turmoil; issue 11, DESIGN.md
-//! §10). Three real meta servers (`start_replicated`: Raft, the writer, undo records, the
-//! supervisor's step-down) and two real library clients run as simulated hosts; a seed
-//! draws the faults: a member crashed and restarted (the leader most often), the leader cut
-//! off from the other members, a client cut off from the leader, messages between two
-//! members held back and then let through, and latency on every message.
+//! Replicated metadata and replicated data under a simulated network and clock (turmoil;
+//! issue 11, DESIGN.md §10). Three real meta servers (`start_replicated`: Raft, the
+//! writer, undo records, the supervisor's step-down), three real I/O servers keeping two
+//! copies of every stripe (chains, the service map, the resync) and two real library
+//! clients run as simulated hosts; a seed draws the faults: a meta member crashed and
+//! restarted (the leader most often), the leader cut off from the other members, a client
+//! cut off from the leader, messages between two members held back and then let through,
+//! an I/O server crashed and restarted or cut off from every other host, and latency on
+//! every message.
 //!
 //! Checked after every step of the simulation: no two members lead the same term, and no
-//! client call fails (a failover is at most a pause). At the end, with the faults healed:
-//! every change a client was answered is there (each name created, renamed or removed as
-//! answered), and once the members have applied the same entry their replicated state is
-//! identical. A failure names its seed; `FREEFLOW_SIM_SEED=N` runs that one alone, and
-//! `FREEFLOW_SIM_SEEDS=K` runs K seeds (a soak; the test suite runs a few).
+//! client call fails (a failover is at most a pause). At the end, with the faults healed
+//! and every I/O server back in service: every change a client was answered is there (each
+//! name created, renamed or removed as answered, each file's bytes as written and its two
+//! copies identical on disk), and once the members have applied the same entry their
+//! replicated state is identical. A failure names its seed; `FREEFLOW_SIM_SEED=N` runs that
+//! one alone, and `FREEFLOW_SIM_SEEDS=K` runs K seeds (a soak; the test suite runs a few).
 //!
 //! The seed fixes the faults, their timing and every message's latency. It does not fix
 //! everything: openraft draws election timeouts from its own random source, and the meta
-//! writer and the stores' fsyncs run on threads of their own, so a failing seed
-//! reproduces its faults but not always the exact interleaving.
+//! writer, the I/O engines and the stores' fsyncs run on threads of their own, so a failing
+//! seed reproduces its faults but not always the exact interleaving.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use freeflow_client::{Client, ClientConfig};
+use freeflow_client::{Client, ClientConfig, ClientError, OpenOptions};
+use freeflow_ioserver::{EngineKind, IoConfig};
 use freeflow_meta::raft::supervisor::{start_replicated, ReplicatedMeta, Role};
 use freeflow_meta::{MetaConfig, MetaPeer};
-use freeflow_proto::meta::RenameMode;
+use freeflow_proto::meta::{MemberState, RenameMode};
 use freeflow_rpc::net::{Accept, AcceptFuture, BindFuture, Listener, SimulatedNetwork};
 use freeflow_rpc::{ClusterKey, ConnectFuture, ReadHalf, Transport, WriteHalf};
 use freeflow_types::ROOT_INODE;
@@ -37,6 +42,9 @@ use freeflow_types::ROOT_INODE;
 const MEMBERS: usize = 3;
 const CLIENT_PORT: u16 = 7000;
 const RAFT_PORT: u16 = 7074;
+/// I/O servers, keeping two copies of every stripe.
+const IO_SERVERS: usize = 3;
+const IO_PORT: u16 = 7100;
 /// Simulated time the clients make changes for (faults come and go meanwhile).
 const WORK_FOR: Duration = Duration::from_secs(20);
 /// A client's pause between two changes.
@@ -120,6 +128,10 @@ impl Draw {
     }
 }
 
+fn io_host(index: usize) -> String {
+    format!("i{}", index + 1)
+}
+
 fn member(index: usize) -> String {
     format!("m{}", index + 1)
 }
@@ -131,6 +143,8 @@ enum Fault {
     LeaderCutOff(usize),
     ClientCutOff(usize),
     Held(usize, usize),
+    IoCrashed(usize),
+    IoCutOff(usize),
 }
 
 // ---- what the clients were answered ----
@@ -140,7 +154,37 @@ enum Fault {
 enum Expected {
     Directory,
     Symlink(String),
+    /// A regular file of this many bytes, `file_bytes(name, length)`, fsynced and closed.
+    File(usize),
     Absent,
+}
+
+/// The bytes of file `name`: a function of the name and the length.
+fn file_bytes(name: &str, length: usize) -> Vec<u8> {
+    let mut draw = Draw(name.bytes().fold(length as u64, |hash, byte| {
+        hash.wrapping_mul(0x100_0000_01b3) ^ u64::from(byte)
+    }));
+    let mut bytes = Vec::with_capacity(length + 8);
+    while bytes.len() < length {
+        bytes.extend_from_slice(&draw.next().to_le_bytes());
+    }
+    bytes.truncate(length);
+    bytes
+}
+
+/// Write `name` in the root whole, fsync it and close it.
+async fn write_file(client: &Client, name: &str, length: usize) -> Result<(), ClientError> {
+    let handle = client
+        .open_path(
+            &format!("/{name}"),
+            &OpenOptions::new().write(true).create(true),
+        )
+        .await?;
+    handle
+        .write_at(0, bytes::Bytes::from(file_bytes(name, length)))
+        .await?;
+    handle.fsync().await?;
+    handle.close().await
 }
 
 #[derive(Default)]
@@ -199,6 +243,11 @@ async fn work(key: ClusterKey, prefix: char, answers: Rc<RefCell<Answers>>) {
             let gone = made.remove(made.len() / 2);
             let result = client.rmdir(ROOT_INODE, &gone).await;
             (result, vec![(gone, Expected::Absent)])
+        } else if step % 3 == 2 {
+            let name = format!("{prefix}-file-{step}");
+            let length = 20_000 + (step * 7_919) % 180_000;
+            let result = write_file(&client, &name, length).await;
+            (result, vec![(name, Expected::File(length))])
         } else if step % 4 == 1 {
             let name = format!("{prefix}-link-{step}");
             let target = format!("target of {name}");
@@ -225,11 +274,60 @@ async fn work(key: ClusterKey, prefix: char, answers: Rc<RefCell<Answers>>) {
     answers.borrow_mut().done += 1;
 }
 
-/// With the faults healed: every answered change is there, seen by a new client.
-async fn verify(key: ClusterKey, answers: Rc<RefCell<Answers>>) -> Result<usize, String> {
+/// Keep `IO_IN_SERVICE` current while the clients work (a client of its own).
+async fn watch_io_servers(key: ClusterKey) {
+    let Ok(client) = Client::connect(client_config(&key, "watcher")).await else {
+        return;
+    };
+    loop {
+        if let Ok(report) = client.cluster_status().await {
+            let in_service = report
+                .servers
+                .iter()
+                .filter(|server| server.state == MemberState::InService)
+                .count();
+            IO_IN_SERVICE.with(|count| count.set(in_service));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// With the faults healed: every I/O server back in service, every answered change there
+/// as a new client sees it, every file's bytes as written, and the two copies of each of
+/// its stripes identical on disk.
+async fn verify(
+    key: ClusterKey,
+    answers: Rc<RefCell<Answers>>,
+    data: PathBuf,
+) -> Result<usize, String> {
     let client = Client::connect(client_config(&key, "checker"))
         .await
         .map_err(|error| format!("checker: connect: {error}"))?;
+    let until = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let report = client.cluster_status().await.ok();
+        let in_service = report.as_ref().map_or(0, |report| {
+            report
+                .servers
+                .iter()
+                .filter(|server| server.state == MemberState::InService)
+                .count()
+        });
+        if in_service == IO_SERVERS {
+            break;
+        }
+        if tokio::time::Instant::now() > until {
+            return Err(format!(
+                "the I/O servers are not all back in service: {:?}",
+                report.map(|report| report
+                    .servers
+                    .iter()
+                    .map(|server| (server.server_id, server.state))
+                    .collect::<Vec<_>>())
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let expected = answers.borrow().names.clone();
     for (name, state) in &expected {
         let found = client.lookup(ROOT_INODE, name).await;
@@ -242,6 +340,10 @@ async fn verify(key: ClusterKey, answers: Rc<RefCell<Answers>>) -> Result<usize,
                         .await
                         .map_err(|error| format!("readlink {name}: {error}"))?,
                 ),
+                freeflow_types::FileKind::Regular => {
+                    check_file(&client, name, &data).await?;
+                    Expected::File(attr.size_bytes as usize)
+                }
                 other => return Err(format!("{name} is a {other:?}")),
             },
             Err(error) if error.code() == freeflow_client::ErrorCode::NotFound => Expected::Absent,
@@ -257,7 +359,75 @@ async fn verify(key: ClusterKey, answers: Rc<RefCell<Answers>>) -> Result<usize,
     Ok(expected.len())
 }
 
+/// File `name` reads back as written, and its copies are identical on disk.
+async fn check_file(client: &Client, name: &str, data: &Path) -> Result<(), String> {
+    let path = format!("/{name}");
+    let attr = client
+        .stat(&path)
+        .await
+        .map_err(|error| format!("stat {name}: {error}"))?;
+    let handle = client
+        .open_path(&path, &OpenOptions::new().read(true))
+        .await
+        .map_err(|error| format!("open {name}: {error}"))?;
+    let bytes = handle
+        .read_at(0, attr.size_bytes + 1)
+        .await
+        .map_err(|error| format!("read {name}: {error}"))?;
+    let _ = handle.close().await;
+    if bytes[..] != file_bytes(name, attr.size_bytes as usize)[..] {
+        return Err(format!(
+            "{name}: {} bytes read back differ from those written",
+            bytes.len()
+        ));
+    }
+    let layout = attr.layout.ok_or_else(|| format!("{name} has no layout"))?;
+    if layout.replicas() != 2 {
+        return Err(format!("{name}: {} copies, not 2", layout.replicas()));
+    }
+    for stripe in 0..layout.stripe_count() {
+        let copies: Vec<Vec<u8>> = layout
+            .chain(stripe)
+            .iter()
+            .map(|server| {
+                let object = data
+                    .join(format!("io-{server}"))
+                    .join("objects")
+                    .join(format!("{:02x}", attr.inode % 256))
+                    .join(format!("{:016x}.{stripe}", attr.inode));
+                std::fs::read(object).unwrap_or_default()
+            })
+            .collect();
+        if copies.iter().any(|copy| copy != &copies[0]) {
+            return Err(format!(
+                "{name} stripe {stripe}: copies on servers {:?} differ ({:?} bytes)",
+                layout.chain(stripe),
+                copies.iter().map(Vec::len).collect::<Vec<_>>()
+            ));
+        }
+    }
+    Ok(())
+}
+
 // ---- the simulation ----
+
+fn io_config(index: usize, data: &Path) -> IoConfig {
+    let meta: Vec<String> = (0..MEMBERS)
+        .map(|member_index| format!("{}:{CLIENT_PORT}", member(member_index)))
+        .collect();
+    IoConfig {
+        server_id: index as u32,
+        listen_address: format!("{}:{IO_PORT}", io_host(index)),
+        advertise_address: Some(format!("{}:{IO_PORT}", io_host(index))),
+        data_dir: data.join(format!("io-{index}")),
+        meta_address: meta.join(","),
+        engine: EngineKind::Threads,
+        buffer_count: 8,
+        worker_threads: 2,
+        register_backoff_max_ms: 500,
+        ..IoConfig::default()
+    }
+}
 
 fn meta_config(index: usize, data: &Path) -> MetaConfig {
     let peers: Vec<MetaPeer> = (0..MEMBERS)
@@ -283,6 +453,11 @@ fn meta_config(index: usize, data: &Path) -> MetaConfig {
         // window is the longer of the two): faults here come every few seconds.
         recovery_window_ms: 1_000,
         cache_lease_ms: 2_000,
+        // Two copies of every stripe; a silent I/O server is put out soon.
+        replicas: 2,
+        stripe_unit_bytes: 64 << 10,
+        server_down_after_ms: 2_000,
+        heartbeat_interval_ms: 500,
         ..MetaConfig::default()
     }
 }
@@ -291,6 +466,8 @@ type Members = Rc<RefCell<Vec<Option<ReplicatedMeta>>>>;
 
 struct Outcome {
     names: usize,
+    /// Of them, files whose bytes and copies were checked.
+    files: usize,
     faults: usize,
     leaders: usize,
     simulated: Duration,
@@ -334,19 +511,46 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
             }
         });
     }
+    for index in 0..IO_SERVERS {
+        let config = io_config(index, dir.path());
+        let key = key.clone();
+        sim.host(io_host(index), move || {
+            let (config, key) = (config.clone(), key.clone());
+            async move {
+                // A crashed instance's engine threads may hold the directory a moment.
+                let mut tries = 0;
+                let _server = loop {
+                    match freeflow_ioserver::start(config.clone(), key.clone()).await {
+                        Ok(server) => break server,
+                        Err(error) if tries < 100 => {
+                            tries += 1;
+                            tracing::debug!(%error, "I/O server start failed; again");
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        Err(error) => return Err(error.to_string().into()),
+                    }
+                };
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        });
+    }
     let answers = Rc::new(RefCell::new(Answers::default()));
     {
         let (key, answers) = (key.clone(), answers.clone());
+        let data = dir.path().to_path_buf();
         sim.client("client", async move {
             // Let the members elect a first leader.
             tokio::time::sleep(Duration::from_secs(2)).await;
             let local = tokio::task::LocalSet::new();
             local
                 .run_until(async {
+                    let watcher = tokio::task::spawn_local(watch_io_servers(key.clone()));
                     let a = tokio::task::spawn_local(work(key.clone(), 'a', answers.clone()));
                     let b = tokio::task::spawn_local(work(key.clone(), 'b', answers.clone()));
                     let _ = a.await;
                     let _ = b.await;
+                    watcher.abort();
                 })
                 .await;
             // Wait for the schedule to heal everything, then check.
@@ -355,7 +559,7 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
             }
             tokio::time::sleep(Duration::from_secs(2)).await;
             tracing::info!("faults healed; checking every answer");
-            let verified = verify(key.clone(), answers.clone()).await;
+            let verified = verify(key.clone(), answers.clone(), data).await;
             tracing::info!(ok = verified.is_ok(), "checked");
             answers.borrow_mut().verified = Some(verified);
             Ok(())
@@ -403,7 +607,15 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
                     let follower = leader.map_or(0, |leader| (leader + 1) % MEMBERS);
                     (Fault::Crashed(follower), Duration::from_secs(4))
                 } else {
-                    (choose(&mut draw, leader), draw.millis(300, 3_000))
+                    let mut chosen = choose(&mut draw, leader);
+                    // One I/O server failure at a time, as the promise says: another only
+                    // once every I/O server is back in service (resynced).
+                    if matches!(chosen, Fault::IoCrashed(_) | Fault::IoCutOff(_))
+                        && IO_IN_SERVICE.with(|count| count.get()) < IO_SERVERS
+                    {
+                        chosen = Fault::Crashed(leader.unwrap_or(0));
+                    }
+                    (chosen, draw.millis(300, 3_000))
                 };
                 inflict(&mut sim, &members, &chosen);
                 fault = Some(chosen);
@@ -453,6 +665,18 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
         return Err("the members never applied the same entry".into());
     }
     let names = answers.borrow().names.len();
+    // Not vacuous: the clients changed things, and the schedule did its work.
+    if names == 0 || faults < 3 {
+        return Err(format!(
+            "a seed that tested little: {names} names, {faults} faults"
+        ));
+    }
+    let files = answers
+        .borrow()
+        .names
+        .values()
+        .filter(|state| matches!(state, Expected::File(_)))
+        .count();
     let simulated = sim.elapsed();
     for index in 0..MEMBERS {
         sim.crash(member(index));
@@ -460,6 +684,7 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
     freeflow_rpc::net::simulate_on_this_thread(None);
     Ok(Outcome {
         names,
+        files,
         faults,
         leaders: leaders_by_term.len(),
         simulated,
@@ -467,6 +692,8 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
 }
 
 thread_local! {
+    /// I/O servers in service as the meta leader last said (`watch_io_servers`).
+    static IO_IN_SERVICE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     static HEALING_PENDING: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
 }
 
@@ -489,7 +716,10 @@ fn leader_of(members: &Members) -> Option<usize> {
 
 fn choose(draw: &mut Draw, leader: Option<usize>) -> Fault {
     let any = |draw: &mut Draw| draw.below(MEMBERS as u64) as usize;
-    match draw.below(6) {
+    let any_io = |draw: &mut Draw| draw.below(IO_SERVERS as u64) as usize;
+    match draw.below(8) {
+        6 => Fault::IoCrashed(any_io(draw)),
+        7 => Fault::IoCutOff(any_io(draw)),
         0 | 1 => Fault::Crashed(leader.unwrap_or_else(|| any(draw))),
         2 => Fault::Crashed(any(draw)),
         3 => Fault::LeaderCutOff(leader.unwrap_or_else(|| any(draw))),
@@ -524,7 +754,21 @@ fn inflict(sim: &mut turmoil::Sim, members: &Members, fault: &Fault) {
         // again), so the client's connection stalls: it must find that out (liveness).
         Fault::ClientCutOff(index) => sim.partition("client", member(index)),
         Fault::Held(a, b) => sim.hold(member(a), member(b)),
+        Fault::IoCrashed(index) => sim.crash(io_host(index)),
+        Fault::IoCutOff(index) => {
+            for other in io_peers(index) {
+                sim.partition(io_host(index), other);
+            }
+        }
     }
+}
+
+/// Every host but I/O server `index`.
+fn io_peers(index: usize) -> Vec<String> {
+    let mut peers: Vec<String> = (0..MEMBERS).map(member).collect();
+    peers.extend((0..IO_SERVERS).filter(|other| *other != index).map(io_host));
+    peers.push("client".to_string());
+    peers
 }
 
 fn heal(sim: &mut turmoil::Sim, members: &Members, fault: Fault) {
@@ -541,6 +785,12 @@ fn heal(sim: &mut turmoil::Sim, members: &Members, fault: Fault) {
         }
         Fault::ClientCutOff(index) => sim.repair("client", member(index)),
         Fault::Held(a, b) => sim.release(member(a), member(b)),
+        Fault::IoCrashed(index) => sim.bounce(io_host(index)),
+        Fault::IoCutOff(index) => {
+            for other in io_peers(index) {
+                sim.repair(io_host(index), other);
+            }
+        }
     }
 }
 
@@ -596,6 +846,7 @@ fn replicated_metadata_keeps_every_answer_under_simulated_faults() {
     let mut failed = Vec::new();
     for seed in seeds() {
         set_healing_pending(true);
+        IO_IN_SERVICE.with(|count| count.set(0));
         let started = std::time::Instant::now();
         let installed_before = SNAPSHOTS_INSTALLED.load(Ordering::Relaxed);
         match run_seed(seed) {
@@ -603,8 +854,9 @@ fn replicated_metadata_keeps_every_answer_under_simulated_faults() {
                 let installed = SNAPSHOTS_INSTALLED.load(Ordering::Relaxed) - installed_before;
                 snapshots += installed;
                 eprintln!(
-                    "seed {seed}: {} names checked, {} faults, {} terms with a leader, {installed} snapshots installed, {:?} simulated in {:?}",
+                    "seed {seed}: {} names checked ({} files), {} faults, {} terms with a leader, {installed} snapshots installed, {:?} simulated in {:?}",
                     outcome.names,
+                    outcome.files,
                     outcome.faults,
                     outcome.leaders,
                     outcome.simulated,

@@ -70,10 +70,13 @@ impl NetSwitch {
             eprintln!("skipping: network namespaces need root");
             return false;
         }
-        if run(&["netns", "list"]).is_err() {
-            eprintln!("skipping: `ip netns` is not available");
+        // Root is not enough in a container without CAP_NET_ADMIN: make one to see.
+        let probe = format!("{PREFIX}{}-probe", std::process::id());
+        if let Err(error) = run(&["netns", "add", &probe]) {
+            eprintln!("skipping: cannot make a network namespace here ({error})");
             return false;
         }
+        let _ = run(&["netns", "del", &probe]);
         true
     }
 
