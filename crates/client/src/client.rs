@@ -45,6 +45,9 @@ pub(crate) struct Shared {
     /// Shared with the revocation poll, which must not keep the rest alive while it waits.
     pub pool: Arc<Pool>,
     session_id: AtomicU64,
+    /// The meta server epoch the current session was granted under: a server of another
+    /// epoch does not know it (sessions live in one run of one leader).
+    pub(crate) session_epoch: AtomicU64,
     /// The session was closed (`Client::shutdown`): dropping the client need not close it.
     closed: AtomicBool,
     /// Write bytes in flight over the whole client (`dirty_bytes_max` permits).
@@ -174,6 +177,8 @@ impl Shared {
             new_session = grant.session_id,
             "the meta server forgot this client's session; handles open in it are lost"
         );
+        self.session_epoch
+            .store(self.pool.lease_epoch(), Ordering::Release);
         self.session_id.store(grant.session_id, Ordering::Release);
         Ok(grant.session_id)
     }
@@ -216,6 +221,7 @@ impl Client {
         let dirty = Arc::new(Semaphore::new(config.dirty_bytes_max as usize));
         let caller = config.caller.clone();
         let pool = Arc::new(pool);
+        let session_epoch = pool.lease_epoch();
         let shared = Arc::new(Shared {
             config,
             closer: Arc::new(crate::closer::Closer::new(pool.clone())),
@@ -224,6 +230,7 @@ impl Client {
             writers_open: std::sync::atomic::AtomicUsize::new(0),
             pool,
             session_id: AtomicU64::new(grant.session_id),
+            session_epoch: AtomicU64::new(session_epoch),
             closed: AtomicBool::new(false),
             dirty,
             readahead_room: Arc::new(Semaphore::new(crate::readahead::READAHEAD_CLIENT_BYTES_MAX)),

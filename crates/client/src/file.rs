@@ -173,6 +173,11 @@ pub(crate) struct HandleShared {
     inode: InodeId,
     handle_id: u64,
     session_id: u64,
+    /// The meta server epoch the handle was opened under: a restart since ended it.
+    opened_epoch: u64,
+    /// The epoch its session was granted under (0: not known), which the open's reply
+    /// may have come after (a create answered from its record by a newer leader).
+    session_epoch: u64,
     access: OpenAccess,
     /// The layout of a regular file; None for other kinds (which cannot be read or written).
     layout: Option<Layout>,
@@ -1639,18 +1644,24 @@ impl HandleShared {
         self.client.unregister_handle(self.inode, self);
         flushed?;
         match closed {
-            // The meta server does not hold the handle: it forgot the session the handle was
-            // opened in (a restart, a new metadata leader, the lease lost), or the open's
-            // reply and such a change crossed. The handle is gone, which is what close
-            // wanted; the data was flushed above. (This client never closes a handle twice
-            // nor names another session's: `closed` above.)
-            Err(error) if error.code() == ErrorCode::BadHandle => {
+            // The meta server forgot the session this handle was opened in (restart, new
+            // metadata leader, lease lost) and the client has opened another, or it
+            // restarted since the open (the client may not have noticed yet that its session
+            // is gone): the handle is gone with it, which is what close wanted; the data was
+            // flushed above. A handle of the current session the server lost otherwise is
+            // still an error (its file was not counted open meanwhile).
+            Err(error)
+                if error.code() == ErrorCode::BadHandle
+                    && (session_id != self.client.session_id()
+                        || self.opened_epoch != self.client.shared.pool.lease_epoch()
+                        || self.session_epoch != self.client.shared.pool.lease_epoch()) =>
+            {
                 tracing::debug!(
                     inode = self.inode,
                     handle_id,
                     session_id,
                     %error,
-                    "closing a handle the meta server no longer holds: already gone"
+                    "closing a handle of a replaced session: already gone"
                 );
                 Ok(())
             }
@@ -1676,10 +1687,18 @@ impl FileHandle {
     ) -> FileHandle {
         let (completions, _) = watch::channel(0);
         let layout = attr.layout.clone();
+        let opened_epoch = client.shared.pool.lease_epoch();
+        let session_epoch = if session_id == client.session_id() {
+            client.shared.session_epoch.load(Ordering::Acquire)
+        } else {
+            0
+        };
         let shared = Arc::new(HandleShared {
             inode: attr.inode,
             handle_id,
             session_id,
+            opened_epoch,
+            session_epoch,
             access,
             layout,
             state: Mutex::new(HandleState {

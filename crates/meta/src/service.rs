@@ -333,7 +333,7 @@ fn recorded_reply(
 /// client's session is here and the handle is not, the file is opened again in it and the
 /// reply names the new handle, so the client's handle is known here and its close works;
 /// otherwise the record is answered as it is (the client finds its session gone).
-fn opened_again(shared: &Shared, frame: &Frame, reply: Vec<u8>) -> Vec<u8> {
+fn opened_again(shared: &Shared, frame: &Frame, client: u64, reply: Vec<u8>) -> Vec<u8> {
     let Ok(request) = decode::<Create>(&frame.header) else {
         return reply;
     };
@@ -350,12 +350,15 @@ fn opened_again(shared: &Shared, frame: &Frame, reply: Vec<u8>) -> Vec<u8> {
     if sessions.holds(session_id, handle_id) || !sessions.exists(session_id) {
         return reply;
     }
-    match sessions.open_handle(session_id, created.attr.inode, access) {
+    // Opened again once per recorded handle (a second resend gets the same handle); a
+    // failure is the answer (the old handle is not held here: its file would not count
+    // as open).
+    match sessions.open_again(session_id, client, handle_id, created.attr.inode, access) {
         Ok(opened) => {
             created.handle_id = Some(opened);
             encode(&Ok::<CreateReply, WireError>(created))
         }
-        Err(_) => reply,
+        Err(error) => encode(&Err::<CreateReply, WireError>(error)),
     }
 }
 
@@ -418,7 +421,7 @@ impl MetaService {
                         ..Answered::default()
                     };
                     let header = if frame.opcode == Create::OPCODE {
-                        opened_again(shared, &frame, record.reply)
+                        opened_again(shared, &frame, client, record.reply)
                     } else {
                         record.reply
                     };
@@ -535,7 +538,16 @@ impl Service for MetaService {
         }
         if is_mutation(frame.opcode) {
             if client != 0 {
-                return self.client_mutation(frame, client).await;
+                // On a task of its own: if this request is dropped (its connection ended),
+                // the mutation still finishes before a resend of it is looked at (a resend
+                // waits for it in `begin_mutation`, then finds its reply record), instead
+                // of running a second time while the first is queued at the writer.
+                let service = MetaService {
+                    shared: self.shared.clone(),
+                };
+                return tokio::spawn(async move { service.client_mutation(frame, client).await })
+                    .await
+                    .unwrap_or_else(|error| Err(format!("a mutation's task failed: {error}")));
             }
             // A peer without a client id: applied, not recorded, never replayed.
             let id = MutationId {

@@ -29,6 +29,9 @@ struct Session {
     client_id: u64,
     renewed_at: Instant,
     handles: HashSet<u64>,
+    /// Handles opened again for creates answered from their reply record (a handle id
+    /// another server gave -> the one opened here), so a second resend gets the same one.
+    reopened: HashMap<u64, u64>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -92,6 +95,7 @@ impl Sessions {
             client_id,
             renewed_at: now,
             handles: HashSet::new(),
+            reopened: HashMap::new(),
         };
         self.sessions.insert(session_id, session);
         Ok(session_id)
@@ -108,6 +112,35 @@ impl Sessions {
 
     pub fn exists(&self, session_id: u64) -> bool {
         self.sessions.contains_key(&session_id)
+    }
+
+    /// The handle opened in `session_id` for the recorded handle `original`, opening it
+    /// (on `inode`) the first time it is asked for; the session must be `client`'s.
+    pub fn open_again(
+        &mut self,
+        session_id: u64,
+        client: u64,
+        original: u64,
+        inode: InodeId,
+        access: OpenAccess,
+    ) -> Result<u64, WireError> {
+        let session = self
+            .sessions
+            .get(&session_id)
+            .ok_or_else(|| bad_session(session_id))?;
+        if session.client_id != client {
+            return Err(bad_session(session_id));
+        }
+        if let Some(opened) = session.reopened.get(&original) {
+            if self.holds(session_id, *opened) {
+                return Ok(*opened);
+            }
+        }
+        let opened = self.open_handle(session_id, inode, access)?;
+        if let Some(session) = self.sessions.get_mut(&session_id) {
+            session.reopened.insert(original, opened);
+        }
+        Ok(opened)
     }
 
     /// Whether `handle_id` is open in `session_id`.

@@ -38,7 +38,8 @@ pub struct ConnectOptions {
     /// long is taken for dead and closed (its calls fail with `Disconnected`, and callers
     /// that retry go elsewhere or reconnect); after a quarter of it, it pings the server,
     /// which answers at once however long its requests take. This is what finds a server
-    /// cut off or hung without closing its socket well before a call times out. 0: never.
+    /// cut off or hung without closing its socket well before a call times out. 0: never;
+    /// below [`LIVENESS_TIMEOUT_MS_MIN`], that.
     pub liveness_timeout_ms: u64,
 }
 
@@ -57,6 +58,9 @@ impl Default for ConnectOptions {
 
 /// Default of [`ConnectOptions::liveness_timeout_ms`].
 pub const LIVENESS_TIMEOUT_MS_DEFAULT: u64 = 3_000;
+/// The shortest liveness timeout taken: a busy server tells it is alive every 200 ms
+/// (`server.rs`, `PONG_INTERVAL`), which must come well within it.
+pub const LIVENESS_TIMEOUT_MS_MIN: u64 = 1_000;
 
 type ReplySlot = oneshot::Sender<RawFrame>;
 
@@ -252,11 +256,16 @@ impl Connection {
             .lock()
             .expect("not poisoned")
             .extend([writer_task.abort_handle(), reader_task.abort_handle()]);
+        // The reader may have failed and closed before its tasks were noted.
+        if shared.closed.load(Ordering::Acquire) {
+            writer_task.abort();
+            reader_task.abort();
+        }
         if options.liveness_timeout_ms > 0 {
             tokio::spawn(liveness_loop(
                 shared.clone(),
                 sender.downgrade(),
-                Duration::from_millis(options.liveness_timeout_ms),
+                Duration::from_millis(options.liveness_timeout_ms.max(LIVENESS_TIMEOUT_MS_MIN)),
             ));
         }
         let window_bytes = hello.window_bytes.max(1);

@@ -641,7 +641,7 @@ async fn a_slow_request_on_a_live_server_outlasts_the_liveness_timeout() {
     .await
     .unwrap();
     let (_, echoed) = connection
-        .call(&write_request(1, 1_000), Bytes::from_static(b"slow"))
+        .call(&write_request(1, 2_500), Bytes::from_static(b"slow"))
         .await
         .expect("a slow request on a live server completes");
     assert_eq!(&echoed[..], b"slow");
@@ -738,7 +738,7 @@ async fn a_server_at_its_request_limit_is_not_taken_for_dead() {
     )
     .await
     .unwrap();
-    let (slow_request, queued_request) = (write_request(1, 1_500), write_request(1, 0));
+    let (slow_request, queued_request) = (write_request(1, 2_500), write_request(1, 0));
     let slow = connection.call(&slow_request, Bytes::from_static(b"slow"));
     let queued = connection.call(&queued_request, Bytes::from_static(b"queued"));
     let (slow, queued) = tokio::join!(slow, queued);
