@@ -464,23 +464,7 @@ async fn a_leader_paused_past_an_election_steps_down_and_replicas_agree() {
     leader_other_than(&cluster, first, "paused").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     cluster.signal_meta(first, "CONT");
-    let mut answered = Vec::new();
-    for writer in writers {
-        answered.extend(writer.await.expect("a writer finished without an error"));
-    }
-    assert_eq!(answered.len(), 2 * FILES);
-    check_answered(&cluster, &answered).await;
-    for client in &clients {
-        client.shutdown().await;
-    }
-    // The paused one follows now.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let log = std::fs::read_to_string(&cluster.metas[first].log).unwrap_or_default();
-    assert!(
-        log.contains("stopped leading"),
-        "the paused leader did not step down\n{}",
-        cluster.logs()
-    );
+    let log = answered_and_stepped_down(&cluster, first, clients, writers, "paused").await;
     for line in log.lines().filter(|line| {
         line.contains("stopped leading") || line.contains("took back") || line.contains("giving up")
     }) {
@@ -488,6 +472,36 @@ async fn a_leader_paused_past_an_election_steps_down_and_replicas_agree() {
     }
     let digests = stop_and_compare(&mut cluster).await;
     eprintln!("replicas after the pause: {digests:?}");
+}
+
+/// The writers finish without an error, everything they were answered reads back, and
+/// the old leader `first` (`what`: paused, cut off) has stepped down and follows. Returns
+/// its log.
+async fn answered_and_stepped_down(
+    cluster: &ReplicatedCluster,
+    first: usize,
+    clients: Vec<Arc<Client>>,
+    writers: Vec<tokio::task::JoinHandle<Vec<(String, usize)>>>,
+    what: &str,
+) -> String {
+    let mut answered = Vec::new();
+    for writer in writers {
+        answered.extend(writer.await.expect("a writer finished without an error"));
+    }
+    assert_eq!(answered.len(), 2 * FILES);
+    check_answered(cluster, &answered).await;
+    for client in &clients {
+        client.shutdown().await;
+    }
+    // The old leader follows now.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let log = std::fs::read_to_string(&cluster.metas[first].log).unwrap_or_default();
+    assert!(
+        log.contains("stopped leading"),
+        "the {what} leader did not step down\n{}",
+        cluster.logs()
+    );
+    log
 }
 
 /// The member other than `first` that leads, once the other two have elected one.
@@ -542,22 +556,7 @@ async fn a_leader_cut_off_by_the_network_steps_down_and_replicas_agree() {
     // The writers go on with the new leader while the old one is away.
     tokio::time::sleep(Duration::from_secs(4)).await;
     cluster.switch.as_ref().expect("a switch").heal(first);
-    let mut answered = Vec::new();
-    for writer in writers {
-        answered.extend(writer.await.expect("a writer finished without an error"));
-    }
-    assert_eq!(answered.len(), 2 * FILES);
-    check_answered(&cluster, &answered).await;
-    for client in &clients {
-        client.shutdown().await;
-    }
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let log = std::fs::read_to_string(&cluster.metas[first].log).unwrap_or_default();
-    assert!(
-        log.contains("stopped leading"),
-        "the cut-off leader did not step down\n{}",
-        cluster.logs()
-    );
+    answered_and_stepped_down(&cluster, first, clients, writers, "cut-off").await;
     let digests = stop_and_compare(&mut cluster).await;
     eprintln!("replicas after the cut: {digests:?}");
 }
