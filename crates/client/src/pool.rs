@@ -21,7 +21,7 @@ use freeflow_proto::meta::{
     ServerRecord, ServiceMap, Sync,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
-use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RawFrame, RpcError};
+use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, LeaderSearch, RawFrame, RpcError};
 use freeflow_types::{Attr, InodeId, ServerId};
 
 use crate::metrics::ClientMetrics;
@@ -95,8 +95,8 @@ struct Endpoint {
     /// One address, or for the metadata service of a replicated cluster several, comma
     /// separated (see `Connection::connect_leader`).
     address: String,
-    /// Index of the address that answered last (several addresses only).
-    preferred: AtomicU64,
+    /// With several addresses: the one that led last is tried first.
+    leader: LeaderSearch,
     /// The identity the server must announce in its hello ("meta", "io:<id>"): a server
     /// answering at a stale address must not receive another server's data.
     identity: String,
@@ -109,8 +109,8 @@ struct Endpoint {
 impl Endpoint {
     fn new(address: String, identity: String) -> Endpoint {
         Endpoint {
+            leader: LeaderSearch::new(address.clone()),
             address,
-            preferred: AtomicU64::new(0),
             identity,
             current: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
@@ -138,11 +138,7 @@ impl Endpoint {
             return Ok(connection);
         }
         let connection = if self.replicated() {
-            let first = self.preferred.load(Ordering::Relaxed) as usize;
-            let (connection, index) =
-                Connection::connect_leader(&self.address, first, key, options).await?;
-            self.preferred.store(index as u64, Ordering::Relaxed);
-            connection
+            self.leader.connect(key, options).await?
         } else {
             Connection::connect(&self.address, key, options).await?
         };
@@ -174,7 +170,7 @@ impl Endpoint {
             .is_some_and(|kept| Connection::same(kept, connection))
         {
             *current = None;
-            self.preferred.fetch_add(1, Ordering::Relaxed);
+            self.leader.pass_over();
         }
     }
 }

@@ -30,7 +30,7 @@ use bytes::Bytes;
 use freeflow_proto::io::ObjectSpace;
 use freeflow_proto::meta::{GetServiceMap, MemberState, ServiceMap};
 use freeflow_proto::{ErrorCode, Request, WireError};
-use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, RpcError};
+use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, LeaderSearch, RpcError};
 use freeflow_types::{ObjectId, ServerId};
 use tokio::sync::{watch, RwLock, RwLockReadGuard};
 
@@ -38,7 +38,6 @@ use tokio::sync::{watch, RwLock, RwLockReadGuard};
 pub struct Replication {
     server_id: ServerId,
     key: ClusterKey,
-    meta_address: String,
     /// For the meta server (map fetches).
     options: ConnectOptions,
     /// For chain partners: a longer call timeout, since a partner that hangs is given up
@@ -54,9 +53,9 @@ pub struct Replication {
     /// Until when replicated stripes may be served without hearing from the meta server
     /// (see `RegisterReply::lease_ms`); None before the first registration.
     lease_until: Mutex<Option<tokio::time::Instant>>,
-    /// Which of the comma-separated `meta_address`es led when last reached: the next
-    /// connection to the meta server tries it first (registration, map fetches, resync).
-    meta_leader_hint: std::sync::atomic::AtomicUsize,
+    /// The metadata members, the one that led last tried first (registration, map
+    /// fetches, resync).
+    meta_leader: LeaderSearch,
     pub ranges: RangeLocks,
     /// Requests passed on to the next member, their payload bytes, and those that failed.
     pub passed_on: std::sync::atomic::AtomicU64,
@@ -75,7 +74,6 @@ impl Replication {
         Replication {
             server_id,
             key,
-            meta_address,
             options: ConnectOptions {
                 client_name: format!("io:{server_id}:chain"),
                 call_timeout_ms,
@@ -94,7 +92,7 @@ impl Replication {
             meta: tokio::sync::Mutex::new(None),
             newer_seen: tokio::sync::Notify::new(),
             lease_until: Mutex::new(None),
-            meta_leader_hint: std::sync::atomic::AtomicUsize::new(0),
+            meta_leader: LeaderSearch::new(meta_address),
             ranges: RangeLocks::default(),
             passed_on: std::sync::atomic::AtomicU64::new(0),
             passed_on_bytes: std::sync::atomic::AtomicU64::new(0),
@@ -235,17 +233,10 @@ impl Replication {
         ))
     }
 
-    /// Connect to the metadata server that leads among `meta_address`, trying first the
+    /// Connect to the metadata server that leads among the meta addresses, trying first the
     /// one that led last time.
     pub async fn connect_meta(&self, options: &ConnectOptions) -> Result<Connection, RpcError> {
-        let first = self
-            .meta_leader_hint
-            .load(std::sync::atomic::Ordering::Relaxed);
-        let (connection, index) =
-            Connection::connect_leader(&self.meta_address, first, &self.key, options).await?;
-        self.meta_leader_hint
-            .store(index, std::sync::atomic::Ordering::Relaxed);
-        Ok(connection)
+        self.meta_leader.connect(&self.key, options).await
     }
 
     /// Fetch the map from the meta server and hold it from now on.

@@ -39,8 +39,9 @@ pub const FLAG_REPLAY: u8 = 0x04;
 pub const OPCODE_HELLO: u16 = 1;
 pub const OPCODE_AUTHENTICATE: u16 = 2;
 /// "Are you there?": a client that waits for replies and has heard nothing for a while
-/// sends it (request id 0, empty sections); the server's connection answers it at once,
-/// outside its request limits, with an empty reply.
+/// sends it (request id 0, empty sections); the server's connection answers it with an
+/// empty reply without taking a request slot, and sends such replies unasked while its
+/// reading waits for room (docs/protocol.md, "Liveness").
 pub const OPCODE_PING: u16 = 3;
 
 /// The fixed header of a frame.

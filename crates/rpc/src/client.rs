@@ -118,6 +118,45 @@ struct Inner {
     call_timeout_ms: u64,
 }
 
+/// The metadata members' addresses (comma separated) and which of them led when last
+/// reached, so the next connection tries that one first (`Connection::connect_leader`).
+#[derive(Debug)]
+pub struct LeaderSearch {
+    addresses: String,
+    preferred: std::sync::atomic::AtomicUsize,
+}
+
+impl LeaderSearch {
+    pub fn new(addresses: impl Into<String>) -> LeaderSearch {
+        LeaderSearch {
+            addresses: addresses.into(),
+            preferred: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    pub fn addresses(&self) -> &str {
+        &self.addresses
+    }
+
+    /// The member that led no longer does: the next search starts at the one after it.
+    pub fn pass_over(&self) {
+        self.preferred.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Connect to the member that leads, trying first the one that led last time.
+    pub async fn connect(
+        &self,
+        key: &ClusterKey,
+        options: &ConnectOptions,
+    ) -> Result<Connection, RpcError> {
+        let first = self.preferred.load(Ordering::Relaxed);
+        let (connection, index) =
+            Connection::connect_leader(&self.addresses, first, key, options).await?;
+        self.preferred.store(index, Ordering::Relaxed);
+        Ok(connection)
+    }
+}
+
 /// An authenticated, pipelined connection to one server. Clones share it.
 #[derive(Clone)]
 pub struct Connection {

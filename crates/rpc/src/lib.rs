@@ -16,7 +16,7 @@ pub mod net;
 mod server;
 mod transport;
 
-pub use client::{ConnectOptions, Connection, LIVENESS_TIMEOUT_MS_DEFAULT};
+pub use client::{ConnectOptions, Connection, LeaderSearch};
 pub use codec::{
     read_fixed_header, read_frame, read_frame_body, write_frame, FixedHeader, FrameLimits,
     FrameReadError, RawFrame,
