@@ -471,9 +471,12 @@ impl Writer {
                 Ok(receiver) => {
                     let watcher = shared.clone();
                     link.runtime.spawn(async move {
-                        let outcome =
-                            tokio::time::timeout(crate::raft::link::COMMIT_WAIT, receiver).await;
-                        match crate::raft::link::committed(outcome) {
+                        let wait = crate::raft::link::COMMIT_WAIT;
+                        let outcome = match tokio::time::timeout(wait, receiver).await {
+                            Ok(outcome) => crate::raft::link::committed(outcome),
+                            Err(_) => Err(format!("not committed within {wait:?}")),
+                        };
+                        match outcome {
                             Ok(()) => {
                                 watcher.durable.send_if_modified(|durable| {
                                     let newer = txn > *durable;
@@ -601,23 +604,30 @@ impl Writer {
             }
             let mut durable = shared.durable.subscribe();
             let mut deposed = link.deposed.subscribe();
+            let timer = link.timer(crate::raft::link::COMMIT_WAIT);
             let waited = link.runtime.block_on(async {
                 // The borrow `wait_for` returns is dropped here, before the watch is
                 // written below. A leadership that ends meanwhile stops the wait.
                 tokio::select! {
-                    waited = tokio::time::timeout(
-                        crate::raft::link::COMMIT_WAIT,
-                        durable.wait_for(|txn| *txn >= last),
-                    ) => waited.is_ok_and(|waited| waited.is_ok()),
-                    _ = deposed.wait_for(|reason| reason.is_some()) => false,
+                    waited = durable.wait_for(|txn| *txn >= last) => match waited {
+                        Ok(_) => Ok(()),
+                        Err(_) => Err("the server is shutting down".to_string()),
+                    },
+                    elapsed = timer => match elapsed {
+                        Ok(()) => Err(format!(
+                            "transaction {last} not committed within {:?}",
+                            crate::raft::link::COMMIT_WAIT
+                        )),
+                        Err(_) => Err("the server is shutting down".to_string()),
+                    },
+                    _ = deposed.wait_for(|reason| reason.is_some()) => {
+                        Err("stopped leading".to_string())
+                    }
                 }
             });
             match waited {
-                true => self.became_durable(last),
-                false => link.depose(format!(
-                    "transaction {last} not committed within {:?}",
-                    crate::raft::link::COMMIT_WAIT
-                )),
+                Ok(()) => self.became_durable(last),
+                Err(reason) => link.depose(reason),
             }
             return;
         }

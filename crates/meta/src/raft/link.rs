@@ -49,14 +49,31 @@ impl RaftLink {
     /// meanwhile ends the wait.
     pub fn wait_committed(&self, receiver: CommitReceiver) -> Result<(), String> {
         let mut deposed = self.deposed.subscribe();
+        let timer = self.timer(COMMIT_WAIT);
         self.runtime.block_on(async {
             tokio::select! {
-                outcome = tokio::time::timeout(COMMIT_WAIT, receiver) => committed(outcome),
+                outcome = receiver => committed(outcome),
+                elapsed = timer => match elapsed {
+                    Ok(()) => Err(format!("not committed within {COMMIT_WAIT:?}")),
+                    Err(_) => Err("the server is shutting down".to_string()),
+                },
                 _ = deposed.wait_for(|reason| reason.is_some()) => {
                     Err("stopped leading while waiting for a commit".to_string())
                 }
             }
         })
+    }
+
+    /// A timer the writer thread can wait on: it fires after `wait`, and fails at once when
+    /// the runtime shuts down (its task is dropped). The writer runs outside the runtime,
+    /// where a Tokio timer polled during shutdown panics.
+    pub fn timer(&self, wait: Duration) -> oneshot::Receiver<()> {
+        let (fire, fired) = oneshot::channel();
+        self.runtime.spawn(async move {
+            tokio::time::sleep(wait).await;
+            let _ = fire.send(());
+        });
+        fired
     }
 
     /// Whether this server has stopped leading.
@@ -87,21 +104,17 @@ pub fn depose(deposed: &watch::Sender<Option<String>>, reason: String) {
 
 type Outcome = Result<
     Result<
-        Result<
-            openraft::raft::ClientWriteResponse<TypeConfig>,
-            openraft::error::ClientWriteError<NodeId, openraft::BasicNode>,
-        >,
-        oneshot::error::RecvError,
+        openraft::raft::ClientWriteResponse<TypeConfig>,
+        openraft::error::ClientWriteError<NodeId, openraft::BasicNode>,
     >,
-    tokio::time::error::Elapsed,
+    oneshot::error::RecvError,
 >;
 
 /// Whether a proposal's outcome says it was committed, or why not.
 pub fn committed(outcome: Outcome) -> Result<(), String> {
     match outcome {
-        Ok(Ok(Ok(_))) => Ok(()),
-        Ok(Ok(Err(error))) => Err(format!("not committed: {error}")),
-        Ok(Err(_)) => Err("raft dropped the proposal".to_string()),
-        Err(_) => Err(format!("not committed within {COMMIT_WAIT:?}")),
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(error)) => Err(format!("not committed: {error}")),
+        Err(_) => Err("raft dropped the proposal".to_string()),
     }
 }
