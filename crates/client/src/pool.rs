@@ -361,7 +361,25 @@ impl Pool {
         request: &R,
         target: impl FnOnce() -> String,
     ) -> Result<(R::Reply, Lease), ClientError> {
-        self.meta_call_leased_as(request, target, None).await
+        self.meta_call_leased_as(request, target, None, &mut false)
+            .await
+    }
+
+    /// [`Pool::meta_call`], saying whether the request had to be sent more than once (its
+    /// connection broke, or a member no longer led): an earlier attempt may have been carried
+    /// out already. For requests the server keeps no reply record of (`Close`), where the
+    /// second attempt finds the first one's work done.
+    pub async fn meta_call_noting_resend<R: Request>(
+        &self,
+        request: &R,
+        target: impl FnOnce() -> String,
+    ) -> (Result<R::Reply, ClientError>, bool) {
+        let mut resent = false;
+        let result = self
+            .meta_call_leased_as(request, target, None, &mut resent)
+            .await
+            .map(|(reply, _)| reply);
+        (result, resent)
     }
 
     /// [`Pool::meta_call_leased`] for a mutation its caller already answered (a create or
@@ -375,7 +393,7 @@ impl Pool {
         target: impl FnOnce() -> String,
         answered: Vec<u8>,
     ) -> Result<(R::Reply, Lease), ClientError> {
-        self.meta_call_leased_as(request, target, Some(answered))
+        self.meta_call_leased_as(request, target, Some(answered), &mut false)
             .await
     }
 
@@ -384,9 +402,10 @@ impl Pool {
         request: &R,
         target: impl FnOnce() -> String,
         patient: Option<Vec<u8>>,
+        resent: &mut bool,
     ) -> Result<(R::Reply, Lease), ClientError> {
         let started = Instant::now();
-        let result = self.meta_call_unmetered(request, patient).await;
+        let result = self.meta_call_unmetered(request, patient, resent).await;
         self.metrics
             .request_done(R::OPCODE, started, result.is_ok());
         result
@@ -407,6 +426,7 @@ impl Pool {
         &self,
         request: &R,
         patient: Option<Vec<u8>>,
+        resent: &mut bool,
     ) -> Result<(R::Reply, ReplyStamp), RpcError> {
         let mutation = is_mutation(R::OPCODE);
         if mutation {
@@ -467,6 +487,7 @@ impl Pool {
                     tracing::debug!(request = R::NAME, request_id, "not the leader; finding it");
                     self.meta.forget(&connection);
                     flags = FLAG_RESEND;
+                    *resent = true;
                     tokio::time::sleep(Duration::from_millis(RESEND_PAUSE_MS)).await;
                 }
                 Ok((frame, _)) => return self.meta_reply::<R>(frame, request_id, header),
@@ -485,6 +506,7 @@ impl Pool {
                 {
                     tracing::debug!(%error, request = R::NAME, request_id, "sending again");
                     flags = FLAG_RESEND;
+                    *resent = true;
                     tokio::time::sleep(Duration::from_millis(RESEND_PAUSE_MS)).await;
                 }
                 Err(error) => return Err(error),
@@ -531,7 +553,7 @@ impl Pool {
     /// Wait until the kept log has room for one more mutation: ask for a durable commit.
     async fn make_room(&self) -> Result<(), RpcError> {
         while !self.kept().has_room() {
-            Box::pin(self.meta_call_unmetered(&Sync {}, None)).await?;
+            Box::pin(self.meta_call_unmetered(&Sync {}, None, &mut false)).await?;
         }
         Ok(())
     }

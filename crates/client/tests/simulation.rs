@@ -14,7 +14,9 @@
 //! name created, renamed or removed as answered, each file's bytes as written and its two
 //! copies identical on disk), and once the members have applied the same entry their
 //! replicated state is identical. A failure names its seed; `FREEFLOW_SIM_SEED=N` runs that
-//! one alone, and `FREEFLOW_SIM_SEEDS=K` runs K seeds (a soak; the test suite runs a few).
+//! one alone, and `FREEFLOW_SIM_SEEDS=K` runs K seeds (a soak; the test suite runs a few),
+//! from `FREEFLOW_SIM_FIRST` (1). `FREEFLOW_SIM_OVERLAP_IO=1` lets a second I/O server fail
+//! before the first is back in service (beyond the one-failure promise; docs/replication.md).
 //!
 //! The seed fixes the faults, their timing and every message's latency. It does not fix
 //! everything: openraft draws election timeouts from its own random source, and the meta
@@ -610,7 +612,9 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
                     let mut chosen = choose(&mut draw, leader);
                     // One I/O server failure at a time, as the promise says: another only
                     // once every I/O server is back in service (resynced).
+                    // `FREEFLOW_SIM_OVERLAP_IO=1` lifts that (a soak of double failures).
                     if matches!(chosen, Fault::IoCrashed(_) | Fault::IoCutOff(_))
+                        && !overlapping_io_faults()
                         && IO_IN_SERVICE.with(|count| count.get()) < IO_SERVERS
                     {
                         chosen = Fault::Crashed(leader.unwrap_or(0));
@@ -695,6 +699,11 @@ thread_local! {
     /// I/O servers in service as the meta leader last said (`watch_io_servers`).
     static IO_IN_SERVICE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     static HEALING_PENDING: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+}
+
+/// Whether I/O faults may come while another I/O server is not back in service yet.
+fn overlapping_io_faults() -> bool {
+    std::env::var("FREEFLOW_SIM_OVERLAP_IO").is_ok_and(|value| value == "1")
 }
 
 fn healing_pending() -> bool {
@@ -820,7 +829,11 @@ fn seeds() -> Vec<u64> {
         .ok()
         .and_then(|count| count.parse().ok())
         .unwrap_or(SEEDS_IN_SUITE);
-    (1..=count).collect()
+    let first = std::env::var("FREEFLOW_SIM_FIRST")
+        .ok()
+        .and_then(|first| first.parse().ok())
+        .unwrap_or(1);
+    (first..first + count).collect()
 }
 
 #[test]

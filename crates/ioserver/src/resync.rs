@@ -96,6 +96,16 @@ impl Resync {
                 order.map_version, map.version
             ));
         }
+        // A server that went out after this one may hold the only copy of what was written
+        // to a chain of the two while this one was away. Its objects cannot be listed while
+        // it is out, so the copy waits for it rather than end without them (and put this
+        // server back in service with a stale copy, which that server would then copy from
+        // when it returns; found by the simulation with two I/O failures overlapping).
+        if let Some(server) = fresher_and_out(&map, me) {
+            return Err(format!(
+                "server {server} went out after this one and may hold writes made while this one was away; waiting for it"
+            ));
+        }
         let meta = self
             .replication
             .connect_meta(&self.options)
@@ -339,6 +349,21 @@ fn source_of(map: &ServiceMap, chain: &[ServerId], me: ServerId) -> Source {
     }
 }
 
+/// A member out that went out after `me` did (the freshest such), if any: until it returns,
+/// no listing shows what it alone may hold.
+fn fresher_and_out(map: &ServiceMap, me: ServerId) -> Option<ServerId> {
+    let mine = map.member(me).map_or(0, |member| member.unsynced_since_ms);
+    map.members
+        .iter()
+        .filter(|member| {
+            member.server_id != me
+                && member.state == MemberState::Out
+                && member.unsynced_since_ms > mine
+        })
+        .max_by_key(|member| member.unsynced_since_ms)
+        .map(|member| member.server_id)
+}
+
 /// The objects of a partner written within `window_ms`.
 async fn list_recent(connection: &Connection, window_ms: u64) -> Result<Vec<ObjectId>, String> {
     let mut recent = Vec::new();
@@ -401,5 +426,12 @@ mod tests {
         assert_eq!(source_of(&map, &[3, 5], 3), Source::Partner(5));
         assert_eq!(source_of(&map, &[3, 5], 5), Source::Mine);
         assert_eq!(source_of(&map, &[3, 1], 3), Source::Away(1));
+        // Server 1 went out after 3 and 5 became unsynced: their copies wait for it.
+        assert_eq!(fresher_and_out(&map, 3), Some(1));
+        assert_eq!(fresher_and_out(&map, 5), Some(1));
+        assert_eq!(fresher_and_out(&map, 1), None);
+        let mut later = map.clone();
+        later.members[0].unsynced_since_ms = 50;
+        assert_eq!(fresher_and_out(&later, 3), None);
     }
 }
