@@ -420,3 +420,77 @@ async fn a_handle_closed_right_after_a_meta_restart_closes() {
     cluster.restart_meta().await;
     handle.close().await.expect("close right after the restart");
 }
+
+/// A file a client holds open across a kill -9 and restart of the meta server, unlinked by
+/// another client after the restart: the holder's session and handle were taken again in
+/// the recovery window (`ReclaimSession`), so the new server counts the file open and its
+/// reaper leaves the data alone, past the lease in which orphans from before a restart are
+/// spared anyway. The holder reads back every byte, and the data goes once it closes.
+/// (Before handles were reclaimed the new server counted nothing open and reaped at once.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_held_open_across_a_meta_restart_keeps_its_data_when_unlinked_after() {
+    let mut cluster = Cluster::start(2).await;
+    let holder = cluster.client().await;
+    let other = cluster.client().await;
+    let handle = holder
+        .open_path(
+            "/held",
+            &freeflow_client::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true),
+        )
+        .await
+        .expect("create");
+    let bytes: Vec<u8> = (0..512 * 1024u32).map(|i| (i * 7 % 251) as u8).collect();
+    handle
+        .write_at(0, bytes::Bytes::from(bytes.clone()))
+        .await
+        .expect("write");
+    handle.fsync().await.expect("fsync");
+    let inode = handle.inode();
+    assert!(!cluster.object_files(inode).is_empty(), "objects written");
+
+    cluster.kill_meta();
+    cluster.restart_meta().await;
+    // The holder finds the new server (its revocation poll notices the restart) and takes its
+    // session and handle again before the window ends; the unlink waits for that.
+    holder
+        .getattr(ROOT_INODE)
+        .await
+        .expect("the holder reaches the restarted server");
+    other
+        .unlink(ROOT_INODE, "held")
+        .await
+        .expect("unlink after the restart");
+    // Past one lease after the restart plus reaper passes: an orphan nobody counted open
+    // would be gone by now.
+    tokio::time::sleep(Duration::from_millis(
+        u64::from(common::TEST_LEASE_MS) + 2_000,
+    ))
+    .await;
+    assert!(
+        !cluster.object_files(inode).is_empty(),
+        "the data of a file held open across the restart was reaped\n{}",
+        cluster.all_logs()
+    );
+    let read = handle
+        .read_at(0, bytes.len() as u64)
+        .await
+        .expect("read through the held handle");
+    assert!(
+        read.as_ref() == bytes.as_slice(),
+        "the held handle read {} bytes, not those written",
+        read.len()
+    );
+    handle.close().await.expect("close the reclaimed handle");
+    let gone = poll_until(30_000, || async {
+        cluster.object_files(inode).is_empty().then_some(())
+    })
+    .await;
+    assert!(
+        gone.is_some(),
+        "objects of the unlinked file {inode} still there after its last close: {:?}",
+        cluster.object_files(inode)
+    );
+}

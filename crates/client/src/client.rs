@@ -19,9 +19,9 @@ use std::time::Duration;
 use freeflow_proto::meta::{
     Caller, CloseSession, ClusterReport, ClusterStatus, Create, DirPage, FsStats, GetAttr,
     GetXattr, HandleRef, Link, ListXattr, Lookup, LookupEntry, Mkdir, Open, OpenAccess,
-    OpenSession, ReadDir, ReadLink, RemoveXattr, Rename, RenameMode, RenewSession, ReserveInodes,
-    Revocation, Rmdir, ServerRecord, SetAttributes, SetDirLayout, SetXattr, StatFs, Symlink,
-    Unlink, XattrSetMode,
+    OpenSession, ReadDir, ReadLink, ReclaimSession, ReclaimedHandle, RemoveXattr, Rename,
+    RenameMode, RenewSession, ReserveInodes, Revocation, Rmdir, ServerRecord, SetAttributes,
+    SetDirLayout, SetXattr, StatFs, Symlink, Unlink, XattrSetMode, RECLAIM_HANDLES_MAX,
 };
 use freeflow_proto::ErrorCode;
 use freeflow_rpc::{ConnectOptions, RpcError};
@@ -157,6 +157,72 @@ impl Shared {
         self.session_id.store(session_id, Ordering::Release);
     }
 
+    /// After a restart of the meta server or a change of leader, inside its recovery
+    /// window: this client's session and every handle open in it taken again under their
+    /// ids (`ReclaimSession`), so the new server counts their files open (an unlinked file
+    /// keeps its data) and closes of them succeed. Returns the session, or None if it
+    /// could not be taken again (the next call opens another; its handles are lost).
+    pub(crate) async fn reclaim_session(
+        &self,
+        connection: &freeflow_rpc::Connection,
+    ) -> Option<u64> {
+        let session_id = self.session_id.load(Ordering::Acquire);
+        let handles: Vec<ReclaimedHandle> = self
+            .handles
+            .lock()
+            .expect("not poisoned")
+            .values()
+            .flatten()
+            .filter_map(Weak::upgrade)
+            .filter_map(|handle| handle.reclaimed())
+            .filter(|(opened_in, _)| *opened_in == session_id)
+            .map(|(_, handle)| handle)
+            .collect();
+        let mut lost = 0;
+        let mut pieces: Vec<&[ReclaimedHandle]> = handles.chunks(RECLAIM_HANDLES_MAX).collect();
+        if pieces.is_empty() {
+            pieces.push(&[]);
+        }
+        for piece in pieces {
+            let request = ReclaimSession {
+                session_id,
+                client_name: self.config.client_name.clone(),
+                handles: piece.to_vec(),
+            };
+            let id = self.pool.next_meta_request_id();
+            match connection
+                .call_as(id, 0, &request, bytes::Bytes::new())
+                .await
+            {
+                Ok((not_taken, _)) => lost += not_taken.len(),
+                Err(error) => {
+                    tracing::warn!(
+                        session_id,
+                        %error,
+                        "the session could not be taken again after the metadata server restarted: its handles are lost"
+                    );
+                    return None;
+                }
+            }
+        }
+        if lost > 0 {
+            tracing::warn!(
+                session_id,
+                lost,
+                "handles open before the metadata server restarted could not be taken again (their files are gone)"
+            );
+        }
+        tracing::debug!(
+            session_id,
+            handles = handles.len(),
+            lost,
+            "session reclaimed"
+        );
+        self.session_epoch
+            .store(self.pool.lease_epoch(), Ordering::Release);
+        Some(session_id)
+    }
+
     /// Open a new session because `gone_session_id` is unknown at the meta server, unless
     /// another caller already did; returns the session to use.
     pub(crate) async fn reopen_session(&self, gone_session_id: u64) -> Result<u64, ClientError> {
@@ -244,15 +310,16 @@ impl Client {
             recall_handler: Mutex::new(None),
             locks: crate::locks::new_held(),
         });
-        // After a meta server restart, the locks held here are taken again before the
-        // server's recovery window ends.
+        // After a meta server restart, the session, its open handles and the locks held
+        // here are taken again before the server's recovery window ends.
         let reclaimer = Arc::downgrade(&shared);
         *shared.pool.on_recover.lock().expect("not poisoned") =
             Some(Arc::new(move |connection: freeflow_rpc::Connection| {
                 let shared = reclaimer.clone();
                 Box::pin(async move {
                     if let Some(shared) = shared.upgrade() {
-                        crate::locks::reclaim(&shared, &connection).await;
+                        let session = shared.reclaim_session(&connection).await;
+                        crate::locks::reclaim(&shared, &connection, session).await;
                     }
                 })
             }));

@@ -1397,6 +1397,22 @@ impl HandleShared {
         self.inode
     }
 
+    /// The handle as a reclaim after a restart of the meta server names it, with the
+    /// session it was opened in; None once closed.
+    pub(crate) fn reclaimed(&self) -> Option<(u64, freeflow_proto::meta::ReclaimedHandle)> {
+        if self.closed.load(Ordering::Acquire) {
+            return None;
+        }
+        Some((
+            self.session_id,
+            freeflow_proto::meta::ReclaimedHandle {
+                handle_id: self.handle_id,
+                inode: self.inode,
+                access: self.access,
+            },
+        ))
+    }
+
     /// Whether the handle was opened for writing.
     pub(crate) fn opened_for_writing(&self) -> bool {
         self.access.write

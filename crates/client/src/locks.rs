@@ -285,10 +285,11 @@ impl Client {
     }
 }
 
-/// After a meta server restart, inside its recovery window: a new session, and every lock
-/// this client holds taken again in it. A lock that cannot be taken again is reported and
+/// After a meta server restart, inside its recovery window: every lock this client holds
+/// taken again in its session (`session`: taken again with its handles, or a new one if
+/// that failed). A lock that cannot be taken again is reported and
 /// forgotten (its owner will find it gone only by its absence).
-pub(crate) async fn reclaim(shared: &Shared, connection: &Connection) {
+pub(crate) async fn reclaim(shared: &Shared, connection: &Connection, session: Option<u64>) {
     let held: Vec<((InodeId, u64), OwnerLocks, u32)> = shared
         .held_locks()
         .held
@@ -298,18 +299,24 @@ pub(crate) async fn reclaim(shared: &Shared, connection: &Connection) {
     if held.is_empty() {
         return;
     }
-    let open = OpenSession {
-        client_name: shared.config.client_name.clone(),
-    };
-    let session_id = match connection
-        .call_as(shared.pool.next_meta_request_id(), 0, &open, Bytes::new())
-        .await
-    {
-        Ok((grant, _)) => grant.session_id,
-        Err(error) => {
-            tracing::error!(%error, "no session to reclaim this client's locks in: they are lost");
-            shared.held_locks().held.clear();
-            return;
+    // The session taken again with its handles, or a new one if it could not be.
+    let session_id = match session {
+        Some(session_id) => session_id,
+        None => {
+            let open = OpenSession {
+                client_name: shared.config.client_name.clone(),
+            };
+            match connection
+                .call_as(shared.pool.next_meta_request_id(), 0, &open, Bytes::new())
+                .await
+            {
+                Ok((grant, _)) => grant.session_id,
+                Err(error) => {
+                    tracing::error!(%error, "no session to reclaim this client's locks in: they are lost");
+                    shared.held_locks().held.clear();
+                    return;
+                }
+            }
         }
     };
     shared.set_session_id(session_id);

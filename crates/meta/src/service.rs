@@ -21,10 +21,11 @@ use freeflow_proto::meta::{
     is_mutation, Close, CloseHandles, CloseSession, ClusterReport, ClusterStatus, CommitSize,
     Create, CreateReply, FsStats, GetAttr, GetLock, GetServiceMap, GetXattr, InodeFacts,
     InodeRange, InspectInodes, Link, ListServers, ListXattr, LockConflict, Lookup, LookupEntry,
-    MemberState, Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink, RegisterReply,
-    RegisterServer, RemoveXattr, Rename, RenewSession, ReplayDone, ReplayOf, ReplyStamp,
-    ReserveInodes, ResyncDone, Rmdir, SessionGrant, SetAttributes, SetDirLayout, SetLock, SetXattr,
-    StatFs, Symlink, Sync, Unlink, WaitRevocations, INSPECT_INODES_MAX,
+    MemberState, Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink, ReclaimSession,
+    RegisterReply, RegisterServer, RemoveXattr, Rename, RenewSession, ReplayDone, ReplayOf,
+    ReplyStamp, ReserveInodes, ResyncDone, Rmdir, SessionGrant, SetAttributes, SetDirLayout,
+    SetLock, SetXattr, StatFs, Symlink, Sync, Unlink, WaitRevocations, INSPECT_INODES_MAX,
+    RECLAIM_HANDLES_MAX,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
@@ -39,6 +40,7 @@ use crate::records::{
     decode_versioned, encode_versioned, inode_key, reply_expiry_key, reply_key, ReplyRecord,
     ServerEntry,
 };
+use crate::sessions::Reclaimed;
 use crate::shared::{Answered, Shared};
 use crate::store::{RedbWrite, StoreRead, StoreWrite, TableId};
 
@@ -92,6 +94,7 @@ fn served_while_recovering(opcode: u16) -> bool {
             | StatFs::OPCODE
             | Sync::OPCODE
             | ReplayDone::OPCODE
+            | ReclaimSession::OPCODE
             // Reclaims only: a new lock waits for the window's end in `set_lock`.
             | SetLock::OPCODE
     )
@@ -665,6 +668,13 @@ impl Service for MetaService {
                 })
                 .await
             }
+            ReclaimSession::OPCODE => {
+                handle(frame, |request: ReclaimSession, _| {
+                    let result = reclaim_session(shared, &request, client);
+                    async move { unstamped(shared, result) }
+                })
+                .await
+            }
             ReserveInodes::OPCODE => {
                 handle(frame, |request: ReserveInodes, _| async move {
                     unstamped(shared, reserve_inodes(shared, client, request).await)
@@ -1196,6 +1206,90 @@ fn close_handles(shared: &Shared, request: &CloseHandles) -> Result<Vec<u64>, Wi
     }
     wake_reaper_for(shared, &last_closed);
     Ok(not_open)
+}
+
+/// `ReclaimSession`: a client's session and open handles after a restart or a change of
+/// leader; returns the handles not taken again. Each handle is counted open first and its
+/// file checked after (as `open` does): a linked file keeps it; an unlinked one only if it
+/// was unlinked before this server started and one lease has not passed since (the reaper
+/// leaves such orphans alone until then, so its data is surely still there).
+fn reclaim_session(
+    shared: &Shared,
+    request: &ReclaimSession,
+    client: u64,
+) -> Result<Vec<u64>, WireError> {
+    if request.handles.len() > RECLAIM_HANDLES_MAX {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "ReclaimSession lists {} handles, more than {RECLAIM_HANDLES_MAX}",
+                request.handles.len()
+            ),
+        ));
+    }
+    let session_id = request.session_id;
+    let mut lost = Vec::new();
+    let mut taken = Vec::new();
+    {
+        let mut sessions = shared.sessions();
+        sessions.reclaim_session(session_id, &request.client_name, client, Instant::now())?;
+        for handle in &request.handles {
+            match sessions.reclaim_handle(session_id, handle.handle_id, handle.inode, handle.access)
+            {
+                Reclaimed::Taken => taken.push(*handle),
+                Reclaimed::Held => {}
+                Reclaimed::Refused => lost.push(handle.handle_id),
+            }
+        }
+    }
+    let lease = Duration::from_millis(u64::from(shared.config.lease_ms));
+    let orphans_kept = shared.started.elapsed() < lease;
+    let kept = shared.read(|read| {
+        let mut kept = Vec::with_capacity(taken.len());
+        for handle in &taken {
+            let linked = match ops::try_load_inode(read, handle.inode)? {
+                None => false,
+                Some(record) if record.attr.link_count > 0 => true,
+                Some(_) => {
+                    let orphan = read
+                        .get(TableId::Orphans, &inode_key(handle.inode))?
+                        .map(|bytes| {
+                            decode_versioned::<crate::records::OrphanRecord>(
+                                TableId::Orphans,
+                                &bytes,
+                            )
+                        })
+                        .transpose()?;
+                    orphans_kept
+                        && orphan.is_some_and(|orphan| orphan.boot_epoch < shared.boot_epoch)
+                }
+            };
+            kept.push(linked);
+        }
+        Ok(kept)
+    });
+    let kept = match kept {
+        Ok(kept) => kept,
+        Err(error) => {
+            for handle in &taken {
+                release_handle(shared, session_id, handle.handle_id);
+            }
+            return Err(error);
+        }
+    };
+    for (handle, kept) in taken.iter().zip(kept) {
+        if !kept {
+            release_handle(shared, session_id, handle.handle_id);
+            lost.push(handle.handle_id);
+        }
+    }
+    tracing::debug!(
+        session_id,
+        handles = request.handles.len(),
+        lost = lost.len(),
+        "session reclaimed"
+    );
+    Ok(lost)
 }
 
 /// Close a handle of a failed open or create (it may already be gone with its session).

@@ -3,8 +3,10 @@
 //! A session lives while its client renews it within the lease; every handle belongs to one
 //! session and ends with it. The open count per inode is what keeps an unlinked file's data
 //! from the reaper: an orphan is reaped only when no handle is open on it. Nothing here is
-//! persisted: after a restart every session is gone, and orphans from before the restart
-//! wait one lease before being reaped (see `reaper.rs`).
+//! persisted: after a restart (or on a new leader) clients take their sessions and handles
+//! again under their old ids within the recovery window (`ReclaimSession`); orphans from
+//! before the restart wait one lease before being reaped (see `reaper.rs`), so a handle
+//! reclaimed in that time still finds its data.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -42,9 +44,24 @@ struct Handle {
     access: OpenAccess,
 }
 
+/// What taking a handle again ([`Sessions::reclaim_handle`]) did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reclaimed {
+    /// Counted open again: its file must still be checked (and the handle let go if gone).
+    Taken,
+    /// Already held in the session (a reclaim sent twice).
+    Held,
+    /// Not taken: issued by this run and since closed, or held by another session.
+    Refused,
+}
+
 #[derive(Debug)]
 pub struct Sessions {
     limits: SessionLimits,
+    /// The first session and handle id this run issues after: ids up to it were issued by
+    /// an earlier run (before a restart, or by another leader), and only those are taken
+    /// again by a reclaim.
+    first_id: u64,
     next_session_id: u64,
     next_handle_id: u64,
     sessions: HashMap<u64, Session>,
@@ -68,6 +85,7 @@ impl Sessions {
             .as_micros() as u64;
         Sessions {
             limits,
+            first_id: seed << 8,
             next_session_id: seed << 8,
             next_handle_id: seed << 8,
             sessions: HashMap::new(),
@@ -99,6 +117,82 @@ impl Sessions {
         };
         self.sessions.insert(session_id, session);
         Ok(session_id)
+    }
+
+    /// Make `session_id` of `client_id` again after a restart or a change of leader (held
+    /// already: renewed). Refused for an id this run issued (that session ended here) or
+    /// a session of another client.
+    pub fn reclaim_session(
+        &mut self,
+        session_id: u64,
+        client_name: &str,
+        client_id: u64,
+        now: Instant,
+    ) -> Result<(), WireError> {
+        if let Some(session) = self.sessions.get_mut(&session_id) {
+            if session.client_id != client_id {
+                return Err(bad_session(session_id));
+            }
+            session.renewed_at = now;
+            return Ok(());
+        }
+        if session_id > self.first_id || session_id == 0 {
+            return Err(bad_session(session_id));
+        }
+        if self.sessions.len() >= self.limits.sessions_max {
+            return Err(WireError::new(
+                ErrorCode::Busy,
+                format!("{} sessions are open, the limit", self.limits.sessions_max),
+            ));
+        }
+        self.sessions.insert(
+            session_id,
+            Session {
+                client_name: client_name.to_string(),
+                client_id,
+                renewed_at: now,
+                handles: HashSet::new(),
+                reopened: HashMap::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Take `handle_id` (issued by an earlier run) again in `session_id`, open on `inode`.
+    pub fn reclaim_handle(
+        &mut self,
+        session_id: u64,
+        handle_id: u64,
+        inode: InodeId,
+        access: OpenAccess,
+    ) -> Reclaimed {
+        if let Some(handle) = self.handles.get(&handle_id) {
+            return if handle.session_id == session_id && handle.inode == Some(inode) {
+                Reclaimed::Held
+            } else {
+                Reclaimed::Refused
+            };
+        }
+        if handle_id > self.first_id
+            || handle_id == 0
+            || self.handles.len() >= self.limits.handles_max
+        {
+            return Reclaimed::Refused;
+        }
+        let Some(session) = self.sessions.get_mut(&session_id) else {
+            return Reclaimed::Refused;
+        };
+        session.handles.insert(handle_id);
+        self.handles.insert(
+            handle_id,
+            Handle {
+                session_id,
+                inode: Some(inode),
+                access,
+            },
+        );
+        *self.open_counts.entry(inode).or_default() += 1;
+        Reclaimed::Taken
     }
 
     pub fn renew(&mut self, session_id: u64, now: Instant) -> Result<(), WireError> {
@@ -395,6 +489,59 @@ mod tests {
             table.close_handle(session, second).unwrap_err().code,
             ErrorCode::BadHandle
         );
+    }
+
+    #[test]
+    fn a_session_and_handles_of_an_earlier_run_are_taken_again_once() {
+        let now = Instant::now();
+        let mut before = sessions();
+        let session = before.open_session("a", 5, now).unwrap();
+        let handle = before
+            .open_handle(session, 7, OpenAccess::default())
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        // A later run (a restart, a new leader) takes them again.
+        let mut table = sessions();
+        assert!(!table.is_open(7));
+        assert_eq!(
+            table
+                .reclaim_session(session, "a", 5, now)
+                .map_err(|e| e.code),
+            Ok(())
+        );
+        let access = OpenAccess::default();
+        assert_eq!(
+            table.reclaim_handle(session, handle, 7, access),
+            Reclaimed::Taken
+        );
+        assert_eq!(
+            table.reclaim_handle(session, handle, 7, access),
+            Reclaimed::Held
+        );
+        assert!(table.is_open(7));
+        // Another client cannot take the session; ids this run issued are not taken again.
+        assert_eq!(
+            table
+                .reclaim_session(session, "b", 6, now)
+                .unwrap_err()
+                .code,
+            ErrorCode::BadHandle
+        );
+        let own = table.open_session("c", 6, now).unwrap();
+        table.close_session(own).unwrap();
+        assert_eq!(
+            table.reclaim_session(own, "c", 6, now).unwrap_err().code,
+            ErrorCode::BadHandle
+        );
+        let fresh = table.open_handle(session, 8, access).unwrap();
+        table.close_handle(session, fresh).unwrap();
+        assert_eq!(
+            table.reclaim_handle(session, fresh, 8, access),
+            Reclaimed::Refused
+        );
+        // A reclaimed handle closes as any other.
+        assert_eq!(table.close_handle(session, handle).unwrap(), Some(7));
+        assert!(!table.is_open(7));
     }
 
     #[test]

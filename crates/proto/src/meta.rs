@@ -504,6 +504,29 @@ requests! {
     /// Sent by a syncing I/O server that copied everything its order asked for: it is put
     /// back in service (its order must be of the current map version).
     ResyncDone = 144 => () { server_id: ServerId, map_version: u64 }
+    /// After a restart or a change of leader (a new epoch), a client's session and open
+    /// handles taken again inside the recovery window, under their old ids: the session is
+    /// made again if this server does not hold it (ids issued before this server started
+    /// are never issued again), and each handle counts its file open again, so an unlinked
+    /// file a client still has open keeps its data. At most [`RECLAIM_HANDLES_MAX`] handles
+    /// per request. Replies with the handles that could not be taken again (their file is
+    /// gone, or was unlinked and may be reaped already); the others are held.
+    ReclaimSession = 145 => Vec<u64> {
+        session_id: u64,
+        client_name: String,
+        handles: Vec<ReclaimedHandle>,
+    }
+}
+
+/// Most handles one `ReclaimSession` carries.
+pub const RECLAIM_HANDLES_MAX: usize = 4096;
+
+/// One open handle of a session being reclaimed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReclaimedHandle {
+    pub handle_id: u64,
+    pub inode: InodeId,
+    pub access: OpenAccess,
 }
 
 /// Most inodes one `InspectInodes` asks about.
