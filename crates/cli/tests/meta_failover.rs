@@ -207,23 +207,14 @@ impl ReplicatedCluster {
 
     /// The index of the server that leads now: the one whose hello carries an epoch.
     async fn leader(&self) -> Option<usize> {
-        let options = freeflow_rpc::ConnectOptions {
-            connect_timeout_ms: 500,
-            ..freeflow_rpc::ConnectOptions::default()
-        };
-        for (index, node) in self.metas.iter().enumerate() {
-            if node.child.is_none() {
-                continue;
-            }
-            if let Ok(connection) =
-                freeflow_rpc::Connection::connect(&node.address, &self.key, &options).await
-            {
-                if connection.epoch() != 0 {
-                    return Some(index);
-                }
-            }
-        }
-        None
+        let running = self
+            .metas
+            .iter()
+            .enumerate()
+            .filter(|(_, node)| node.child.is_some())
+            .map(|(index, node)| (index, node.address.clone()))
+            .collect();
+        common::leading_member(running, &self.key).await
     }
 
     fn logs(&self) -> String {
@@ -306,14 +297,6 @@ async fn work(client: Arc<Client>, which: usize, files: usize) -> Vec<(String, u
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     done
-}
-
-async fn digest(data: &Path) -> (Option<String>, u64, u64) {
-    let store =
-        freeflow_meta::store::RedbStore::open(&data.join("meta.redb")).expect("open a replica");
-    let (applied, pairs, hash) =
-        freeflow_meta::raft::state_machine::replicated_digest(&store).expect("digest");
-    (applied.map(|log_id| log_id.to_string()), pairs, hash)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -435,7 +418,7 @@ async fn stop_and_compare(
     cluster.stop_meta(leader);
     let mut digests = Vec::new();
     for node in &cluster.metas {
-        digests.push((node.id, digest(&node.data).await));
+        digests.push((node.id, common::replica_digest(&node.data)));
     }
     let (_, reference) = &digests[0];
     assert!(reference.1 > 0, "replicas hold nothing");

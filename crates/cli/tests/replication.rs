@@ -4,20 +4,27 @@
 //! (SIGSTOP) long enough to be put out and then wakes, and a third is brought back with an
 //! empty data directory. Writers see no error (a pause at most), every
 //! acknowledged byte reads back, and in the end the copies of every stripe are identical
-//! byte for byte.
+//! byte for byte. The last test runs the whole scenario on a cluster built from `freeflow
+//! init` configs, three metadata members included, each server in a namespace of its own.
 
 mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::process::Child;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use common::mount::{fuse_available, Mount};
 use common::netswitch::NetSwitch;
-use common::{assert_bytes_eq, poll_until, Cluster, ClusterOptions, Xorshift};
-use freeflow_client::{Client, OpenOptions};
+use common::{
+    assert_bytes_eq, leading_member, object_path_in, poll_sync, poll_until, read_log,
+    replica_digest, spawn_server_as, Cluster, ClusterOptions, Xorshift, FREEFLOW,
+};
+use freeflow_client::{Client, ClientConfig, ClusterKey, OpenOptions};
 use freeflow_proto::meta::MemberState;
 
 /// Bytes of file `index` of the mount's writer: a pure function of the index.
@@ -203,8 +210,8 @@ impl Workload {
     }
 }
 
-fn read_object(cluster: &Cluster, server: u32, inode: u64, stripe: u32) -> Vec<u8> {
-    let path = cluster.object_path(server as usize, inode, stripe);
+fn read_object(data_dirs: &[PathBuf], server: u32, inode: u64, stripe: u32) -> Vec<u8> {
+    let path = object_path_in(&data_dirs[server as usize], inode, stripe);
     let mut bytes = Vec::new();
     if let Ok(mut file) = std::fs::File::open(&path) {
         file.read_to_end(&mut bytes).expect("read an object file");
@@ -213,16 +220,16 @@ fn read_object(cluster: &Cluster, server: u32, inode: u64, stripe: u32) -> Vec<u
 }
 
 /// Every stripe of `path` (a path in the cluster) has identical copies on its chain.
-async fn assert_copies_identical(cluster: &Cluster, client: &Client, path: &str) -> u64 {
+async fn assert_copies_identical(data_dirs: &[PathBuf], client: &Client, path: &str) -> u64 {
     let attr = client.stat(path).await.expect("stat");
     let layout = attr.layout.expect("a regular file has a layout");
     assert_eq!(layout.replicas(), 2, "{path}: two copies of each stripe");
     let mut compared = 0;
     for stripe in 0..layout.stripe_count() {
         let chain = layout.chain(stripe);
-        let first = read_object(cluster, chain[0], attr.inode, stripe);
+        let first = read_object(data_dirs, chain[0], attr.inode, stripe);
         for server in &chain[1..] {
-            let other = read_object(cluster, *server, attr.inode, stripe);
+            let other = read_object(data_dirs, *server, attr.inode, stripe);
             assert!(
                 first == other,
                 "{path} stripe {stripe}: the copy on server {} ({} bytes) differs from the one on server {server} ({} bytes)",
@@ -237,7 +244,7 @@ async fn assert_copies_identical(cluster: &Cluster, client: &Client, path: &str)
 }
 
 async fn verify_everything(
-    cluster: &Cluster,
+    data_dirs: &[PathBuf],
     mount: &Mount,
     client: &Client,
     files: u64,
@@ -256,7 +263,7 @@ async fn verify_everything(
                 .expect("stat")
                 .inode
         );
-        compared += assert_copies_identical(cluster, client, &format!("/files/f{index}")).await;
+        compared += assert_copies_identical(data_dirs, client, &format!("/files/f{index}")).await;
     }
     let expected: Vec<u8> = (0..chunks).flat_map(chunk_bytes).collect();
     let stream = std::fs::read(mount.path("stream")).expect("read the stream");
@@ -267,7 +274,7 @@ async fn verify_everything(
         expected.len()
     );
     assert_bytes_eq(&stream[..expected.len()], &expected, "the stream");
-    compared + assert_copies_identical(cluster, client, "/stream").await
+    compared + assert_copies_identical(data_dirs, client, "/stream").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -322,7 +329,8 @@ async fn writers_ride_out_a_killed_io_server_and_its_copies_are_remade() {
         files >= 26 && chunks >= 26,
         "{files} files, {chunks} chunks"
     );
-    let compared = verify_everything(&cluster, &mount, &observer, files, chunks).await;
+    let compared =
+        verify_everything(&cluster.io_data_dirs(), &mount, &observer, files, chunks).await;
     eprintln!(
         "{files} files and {chunks} stream chunks read back; {compared} bytes of copies compared"
     );
@@ -371,7 +379,8 @@ async fn an_io_server_cut_off_by_the_network_is_put_out_then_synced_back() {
         files >= 13 && chunks >= 13,
         "{files} files, {chunks} chunks"
     );
-    let compared = verify_everything(&cluster, &mount, &observer, files, chunks).await;
+    let compared =
+        verify_everything(&cluster.io_data_dirs(), &mount, &observer, files, chunks).await;
     eprintln!(
         "{files} files and {chunks} stream chunks read back; {compared} bytes of copies compared"
     );
@@ -438,7 +447,7 @@ async fn cuts_amid_writes_leave_identical_copies() {
         .expect("write after the cuts");
     handle.fsync().await.expect("fsync the log");
     handle.close().await.expect("close");
-    let compared = assert_copies_identical(&cluster, &writer, "/log").await;
+    let compared = assert_copies_identical(&cluster.io_data_dirs(), &writer, "/log").await;
     eprintln!("{cut_count} cuts amid 400 writes; {compared} bytes of copies compared");
     assert!(cut_count >= 10, "only {cut_count} cuts ran");
     assert!(compared >= 200_000, "{compared} bytes compared");
@@ -480,7 +489,7 @@ async fn the_exerciser_on_replicated_files_leaves_identical_copies() {
             .unwrap_or_else(|failure| panic!("{failure}\n{}", left.log_text()));
     assert_eq!(report.operations, operations);
     let client = cluster.client().await;
-    let compared = assert_copies_identical(&cluster, &client, "/exercised").await;
+    let compared = assert_copies_identical(&cluster.io_data_dirs(), &client, "/exercised").await;
     eprintln!("{report}; {compared} bytes of copies compared");
 }
 
@@ -537,5 +546,271 @@ async fn a_meta_server_restart_pauses_replicated_writes_without_an_error() {
         .await
         .expect("read back");
     assert_bytes_eq(&bytes, &expected, "the appended file");
-    assert_copies_identical(&cluster, &reader, "/appended").await;
+    assert_copies_identical(&cluster.io_data_dirs(), &reader, "/appended").await;
+}
+
+/// A cluster as an operator builds one for many hosts: `freeflow init` writes the key and a
+/// config per server (three metadata members under Raft, three I/O servers keeping two
+/// copies), and each server runs its own process in a network namespace of its own, at the
+/// host address init was given, with init's ports and timeouts unchanged. Clients and the
+/// mount run here, on the switch.
+struct InitCluster {
+    dir: tempfile::TempDir,
+    switch: NetSwitch,
+    key: ClusterKey,
+    metas: Vec<Option<Child>>,
+    io: Vec<Option<Child>>,
+}
+
+/// Hosts of the init cluster: metadata members on switch hosts 0-2, I/O servers on 3-5.
+const INIT_METAS: usize = 3;
+const INIT_IOS: usize = 3;
+
+impl InitCluster {
+    fn start() -> InitCluster {
+        let switch =
+            NetSwitch::create(INIT_METAS + INIT_IOS).expect("a switch of network namespaces");
+        let dir = tempfile::Builder::new()
+            .prefix("freeflow-init-")
+            .tempdir()
+            .expect("a temporary directory");
+        let hosts = |range: std::ops::Range<usize>| {
+            range
+                .map(|host| switch.ip(host))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let output = std::process::Command::new(FREEFLOW)
+            .arg("init")
+            .arg("--out")
+            .arg(dir.path())
+            .args(["--meta-host", &hosts(0..INIT_METAS)])
+            .args(["--io-hosts", &hosts(INIT_METAS..INIT_METAS + INIT_IOS)])
+            .arg("--key-path")
+            .arg(dir.path().join("cluster.key"))
+            .arg("--data-root")
+            .arg(dir.path().join("data"))
+            .args(["--replicas", "2"])
+            .output()
+            .expect("run freeflow init");
+        assert!(
+            output.status.success(),
+            "freeflow init failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let key = ClusterKey::load(&dir.path().join("cluster.key")).expect("init wrote a key");
+        let mut cluster = InitCluster {
+            dir,
+            switch,
+            key,
+            metas: (0..INIT_METAS).map(|_| None).collect(),
+            io: (0..INIT_IOS).map(|_| None).collect(),
+        };
+        for member in 0..INIT_METAS {
+            cluster.start_meta(member);
+        }
+        for server in 0..INIT_IOS {
+            cluster.start_io(server);
+        }
+        cluster
+    }
+
+    fn start_meta(&mut self, member: usize) {
+        let path = self.dir.path();
+        let config = path.join(format!("meta-{}.toml", member + 1));
+        let log = path.join(format!("meta-{}.log", member + 1));
+        let command = self.switch.command(member, FREEFLOW);
+        self.metas[member] = Some(spawn_server_as(command, "meta", &config, &log));
+    }
+
+    fn start_io(&mut self, server: usize) {
+        let path = self.dir.path();
+        let config = path.join(format!("io-{server}.toml"));
+        let log = path.join(format!("io-{server}.log"));
+        let command = self.switch.command(INIT_METAS + server, FREEFLOW);
+        self.io[server] = Some(spawn_server_as(command, "io", &config, &log));
+    }
+
+    fn kill(child: &mut Option<Child>) {
+        let mut child = child.take().expect("running");
+        child.kill().expect("SIGKILL");
+        child.wait().expect("reaped");
+    }
+
+    fn io_data_dirs(&self) -> Vec<PathBuf> {
+        (0..INIT_IOS)
+            .map(|server| self.dir.path().join("data").join(format!("io-{server}")))
+            .collect()
+    }
+
+    fn meta_addresses(&self) -> Vec<String> {
+        (0..INIT_METAS)
+            .map(|member| format!("{}:7700", self.switch.ip(member)))
+            .collect()
+    }
+
+    async fn leader(&self) -> Option<usize> {
+        let running = self
+            .meta_addresses()
+            .into_iter()
+            .enumerate()
+            .filter(|(member, _)| self.metas[*member].is_some())
+            .collect();
+        leading_member(running, &self.key).await
+    }
+
+    async fn client(&self, name: &str) -> Client {
+        let mut config = ClientConfig::new(self.meta_addresses().join(","), self.key.clone());
+        config.client_name = name.to_string();
+        poll_until(30_000, || async {
+            Client::connect(config.clone()).await.ok()
+        })
+        .await
+        .expect("a client connects to the init cluster")
+    }
+
+    fn logs(&self) -> Vec<PathBuf> {
+        let path = self.dir.path();
+        (1..=INIT_METAS)
+            .map(|member| path.join(format!("meta-{member}.log")))
+            .chain((0..INIT_IOS).map(|server| path.join(format!("io-{server}.log"))))
+            .collect()
+    }
+}
+
+impl Drop for InitCluster {
+    fn drop(&mut self) {
+        for child in self.metas.iter_mut().chain(self.io.iter_mut()) {
+            if let Some(mut child) = child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+/// The whole scenario as an operator would meet it: a cluster from `freeflow init`
+/// configs (every server its own process and host, init's default timeouts), a mount and a
+/// library client writing and fsyncing (files written, fsynced and renamed into place; a
+/// stream appended and fsynced), and each kind of server loss in turn: kill -9 of the
+/// metadata leader (restarted, it follows), kill -9 of an I/O server, an I/O server cut off
+/// by the network, and an I/O server whose data directory is wiped. The writers never see
+/// an error; every acknowledged byte reads back; the copies of every stripe end identical,
+/// and so do the three metadata replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_from_init_configs_rides_out_each_kind_of_server_loss_in_turn() {
+    if !fuse_available() || !NetSwitch::available() {
+        return;
+    }
+    let mut cluster = InitCluster::start();
+    let observer = cluster.client("observer").await;
+    for server in 0..INIT_IOS as u32 {
+        wait_for_state(&observer, server, MemberState::InService, "at the start").await;
+    }
+    let mount = Mount::start_in(
+        cluster.dir.path(),
+        &cluster.dir.path().join("client.toml"),
+        "mnt",
+        &[],
+    );
+    let mut workload = Workload::start(&mount, cluster.client("stream").await);
+    workload.logs.extend(cluster.logs());
+    workload.advance(5, "before any failure").await;
+
+    // The metadata leader killed; the other two elect one and the writers go on. The killed
+    // member comes back as a follower.
+    let first = poll_until(20_000, || async { cluster.leader().await })
+        .await
+        .expect("a metadata leader");
+    InitCluster::kill(&mut cluster.metas[first]);
+    workload
+        .advance(5, "after the metadata leader was killed")
+        .await;
+    let second = cluster.leader().await;
+    assert!(
+        second.is_some_and(|second| second != first),
+        "no new leader: {second:?}"
+    );
+    cluster.start_meta(first);
+
+    // An I/O server killed, put out, started again: it copies what it missed.
+    InitCluster::kill(&mut cluster.io[0]);
+    wait_for_state(&observer, 0, MemberState::Out, "after its kill").await;
+    workload.advance(3, "with server 0 out").await;
+    cluster.start_io(0);
+    wait_for_state(&observer, 0, MemberState::InService, "after its restart").await;
+    workload.advance(3, "after server 0 came back").await;
+
+    // An I/O server cut off by the network (its port down, sockets left open).
+    cluster.switch.cut(INIT_METAS + 1);
+    wait_for_state(&observer, 1, MemberState::Out, "while it is cut off").await;
+    workload.advance(3, "while server 1 is cut off").await;
+    cluster.switch.heal(INIT_METAS + 1);
+    wait_for_state(&observer, 1, MemberState::InService, "after the cut healed").await;
+    workload.advance(3, "after server 1 came back").await;
+
+    // An I/O server that loses its disk: rebuilt in full from its partners.
+    InitCluster::kill(&mut cluster.io[2]);
+    std::fs::remove_dir_all(&cluster.io_data_dirs()[2]).expect("wipe server 2's data");
+    wait_for_state(&observer, 2, MemberState::Out, "after its kill").await;
+    workload.advance(3, "with server 2 out").await;
+    cluster.start_io(2);
+    wait_for_state(&observer, 2, MemberState::InService, "after its rebuild").await;
+    workload.advance(3, "after server 2 was rebuilt").await;
+
+    let (files, chunks) = workload.stop().await;
+    let compared =
+        verify_everything(&cluster.io_data_dirs(), &mount, &observer, files, chunks).await;
+    eprintln!(
+        "{files} files and {chunks} stream chunks read back; {compared} bytes of copies compared"
+    );
+    for server in 0..INIT_IOS {
+        let log = read_log(&cluster.dir.path().join(format!("io-{server}.log")));
+        let resynced = log.lines().find(|line| line.contains("resync done"));
+        assert!(resynced.is_some(), "server {server} resynced:\n{log}");
+        eprintln!("server {server}: {}", resynced.unwrap_or_default());
+    }
+    observer.shutdown().await;
+
+    // The metadata replicas, stopped (followers first), hold the same tables.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let leader = cluster
+        .leader()
+        .await
+        .expect("a metadata leader at the end");
+    for member in (0..INIT_METAS)
+        .filter(|member| *member != leader)
+        .chain([leader])
+    {
+        let child = cluster.metas[member].as_mut().expect("running");
+        // SAFETY: a signal to our own child process.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let stopped = poll_sync(20_000, || matches!(child.try_wait(), Ok(Some(_))));
+        assert!(stopped, "metadata member {member} did not stop");
+        cluster.metas[member] = None;
+    }
+    let digests: Vec<_> = (1..=INIT_METAS)
+        .map(|member| {
+            replica_digest(
+                &cluster
+                    .dir
+                    .path()
+                    .join("data")
+                    .join(format!("meta-{member}")),
+            )
+        })
+        .collect();
+    // Servers started after the mount hold a copy of it in their namespaces' mount tables
+    // (`ip netns exec` makes a mount namespace), which keeps its FUSE connection alive past
+    // an unmount: they go first.
+    for child in &mut cluster.io {
+        InitCluster::kill(child);
+    }
+    drop(mount);
+    assert!(digests[0].1 > 0, "the replicas hold nothing");
+    assert!(
+        digests.iter().all(|digest| *digest == digests[0]),
+        "the metadata replicas differ: {digests:?}"
+    );
+    eprintln!("metadata replicas identical: {:?}", digests[0]);
 }

@@ -328,7 +328,9 @@ fn spawn_server(role: &str, config: &Path, log: &Path) -> Child {
     spawn_server_as(Command::new(FREEFLOW), role, config, log)
 }
 
-fn spawn_server_as(mut command: Command, role: &str, config: &Path, log: &Path) -> Child {
+/// Start `freeflow ROLE --config CONFIG` through `command` (a namespace's `ip netns exec`, or
+/// the binary itself), its output appended to `log`.
+pub fn spawn_server_as(mut command: Command, role: &str, config: &Path, log: &Path) -> Child {
     let log_file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -820,15 +822,15 @@ impl Cluster {
 
     /// Where the object of (inode, stripe) lives in I/O server `index`'s data directory.
     pub fn object_path(&self, index: usize, inode: InodeId, stripe_index: u32) -> PathBuf {
-        let object = ObjectId {
-            inode,
-            stripe_index,
-        };
-        self.io[index]
-            .data_dir
-            .join("objects")
-            .join(format!("{:02x}", object.inode % 256))
-            .join(format!("{:016x}.{}", object.inode, object.stripe_index))
+        object_path_in(&self.io[index].data_dir, inode, stripe_index)
+    }
+
+    /// Every I/O server's data directory, by server index.
+    pub fn io_data_dirs(&self) -> Vec<PathBuf> {
+        self.io
+            .iter()
+            .map(|server| server.data_dir.clone())
+            .collect()
     }
 
     /// Every object file of `inode` on any I/O server.
@@ -882,6 +884,46 @@ impl Drop for Cluster {
             }
         }
     }
+}
+
+/// Where the object of (inode, stripe) lives in an I/O server's data directory.
+pub fn object_path_in(data_dir: &Path, inode: InodeId, stripe_index: u32) -> PathBuf {
+    let object = ObjectId {
+        inode,
+        stripe_index,
+    };
+    data_dir
+        .join("objects")
+        .join(format!("{:02x}", object.inode % 256))
+        .join(format!("{:016x}.{}", object.inode, object.stripe_index))
+}
+
+/// Which of the (index, address) members of a replicated metadata cluster leads now: the
+/// one whose hello carries an epoch (a member that does not lead says 0). None while none
+/// does.
+pub async fn leading_member(members: Vec<(usize, String)>, key: &ClusterKey) -> Option<usize> {
+    let options = freeflow_rpc::ConnectOptions {
+        connect_timeout_ms: 500,
+        ..freeflow_rpc::ConnectOptions::default()
+    };
+    for (index, address) in members {
+        if let Ok(connection) = freeflow_rpc::Connection::connect(&address, key, &options).await {
+            if connection.epoch() != 0 {
+                return Some(index);
+            }
+        }
+    }
+    None
+}
+
+/// A stopped metadata member's replicated tables: its last applied entry, the number of
+/// pairs and their hash (`replicated_digest`), to compare members.
+pub fn replica_digest(data_dir: &Path) -> (Option<String>, u64, u64) {
+    let store =
+        freeflow_meta::store::RedbStore::open(&data_dir.join("meta.redb")).expect("open a replica");
+    let (applied, pairs, hash) =
+        freeflow_meta::raft::state_machine::replicated_digest(&store).expect("digest");
+    (applied.map(|log_id| log_id.to_string()), pairs, hash)
 }
 
 /// Poll `check` every 20 ms until it holds or `timeout_ms` passes (for synchronous tests).

@@ -40,14 +40,19 @@ pub struct Mount {
 
 impl Mount {
     pub fn start(cluster: &Cluster, name: &str, extra: &[&str]) -> Mount {
-        let mountpoint = cluster.path().join(name);
+        Mount::start_in(cluster.path(), &cluster.client_toml(), name, extra)
+    }
+
+    /// A mount of the cluster `client_toml` names, at `dir/name` (its log beside it).
+    pub fn start_in(dir: &Path, client_toml: &Path, name: &str, extra: &[&str]) -> Mount {
+        let mountpoint = dir.join(name);
         fs::create_dir_all(&mountpoint).expect("make the mount point");
         let mountpoint = mountpoint.canonicalize().expect("canonical mount point");
-        let log = cluster.path().join(format!("{name}.log"));
+        let log = dir.join(format!("{name}.log"));
         let log_file = File::create(&log).expect("create the mount log");
         let child = Command::new(FREEFLOW)
             .arg("mount")
-            .arg(cluster.client_toml())
+            .arg(client_toml)
             .arg(&mountpoint)
             .args(extra)
             .env("RUST_LOG", "info")
