@@ -309,25 +309,45 @@ impl MetaServers {
             }
             return Ok(MetaServers::Single(meta));
         }
+        // All members at once: one started alone asks the others for votes before they
+        // listen, and its Raft logs every refused connection as an error.
+        let described: Vec<(u64, String, PathBuf, Option<String>)> = configs
+            .iter()
+            .map(|config| {
+                (
+                    config.node_id,
+                    config.listen_address.clone(),
+                    config.data_dir.clone(),
+                    config.metrics_address.clone(),
+                )
+            })
+            .collect();
+        let started = futures::future::join_all(
+            configs
+                .into_iter()
+                .map(|config| start_replicated(config, key.clone())),
+        )
+        .await;
         let mut members = Vec::new();
-        for config in configs {
-            let (id, address, directory) = (
-                config.node_id,
-                config.listen_address.clone(),
-                config.data_dir.clone(),
-            );
-            let metrics = config.metrics_address.clone();
-            match start_replicated(config, key.clone()).await {
+        let mut failure = None;
+        for ((id, address, _, _), outcome) in described.iter().zip(started) {
+            match outcome {
                 Ok(member) => members.push(member),
-                Err(error) => {
-                    for member in members {
-                        member.shutdown().await;
-                    }
-                    return Err(error).with_context(|| {
+                Err(error) if failure.is_none() => {
+                    failure = Some(Err(error).with_context(|| {
                         format!("metadata server {id} failed to start on {address}")
-                    });
+                    }))
                 }
+                Err(_) => {}
             }
+        }
+        if let Some(failure) = failure {
+            for member in members {
+                member.shutdown().await;
+            }
+            return failure;
+        }
+        for (id, address, directory, metrics) in &described {
             println!(
                 "metadata server {id}  {address}  (data {})",
                 directory.display()
@@ -358,7 +378,16 @@ impl MetaServers {
     async fn shutdown(self) {
         match self {
             MetaServers::Single(meta) => meta.shutdown().await,
-            MetaServers::Replicated(members) => {
+            MetaServers::Replicated(mut members) => {
+                // The leader first, so that it does not replicate to members already gone
+                // (its Raft logs each failed attempt as an error); the followers then stop
+                // well within an election timeout, before any asks for votes.
+                if let Some(leading) = members
+                    .iter()
+                    .position(|member| matches!(member.role(), Role::Leading { .. }))
+                {
+                    members.swap(0, leading);
+                }
                 for member in members {
                     member.shutdown().await;
                 }
