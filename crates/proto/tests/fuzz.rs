@@ -81,6 +81,7 @@ fn every_meta_message(bytes: &[u8]) {
         InspectInodes,
         GetServiceMap,
         ResyncDone,
+        ReclaimSession,
     );
 }
 
@@ -280,6 +281,18 @@ fn samples() -> Vec<Vec<u8>> {
         encode(&ResyncDone {
             server_id: 2,
             map_version: 17,
+        }),
+        encode(&ReclaimSession {
+            session_id: 459_709_137_134_548_995,
+            client_name: "mount-a".into(),
+            handles: vec![ReclaimedHandle {
+                handle_id: 459_709_137_134_549_001,
+                inode: 77,
+                access: OpenAccess {
+                    read: true,
+                    write: true,
+                },
+            }],
         }),
         encode(&Ok::<RegisterReply, WireError>(RegisterReply {
             heartbeat_interval_ms: 1000,
