@@ -25,6 +25,12 @@ use crate::store::ObjectStore;
 
 /// First retry delay after a failure; doubled per failure up to the configured bound.
 const RETRY_BACKOFF_INITIAL_MS: u64 = 100;
+/// Longest retry delay towards a replicated metadata cluster (several addresses): a new
+/// leader is there within about a second of losing the old one, and this server's lease on
+/// its copies (`server_down_after_ms / 2` from its last answered registration) runs out
+/// soon after; a delay doubled past this would let it lapse and pause replicated writes
+/// (seen as 2-3 s failover pauses instead of 1.2 s).
+const REPLICATED_RETRY_BACKOFF_MAX_MS: u64 = 200;
 /// Bounds on the heartbeat interval the meta server may ask for.
 const HEARTBEAT_INTERVAL_MIN_MS: u64 = 50;
 const HEARTBEAT_INTERVAL_MAX_MS: u64 = 60_000;
@@ -81,6 +87,13 @@ pub async fn run_registration(
     let mut connection: Option<Connection> = None;
     let mut state = LinkState::Starting;
     let mut backoff_ms = RETRY_BACKOFF_INITIAL_MS;
+    let backoff_max_ms = if options.meta_address.contains(',') {
+        options
+            .retry_backoff_max_ms
+            .min(REPLICATED_RETRY_BACKOFF_MAX_MS)
+    } else {
+        options.retry_backoff_max_ms
+    };
     loop {
         let sent = tokio::time::Instant::now();
         let attempt = register_once(
@@ -122,7 +135,7 @@ pub async fn run_registration(
             }
             Err(error) => {
                 let delay_ms = backoff_ms;
-                backoff_ms = (backoff_ms * 2).min(options.retry_backoff_max_ms);
+                backoff_ms = (backoff_ms * 2).min(backoff_max_ms);
                 let next = match error {
                     RegisterError::Rpc(RpcError::Remote(_)) => LinkState::Refused,
                     RegisterError::Rpc(_) => LinkState::Unreachable,
