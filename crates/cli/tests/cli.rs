@@ -512,6 +512,20 @@ async fn status_reports_a_killed_io_server_as_down() {
     );
 }
 
+/// A scratch directory for `up --mount`: the directory, its `data`, an empty `mnt` and the
+/// path of `up.log`.
+fn scratch_with_mount_point() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
+    let scratch = tempfile::Builder::new()
+        .prefix("freeflow-cli-test-")
+        .tempdir()
+        .expect("temporary directory");
+    let data = scratch.path().join("data");
+    let mountpoint = scratch.path().join("mnt");
+    std::fs::create_dir(&mountpoint).expect("make the mount point");
+    let up_log = scratch.path().join("up.log");
+    (scratch, data, mountpoint, up_log)
+}
+
 /// `freeflow up --mount DIR`, exactly as the README gives it, run as root: every user of
 /// the host can use the mount (allow_other), with the kernel checking their permissions;
 /// and Ctrl-C unmounts without a warning. (Issue 8: a POSIX suite run by users other than
@@ -523,17 +537,10 @@ fn up_with_a_mount_serves_every_user_of_the_host() {
         eprintln!("skipping: needs /dev/fuse and root");
         return;
     }
-    let scratch = tempfile::Builder::new()
-        .prefix("freeflow-cli-test-")
-        .tempdir()
-        .expect("temporary directory");
-    let data = scratch.path().join("data");
-    let mountpoint = scratch.path().join("mnt");
-    std::fs::create_dir(&mountpoint).expect("make the mount point");
+    let (scratch, data, mountpoint, up_log) = scratch_with_mount_point();
     // Every user must be able to reach the mount point itself.
     std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755))
         .expect("chmod the scratch directory");
-    let up_log = scratch.path().join("up.log");
     let mount_argument = mountpoint.to_str().expect("utf-8 path").to_string();
     let up = (0..5)
         .find_map(|_| {
@@ -589,14 +596,7 @@ fn up_with_three_metadata_members_and_two_copies_serves_a_mount() {
         eprintln!("skipping: /dev/fuse is missing");
         return;
     }
-    let scratch = tempfile::Builder::new()
-        .prefix("freeflow-cli-test-")
-        .tempdir()
-        .expect("temporary directory");
-    let data = scratch.path().join("data");
-    let mountpoint = scratch.path().join("mnt");
-    std::fs::create_dir(&mountpoint).expect("make the mount point");
-    let up_log = scratch.path().join("up.log");
+    let (_scratch, data, mountpoint, up_log) = scratch_with_mount_point();
     let mount_argument = mountpoint.to_str().expect("utf-8 path").to_string();
     let offsets = [
         0, 1, 2, 3, 4, 10, 11, 12, 13, 74, 75, 76, 81, 82, 100, 101, 102, 103,

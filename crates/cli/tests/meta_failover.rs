@@ -311,16 +311,7 @@ async fn killing_the_meta_leader_under_two_writers_loses_nothing_and_replicas_ag
         .unwrap_or_else(|| panic!("no new leader\n{}", cluster.logs()));
     assert_ne!(second, first);
     let elected_after = killed_at.elapsed();
-    let mut answered = Vec::new();
-    for writer in writers {
-        answered.extend(writer.await.expect("a writer finished without an error"));
-    }
-    assert_eq!(answered.len(), 2 * FILES);
-
-    check_answered(&cluster, &answered).await;
-    for client in &clients {
-        client.shutdown().await;
-    }
+    writers_done_and_checked(&cluster, clients, writers).await;
     // The killed server comes back as a follower and catches up; then all three agree.
     cluster.start_meta(first);
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -364,6 +355,24 @@ async fn start_writers(
         .map(|(which, client)| tokio::spawn(work(client.clone(), which, FILES)))
         .collect();
     (first, clients, writers)
+}
+
+/// The writers finish without an error, everything they were answered reads back as a new
+/// client sees it, and their clients shut down.
+async fn writers_done_and_checked(
+    cluster: &ReplicatedCluster,
+    clients: Vec<Arc<Client>>,
+    writers: Vec<tokio::task::JoinHandle<Vec<(String, usize)>>>,
+) {
+    let mut answered = Vec::new();
+    for writer in writers {
+        answered.extend(writer.await.expect("a writer finished without an error"));
+    }
+    assert_eq!(answered.len(), 2 * FILES);
+    check_answered(cluster, &answered).await;
+    for client in &clients {
+        client.shutdown().await;
+    }
 }
 
 /// Every answered file is there, byte for byte, as a fresh client sees it.
@@ -467,15 +476,7 @@ async fn answered_and_stepped_down(
     writers: Vec<tokio::task::JoinHandle<Vec<(String, usize)>>>,
     what: &str,
 ) -> String {
-    let mut answered = Vec::new();
-    for writer in writers {
-        answered.extend(writer.await.expect("a writer finished without an error"));
-    }
-    assert_eq!(answered.len(), 2 * FILES);
-    check_answered(cluster, &answered).await;
-    for client in &clients {
-        client.shutdown().await;
-    }
+    writers_done_and_checked(cluster, clients, writers).await;
     // The old leader follows now.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let log = std::fs::read_to_string(&cluster.metas[first].log).unwrap_or_default();
@@ -557,15 +558,7 @@ async fn a_member_that_lost_its_disk_is_rebuilt_from_the_leader() {
     std::fs::remove_dir_all(&cluster.metas[wiped].data).expect("wipe the member's data");
     tokio::time::sleep(Duration::from_millis(500)).await;
     cluster.start_meta(wiped);
-    let mut answered = Vec::new();
-    for writer in writers {
-        answered.extend(writer.await.expect("a writer finished without an error"));
-    }
-    assert_eq!(answered.len(), 2 * FILES);
-    check_answered(&cluster, &answered).await;
-    for client in &clients {
-        client.shutdown().await;
-    }
+    writers_done_and_checked(&cluster, clients, writers).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let digests = stop_and_compare(&mut cluster).await;
     eprintln!(
