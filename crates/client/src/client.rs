@@ -167,17 +167,19 @@ impl Shared {
         connection: &freeflow_rpc::Connection,
     ) -> Option<u64> {
         let session_id = self.session_id.load(Ordering::Acquire);
-        let handles: Vec<ReclaimedHandle> = self
+        let open: Vec<(Arc<HandleShared>, ReclaimedHandle)> = self
             .handles
             .lock()
             .expect("not poisoned")
             .values()
             .flatten()
             .filter_map(Weak::upgrade)
-            .filter_map(|handle| handle.reclaimed())
-            .filter(|(opened_in, _)| *opened_in == session_id)
-            .map(|(_, handle)| handle)
+            .filter_map(|handle| {
+                let (opened_in, reclaimed) = handle.reclaimed()?;
+                (opened_in == session_id).then_some((handle, reclaimed))
+            })
             .collect();
+        let handles: Vec<ReclaimedHandle> = open.iter().map(|(_, handle)| *handle).collect();
         let mut lost = 0;
         let mut pieces: Vec<&[ReclaimedHandle]> = handles.chunks(RECLAIM_HANDLES_MAX).collect();
         if pieces.is_empty() {
@@ -194,7 +196,15 @@ impl Shared {
                 .call_as(id, 0, &request, bytes::Bytes::new())
                 .await
             {
-                Ok((not_taken, _)) => lost += not_taken.len(),
+                Ok((not_taken, _)) => {
+                    lost += not_taken.len();
+                    let not_taken: std::collections::HashSet<u64> = not_taken.into_iter().collect();
+                    for (handle, reclaimed) in &open {
+                        if not_taken.contains(&reclaimed.handle_id) {
+                            handle.mark_lost();
+                        }
+                    }
+                }
                 Err(error) => {
                     tracing::warn!(
                         session_id,

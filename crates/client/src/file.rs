@@ -190,6 +190,10 @@ pub(crate) struct HandleShared {
     /// flushes, truncations, recalls, close). See [`SendTurn`].
     send_order: Arc<tokio::sync::Mutex<()>>,
     closed: AtomicBool,
+    /// The meta server did not take this handle back after a restart or a change of
+    /// leader (its file was gone): I/O through it fails with `Stale`, and it is never
+    /// offered again (a later server might still hold an orphan record of data removed).
+    lost: AtomicBool,
     /// Another client changed the file's attributes since this handle last read them (a
     /// revocation named it): a read past the known end asks the meta server for the size
     /// once before it answers short (a reader that holds the file open sees others'
@@ -950,7 +954,19 @@ impl HandleShared {
                 "the handle is closed",
             ));
         }
+        if self.lost.load(Ordering::Acquire) {
+            return Err(ClientError::inode(
+                self.inode,
+                ErrorCode::Stale,
+                "the metadata server did not take this handle back after it restarted (its file is gone)",
+            ));
+        }
         Ok(())
+    }
+
+    /// The meta server refused this handle at a reclaim (see `lost`).
+    pub(crate) fn mark_lost(&self) {
+        self.lost.store(true, Ordering::Release);
     }
 
     fn require_write(&self) -> Result<(), ClientError> {
@@ -1400,7 +1416,7 @@ impl HandleShared {
     /// The handle as a reclaim after a restart of the meta server names it, with the
     /// session it was opened in; None once closed.
     pub(crate) fn reclaimed(&self) -> Option<(u64, freeflow_proto::meta::ReclaimedHandle)> {
-        if self.closed.load(Ordering::Acquire) {
+        if self.closed.load(Ordering::Acquire) || self.lost.load(Ordering::Acquire) {
             return None;
         }
         Some((
@@ -1755,6 +1771,7 @@ impl FileHandle {
             send_order: Arc::new(tokio::sync::Mutex::new(())),
             completions,
             closed: AtomicBool::new(false),
+            lost: AtomicBool::new(false),
             changed_elsewhere: AtomicBool::new(false),
             client: client.clone(),
         });

@@ -365,10 +365,10 @@ impl Pool {
             .await
     }
 
-    /// [`Pool::meta_call`], saying whether the request had to be sent more than once (its
-    /// connection broke, or a member no longer led): an earlier attempt may have been carried
-    /// out already. For requests the server keeps no reply record of (`Close`), where the
-    /// second attempt finds the first one's work done.
+    /// [`Pool::meta_call`], saying whether the request was sent again after a connection
+    /// broke with it sent and unanswered: that earlier attempt may have been carried out.
+    /// For requests the server keeps no reply record of (`Close`), where the second attempt
+    /// finds the first one's work done.
     pub async fn meta_call_noting_resend<R: Request>(
         &self,
         request: &R,
@@ -487,7 +487,6 @@ impl Pool {
                     tracing::debug!(request = R::NAME, request_id, "not the leader; finding it");
                     self.meta.forget(&connection);
                     flags = FLAG_RESEND;
-                    *resent = true;
                     tokio::time::sleep(Duration::from_millis(RESEND_PAUSE_MS)).await;
                 }
                 Ok((frame, _)) => return self.meta_reply::<R>(frame, request_id, header),
@@ -506,7 +505,8 @@ impl Pool {
                 {
                     tracing::debug!(%error, request = R::NAME, request_id, "sending again");
                     flags = FLAG_RESEND;
-                    *resent = true;
+                    // Only a request sent and then cut off may have been carried out.
+                    *resent |= matches!(error, RpcError::Disconnected { .. });
                     tokio::time::sleep(Duration::from_millis(RESEND_PAUSE_MS)).await;
                 }
                 Err(error) => return Err(error),

@@ -1,7 +1,9 @@
 //! The orphan reaper: removes the data of unlinked files from the I/O servers, then forgets
 //! the orphan.
 //!
-//! An orphan is reaped when no handle is open on it, and, if it was orphaned before this
+//! No orphan is reaped during the recovery window after a start (clients reclaim their
+//! open handles then, `ReclaimSession`). An orphan is reaped when no handle is open on it,
+//! and, if it was orphaned before this
 //! start of the server (an older boot epoch), once one lease has passed since the start:
 //! clients that had it open cannot know the server restarted until their lease runs out.
 //! For each orphan the reaper sends `RemoveObjects` to every server of its layout; only when
@@ -316,6 +318,9 @@ pub async fn run(shared: Arc<Shared>) {
         }
         let cuts_pending = cut_pass(&shared).await;
         let mut outcome = if shared.orphan_count.load(Ordering::Relaxed) > 0 {
+            // Inside the recovery window clients take back the handles they hold, while
+            // replayed unlinks make orphans of this run: none is reaped before it ends.
+            shared.recovery.wait().await;
             pass(&shared).await
         } else {
             PassOutcome::default()

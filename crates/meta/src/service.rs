@@ -337,6 +337,11 @@ fn recorded_reply(
 /// reply names the new handle, so the client's handle is known here and its close works;
 /// otherwise the record is answered as it is (the client finds its session gone).
 fn opened_again(shared: &Shared, frame: &Frame, client: u64, reply: Vec<u8>) -> Vec<u8> {
+    // A replay's reply is not used by its client (which reclaims the handles it still
+    // holds): opening again would count the file open for nobody.
+    if frame.flags & FLAG_REPLAY != 0 {
+        return reply;
+    }
     let Ok(request) = decode::<Create>(&frame.header) else {
         return reply;
     };
@@ -1209,10 +1214,10 @@ fn close_handles(shared: &Shared, request: &CloseHandles) -> Result<Vec<u64>, Wi
 }
 
 /// `ReclaimSession`: a client's session and open handles after a restart or a change of
-/// leader; returns the handles not taken again. Each handle is counted open first and its
-/// file checked after (as `open` does): a linked file keeps it; an unlinked one only if it
-/// was unlinked before this server started and one lease has not passed since (the reaper
-/// leaves such orphans alone until then, so its data is surely still there).
+/// leader; returns the handles not taken again. Only inside the recovery window, while the
+/// reaper waits for it to end: each handle is counted open first and its file checked after
+/// (as `open` does), so an orphan the check finds is one the reaper has not started on and
+/// will see open.
 fn reclaim_session(
     shared: &Shared,
     request: &ReclaimSession,
@@ -1224,6 +1229,15 @@ fn reclaim_session(
             format!(
                 "ReclaimSession lists {} handles, more than {RECLAIM_HANDLES_MAX}",
                 request.handles.len()
+            ),
+        ));
+    }
+    if !shared.recovery.is_recovering() {
+        return Err(WireError::new(
+            ErrorCode::Stale,
+            format!(
+                "session {} reclaimed outside the recovery window: its handles are lost",
+                request.session_id
             ),
         ));
     }
@@ -1242,29 +1256,20 @@ fn reclaim_session(
             }
         }
     }
-    let lease = Duration::from_millis(u64::from(shared.config.lease_ms));
-    let orphans_kept = shared.started.elapsed() < lease;
+    // Checked after the handles are counted: a window still open here was open when they
+    // were, so no reaper pass has begun.
+    let recovering = shared.recovery.is_recovering();
     let kept = shared.read(|read| {
         let mut kept = Vec::with_capacity(taken.len());
         for handle in &taken {
-            let linked = match ops::try_load_inode(read, handle.inode)? {
+            let present = match ops::try_load_inode(read, handle.inode)? {
                 None => false,
                 Some(record) if record.attr.link_count > 0 => true,
-                Some(_) => {
-                    let orphan = read
-                        .get(TableId::Orphans, &inode_key(handle.inode))?
-                        .map(|bytes| {
-                            decode_versioned::<crate::records::OrphanRecord>(
-                                TableId::Orphans,
-                                &bytes,
-                            )
-                        })
-                        .transpose()?;
-                    orphans_kept
-                        && orphan.is_some_and(|orphan| orphan.boot_epoch < shared.boot_epoch)
-                }
+                Some(_) => read
+                    .get(TableId::Orphans, &inode_key(handle.inode))?
+                    .is_some(),
             };
-            kept.push(linked);
+            kept.push(recovering && present);
         }
         Ok(kept)
     });

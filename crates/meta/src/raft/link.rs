@@ -68,10 +68,15 @@ impl RaftLink {
     /// the runtime shuts down (its task is dropped). The writer runs outside the runtime,
     /// where a Tokio timer polled during shutdown panics.
     pub fn timer(&self, wait: Duration) -> oneshot::Receiver<()> {
-        let (fire, fired) = oneshot::channel();
+        let (mut fire, fired) = oneshot::channel();
         self.runtime.spawn(async move {
-            tokio::time::sleep(wait).await;
-            let _ = fire.send(());
+            // Ends as soon as the wait is over one way or another (the receiver dropped).
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {
+                    let _ = fire.send(());
+                }
+                () = fire.closed() => {}
+            }
         });
         fired
     }
