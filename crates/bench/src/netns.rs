@@ -28,7 +28,7 @@ pub struct NetLab {
 }
 
 /// Run `ip` (or `tc`) with `arguments`; Err names the command and its stderr.
-fn run(program: &str, arguments: &[&str]) -> Result<String, String> {
+pub fn run(program: &str, arguments: &[&str]) -> Result<String, String> {
     let output = Command::new(program)
         .args(arguments)
         .output()
@@ -44,7 +44,7 @@ fn run(program: &str, arguments: &[&str]) -> Result<String, String> {
 }
 
 /// Run a command inside namespace `namespace`.
-fn run_in(namespace: &str, arguments: &[&str]) -> Result<String, String> {
+pub fn run_in(namespace: &str, arguments: &[&str]) -> Result<String, String> {
     let mut all = vec!["netns", "exec", namespace];
     all.extend_from_slice(arguments);
     run("ip", &all)
@@ -52,12 +52,18 @@ fn run_in(namespace: &str, arguments: &[&str]) -> Result<String, String> {
 
 /// Remove namespaces named `ffbench-<pid>-*` whose process is gone.
 fn remove_stale() {
+    remove_stale_named(NAMESPACE_PREFIX);
+}
+
+/// Remove namespaces named `<prefix><pid>-*` whose process is gone (left by a run killed
+/// before it could clean up).
+pub fn remove_stale_named(prefix: &str) {
     let Ok(listing) = run("ip", &["netns", "list"]) else {
         return;
     };
     for line in listing.lines() {
         let name = line.split_whitespace().next().unwrap_or("");
-        let Some(rest) = name.strip_prefix(NAMESPACE_PREFIX) else {
+        let Some(rest) = name.strip_prefix(prefix) else {
             continue;
         };
         let pid = rest.split('-').next().unwrap_or("");

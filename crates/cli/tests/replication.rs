@@ -243,6 +243,33 @@ async fn assert_copies_identical(data_dirs: &[PathBuf], client: &Client, path: &
     compared
 }
 
+/// Stop the writers (each past `at_least` steps), then check every acknowledged byte and
+/// the copies (`verify_everything`).
+async fn stop_and_verify(
+    workload: Workload,
+    data_dirs: &[PathBuf],
+    mount: &Mount,
+    client: &Client,
+    at_least: u64,
+) {
+    let (files, chunks) = workload.stop().await;
+    assert!(
+        files >= at_least && chunks >= at_least,
+        "{files} files, {chunks} chunks"
+    );
+    let compared = verify_everything(data_dirs, mount, client, files, chunks).await;
+    eprintln!(
+        "{files} files and {chunks} stream chunks read back; {compared} bytes of copies compared"
+    );
+}
+
+/// I/O server `server`'s log says it resynced.
+fn assert_resynced(server: usize, log: &str) {
+    let resynced = log.lines().find(|line| line.contains("resync done"));
+    assert!(resynced.is_some(), "server {server} resynced:\n{log}");
+    eprintln!("server {server}: {}", resynced.unwrap_or_default());
+}
+
 async fn verify_everything(
     data_dirs: &[PathBuf],
     mount: &Mount,
@@ -324,21 +351,9 @@ async fn writers_ride_out_a_killed_io_server_and_its_copies_are_remade() {
     wait_for_state(&observer, 2, MemberState::InService, "after its rebuild").await;
     workload.advance(3, "after server 2 was rebuilt").await;
 
-    let (files, chunks) = workload.stop().await;
-    assert!(
-        files >= 26 && chunks >= 26,
-        "{files} files, {chunks} chunks"
-    );
-    let compared =
-        verify_everything(&cluster.io_data_dirs(), &mount, &observer, files, chunks).await;
-    eprintln!(
-        "{files} files and {chunks} stream chunks read back; {compared} bytes of copies compared"
-    );
+    stop_and_verify(workload, &cluster.io_data_dirs(), &mount, &observer, 26).await;
     for server in [0, 1, 2] {
-        let log = cluster.io_log(server);
-        let resynced = log.lines().find(|line| line.contains("resync done"));
-        assert!(resynced.is_some(), "server {server} resynced:\n{log}");
-        eprintln!("server {server}: {}", resynced.unwrap_or_default());
+        assert_resynced(server, &cluster.io_log(server));
     }
 }
 
@@ -374,20 +389,8 @@ async fn an_io_server_cut_off_by_the_network_is_put_out_then_synced_back() {
     wait_for_state(&observer, 0, MemberState::InService, "after the cut healed").await;
     workload.advance(3, "after server 0 came back").await;
 
-    let (files, chunks) = workload.stop().await;
-    assert!(
-        files >= 13 && chunks >= 13,
-        "{files} files, {chunks} chunks"
-    );
-    let compared =
-        verify_everything(&cluster.io_data_dirs(), &mount, &observer, files, chunks).await;
-    eprintln!(
-        "{files} files and {chunks} stream chunks read back; {compared} bytes of copies compared"
-    );
-    let log = cluster.io_log(0);
-    let resynced = log.lines().find(|line| line.contains("resync done"));
-    assert!(resynced.is_some(), "server 0 resynced:\n{log}");
-    eprintln!("server 0: {}", resynced.unwrap_or_default());
+    stop_and_verify(workload, &cluster.io_data_dirs(), &mount, &observer, 13).await;
+    assert_resynced(0, &cluster.io_log(0));
 }
 
 /// A file cut again and again by one client (as `logrotate`'s copytruncate does) while
@@ -758,17 +761,13 @@ async fn a_cluster_from_init_configs_rides_out_each_kind_of_server_loss_in_turn(
     wait_for_state(&observer, 2, MemberState::InService, "after its rebuild").await;
     workload.advance(3, "after server 2 was rebuilt").await;
 
-    let (files, chunks) = workload.stop().await;
-    let compared =
-        verify_everything(&cluster.io_data_dirs(), &mount, &observer, files, chunks).await;
-    eprintln!(
-        "{files} files and {chunks} stream chunks read back; {compared} bytes of copies compared"
-    );
+    // Each writer made the 5 + 5 + 3 × 6 steps the phases waited for.
+    stop_and_verify(workload, &cluster.io_data_dirs(), &mount, &observer, 28).await;
     for server in 0..INIT_IOS {
-        let log = read_log(&cluster.dir.path().join(format!("io-{server}.log")));
-        let resynced = log.lines().find(|line| line.contains("resync done"));
-        assert!(resynced.is_some(), "server {server} resynced:\n{log}");
-        eprintln!("server {server}: {}", resynced.unwrap_or_default());
+        assert_resynced(
+            server,
+            &read_log(&cluster.dir.path().join(format!("io-{server}.log"))),
+        );
     }
     observer.shutdown().await;
 

@@ -1185,18 +1185,26 @@ async fn reserve_inodes(
     Ok(InodeRange { first, count })
 }
 
+/// `InvalidArgument` when a `request` lists more than `max` of `what`.
+fn at_most(request: &str, what: &str, listed: usize, max: usize) -> Result<(), WireError> {
+    if listed > max {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!("{request} lists {listed} {what}, more than {max}"),
+        ));
+    }
+    Ok(())
+}
+
 /// `CloseHandles`: close each listed handle of the session; returns the ids that were not
 /// open in it.
 fn close_handles(shared: &Shared, request: &CloseHandles) -> Result<Vec<u64>, WireError> {
-    if request.handle_ids.len() > CLOSE_HANDLES_MAX {
-        return Err(WireError::new(
-            ErrorCode::InvalidArgument,
-            format!(
-                "CloseHandles lists {} handles, more than {CLOSE_HANDLES_MAX}",
-                request.handle_ids.len()
-            ),
-        ));
-    }
+    at_most(
+        "CloseHandles",
+        "handles",
+        request.handle_ids.len(),
+        CLOSE_HANDLES_MAX,
+    )?;
     let mut not_open = Vec::new();
     let mut last_closed = Vec::new();
     {
@@ -1223,15 +1231,12 @@ fn reclaim_session(
     request: &ReclaimSession,
     client: u64,
 ) -> Result<Vec<u64>, WireError> {
-    if request.handles.len() > RECLAIM_HANDLES_MAX {
-        return Err(WireError::new(
-            ErrorCode::InvalidArgument,
-            format!(
-                "ReclaimSession lists {} handles, more than {RECLAIM_HANDLES_MAX}",
-                request.handles.len()
-            ),
-        ));
-    }
+    at_most(
+        "ReclaimSession",
+        "handles",
+        request.handles.len(),
+        RECLAIM_HANDLES_MAX,
+    )?;
     if !shared.recovery.is_recovering() {
         return Err(WireError::new(
             ErrorCode::Stale,
@@ -1318,15 +1323,12 @@ fn stat_fs(shared: &Shared) -> FsStats {
 /// `InspectInodes` (for `freeflow fsck`): each inode's record, orphan and truncation
 /// records, and whether a client has it open for writing, read in one transaction.
 fn inspect_inodes(shared: &Shared, request: &InspectInodes) -> Result<Vec<InodeFacts>, WireError> {
-    if request.inodes.len() > INSPECT_INODES_MAX {
-        return Err(WireError::new(
-            ErrorCode::InvalidArgument,
-            format!(
-                "InspectInodes names {} inodes, more than {INSPECT_INODES_MAX}",
-                request.inodes.len()
-            ),
-        ));
-    }
+    at_most(
+        "InspectInodes",
+        "inodes",
+        request.inodes.len(),
+        INSPECT_INODES_MAX,
+    )?;
     let mut facts = shared.read(|read| {
         let high_water = ops::inode_high_water(read)?;
         let mut facts = Vec::with_capacity(request.inodes.len());

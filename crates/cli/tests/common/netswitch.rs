@@ -24,42 +24,21 @@ pub struct NetSwitch {
     ports: Vec<String>,
 }
 
+/// `ip ARGUMENTS` (the bench's namespace helpers run it).
 fn run(arguments: &[&str]) -> Result<String, String> {
-    let output = Command::new("ip")
-        .args(arguments)
-        .output()
-        .map_err(|error| format!("ip {}: {error}", arguments.join(" ")))?;
-    if !output.status.success() {
-        return Err(format!(
-            "ip {}: {}",
-            arguments.join(" "),
-            String::from_utf8_lossy(&output.stderr).trim()
-        ));
-    }
-    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    freeflow_bench::netns::run("ip", arguments)
 }
 
+/// `ip ARGUMENTS` inside `namespace`.
 fn run_in(namespace: &str, arguments: &[&str]) -> Result<String, String> {
-    let mut all = vec!["netns", "exec", namespace, "ip"];
+    let mut all = vec!["ip"];
     all.extend_from_slice(arguments);
-    run(&all)
+    freeflow_bench::netns::run_in(namespace, &all)
 }
 
 /// Remove `ffsw-<pid>-*` namespaces whose process is gone.
 fn remove_stale() {
-    let Ok(listing) = run(&["netns", "list"]) else {
-        return;
-    };
-    for line in listing.lines() {
-        let name = line.split_whitespace().next().unwrap_or("");
-        let Some(rest) = name.strip_prefix(PREFIX) else {
-            continue;
-        };
-        let pid = rest.split('-').next().unwrap_or("");
-        if !pid.is_empty() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = run(&["netns", "del", name]);
-        }
-    }
+    freeflow_bench::netns::remove_stale_named(PREFIX);
 }
 
 impl NetSwitch {
