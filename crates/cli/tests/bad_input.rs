@@ -179,6 +179,7 @@ async fn oversized_frame_headers_close_the_connection() {
                 header_length,
                 payload_length,
                 checksum: 0,
+                credit: 0,
             };
             stream
                 .write_all(&header.encode())
@@ -208,6 +209,7 @@ async fn a_truncated_frame_then_close_is_logged() {
             header_length: 100,
             payload_length: 0,
             checksum: 0,
+            credit: 0,
         };
         stream
             .write_all(&header.encode())

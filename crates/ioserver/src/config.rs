@@ -65,8 +65,12 @@ pub struct IoConfig {
     pub buffer_bytes: usize,
     /// Threads of the thread-pool engine. Default 8.
     pub worker_threads: usize,
-    /// Payload bytes one connection may have in flight (flow-control window). Default 64 MiB.
+    /// The largest window (payload bytes in flight) one connection is granted; windows are
+    /// shared out of `payload_budget_bytes` while the server runs (credits). Default 64 MiB.
     pub window_bytes: u32,
+    /// Request payload bytes this server holds at once, across every connection (the memory
+    /// the data path may use for requests waiting for or in the disk). Default 512 MiB.
+    pub payload_budget_bytes: u64,
     /// io_uring submission queue size (in-flight disk operations + 1). Default 256.
     pub ring_entries: u32,
     /// Disk operations waiting to enter the engine before requests wait. Default 1024.
@@ -107,6 +111,7 @@ impl Default for IoConfig {
             buffer_bytes: 1 << 20,
             worker_threads: 8,
             window_bytes: 64 << 20,
+            payload_budget_bytes: 512 << 20,
             ring_entries: 256,
             engine_queue_depth_max: 1024,
             requests_in_flight_max: 128,
@@ -136,6 +141,7 @@ impl IoConfig {
             buffer_bytes,
             worker_threads,
             window_bytes,
+            payload_budget_bytes,
             ring_entries,
             engine_queue_depth_max,
             requests_in_flight_max,
@@ -215,6 +221,12 @@ impl IoConfig {
             u64::from(*window_bytes),
             u64::from(limits::IO_REQUEST_BYTES_MAX),
             u64::from(u32::MAX),
+        )?;
+        check_range(
+            "payload_budget_bytes",
+            *payload_budget_bytes,
+            u64::from(limits::IO_REQUEST_BYTES_MAX),
+            1 << 40,
         )?;
         check_range("ring_entries", u64::from(*ring_entries), 2, 4096)?;
         check_range(
@@ -321,6 +333,16 @@ mod tests {
             },
             "multiple of 4096",
         );
+        refused(
+            IoConfig {
+                payload_budget_bytes: 1 << 20,
+                ..IoConfig::default()
+            },
+            "payload_budget_bytes",
+        );
+        let config: IoConfig = toml::from_str("payload_budget_bytes = 268435456
+").unwrap();
+        assert_eq!(config.payload_budget_bytes, 256 << 20);
         refused(
             IoConfig {
                 unix_socket: Some(PathBuf::from("io.sock")),

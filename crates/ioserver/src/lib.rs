@@ -171,6 +171,7 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
     let options = ServerOptions {
         metrics: Some(ServerMetrics::new(&registry, freeflow_proto::io::OPCODES)),
         window_bytes: config.window_bytes,
+        payload_bytes_in_flight_max: config.payload_budget_bytes,
         payload_length_max: limits::IO_REQUEST_BYTES_MAX,
         requests_in_flight_max: config.requests_in_flight_max,
         ..ServerOptions::new(format!("io:{}", config.server_id))

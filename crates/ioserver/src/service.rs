@@ -102,6 +102,15 @@ impl IoService {
 }
 
 impl Service for IoService {
+    /// A read brings back up to its length: counted against the connection's window and
+    /// the payload budget (undecodable requests count nothing; `call` refuses them).
+    fn reply_bytes(&self, opcode: u16, header: &[u8]) -> u32 {
+        if opcode != ReadObject::OPCODE {
+            return 0;
+        }
+        freeflow_proto::decode::<ReadObject>(header).map_or(0, |read| read.length)
+    }
+
     async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
         let store = &*self.store;
         let gate = &*self.gate;

@@ -10,8 +10,8 @@
 //! | 8      | 8    | request_id     | chosen by the client, echoed in the reply           |
 //! | 16     | 4    | header_length  | ≤ [`HEADER_LENGTH_MAX`]                              |
 //! | 20     | 4    | payload_length | ≤ the receiver's payload bound                      |
-//! | 24     | 4    | checksum       | CRC-32C of bytes 0..24, the header section, the payload |
-//! | 28     | 4    | reserved       | zero                                                 |
+//! | 24     | 4    | checksum       | CRC-32C of bytes 0..24 and 28..32, the header section, the payload |
+//! | 28     | 4    | credit         | with [`FLAG_CREDIT`] (replies only): the window this connection has now; else zero |
 
 /// The frame magic, the bytes `FFLW`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"FFLW");
@@ -35,6 +35,12 @@ pub const FLAG_RESEND: u8 = 0x02;
 /// restarted, sent again during the recovery window; the payload is the original reply.
 pub const FLAG_REPLAY: u8 = 0x04;
 
+/// On a reply: the `credit` word holds the payload bytes this connection may now have in
+/// flight (its window, which the server grows, shrinks and takes back while it runs; 0:
+/// send no payload until a later reply gives some). Every reply of a server carries it;
+/// an unasked ping reply carries a change between replies (docs/protocol.md, "Credits").
+pub const FLAG_CREDIT: u8 = 0x08;
+
 /// Opcodes of the connection handshake, handled by the RPC layer itself.
 pub const OPCODE_HELLO: u16 = 1;
 pub const OPCODE_AUTHENTICATE: u16 = 2;
@@ -53,6 +59,8 @@ pub struct FrameHeader {
     pub header_length: u32,
     pub payload_length: u32,
     pub checksum: u32,
+    /// The connection's window, with [`FLAG_CREDIT`]; zero otherwise.
+    pub credit: u32,
 }
 
 /// Why a fixed header was refused.
@@ -68,8 +76,8 @@ pub enum FrameError {
     PayloadTooLong { length: u32, bound: u32 },
     #[error("checksum mismatch: frame says {expected:#010x}, contents give {actual:#010x}")]
     BadChecksum { expected: u32, actual: u32 },
-    #[error("reserved field is {0:#x}, not zero")]
-    ReservedNotZero(u32),
+    #[error("credit word is {0:#x} on a frame without the credit flag")]
+    CreditWithoutFlag(u32),
 }
 
 impl FrameHeader {
@@ -83,6 +91,7 @@ impl FrameHeader {
         bytes[16..20].copy_from_slice(&self.header_length.to_le_bytes());
         bytes[20..24].copy_from_slice(&self.payload_length.to_le_bytes());
         bytes[24..28].copy_from_slice(&self.checksum.to_le_bytes());
+        bytes[28..32].copy_from_slice(&self.credit.to_le_bytes());
         bytes
     }
 
@@ -106,10 +115,10 @@ impl FrameHeader {
             header_length: u32_at(16),
             payload_length: u32_at(20),
             checksum: u32_at(24),
+            credit: u32_at(28),
         };
-        let reserved = u32_at(28);
-        if reserved != 0 {
-            return Err(FrameError::ReservedNotZero(reserved));
+        if header.flags & FLAG_CREDIT == 0 && header.credit != 0 {
+            return Err(FrameError::CreditWithoutFlag(header.credit));
         }
         if header.header_length > HEADER_LENGTH_MAX {
             return Err(FrameError::HeaderTooLong(header.header_length));
@@ -137,7 +146,18 @@ mod tests {
             header_length: 12,
             payload_length: 4096,
             checksum: 0xdead_beef,
+            credit: 0,
         };
+        assert_eq!(FrameHeader::decode(&header.encode(), 1 << 20), Ok(header));
+        let credited = FrameHeader {
+            flags: FLAG_REPLY | FLAG_CREDIT,
+            credit: 16 << 20,
+            ..header
+        };
+        assert_eq!(
+            FrameHeader::decode(&credited.encode(), 1 << 20),
+            Ok(credited)
+        );
         assert_eq!(FrameHeader::decode(&header.encode(), 1 << 20), Ok(header));
     }
 
@@ -150,6 +170,7 @@ mod tests {
             header_length: 0,
             payload_length: 5000,
             checksum: 0,
+            credit: 0,
         };
         let bytes = header.encode();
         assert_eq!(
@@ -176,6 +197,12 @@ mod tests {
         assert_eq!(
             FrameHeader::decode(&bad, 1 << 20),
             Err(FrameError::HeaderTooLong(HEADER_LENGTH_MAX + 1))
+        );
+        let mut bad = bytes;
+        bad[28] = 1;
+        assert_eq!(
+            FrameHeader::decode(&bad, 1 << 20),
+            Err(FrameError::CreditWithoutFlag(1))
         );
     }
 }

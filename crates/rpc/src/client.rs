@@ -2,8 +2,9 @@
 //!
 //! `call` registers a reply slot under a fresh request id, queues the frame to the writer
 //! task and waits for the reader task to hand back the reply with that id, in whatever order
-//! replies come. Payload bytes in flight are bounded by the window the server announced in
-//! its hello (a request waits for window before it is sent). When the connection fails every
+//! replies come. Payload bytes in flight are bounded by the connection's window: the hello
+//! gives its first size, and every reply (and an unasked ping reply between them) the size
+//! the server grants now (`credit.rs`); a request waits for window before it is sent. When the connection fails every
 //! waiting call gets `Disconnected` at once; a call whose reply does not come within the
 //! call timeout gets `TimedOut`: never a hang.
 
@@ -14,14 +15,16 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use freeflow_proto::frame::{
-    FLAG_REPLY, OPCODE_AUTHENTICATE, OPCODE_HELLO, OPCODE_PING, PAYLOAD_LENGTH_MAX_DEFAULT,
+    FLAG_CREDIT, FLAG_REPLY, OPCODE_AUTHENTICATE, OPCODE_HELLO, OPCODE_PING,
+    PAYLOAD_LENGTH_MAX_DEFAULT,
 };
 use freeflow_proto::handshake::{Authenticate, Hello, ServerProof};
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::codec::{read_frame, write_frame, RawFrame};
+use crate::credit::Window;
 use crate::transport::{Network, ReadHalf, Transport, WriteHalf};
 use crate::{ClusterKey, RpcError};
 
@@ -74,6 +77,8 @@ struct Shared {
     /// came in (liveness).
     born: tokio::time::Instant,
     heard_ms: AtomicU64,
+    /// Payload bytes this connection may have in flight, as the server last said.
+    window: Arc<Window>,
 }
 
 impl Shared {
@@ -112,8 +117,6 @@ struct Inner {
     epoch: u64,
     sender: mpsc::Sender<Outgoing>,
     next_request_id: AtomicU64,
-    window: Semaphore,
-    window_bytes: u32,
     payload_length_max: u32,
     call_timeout_ms: u64,
 }
@@ -276,15 +279,18 @@ impl Connection {
             tasks: Mutex::new(Vec::new()),
             born: tokio::time::Instant::now(),
             heard_ms: AtomicU64::new(0),
+            window: Arc::new(Window::new(0)),
         });
         let (sender, receiver) = mpsc::channel(options.send_queue_max.max(1));
         let writer_task = tokio::spawn(writer_loop(writer, receiver, shared.clone()));
         let reply_payload_max = hello.payload_length_max.max(PAYLOAD_LENGTH_MAX_DEFAULT);
-        // Nothing comes after the server's authenticate reply until a request is answered.
-        debug_assert!(reader.buffer().is_empty());
+        // What the server sent right after its authenticate reply (a ping reply telling the
+        // window) may be buffered already: it is read first.
+        let early = reader.buffer().to_vec();
         let reader = BufReader::with_capacity(
             64 << 10,
             Heard {
+                early,
                 inner: reader.into_inner(),
                 shared: shared.clone(),
             },
@@ -307,7 +313,7 @@ impl Connection {
                 Duration::from_millis(options.liveness_timeout_ms.max(LIVENESS_TIMEOUT_MS_MIN)),
             ));
         }
-        let window_bytes = hello.window_bytes.max(1);
+        shared.window.resize(hello.window_bytes.max(1));
         Ok(Connection {
             inner: Arc::new(Inner {
                 shared,
@@ -315,8 +321,6 @@ impl Connection {
                 epoch: hello.epoch,
                 sender,
                 next_request_id: AtomicU64::new(1),
-                window: Semaphore::new(window_bytes as usize),
-                window_bytes,
                 payload_length_max: hello.payload_length_max,
                 call_timeout_ms: options.call_timeout_ms,
             }),
@@ -338,6 +342,11 @@ impl Connection {
 
     pub fn is_closed(&self) -> bool {
         self.inner.shared.closed.load(Ordering::Acquire)
+    }
+
+    /// Payload bytes this connection may have in flight now, as its server last granted.
+    pub fn window_bytes(&self) -> u32 {
+        self.inner.shared.window.size()
     }
 
     /// The largest payload the server accepts in one request.
@@ -433,11 +442,23 @@ impl Connection {
             request: name,
             timeout_ms,
         };
-        // Window credit for the payload; a payload larger than the whole window takes all of it.
-        let credit = (payload.len() as u32).min(inner.window_bytes);
+        // Window credit for the payload; a payload larger than the whole window takes all of
+        // it. With no window at all, a ping tells the server credit is wanted.
+        let want = || {
+            let _ = inner.sender.try_send(Outgoing {
+                opcode: OPCODE_PING,
+                flags: 0,
+                request_id: 0,
+                header: Vec::new(),
+                payload: Bytes::new(),
+            });
+        };
+        let window = &inner.shared.window;
         let _credit =
-            match tokio::time::timeout_at(deadline, inner.window.acquire_many(credit)).await {
-                Ok(permit) => permit.expect("window semaphore never closed"),
+            match tokio::time::timeout_at(deadline, window.acquire(payload.len() as u32, want))
+                .await
+            {
+                Ok(credit) => credit,
                 Err(_) => return Err(timed_out()),
             };
         if self.is_closed() {
@@ -608,8 +629,10 @@ async fn writer_loop(
     let _ = writer.shutdown().await;
 }
 
-/// The read half, noting when bytes come in (a large reply arriving slowly is alive).
+/// The read half, noting when bytes come in (a large reply arriving slowly is alive), after
+/// the bytes read past the handshake.
 struct Heard {
+    early: Vec<u8>,
     inner: ReadHalf,
     shared: Arc<Shared>,
 }
@@ -620,6 +643,12 @@ impl tokio::io::AsyncRead for Heard {
         context: &mut std::task::Context<'_>,
         buffer: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
+        if !self.early.is_empty() {
+            let length = self.early.len().min(buffer.remaining());
+            buffer.put_slice(&self.early[..length]);
+            self.early.drain(..length);
+            return std::task::Poll::Ready(Ok(()));
+        }
         let before = buffer.filled().len();
         let polled = std::pin::Pin::new(&mut self.inner).poll_read(context, buffer);
         if buffer.filled().len() > before {
@@ -697,6 +726,9 @@ async fn reader_loop(mut reader: BufReader<Heard>, shared: Arc<Shared>, payload_
             tracing::warn!(address = %shared.address, opcode = frame.fixed.opcode, "server sent a non-reply frame; closing");
             shared.close();
             return;
+        }
+        if frame.fixed.flags & FLAG_CREDIT != 0 {
+            shared.window.resize(frame.fixed.credit);
         }
         if frame.fixed.opcode == OPCODE_PING {
             continue;

@@ -210,10 +210,10 @@ fn verify(fixed: &FixedHeader, header: &[u8], payload: &[u8]) -> Result<(), Fram
     Ok(())
 }
 
-/// CRC-32C over the fixed header's first 24 bytes (everything but the checksum and the
-/// reserved word), then the header section, then the payload.
+/// CRC-32C over the fixed header but its checksum (bytes 0..24, then the credit word),
+/// then the header section, then the payload.
 fn checksum(fixed: &[u8; FIXED_HEADER_BYTES], header: &[u8], payload: &[u8]) -> u32 {
-    let crc = crc32c::crc32c(&fixed[..24]);
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&fixed[..24]), &fixed[28..32]);
     crc32c::crc32c_append(crc32c::crc32c_append(crc, header), payload)
 }
 
@@ -226,6 +226,23 @@ pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized>(
     header: &[u8],
     payload: &[u8],
 ) -> std::io::Result<()> {
+    write_frame_with_credit(writer, flags, opcode, request_id, None, header, payload).await
+}
+
+/// [`write_frame`] of a reply that tells its connection's window (`FLAG_CREDIT`).
+pub async fn write_frame_with_credit<W: AsyncWrite + Unpin + ?Sized>(
+    writer: &mut W,
+    flags: u8,
+    opcode: u16,
+    request_id: u64,
+    credit: Option<u32>,
+    header: &[u8],
+    payload: &[u8],
+) -> std::io::Result<()> {
+    let flags = match credit {
+        Some(_) => flags | freeflow_proto::frame::FLAG_CREDIT,
+        None => flags & !freeflow_proto::frame::FLAG_CREDIT,
+    };
     let header_length = u32::try_from(header.len())
         .map_err(|_| std::io::Error::other("frame header section too long"))?;
     let payload_length = u32::try_from(payload.len())
@@ -237,6 +254,7 @@ pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized>(
         header_length,
         payload_length,
         checksum: 0,
+        credit: credit.unwrap_or(0),
     };
     fixed.checksum = checksum(&fixed.encode(), header, payload);
     writer.write_all(&fixed.encode()).await?;

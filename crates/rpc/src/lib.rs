@@ -9,6 +9,7 @@
 
 mod client;
 mod codec;
+pub mod credit;
 mod error;
 mod key;
 mod metrics;
@@ -18,8 +19,8 @@ mod transport;
 
 pub use client::{ConnectOptions, Connection, LeaderSearch};
 pub use codec::{
-    read_fixed_header, read_frame, read_frame_body, write_frame, FixedHeader, FrameLimits,
-    FrameReadError, RawFrame,
+    read_fixed_header, read_frame, read_frame_body, write_frame, write_frame_with_credit,
+    FixedHeader, FrameLimits, FrameReadError, RawFrame,
 };
 pub use error::RpcError;
 pub use key::{ClusterKey, KeyError};

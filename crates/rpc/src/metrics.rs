@@ -60,6 +60,10 @@ struct Inner {
     handshake_failures: Counter,
     credit_waits: Counter,
     budget_waits: Counter,
+    window_waits: Counter,
+    windows_revoked: Counter,
+    window_bytes_granted: Gauge,
+    connections_without_window: Gauge,
 }
 
 /// The RPC server's metrics in one registry. Cheap to clone.
@@ -129,6 +133,26 @@ impl ServerMetrics {
                 "Times a request waited for room in the server-wide payload budget.",
                 &[],
             ),
+            window_waits: registry.counter(
+                "freeflow_rpc_window_waits_total",
+                "Times a request (or a read's reply) waited for its connection's window at the server.",
+                &[],
+            ),
+            windows_revoked: registry.counter(
+                "freeflow_rpc_windows_revoked_total",
+                "Times the credit book took a connection's whole window back to give it to connections that waited.",
+                &[],
+            ),
+            window_bytes_granted: registry.gauge(
+                "freeflow_rpc_window_bytes_granted",
+                "Payload bytes the connections' windows add up to now (the budget shared out).",
+                &[],
+            ),
+            connections_without_window: registry.gauge(
+                "freeflow_rpc_connections_without_window",
+                "Connections whose window is 0 now (waiting for credit).",
+                &[],
+            ),
         };
         ServerMetrics {
             inner: Arc::new(inner),
@@ -183,6 +207,16 @@ impl ServerMetrics {
 
     pub(crate) fn budget_wait(&self) {
         self.inner.budget_waits.increment();
+    }
+
+    pub(crate) fn window_wait(&self) {
+        self.inner.window_waits.increment();
+    }
+
+    pub(crate) fn windows_shared(&self, granted: u64, without: u64, revoked: u64) {
+        self.inner.window_bytes_granted.set(granted);
+        self.inner.connections_without_window.set(without);
+        self.inner.windows_revoked.add(revoked);
     }
 }
 

@@ -22,7 +22,11 @@ use tokio::io::{AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, Notify, Semaphore};
 
-use crate::codec::{read_fixed_header, read_frame_body, write_frame, FrameLimits, FrameReadError};
+use crate::codec::{
+    read_fixed_header, read_frame_body, write_frame, write_frame_with_credit, FrameLimits,
+    FrameReadError,
+};
+use crate::credit::{Credit, CreditBook, Window};
 use crate::metrics::ServerMetrics;
 use crate::net::Accept;
 use crate::transport::{ReadHalf, WriteHalf};
@@ -72,6 +76,24 @@ pub trait Service: Send + Sync + 'static {
         frame: Frame,
         peer: &PeerInfo,
     ) -> impl Future<Output = Result<Reply, String>> + Send;
+
+    /// The most reply payload bytes this request may bring back (a read's length): they
+    /// are taken from the connection's window and the server's payload budget before the
+    /// request runs and given back once its reply is written, as a request's own payload
+    /// is, so replies in memory stay within the budget too. `header` is the request's
+    /// encoded message. Default 0: replies without a payload to speak of.
+    fn reply_bytes(&self, _opcode: u16, _header: &[u8]) -> u32 {
+        0
+    }
+}
+
+/// A reply on its way to the writer, with the room its payload was given (if any), which
+/// goes back once the reply is written.
+type Queued = (u16, u64, Reply, Option<ReplyRoom>);
+
+struct ReplyRoom {
+    _credit: Credit,
+    _budget: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// Run a typed handler: decode `R` from the frame, run `f`, encode its result.
@@ -149,6 +171,31 @@ struct ServerShared {
     key: ClusterKey,
     handshakes: Semaphore,
     payload_bytes: Arc<Semaphore>,
+    /// Every connection's window (credits), shared out of `payload_bytes`.
+    book: Arc<CreditBook>,
+}
+
+impl ServerShared {
+    fn new(options: ServerOptions, key: ClusterKey, handshakes: usize) -> ServerShared {
+        let budget_bytes = options
+            .payload_bytes_in_flight_max
+            .max(u64::from(options.payload_length_max))
+            .min(Semaphore::MAX_PERMITS as u64);
+        let payload_bytes = Arc::new(Semaphore::new(budget_bytes as usize));
+        let book = CreditBook::new(
+            payload_bytes.clone(),
+            budget_bytes,
+            options.window_bytes.max(1),
+            options.metrics.clone(),
+        );
+        ServerShared {
+            handshakes: Semaphore::new(handshakes.max(1)),
+            payload_bytes,
+            book,
+            options,
+            key,
+        }
+    }
 }
 
 /// Accept connections forever. Abort the task running it to stop: that also ends every
@@ -173,17 +220,9 @@ pub async fn serve_with_unix<S: Service>(
     service: Arc<S>,
 ) -> std::io::Result<()> {
     let connections_max = options.connections_max as usize;
-    let payload_bytes = options
-        .payload_bytes_in_flight_max
-        .max(u64::from(options.payload_length_max));
-    let shared = Arc::new(ServerShared {
-        handshakes: Semaphore::new(options.handshakes_max.max(1) as usize),
-        payload_bytes: Arc::new(Semaphore::new(
-            payload_bytes.min(Semaphore::MAX_PERMITS as u64) as usize,
-        )),
-        options,
-        key,
-    });
+    let handshakes = options.handshakes_max as usize;
+    let shared = Arc::new(ServerShared::new(options, key, handshakes));
+    let _share_out = AbortOnDrop(tokio::spawn(shared.book.clone().run()));
     let mut connections = tokio::task::JoinSet::new();
     // A listener whose accept failed rests a little (running out of descriptors or a reset
     // during accept is transient); the other keeps accepting meanwhile.
@@ -264,17 +303,8 @@ pub async fn serve_connection<S: Service>(
 ) {
     let address = address.to_string();
     let options = (*options).clone();
-    let shared = Arc::new(ServerShared {
-        handshakes: Semaphore::new(1),
-        payload_bytes: Arc::new(Semaphore::new(
-            options
-                .payload_bytes_in_flight_max
-                .max(u64::from(options.payload_length_max))
-                .min(Semaphore::MAX_PERMITS as u64) as usize,
-        )),
-        options,
-        key,
-    });
+    let shared = Arc::new(ServerShared::new(options, key, 1));
+    let _share_out = AbortOnDrop(tokio::spawn(shared.book.clone().run()));
     run_connection(read, write, address, shared, service).await;
 }
 
@@ -296,10 +326,18 @@ async fn run_connection<S: Service>(
         }
         return;
     };
+    // Opened before the handshake: the hello tells the connection's first window.
+    let account = shared.book.open();
     let timeout = Duration::from_millis(options.handshake_timeout_ms);
     let (client_name, client_id) = match tokio::time::timeout(
         timeout,
-        handshake(&mut reader, &mut writer, &shared.key, options),
+        handshake(
+            &mut reader,
+            &mut writer,
+            &shared.key,
+            options,
+            account.window.size(),
+        ),
     )
     .await
     {
@@ -328,9 +366,18 @@ async fn run_connection<S: Service>(
     });
 
     let in_flight_max = options.requests_in_flight_max.max(1) as usize;
-    let (reply_sender, reply_receiver) = mpsc::channel::<(u16, u64, Reply)>(in_flight_max);
+    let (reply_sender, reply_receiver) = mpsc::channel::<Queued>(in_flight_max);
     // Aborted if this connection's task is aborted (server shutdown), so the socket closes.
-    let mut writer_task = AbortOnDrop(tokio::spawn(writer_loop(writer, reply_receiver)));
+    let mut writer_task = AbortOnDrop(tokio::spawn(writer_loop(
+        writer,
+        reply_receiver,
+        account.window.clone(),
+    )));
+    // A window changed between replies reaches the client in an unasked ping reply.
+    let _tell_credit = AbortOnDrop(tokio::spawn(tell_credit(
+        account.changed.clone(),
+        reply_sender.downgrade(),
+    )));
     let in_flight = Arc::new(Semaphore::new(in_flight_max));
     let close = Arc::new(Notify::new());
     let close_reason: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
@@ -369,6 +416,10 @@ async fn run_connection<S: Service>(
         if header.opcode == OPCODE_PING {
             // Answered here, outside the request limits: it asks whether this connection
             // is alive, not whether the service is idle.
+            // A client with no window at all pings to say it wants credit.
+            if account.window.size() == 0 {
+                account.want();
+            }
             if header.header_length != 0 || header.payload_length != 0 {
                 break Some("ping frame with a body".to_string());
             }
@@ -377,7 +428,7 @@ async fn run_connection<S: Service>(
                 payload: Bytes::new(),
             };
             if reply_sender
-                .send((OPCODE_PING, header.request_id, pong))
+                .send((OPCODE_PING, header.request_id, pong, None))
                 .await
                 .is_err()
             {
@@ -385,6 +436,22 @@ async fn run_connection<S: Service>(
             }
             continue;
         }
+        // This connection's credit for the payload (its window, which the client keeps to;
+        // a client that overran a shrink waits here), then room in the server-wide budget.
+        let credit = if header.payload_length == 0 {
+            None
+        } else {
+            account.want();
+            if account.window.available() < u64::from(header.payload_length) {
+                if let Some(metrics) = &metrics {
+                    metrics.window_wait();
+                }
+            }
+            tokio::select! {
+                credit = with_pongs(account.window.acquire(header.payload_length, || account.want()), &reply_sender) => Some(credit),
+                () = close.notified() => break take_reason(),
+            }
+        };
         let permit = match in_flight.clone().try_acquire_owned() {
             Ok(permit) => permit,
             Err(_) => {
@@ -426,6 +493,40 @@ async fn run_connection<S: Service>(
                     ))
                 }
             };
+        // Room for what the reply brings back (reads), from the window and the budget.
+        let reply_bytes = service
+            .reply_bytes(header.opcode, &frame.header)
+            .min(options.payload_length_max);
+        let reply_room = if reply_bytes == 0 {
+            None
+        } else {
+            account.want();
+            if account.window.available() < u64::from(reply_bytes) {
+                if let Some(metrics) = &metrics {
+                    metrics.window_wait();
+                }
+            }
+            let credit = tokio::select! {
+                credit = with_pongs(account.window.acquire(reply_bytes, || account.want()), &reply_sender) => credit,
+                () = close.notified() => break take_reason(),
+            };
+            let budget = match shared.payload_bytes.clone().try_acquire_many_owned(reply_bytes) {
+                Ok(permit) => permit,
+                Err(_) => {
+                    if let Some(metrics) = &metrics {
+                        metrics.budget_wait();
+                    }
+                    tokio::select! {
+                        permit = with_pongs(shared.payload_bytes.clone().acquire_many_owned(reply_bytes), &reply_sender) => permit.expect("semaphore never closed"),
+                        () = close.notified() => break take_reason(),
+                    }
+                }
+            };
+            Some(ReplyRoom {
+                _credit: credit,
+                _budget: budget,
+            })
+        };
         let request = Frame {
             opcode: header.opcode,
             flags: header.flags,
@@ -442,13 +543,14 @@ async fn run_connection<S: Service>(
             let (opcode, request_id) = (request.opcode, request.request_id);
             let outcome = service.call(request, &peer).await;
             drop(payload_permit);
+            drop(credit);
             if let (Some(timer), Ok(reply)) = (&mut timer, &outcome) {
                 timer.replied(reply.payload.len() as u64);
             }
             drop(timer);
             match outcome {
                 Ok(reply) => {
-                    let _ = sender.send((opcode, request_id, reply)).await;
+                    let _ = sender.send((opcode, request_id, reply, reply_room)).await;
                 }
                 Err(reason) => {
                     close_reason
@@ -478,7 +580,7 @@ const PONG_INTERVAL: Duration = Duration::from_millis(200);
 /// meanwhile (a busy server is alive; the client ignores these replies).
 async fn with_pongs<T>(
     room: impl Future<Output = T>,
-    replies: &mpsc::Sender<(u16, u64, Reply)>,
+    replies: &mpsc::Sender<Queued>,
 ) -> T {
     tokio::pin!(room);
     loop {
@@ -490,7 +592,7 @@ async fn with_pongs<T>(
                     payload: Bytes::new(),
                 };
                 // A full queue is replies on their way: the client hears those.
-                let _ = replies.try_send((OPCODE_PING, 0, pong));
+                let _ = replies.try_send((OPCODE_PING, 0, pong, None));
             }
         }
     }
@@ -520,19 +622,38 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// Send an unasked ping reply (it carries the window, as every reply does) each time the
+/// connection's window changes; ends with the connection.
+async fn tell_credit(changed: Arc<Notify>, replies: mpsc::WeakSender<Queued>) {
+    loop {
+        changed.notified().await;
+        let Some(replies) = replies.upgrade() else {
+            return;
+        };
+        let pong = Reply {
+            header: Bytes::new(),
+            payload: Bytes::new(),
+        };
+        // A full queue is replies on their way: they carry the new window.
+        let _ = replies.try_send((OPCODE_PING, 0, pong, None));
+    }
+}
+
 async fn writer_loop<W: AsyncWrite + Unpin>(
     mut writer: BufWriter<W>,
-    mut replies: mpsc::Receiver<(u16, u64, Reply)>,
+    mut replies: mpsc::Receiver<Queued>,
+    window: Arc<Window>,
 ) {
     while let Some(first) = replies.recv().await {
         // Replies that finish together share one flush: write every one that is ready.
         let mut next = Some(first);
-        while let Some((opcode, request_id, reply)) = next {
-            let written = write_frame(
+        while let Some((opcode, request_id, reply, _room)) = next {
+            let written = write_frame_with_credit(
                 &mut writer,
                 FLAG_REPLY,
                 opcode,
                 request_id,
+                Some(window.size()),
                 &reply.header,
                 &reply.payload,
             )
@@ -555,13 +676,14 @@ async fn handshake(
     writer: &mut BufWriter<WriteHalf>,
     key: &ClusterKey,
     options: &ServerOptions,
+    window_bytes: u32,
 ) -> Result<(String, u64), String> {
     let nonce =
         crate::random_nonce().map_err(|error| format!("no randomness for a nonce: {error}"))?;
     let hello = Hello {
         nonce,
         identity: options.identity.clone(),
-        window_bytes: options.window_bytes,
+        window_bytes,
         payload_length_max: options.payload_length_max,
         epoch: options.epoch,
     };

@@ -215,15 +215,19 @@ async fn raw_authenticated(address: &str, key: &ClusterKey) -> tokio::net::TcpSt
     stream
 }
 
+/// The server closes the stream within 5 s (what it sends before, such as a ping reply
+/// telling a new window, is read past).
 async fn assert_closed_by_server(mut stream: tokio::net::TcpStream) {
     let mut buffer = [0u8; 64];
-    let result = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buffer))
-        .await
-        .expect("server did not close");
-    assert!(
-        matches!(result, Ok(0) | Err(_)),
-        "server kept the connection open: {result:?}"
-    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let result = tokio::time::timeout_at(deadline, stream.read(&mut buffer))
+            .await
+            .expect("server did not close");
+        if matches!(result, Ok(0) | Err(_)) {
+            return;
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -266,6 +270,7 @@ async fn misbehaving_peers_lose_only_their_own_connection() {
         header_length: 4,
         payload_length: 64 << 20,
         checksum: 0,
+        credit: 0,
     };
     stream.write_all(&fixed.encode()).await.unwrap();
     assert_closed_by_server(stream).await;
@@ -279,6 +284,7 @@ async fn misbehaving_peers_lose_only_their_own_connection() {
         header_length: 4,
         payload_length: 1000,
         checksum: 0,
+        credit: 0,
     };
     stream.write_all(&fixed.encode()).await.unwrap();
     stream.write_all(&[1, 2, 3]).await.unwrap();
@@ -504,6 +510,7 @@ async fn an_unauthenticated_peer_cannot_announce_a_large_header() {
         header_length: 100_000,
         payload_length: 0,
         checksum: 0,
+        credit: 0,
     };
     stream.write_all(&fixed.encode()).await.unwrap();
     assert_closed_by_server(stream).await;
@@ -569,6 +576,171 @@ async fn a_small_server_payload_budget_still_carries_every_request() {
     }
     for call in calls {
         assert_eq!(call.await.unwrap().unwrap(), 40_000);
+    }
+}
+
+/// Credits: six connections writing at once to a server whose budget holds two smallest
+/// windows. The server hands credit round (none is starved: every call completes well
+/// within its timeout), never lets the connections hold more than the budget between
+/// them, and each client keeps to the window the server's replies give it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_share_a_small_budget_by_credits_and_every_call_completes() {
+    const MIB: u32 = 1 << 20;
+    let key = ClusterKey::generate().unwrap();
+    let mut options = ServerOptions::new("credits");
+    options.payload_length_max = MIB;
+    options.payload_bytes_in_flight_max = 2 * u64::from(MIB);
+    let address = start_server(&key, options).await;
+    let mut connections = Vec::new();
+    for index in 0..6 {
+        let options = ConnectOptions {
+            client_name: format!("writer-{index}"),
+            call_timeout_ms: 20_000,
+            ..ConnectOptions::default()
+        };
+        connections.push(Connection::connect(&address, &key, &options).await.unwrap());
+    }
+    // Every client starts from the window its hello gave: one smallest window at most.
+    assert!(connections.iter().all(|c| c.window_bytes() <= MIB));
+    let mut calls = Vec::new();
+    for connection in &connections {
+        for _ in 0..8 {
+            let connection = connection.clone();
+            calls.push(tokio::spawn(async move {
+                connection
+                    .call(&write_request(1, 10), Bytes::from(vec![5u8; 512 << 10]))
+                    .await
+                    .map(|(_, payload)| payload.len())
+            }));
+        }
+    }
+    // While they run, the windows the clients hold never add up to more than the budget
+    // plus what one share-out may still be telling them.
+    let watcher = {
+        let connections = connections.clone();
+        tokio::spawn(async move {
+            let mut widest = 0u64;
+            for _ in 0..40 {
+                let total: u64 = connections
+                    .iter()
+                    .map(|c| u64::from(c.window_bytes()))
+                    .sum();
+                widest = widest.max(total);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            widest
+        })
+    };
+    for call in calls {
+        assert_eq!(call.await.unwrap().unwrap(), 512 << 10);
+    }
+    let widest = watcher.await.unwrap();
+    assert!(
+        widest <= 3 * u64::from(MIB),
+        "clients held {widest} bytes of window against a budget of 2 MiB"
+    );
+}
+
+/// Serves reads of `length` bytes after 5 ms, noting the most reply bytes it held at once.
+#[derive(Default)]
+struct CountedReads {
+    held: std::sync::atomic::AtomicU64,
+    most: std::sync::atomic::AtomicU64,
+}
+
+impl Service for CountedReads {
+    fn reply_bytes(&self, opcode: u16, header: &[u8]) -> u32 {
+        if opcode != ReadObject::OPCODE {
+            return 0;
+        }
+        freeflow_proto::decode::<ReadObject>(header).map_or(0, |read| read.length)
+    }
+
+    async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
+        use std::sync::atomic::Ordering;
+        handle(frame, |request: ReadObject, _| async move {
+            let length = u64::from(request.length);
+            let now = self.held.fetch_add(length, Ordering::SeqCst) + length;
+            self.most.fetch_max(now, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            self.held.fetch_sub(length, Ordering::SeqCst);
+            Ok((
+                ReadReply {
+                    length: request.length,
+                },
+                Bytes::from(vec![3u8; request.length as usize]),
+            ))
+        })
+        .await
+    }
+}
+
+/// Reads count against the budget too: many clients reading at once from a server whose
+/// budget holds two replies never make it hold more, and every read completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replies_of_reads_stay_within_the_payload_budget() {
+    let key = ClusterKey::generate().unwrap();
+    let mut options = ServerOptions::new("reads");
+    options.payload_length_max = 1 << 20;
+    options.payload_bytes_in_flight_max = 2 << 20;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let service = Arc::new(CountedReads::default());
+    tokio::spawn(serve(listener, key.clone(), options, service.clone()));
+    let mut calls = Vec::new();
+    for _ in 0..4 {
+        let connection = Connection::connect(&address, &key, &ConnectOptions::default())
+            .await
+            .unwrap();
+        for _ in 0..10 {
+            let connection = connection.clone();
+            calls.push(tokio::spawn(async move {
+                let read = ReadObject {
+                    object: ObjectId {
+                        inode: 1,
+                        stripe_index: 0,
+                    },
+                    offset: 0,
+                    length: 1 << 20,
+                    map_version: 0,
+                };
+                connection
+                    .call(&read, Bytes::new())
+                    .await
+                    .map(|(_, payload)| payload.len())
+            }));
+        }
+    }
+    for call in calls {
+        assert_eq!(call.await.unwrap().unwrap(), 1 << 20);
+    }
+    let most = service.most.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(most <= 2 << 20, "the server held {most} bytes of replies at once");
+    assert!(most >= 1 << 20);
+}
+
+/// A lone writer's window grows from the smallest to the server's largest while it sends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_connection_window_grows_to_the_largest() {
+    let key = ClusterKey::generate().unwrap();
+    let mut options = ServerOptions::new("grow");
+    options.window_bytes = 16 << 20;
+    let address = start_server(&key, options).await;
+    let connection = Connection::connect(&address, &key, &ConnectOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(connection.window_bytes(), 1 << 20);
+    let started = std::time::Instant::now();
+    while connection.window_bytes() < 16 << 20 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "window stuck at {}",
+            connection.window_bytes()
+        );
+        connection
+            .call(&write_request(1, 1), Bytes::from(vec![1u8; 256 << 10]))
+            .await
+            .unwrap();
     }
 }
 
