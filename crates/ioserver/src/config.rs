@@ -340,8 +340,11 @@ mod tests {
             },
             "payload_budget_bytes",
         );
-        let config: IoConfig = toml::from_str("payload_budget_bytes = 268435456
-").unwrap();
+        let config: IoConfig = toml::from_str(
+            "payload_budget_bytes = 268435456
+",
+        )
+        .unwrap();
         assert_eq!(config.payload_budget_bytes, 256 << 20);
         refused(
             IoConfig {

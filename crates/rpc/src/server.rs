@@ -510,7 +510,11 @@ async fn run_connection<S: Service>(
                 credit = with_pongs(account.window.acquire(reply_bytes, || account.want()), &reply_sender) => credit,
                 () = close.notified() => break take_reason(),
             };
-            let budget = match shared.payload_bytes.clone().try_acquire_many_owned(reply_bytes) {
+            let budget = match shared
+                .payload_bytes
+                .clone()
+                .try_acquire_many_owned(reply_bytes)
+            {
                 Ok(permit) => permit,
                 Err(_) => {
                     if let Some(metrics) = &metrics {
@@ -578,10 +582,7 @@ const PONG_INTERVAL: Duration = Duration::from_millis(200);
 
 /// Wait for `room`, sending the client an unasked ping reply every [`PONG_INTERVAL`]
 /// meanwhile (a busy server is alive; the client ignores these replies).
-async fn with_pongs<T>(
-    room: impl Future<Output = T>,
-    replies: &mpsc::Sender<Queued>,
-) -> T {
+async fn with_pongs<T>(room: impl Future<Output = T>, replies: &mpsc::Sender<Queued>) -> T {
     tokio::pin!(room);
     loop {
         tokio::select! {

@@ -715,7 +715,10 @@ async fn replies_of_reads_stay_within_the_payload_budget() {
         assert_eq!(call.await.unwrap().unwrap(), 1 << 20);
     }
     let most = service.most.load(std::sync::atomic::Ordering::SeqCst);
-    assert!(most <= 2 << 20, "the server held {most} bytes of replies at once");
+    assert!(
+        most <= 2 << 20,
+        "the server held {most} bytes of replies at once"
+    );
     assert!(most >= 1 << 20);
 }
 
