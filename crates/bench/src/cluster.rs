@@ -173,6 +173,8 @@ pub struct Cluster {
     pub io: Vec<Server>,
     freeflow_exe: PathBuf,
     runtime: tokio::runtime::Handle,
+    /// The I/O servers' `payload_budget_bytes` (None: their default).
+    io_payload_budget: Option<u64>,
 }
 
 /// A loopback port that was free a moment ago.
@@ -202,6 +204,18 @@ impl Cluster {
         placement: Placement,
         freeflow_exe: &Path,
         runtime: &tokio::runtime::Handle,
+    ) -> Result<Cluster, StepError> {
+        Cluster::start_with_budget(dir, io_count, placement, freeflow_exe, runtime, None)
+    }
+
+    /// [`Cluster::start`] with the I/O servers' payload budget set (`payload_budget_bytes`).
+    pub fn start_with_budget(
+        dir: PathBuf,
+        io_count: u32,
+        placement: Placement,
+        freeflow_exe: &Path,
+        runtime: &tokio::runtime::Handle,
+        io_payload_budget: Option<u64>,
     ) -> Result<Cluster, StepError> {
         std::fs::create_dir_all(&dir).step(format!("create {}", dir.display()))?;
         let key = ClusterKey::generate().step("generate a cluster key")?;
@@ -238,6 +252,7 @@ impl Cluster {
             meta_address: String::new(),
             freeflow_exe: freeflow_exe.to_path_buf(),
             runtime: runtime.clone(),
+            io_payload_budget,
         };
         let meta_ip = match &placement {
             Placement::Loopback => "127.0.0.1".to_string(),
@@ -314,6 +329,9 @@ impl Cluster {
             meta_address: self.meta_address.clone(),
             engine: EngineKind::Uring,
             register_backoff_max_ms: 500,
+            payload_budget_bytes: self
+                .io_payload_budget
+                .unwrap_or(IoConfig::default().payload_budget_bytes),
             ..IoConfig::default()
         };
         write_toml(

@@ -64,6 +64,8 @@ pub struct Sizes {
     /// `incast`: clients writing to the one I/O server at once, bytes each.
     pub incast_clients: u32,
     pub incast_client_bytes: u64,
+    /// `incast`: the I/O server's payload budget (None: its default, 512 MiB).
+    pub incast_budget_bytes: Option<u64>,
     /// `striping`: I/O server counts compared, bytes of the file, per-link rate.
     pub striping_servers: Vec<u32>,
     pub striping_file_bytes: u64,
@@ -91,6 +93,7 @@ impl Sizes {
                 startup_files: vec![100, 1000],
                 incast_clients: 4,
                 incast_client_bytes: 2 * MIB,
+                incast_budget_bytes: None,
                 striping_servers: vec![1, 2],
                 striping_file_bytes: 4 * MIB,
                 striping_rate_mbit: 200,
@@ -112,6 +115,7 @@ impl Sizes {
                 startup_files: vec![1000, 10_000],
                 incast_clients: 8,
                 incast_client_bytes: 16 * MIB,
+                incast_budget_bytes: None,
                 striping_servers: vec![1, 2, 4],
                 striping_file_bytes: 32 * MIB,
                 striping_rate_mbit: 200,
@@ -133,6 +137,7 @@ impl Sizes {
                 startup_files: vec![1000, 100_000],
                 incast_clients: 8,
                 incast_client_bytes: 64 * MIB,
+                incast_budget_bytes: None,
                 striping_servers: vec![1, 2, 4],
                 striping_file_bytes: 128 * MIB,
                 striping_rate_mbit: 200,
@@ -154,6 +159,7 @@ impl Sizes {
                 startup_files: vec![1000, 100_000, 1_000_000],
                 incast_clients: 16,
                 incast_client_bytes: 128 * MIB,
+                incast_budget_bytes: None,
                 striping_servers: vec![1, 2, 4],
                 striping_file_bytes: 512 * MIB,
                 striping_rate_mbit: 200,

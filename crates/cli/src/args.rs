@@ -361,6 +361,9 @@ pub struct BenchArgs {
     /// incast: MiB each client writes.
     #[arg(long, value_name = "MIB")]
     pub incast_mib: Option<u64>,
+    /// incast: the I/O server's payload budget in MiB (default: its own, 512).
+    #[arg(long, value_name = "MIB")]
+    pub incast_budget_mib: Option<u64>,
     /// striping: I/O server counts, comma separated.
     #[arg(long, value_delimiter = ',', value_name = "N,N")]
     pub striping_servers: Option<Vec<u32>>,

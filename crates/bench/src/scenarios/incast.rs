@@ -26,6 +26,7 @@ const WRITE_BYTES: usize = 1 << 20;
 pub struct Incast {
     clients: u32,
     client_bytes: u64,
+    budget_bytes: Option<u64>,
     peak_reset_refused: bool,
 }
 
@@ -34,6 +35,7 @@ impl Incast {
         Incast {
             clients: sizes.incast_clients,
             client_bytes: sizes.incast_client_bytes,
+            budget_bytes: sizes.incast_budget_bytes,
             peak_reset_refused: false,
         }
     }
@@ -50,6 +52,11 @@ impl Scenario for Incast {
             parameter("client_bytes", self.client_bytes),
             parameter("write_bytes", WRITE_BYTES as u64),
             parameter("io_servers", 1),
+            parameter(
+                "io_payload_budget",
+                self.budget_bytes
+                    .unwrap_or(freeflow_ioserver::IoConfig::default().payload_budget_bytes),
+            ),
         ]
     }
 
@@ -69,12 +76,13 @@ impl Scenario for Incast {
         env: &Env,
     ) -> Result<Vec<Box<dyn Subject>>, SetupError> {
         env.step("start a cluster with one I/O server");
-        let cluster = Cluster::start(
+        let cluster = Cluster::start_with_budget(
             env.scratch().join(fresh_name("incast")),
             1,
             Placement::Loopback,
             &env.freeflow_exe,
             &env.runtime,
+            self.budget_bytes,
         )
         .map_err(|error| SetupError::Failed {
             subject: "cluster".into(),

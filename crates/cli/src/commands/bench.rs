@@ -23,6 +23,9 @@ fn sizes(arguments: &BenchArgs) -> anyhow::Result<Sizes> {
     mib(arguments.concurrent_mib, &mut sizes.concurrent_file_bytes);
     mib(arguments.random_mib, &mut sizes.random_file_bytes);
     mib(arguments.incast_mib, &mut sizes.incast_client_bytes);
+    if let Some(budget) = arguments.incast_budget_mib {
+        sizes.incast_budget_bytes = Some(budget * MIB);
+    }
     mib(arguments.striping_mib, &mut sizes.striping_file_bytes);
     if let Some(writers) = arguments.writers {
         sizes.concurrent_writers = writers;
