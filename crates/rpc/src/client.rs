@@ -279,7 +279,9 @@ impl Connection {
             tasks: Mutex::new(Vec::new()),
             born: tokio::time::Instant::now(),
             heard_ms: AtomicU64::new(0),
-            window: Arc::new(Window::new(0)),
+            // The hello's window first: a ping reply read right after the handshake (the
+            // reader starts below) then sets what the server decided since.
+            window: Arc::new(Window::new(hello.window_bytes)),
         });
         let (sender, receiver) = mpsc::channel(options.send_queue_max.max(1));
         let writer_task = tokio::spawn(writer_loop(writer, receiver, shared.clone()));
@@ -313,7 +315,6 @@ impl Connection {
                 Duration::from_millis(options.liveness_timeout_ms.max(LIVENESS_TIMEOUT_MS_MIN)),
             ));
         }
-        shared.window.resize(hello.window_bytes.max(1));
         Ok(Connection {
             inner: Arc::new(Inner {
                 shared,
@@ -454,13 +455,17 @@ impl Connection {
             });
         };
         let window = &inner.shared.window;
-        let _credit =
-            match tokio::time::timeout_at(deadline, window.acquire(payload.len() as u32, want))
-                .await
-            {
-                Ok(credit) => credit,
-                Err(_) => return Err(timed_out()),
-            };
+        let _credit = match window.try_acquire(payload.len() as u32) {
+            Some(credit) => credit,
+            None => {
+                match tokio::time::timeout_at(deadline, window.acquire(payload.len() as u32, want))
+                    .await
+                {
+                    Ok(credit) => credit,
+                    Err(_) => return Err(timed_out()),
+                }
+            }
+        };
         if self.is_closed() {
             return Err(RpcError::Disconnected { address: address() });
         }

@@ -96,6 +96,27 @@ impl Window {
         self.changed.notify_waiters();
     }
 
+    /// Credit for `bytes` (or the whole window when they are more) if it is free now.
+    pub fn try_acquire(self: &Arc<Self>, bytes: u32) -> Option<Credit> {
+        if bytes == 0 {
+            return Some(Credit {
+                window: None,
+                bytes: 0,
+            });
+        }
+        let size = self.size();
+        if size == 0 {
+            return None;
+        }
+        let need = bytes.min(size);
+        let permit = self.permits.try_acquire_many(need).ok()?;
+        permit.forget();
+        Some(Credit {
+            window: Some(self.clone()),
+            bytes: need,
+        })
+    }
+
     /// Wait for credit to send (or read) `bytes` of payload: all of them, or the whole
     /// window when they are more than it. While the window is 0, `want` is called (and again
     /// every [`WANT_INTERVAL`]) so the server hears that credit is wanted.
@@ -165,8 +186,10 @@ fn millis_since(start: tokio::time::Instant) -> u64 {
 struct Holder {
     window: Arc<Window>,
     wanted: Arc<AtomicU64>,
-    /// When its present non-zero window was granted (None: it holds none).
-    held_since: Option<tokio::time::Instant>,
+    /// Whether it holds a window, and since when: holders that have held theirs longest
+    /// give it up first; connections that have waited longest are served first.
+    holds: bool,
+    since: tokio::time::Instant,
     /// Tells the connection its window changed (it sends an unasked ping reply).
     tell: Arc<Notify>,
 }
@@ -203,7 +226,7 @@ impl Account {
         let now = millis_since(self.book.start).max(1);
         let before = self.wanted.swap(now, Ordering::Relaxed);
         if before == 0 || now.saturating_sub(before) > ACTIVE_FOR.as_millis() as u64 {
-            self.book.rebalance();
+            self.book.share_out(Some(self.id));
         }
     }
 }
@@ -244,27 +267,20 @@ impl CreditBook {
         })
     }
 
-    /// A new connection, counted active from now, with the smallest window if the budget
-    /// has that much not held by others, else none (the hello tells the client; it grows by
-    /// slow start while the connection sends).
-    pub fn open(self: &Arc<Self>) -> Account {
+    /// A new (authenticated) connection, idle until it sends, with the smallest window if
+    /// the budget has that much not held by others, else none. `announced` is the window
+    /// its hello gave: if this differs, the connection is told at once.
+    pub fn open(self: &Arc<Self>, announced: u32) -> Account {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let wanted = Arc::new(AtomicU64::new(millis_since(self.start).max(1)));
+        let wanted = Arc::new(AtomicU64::new(0));
         let tell = Arc::new(Notify::new());
         let mut holders = self.holders.lock().expect("credit book not poisoned");
-        let now_ms = millis_since(self.start);
-        let active = holders
-            .values()
-            .filter(|holder| self.is_active(holder, now_ms))
-            .count() as u64;
-        // The smallest window, from what the others do not hold (none if that is less).
         let held: u64 = holders
             .values()
             .map(|holder| u64::from(holder.window.size()))
             .sum();
-        let first = self.share(active + 1).min(self.window_min);
-        let first = if held + u64::from(first) <= self.budget_bytes {
-            first
+        let first = if held + u64::from(self.window_min) <= self.budget_bytes {
+            self.window_min
         } else {
             0
         };
@@ -274,11 +290,15 @@ impl CreditBook {
             Holder {
                 window: window.clone(),
                 wanted: wanted.clone(),
-                held_since: (first > 0).then(tokio::time::Instant::now),
+                holds: first > 0,
+                since: tokio::time::Instant::now(),
                 tell: tell.clone(),
             },
         );
         drop(holders);
+        if first != announced {
+            tell.notify_one();
+        }
         Account {
             book: self.clone(),
             id,
@@ -286,6 +306,12 @@ impl CreditBook {
             wanted,
             changed: tell,
         }
+    }
+
+    /// The window a connection's hello announces (what [`CreditBook::open`] gives when
+    /// the budget has room).
+    pub fn window_min(&self) -> u32 {
+        self.window_min
     }
 
     fn is_active(&self, holder: &Holder, now_ms: u64) -> bool {
@@ -306,6 +332,12 @@ impl CreditBook {
 
     /// Share the budget out again (every [`REBALANCE_INTERVAL`], see [`CreditBook::run`]).
     pub fn rebalance(&self) {
+        self.share_out(None);
+    }
+
+    /// Share out; `woke` is the connection that just turned active, when that is why: only
+    /// its window grows then (the others' grow on the schedule).
+    fn share_out(&self, woke: Option<u64>) {
         let now_ms = millis_since(self.start);
         let mut holders = self.holders.lock().expect("credit book not poisoned");
         let active = holders
@@ -324,59 +356,74 @@ impl CreditBook {
             self.pressed.store(false, Ordering::Relaxed);
         }
         let share = self.share(active);
-        // Who is served first: active before idle; among them those holding nothing
-        // (waiting), then the newest holders. The oldest holders are last: when the budget
-        // runs out, theirs is the credit taken back.
-        let mut order: Vec<(bool, Option<tokio::time::Instant>, u64)> = holders
+        // Who is served first: active before idle; among them those holding nothing, the
+        // longest waiting first, then the holders, the newest first. The oldest holders
+        // are last: when the budget runs out, theirs is the credit taken back (and they are
+        // then the first served once they have waited longest).
+        let mut order: Vec<(bool, bool, tokio::time::Instant, u64)> = holders
             .iter()
-            .map(|(&id, holder)| (self.is_active(holder, now_ms), holder.held_since, id))
+            .map(|(&id, holder)| {
+                (
+                    self.is_active(holder, now_ms),
+                    holder.holds,
+                    holder.since,
+                    id,
+                )
+            })
             .collect();
         order.sort_by(|a, b| {
             b.0.cmp(&a.0).then_with(|| match (a.1, b.1) {
-                (None, None) => std::cmp::Ordering::Equal,
-                (None, Some(_)) => std::cmp::Ordering::Less,
-                (Some(_), None) => std::cmp::Ordering::Greater,
-                (Some(x), Some(y)) => y.cmp(&x),
+                (false, false) => a.2.cmp(&b.2),
+                (false, true) => std::cmp::Ordering::Less,
+                (true, false) => std::cmp::Ordering::Greater,
+                (true, true) => b.2.cmp(&a.2),
             })
         });
         let mut left = self.budget_bytes;
         let now = tokio::time::Instant::now();
         let (mut without, mut revoked) = (0u64, 0u64);
-        for (active, _, id) in order {
+        for (active, _, _, id) in order {
             let holder = holders.get_mut(&id).expect("listed above");
-            // An active connection's window grows at most [`GROWTH`]-fold a share-out (slow
-            // start), so a connection that starts first cannot fill the server's queues
-            // before the others of a burst have begun.
-            let wanted = if active {
-                let grown = holder
-                    .window
-                    .size()
-                    .max(self.window_min)
-                    .saturating_mul(GROWTH);
-                share.min(grown)
-            } else {
+            let old = holder.window.size();
+            let size = if active {
+                // An active connection's window grows at most [`GROWTH`]-fold a share-out
+                // (slow start), so a connection that starts first cannot fill the server's
+                // queues before the others of a burst have begun.
+                let growth = if woke.is_none_or(|woke| woke == id) {
+                    GROWTH
+                } else {
+                    1
+                };
+                let grown = old.max(self.window_min).saturating_mul(growth);
+                let wanted = share.min(grown);
+                // What is left, if less than that but at least the smallest window.
+                if u64::from(wanted) <= left {
+                    wanted
+                } else if left >= u64::from(self.window_min) {
+                    left as u32
+                } else {
+                    0
+                }
+            } else if old > 0 && u64::from(self.window_min) <= left {
+                // An idle connection keeps the smallest window if the budget has room, and
+                // one without a window waits for its next request: credit never passes from
+                // one idle connection to another.
                 self.window_min
-            };
-            // What is left, if less than a share but at least the smallest window.
-            let size = if u64::from(wanted) <= left {
-                wanted
-            } else if left >= u64::from(self.window_min) {
-                left as u32
             } else {
                 0
             };
             left -= u64::from(size);
-            let old = holder.window.size();
             if size != old {
                 holder.window.resize(size);
                 holder.tell.notify_one();
             }
+            if (size > 0) != holder.holds {
+                holder.holds = size > 0;
+                holder.since = now;
+            }
             if size == 0 {
                 without += 1;
                 revoked += u64::from(old > 0);
-                holder.held_since = None;
-            } else if old == 0 {
-                holder.held_since = Some(now);
             }
         }
         if let Some(metrics) = &self.metrics {
@@ -464,19 +511,19 @@ mod tests {
     #[tokio::test]
     async fn active_connections_share_the_budget_growing_from_the_smallest_window() {
         let book = book(64 * u64::from(MIB), 64 * MIB);
-        let mut accounts: Vec<Account> = (0..4).map(|_| book.open()).collect();
+        let mut accounts: Vec<Account> = (0..4).map(|_| book.open(MIB)).collect();
         assert!(accounts.iter().all(|a| a.window.size() == MIB));
+        // Each turns active in turn: its own window grows GROWTH-fold at once, the others'
+        // do not grow then.
         for account in &accounts {
             account.want();
         }
-        // Slow start: at most GROWTH-fold a share-out, up to the even share (16 MiB).
-        let mut sizes = Vec::new();
-        for _ in 0..4 {
+        assert!(accounts.iter().all(|a| a.window.size() == 8 * MIB));
+        // Then on the schedule, up to the even share (16 MiB), and no further.
+        for _ in 0..3 {
             book.rebalance();
-            sizes.push(accounts[0].window.size());
+            assert!(accounts.iter().all(|a| a.window.size() == 16 * MIB));
         }
-        assert_eq!(sizes, [8 * MIB, 16 * MIB, 16 * MIB, 16 * MIB]);
-        assert!(accounts.iter().all(|a| a.window.size() == 16 * MIB));
         // One leaves: the others' shares grow.
         drop(accounts.remove(0));
         book.rebalance();
@@ -491,7 +538,7 @@ mod tests {
     async fn when_the_budget_cannot_cover_everyone_the_oldest_holders_give_theirs_up() {
         // Room for two smallest windows, four connections wanting credit.
         let book = book(2 * u64::from(MIB), 64 * MIB);
-        let accounts: Vec<Account> = (0..4).map(|_| book.open()).collect();
+        let accounts: Vec<Account> = (0..4).map(|_| book.open(MIB)).collect();
         for account in &accounts {
             account.want();
         }
@@ -513,11 +560,47 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn every_busy_connection_is_served_however_many_wait() {
+        // Seven busy connections, room for two windows: the longest waiting go first, so
+        // each is served within a few rounds, not only those the map lists first.
+        let book = book(2 * u64::from(MIB), 64 * MIB);
+        let accounts: Vec<Account> = (0..7).map(|_| book.open(MIB)).collect();
+        let mut served = [0u32; 7];
+        for _ in 0..8 {
+            for account in &accounts {
+                account.want();
+            }
+            book.rebalance();
+            for (count, account) in served.iter_mut().zip(&accounts) {
+                *count += u32::from(account.window.size() > 0);
+            }
+        }
+        assert!(served.iter().all(|&n| n >= 2), "{served:?}");
+    }
+
+    #[tokio::test]
+    async fn idle_connections_do_not_pass_credit_among_themselves() {
+        let book = book(2 * u64::from(MIB), 64 * MIB);
+        let accounts: Vec<Account> = (0..4).map(|_| book.open(MIB)).collect();
+        let before: Vec<u32> = accounts.iter().map(|a| a.window.size()).collect();
+        assert_eq!(before, [MIB, MIB, 0, 0]);
+        for _ in 0..5 {
+            book.rebalance();
+        }
+        let after: Vec<u32> = accounts.iter().map(|a| a.window.size()).collect();
+        assert_eq!(after, before);
+        // One turns busy: it is served its share (the whole budget), taken from the idle.
+        accounts[3].want();
+        let now: Vec<u32> = accounts.iter().map(|a| a.window.size()).collect();
+        assert_eq!(now, [0, 0, 0, 2 * MIB]);
+    }
+
+    #[tokio::test]
     async fn shares_are_halved_while_most_of_the_budget_is_in_use() {
         let budget = 64 * u64::from(MIB);
         let semaphore = Arc::new(Semaphore::new(budget as usize));
         let book = CreditBook::new(semaphore.clone(), budget, 64 * MIB, None);
-        let account = book.open();
+        let account = book.open(MIB);
         account.want();
         for _ in 0..4 {
             book.rebalance();

@@ -326,8 +326,6 @@ async fn run_connection<S: Service>(
         }
         return;
     };
-    // Opened before the handshake: the hello tells the connection's first window.
-    let account = shared.book.open();
     let timeout = Duration::from_millis(options.handshake_timeout_ms);
     let (client_name, client_id) = match tokio::time::timeout(
         timeout,
@@ -336,7 +334,7 @@ async fn run_connection<S: Service>(
             &mut writer,
             &shared.key,
             options,
-            account.window.size(),
+            shared.book.window_min(),
         ),
     )
     .await
@@ -358,6 +356,7 @@ async fn run_connection<S: Service>(
         }
     };
     drop(handshake_slot);
+    let account = shared.book.open(shared.book.window_min());
     let _open = metrics.clone().map(OpenConnection::new);
     let peer = Arc::new(PeerInfo {
         address: address.clone(),
@@ -442,14 +441,17 @@ async fn run_connection<S: Service>(
             None
         } else {
             account.want();
-            if account.window.available() < u64::from(header.payload_length) {
-                if let Some(metrics) = &metrics {
-                    metrics.window_wait();
+            match account.window.try_acquire(header.payload_length) {
+                Some(credit) => Some(credit),
+                None => {
+                    if let Some(metrics) = &metrics {
+                        metrics.window_wait();
+                    }
+                    tokio::select! {
+                        credit = with_pongs(account.window.acquire(header.payload_length, || account.want()), &reply_sender) => Some(credit),
+                        () = close.notified() => break take_reason(),
+                    }
                 }
-            }
-            tokio::select! {
-                credit = with_pongs(account.window.acquire(header.payload_length, || account.want()), &reply_sender) => Some(credit),
-                () = close.notified() => break take_reason(),
             }
         };
         let permit = match in_flight.clone().try_acquire_owned() {
@@ -501,14 +503,17 @@ async fn run_connection<S: Service>(
             None
         } else {
             account.want();
-            if account.window.available() < u64::from(reply_bytes) {
-                if let Some(metrics) = &metrics {
-                    metrics.window_wait();
+            let credit = match account.window.try_acquire(reply_bytes) {
+                Some(credit) => credit,
+                None => {
+                    if let Some(metrics) = &metrics {
+                        metrics.window_wait();
+                    }
+                    tokio::select! {
+                        credit = with_pongs(account.window.acquire(reply_bytes, || account.want()), &reply_sender) => credit,
+                        () = close.notified() => break take_reason(),
+                    }
                 }
-            }
-            let credit = tokio::select! {
-                credit = with_pongs(account.window.acquire(reply_bytes, || account.want()), &reply_sender) => credit,
-                () = close.notified() => break take_reason(),
             };
             let budget = match shared
                 .payload_bytes
