@@ -108,7 +108,17 @@ impl Scenario for Incast {
                     subject: name.clone(),
                     error,
                 })?;
+            // The directory is made and removed by a client of its own: a writer that made
+            // it would hold its lease and create its file without a round trip, starting
+            // ahead of the others.
+            let setup = cluster
+                .client(&format!("incast-setup-{count}"))
+                .map_err(|error| SetupError::Failed {
+                    subject: name.clone(),
+                    error,
+                })?;
             subjects.push(Box::new(IncastSubject {
+                setup,
                 name,
                 cluster: Arc::clone(&cluster),
                 clients,
@@ -122,7 +132,9 @@ impl Scenario for Incast {
 
     fn notes(&self) -> Vec<String> {
         let mut notes = vec![
-            "clients are separate Client instances (sessions, connections) in one process".into(),
+            "clients are separate Client instances (sessions, connections) in one process; \
+             another one makes and removes the directories"
+                .into(),
         ];
         if self.peak_reset_refused {
             notes.push(
@@ -136,6 +148,8 @@ impl Scenario for Incast {
 }
 
 struct IncastSubject {
+    /// Makes and removes each run's directory (not one of the writers).
+    setup: Client,
     name: String,
     cluster: Arc<Cluster>,
     clients: Vec<Client>,
@@ -186,9 +200,9 @@ impl Subject for IncastSubject {
 
     fn run_once(&mut self, _repeat: u32, env: &Env) -> Result<Vec<Measurement>, StepError> {
         let directory = format!("/{}", fresh_name("incast"));
-        let first = &self.clients[0];
+        let setup = &self.setup;
         env.runtime
-            .block_on(first.mkdir_path(&directory, 0o755))
+            .block_on(setup.mkdir_path(&directory, 0o755))
             .step(format!("mkdir {directory}"))?;
         reset_peak_rss(self.io_pid);
         env.step(&format!("{} writing", self.name));
@@ -222,7 +236,7 @@ impl Subject for IncastSubject {
         })?;
         env.step("remove the files");
         env.runtime
-            .block_on(first.remove_all(&directory))
+            .block_on(setup.remove_all(&directory))
             .step(format!("remove {directory}"))?;
         let per_client: Vec<f64> = seconds
             .iter()
@@ -248,5 +262,6 @@ impl Drop for IncastSubject {
         for client in self.clients.drain(..) {
             self.cluster.shutdown_client(client);
         }
+        self.cluster.shutdown_client(self.setup.clone());
     }
 }
