@@ -29,6 +29,12 @@ pub const REBALANCE_INTERVAL: Duration = Duration::from_millis(25);
 /// keeps only the smallest window, if the budget has room for it.
 pub const ACTIVE_FOR: Duration = Duration::from_millis(1_000);
 
+/// An active connection that sent nothing for this long, with nothing in flight, starts
+/// again from the smallest window (slow start after idle, as TCP restarts its window): a
+/// burst of writers that paused begins again on equal terms, not with the windows they had
+/// when they paused.
+pub const RESTART_AFTER: Duration = Duration::from_millis(100);
+
 /// The smallest window an active connection gets while the budget allows: one stripe unit
 /// of the default layout, so a writer always has one whole request in flight.
 pub const WINDOW_MIN_BYTES: u32 = 1 << 20;
@@ -225,7 +231,7 @@ impl Account {
     pub fn want(&self) {
         let now = millis_since(self.book.start).max(1);
         let before = self.wanted.swap(now, Ordering::Relaxed);
-        if before == 0 || now.saturating_sub(before) > ACTIVE_FOR.as_millis() as u64 {
+        if before == 0 || now.saturating_sub(before) > RESTART_AFTER.as_millis() as u64 {
             self.book.share_out(Some(self.id));
         }
     }
@@ -385,7 +391,19 @@ impl CreditBook {
         for (active, _, _, id) in order {
             let holder = holders.get_mut(&id).expect("listed above");
             let old = holder.window.size();
-            let size = if active {
+            // Paused: nothing sent lately and nothing in flight (a connection whose window
+            // is all out, waiting for a slow disk, is busy, not paused).
+            let paused = now_ms.saturating_sub(holder.wanted.load(Ordering::Relaxed))
+                > RESTART_AFTER.as_millis() as u64
+                && holder.window.available() >= u64::from(old);
+            let size = if active && paused {
+                // Counted in the shares, but starts again from the smallest window.
+                if u64::from(self.window_min) <= left {
+                    self.window_min
+                } else {
+                    0
+                }
+            } else if active {
                 // An active connection's window grows at most [`GROWTH`]-fold a share-out
                 // (slow start), so a connection that starts first cannot fill the server's
                 // queues before the others of a burst have begun.
