@@ -614,6 +614,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_paused_connection_starts_again_from_the_smallest_window_but_a_busy_one_does_not() {
+        let book = book(64 * u64::from(MIB), 64 * MIB);
+        let account = book.open(MIB);
+        account.want();
+        for _ in 0..2 {
+            book.rebalance();
+        }
+        assert_eq!(account.window.size(), 64 * MIB);
+        // Nothing sent and nothing in flight for longer than RESTART_AFTER: back to 1 MiB
+        // (still active: within ACTIVE_FOR).
+        tokio::time::sleep(RESTART_AFTER + Duration::from_millis(50)).await;
+        book.rebalance();
+        assert_eq!(account.window.size(), MIB);
+        // Sending again grows its own window at once.
+        account.want();
+        assert_eq!(account.window.size(), 8 * MIB);
+        book.rebalance();
+        assert_eq!(account.window.size(), 64 * MIB);
+        // A window all out (waiting for the disk) is busy, not paused.
+        let out = account.window.acquire(64 * MIB, || {}).await;
+        tokio::time::sleep(RESTART_AFTER + Duration::from_millis(50)).await;
+        book.rebalance();
+        assert_eq!(account.window.size(), 64 * MIB);
+        drop(out);
+    }
+
+    #[tokio::test]
     async fn shares_are_halved_while_most_of_the_budget_is_in_use() {
         let budget = 64 * u64::from(MIB);
         let semaphore = Arc::new(Semaphore::new(budget as usize));
