@@ -73,7 +73,7 @@ impl Window {
         self.state.lock().expect("window not poisoned").size
     }
 
-    /// Credit not in flight now (a gauge: for tests and metrics).
+    /// Credit not in flight now (what is free, less what is owed).
     pub fn available(&self) -> u64 {
         let owed = self.state.lock().expect("window not poisoned").owed;
         (self.permits.available_permits() as u64).saturating_sub(owed)
@@ -346,10 +346,6 @@ impl CreditBook {
     fn share_out(&self, woke: Option<u64>) {
         let now_ms = millis_since(self.start);
         let mut holders = self.holders.lock().expect("credit book not poisoned");
-        let active = holders
-            .values()
-            .filter(|holder| self.is_active(holder, now_ms))
-            .count() as u64;
         // Pressure: most of the budget is held by payloads not yet written (the disk or
         // the replies are behind). Shares are halved from three quarters in use until the
         // use falls under a half.
@@ -361,7 +357,6 @@ impl CreditBook {
         } else if in_use * 2 < self.budget_bytes {
             self.pressed.store(false, Ordering::Relaxed);
         }
-        let share = self.share(active);
         // Who is served first: active before idle; among them those holding nothing, the
         // longest waiting first, then the holders, the newest first. The oldest holders
         // are last: when the budget runs out, theirs is the credit taken back (and they are
@@ -377,6 +372,8 @@ impl CreditBook {
                 )
             })
             .collect();
+        let active = order.iter().filter(|(active, ..)| *active).count() as u64;
+        let share = self.share(active);
         order.sort_by(|a, b| {
             b.0.cmp(&a.0).then_with(|| match (a.1, b.1) {
                 (false, false) => a.2.cmp(&b.2),
@@ -449,7 +446,7 @@ impl CreditBook {
         }
     }
 
-    /// Share out every [`REBALANCE_INTERVAL`] while `alive` says so (the serving task).
+    /// Share out every [`REBALANCE_INTERVAL`], until the serving task drops it.
     pub async fn run(self: Arc<Self>) {
         let mut tick = tokio::time::interval(REBALANCE_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -459,8 +456,9 @@ impl CreditBook {
         }
     }
 
-    /// Every connection's window now (tests, metrics).
-    pub fn windows(&self) -> Vec<u32> {
+    /// Every connection's window now.
+    #[cfg(test)]
+    fn windows(&self) -> Vec<u32> {
         self.holders
             .lock()
             .expect("credit book not poisoned")

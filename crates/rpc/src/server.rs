@@ -435,53 +435,47 @@ async fn run_connection<S: Service>(
             }
             continue;
         }
+        let rooms = Rooms {
+            metrics: &metrics,
+            replies: &reply_sender,
+            close: &close,
+        };
         // This connection's credit for the payload (its window, which the client keeps to;
-        // a client that overran a shrink waits here), then room in the server-wide budget.
+        // a client that overran a shrink waits here), a request slot, then room in the
+        // server-wide budget, all before the body is read.
         let credit = if header.payload_length == 0 {
             None
         } else {
+            let length = header.payload_length;
             account.want();
-            match account.window.try_acquire(header.payload_length) {
+            let wait = || account.window.acquire(length, || account.want());
+            let free = account.window.try_acquire(length);
+            match rooms.take(free, wait, ServerMetrics::window_wait).await {
                 Some(credit) => Some(credit),
-                None => {
-                    if let Some(metrics) = &metrics {
-                        metrics.window_wait();
-                    }
-                    tokio::select! {
-                        credit = with_pongs(account.window.acquire(header.payload_length, || account.want()), &reply_sender) => Some(credit),
-                        () = close.notified() => break take_reason(),
-                    }
-                }
+                None => break take_reason(),
             }
         };
-        let permit = match in_flight.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => {
-                if let Some(metrics) = &metrics {
-                    metrics.credit_wait();
-                }
-                tokio::select! {
-                    permit = with_pongs(in_flight.clone().acquire_owned(), &reply_sender) => permit.expect("semaphore never closed"),
-                    () = close.notified() => break take_reason(),
-                }
-            }
+        let Some(permit) = rooms
+            .take(
+                in_flight.clone().try_acquire_owned().ok(),
+                || acquire_owned(&in_flight, 1),
+                ServerMetrics::credit_wait,
+            )
+            .await
+        else {
+            break take_reason();
         };
-        // Room for the payload in the server-wide budget before reading it.
-        let payload_permit = match shared
-            .payload_bytes
-            .clone()
-            .try_acquire_many_owned(header.payload_length)
-        {
-            Ok(permit) => permit,
-            Err(_) => {
-                if let Some(metrics) = &metrics {
-                    metrics.budget_wait();
-                }
-                tokio::select! {
-                    permit = with_pongs(shared.payload_bytes.clone().acquire_many_owned(header.payload_length), &reply_sender) => permit.expect("semaphore never closed"),
-                    () = close.notified() => break take_reason(),
-                }
-            }
+        let Some(payload_permit) = rooms
+            .take(
+                (shared.payload_bytes.clone())
+                    .try_acquire_many_owned(header.payload_length)
+                    .ok(),
+                || acquire_owned(&shared.payload_bytes, header.payload_length),
+                ServerMetrics::budget_wait,
+            )
+            .await
+        else {
+            break take_reason();
         };
         // Once a frame has begun, all of it must come within the frame timeout.
         let frame =
@@ -503,33 +497,22 @@ async fn run_connection<S: Service>(
             None
         } else {
             account.want();
-            let credit = match account.window.try_acquire(reply_bytes) {
-                Some(credit) => credit,
-                None => {
-                    if let Some(metrics) = &metrics {
-                        metrics.window_wait();
-                    }
-                    tokio::select! {
-                        credit = with_pongs(account.window.acquire(reply_bytes, || account.want()), &reply_sender) => credit,
-                        () = close.notified() => break take_reason(),
-                    }
-                }
+            let wait = || account.window.acquire(reply_bytes, || account.want());
+            let free = account.window.try_acquire(reply_bytes);
+            let Some(credit) = rooms.take(free, wait, ServerMetrics::window_wait).await else {
+                break take_reason();
             };
-            let budget = match shared
-                .payload_bytes
-                .clone()
-                .try_acquire_many_owned(reply_bytes)
-            {
-                Ok(permit) => permit,
-                Err(_) => {
-                    if let Some(metrics) = &metrics {
-                        metrics.budget_wait();
-                    }
-                    tokio::select! {
-                        permit = with_pongs(shared.payload_bytes.clone().acquire_many_owned(reply_bytes), &reply_sender) => permit.expect("semaphore never closed"),
-                        () = close.notified() => break take_reason(),
-                    }
-                }
+            let Some(budget) = rooms
+                .take(
+                    (shared.payload_bytes.clone())
+                        .try_acquire_many_owned(reply_bytes)
+                        .ok(),
+                    || acquire_owned(&shared.payload_bytes, reply_bytes),
+                    ServerMetrics::budget_wait,
+                )
+                .await
+            else {
+                break take_reason();
             };
             Some(ReplyRoom {
                 _credit: credit,
@@ -584,6 +567,48 @@ async fn run_connection<S: Service>(
 /// the server's payload budget used up) tells its client it is alive: the pings behind the
 /// waiting frame are not read meanwhile. Well under any client's liveness timeout.
 const PONG_INTERVAL: Duration = Duration::from_millis(200);
+
+/// What a connection's reading waits on before it takes the next request: where to count a
+/// wait, where pings go meanwhile, and the connection's close.
+struct Rooms<'a> {
+    metrics: &'a Option<ServerMetrics>,
+    replies: &'a mpsc::Sender<Queued>,
+    close: &'a Notify,
+}
+
+impl Rooms<'_> {
+    /// `free` if it is there (taken without waiting); else count the wait with `count` and
+    /// wait for `wait()`, pinging the client meanwhile. None: the connection is closing.
+    async fn take<T, F: Future<Output = T>>(
+        &self,
+        free: Option<T>,
+        wait: impl FnOnce() -> F,
+        count: fn(&ServerMetrics),
+    ) -> Option<T> {
+        if free.is_some() {
+            return free;
+        }
+        if let Some(metrics) = self.metrics {
+            count(metrics);
+        }
+        tokio::select! {
+            room = with_pongs(wait(), self.replies) => Some(room),
+            () = self.close.notified() => None,
+        }
+    }
+}
+
+/// `permits` of a semaphore that is never closed, owned.
+async fn acquire_owned(
+    semaphore: &Arc<Semaphore>,
+    permits: u32,
+) -> tokio::sync::OwnedSemaphorePermit {
+    semaphore
+        .clone()
+        .acquire_many_owned(permits)
+        .await
+        .expect("semaphore never closed")
+}
 
 /// Wait for `room`, sending the client an unasked ping reply every [`PONG_INTERVAL`]
 /// meanwhile (a busy server is alive; the client ignores these replies).
