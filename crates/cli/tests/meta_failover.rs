@@ -100,7 +100,7 @@ impl ReplicatedCluster {
             let text = format!(
                 "key_file = \"cluster.key\"\n\n[meta]\nlisten_address = \"{ip}:{client}\"\n\
                  data_dir = \"meta-{id}\"\nnode_id = {id}\nserver_down_after_ms = 3000\n\
-                 heartbeat_interval_ms = 500\nrecovery_window_ms = 3000\ncache_lease_ms = 3000\n\
+                 heartbeat_interval_ms = 500\nrecovery_window_ms = 10000\ncache_lease_ms = 3000\n\
                  store_cache_bytes = 16777216\n{peers}"
             );
             std::fs::write(&config, text).expect("write a meta config");
@@ -330,6 +330,10 @@ async fn start_writers(
     Vec<Arc<Client>>,
     Vec<tokio::task::JoinHandle<Vec<(String, usize)>>>,
 ) {
+    // The clients' own log (their replays, what they send again), with RUST_LOG set.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .try_init();
     let first = poll_until(20_000, || async { cluster.leader().await })
         .await
         .unwrap_or_else(|| panic!("no leader\n{}", cluster.logs()));
@@ -390,7 +394,12 @@ async fn check_answered(cluster: &ReplicatedCluster, answered: &[(String, usize)
         let attr = reader
             .lookup(parent.inode, name)
             .await
-            .unwrap_or_else(|error| panic!("{path} was answered but is gone: {error}"));
+            .unwrap_or_else(|error| {
+                panic!(
+                    "{path} was answered but is gone: {error}\n{}",
+                    cluster.logs()
+                )
+            });
         let file = reader
             .open(
                 attr.inode,

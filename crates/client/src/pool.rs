@@ -489,7 +489,27 @@ impl Pool {
                     flags = FLAG_RESEND;
                     tokio::time::sleep(Duration::from_millis(RESEND_PAUSE_MS)).await;
                 }
-                Ok((frame, _)) => return self.meta_reply::<R>(frame, request_id, header),
+                Ok((frame, connection)) => {
+                    match self.meta_reply::<R>(frame, request_id, header.clone()) {
+                        Some(result) => return result,
+                        // Answered by a leader this client has left, and not durable: the
+                        // same request goes to the new one.
+                        None if Instant::now() < deadline => {
+                            tracing::info!(
+                                request = R::NAME,
+                                request_id,
+                                "answered by a server this client has left; sending again"
+                            );
+                            self.meta.forget(&connection);
+                            flags = FLAG_RESEND;
+                        }
+                        None => {
+                            return Err(RpcError::Disconnected {
+                                address: connection.address().to_string(),
+                            })
+                        }
+                    }
+                }
                 // Sent, and the connection broke before the reply (the server may be
                 // restarting): the same request again on a new one. A first attempt that
                 // cannot connect fails at once: the server is simply not there.
@@ -514,26 +534,30 @@ impl Pool {
         }
     }
 
-    /// Decode a meta reply, note its stamp, and keep a mutation answered early.
+    /// Decode a meta reply, note its stamp, and keep a mutation answered early. None for
+    /// a mutation's answer that cannot be trusted: not durable, and from a server epoch
+    /// this client has left or is leaving (see `KeptLog::answered`); it must be sent again.
     fn meta_reply<R: Request>(
         &self,
         frame: RawFrame,
         request_id: u64,
         request: Vec<u8>,
-    ) -> Result<(R::Reply, ReplyStamp), RpcError> {
-        let result: Result<R::Reply, WireError> =
-            decode(&frame.header).map_err(|error| RpcError::Protocol {
-                address: self.meta.address.clone(),
-                reason: format!("undecodable reply to {}: {}", R::NAME, error.message),
-            })?;
+    ) -> Option<Result<(R::Reply, ReplyStamp), RpcError>> {
+        let result: Result<R::Reply, WireError> = match decode(&frame.header) {
+            Ok(result) => result,
+            Err(error) => {
+                return Some(Err(RpcError::Protocol {
+                    address: self.meta.address.clone(),
+                    reason: format!("undecodable reply to {}: {}", R::NAME, error.message),
+                }))
+            }
+        };
         let stamp = decode::<ReplyStamp>(&frame.payload).unwrap_or_default();
         if stamp.epoch != 0 {
-            if result.is_ok() && is_mutation(R::OPCODE) {
-                self.last_mutation_txn.store(stamp.txn, Ordering::Release);
-            }
             let mut kept = self.kept();
+            kept.durable(stamp.epoch, stamp.durable_txn);
             if result.is_ok() && is_mutation(R::OPCODE) {
-                kept.answered(
+                let trusted = kept.answered(
                     stamp.epoch,
                     stamp.txn,
                     Kept {
@@ -544,10 +568,13 @@ impl Pool {
                         reply: frame.header.to_vec(),
                     },
                 );
+                if !trusted {
+                    return None;
+                }
+                self.last_mutation_txn.store(stamp.txn, Ordering::Release);
             }
-            kept.durable(stamp.epoch, stamp.durable_txn);
         }
-        result.map(|reply| (reply, stamp)).map_err(RpcError::Remote)
+        Some(result.map(|reply| (reply, stamp)).map_err(RpcError::Remote))
     }
 
     /// Wait until the kept log has room for one more mutation: ask for a durable commit.
@@ -604,19 +631,29 @@ impl Pool {
     /// they were applied, the mutations it answered but may have lost, then say so.
     async fn recover(&self, connection: &Connection) -> Result<(), RpcError> {
         let _replaying = self.replaying.lock().await;
+        let result = self.replay_to(connection).await;
+        if result.is_err() {
+            // Not done: everything kept stays, to be replayed to the next server found,
+            // and answers of the old epoch are kept again meanwhile.
+            self.kept().unseal();
+        }
+        result
+    }
+
+    async fn replay_to(&self, connection: &Connection) -> Result<(), RpcError> {
         let (old_epoch, entries) = {
-            let kept = self.kept();
+            let mut kept = self.kept();
             if kept.epoch == connection.epoch() {
                 return Ok(());
             }
             if kept.epoch == 0 {
+                kept.start_epoch(connection.epoch());
                 drop(kept);
-                self.kept().start_epoch(connection.epoch());
                 self.lease_epoch
                     .store(connection.epoch(), Ordering::Release);
                 return Ok(());
             }
-            (kept.epoch, kept.entries())
+            (kept.epoch, kept.seal())
         };
         // Nothing the old server leased is trusted from here on: not the attributes kept
         // from this client's own mutations (the new server's transaction numbers start
@@ -738,7 +775,7 @@ impl Pool {
         // Kept again under their new transactions, with the replies first given (a create
         // replayed a second time must keep its inode id again).
         for (stamp, entry) in replayed {
-            kept.answered(stamp.epoch, stamp.txn, entry);
+            let _kept = kept.answered(stamp.epoch, stamp.txn, entry);
         }
         if let Ok(stamp) = decode::<ReplyStamp>(&frame.payload) {
             kept.durable(stamp.epoch, stamp.durable_txn);

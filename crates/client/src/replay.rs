@@ -43,6 +43,9 @@ pub struct KeptLog {
     /// commit) may answer several mutations of this client sent at once.
     entries: BTreeMap<(u64, u64), Kept>,
     bytes: usize,
+    /// A recovery took a copy of the entries to replay them: a reply of this epoch that
+    /// comes in now would be kept too late to be replayed (see [`KeptLog::answered`]).
+    sealed: bool,
 }
 
 impl KeptLog {
@@ -73,17 +76,45 @@ impl KeptLog {
     }
 
     /// A mutation answered in `epoch` by transaction `txn`: kept unless already durable.
-    pub fn answered(&mut self, epoch: u64, txn: u64, kept: Kept) {
-        if epoch != self.epoch || txn == 0 || txn <= self.durable_txn {
-            return;
+    ///
+    /// False when the answer cannot be trusted: it is not durable and it comes from an
+    /// epoch this client has left, or is leaving (a recovery already copied the entries it
+    /// replays), so it would be neither kept nor replayed. A reply of a leader deposed
+    /// while the request was on its way back, read after another call found the new one.
+    /// The caller sends the request again to the server of the new epoch, which answers
+    /// from its record if the change was committed after all, and applies it otherwise.
+    #[must_use]
+    pub fn answered(&mut self, epoch: u64, txn: u64, kept: Kept) -> bool {
+        if epoch != self.epoch {
+            return false;
+        }
+        if self.sealed {
+            return txn == 0 || txn <= self.durable_txn;
+        }
+        if txn == 0 || txn <= self.durable_txn {
+            return true;
         }
         self.bytes += kept.bytes();
         if let Some(replaced) = self.entries.insert((txn, kept.request_id), kept) {
             self.bytes -= replaced.bytes();
         }
+        true
     }
 
-    /// A copy of everything kept, oldest first (to replay it).
+    /// A copy of everything kept, oldest first, to replay it: from here until
+    /// [`KeptLog::start_epoch`] nothing more is kept.
+    pub fn seal(&mut self) -> Vec<(u64, Kept)> {
+        self.sealed = true;
+        self.entries()
+    }
+
+    /// A recovery that took [`KeptLog::seal`]'s copy failed before the new epoch started:
+    /// keep answers of this epoch again (everything kept is replayed to the next server).
+    pub fn unseal(&mut self) {
+        self.sealed = false;
+    }
+
+    /// A copy of everything kept, oldest first.
     pub fn entries(&self) -> Vec<(u64, Kept)> {
         self.entries
             .iter()
@@ -94,6 +125,7 @@ impl KeptLog {
     /// Drop everything kept (replayed already: `entries`) and start over in `epoch`.
     pub fn start_epoch(&mut self, epoch: u64) {
         self.epoch = epoch;
+        self.sealed = false;
         self.durable_txn = 0;
         self.bytes = 0;
         self.entries.clear();
@@ -118,17 +150,18 @@ mod tests {
     fn mutations_are_kept_until_durable_and_replayed_in_order() {
         let mut log = KeptLog::default();
         log.start_epoch(7);
-        log.answered(7, 12, kept(2));
-        log.answered(7, 10, kept(1));
-        log.answered(7, 15, kept(3));
-        // Another epoch's reply (the restart is handled first) changes nothing.
-        log.answered(8, 20, kept(4));
+        assert!(log.answered(7, 12, kept(2)));
+        assert!(log.answered(7, 10, kept(1)));
+        assert!(log.answered(7, 15, kept(3)));
+        // Another epoch's reply (the restart is handled first) changes nothing, and is
+        // not to be trusted.
+        assert!(!log.answered(8, 20, kept(4)));
         log.durable(8, 100);
         assert_eq!(log.len(), 3);
         log.durable(7, 11);
         assert_eq!(log.len(), 2);
         // Already durable when answered: nothing to keep.
-        log.answered(7, 11, kept(5));
+        assert!(log.answered(7, 11, kept(5)));
         assert_eq!(log.len(), 2);
         let order: Vec<u64> = log
             .entries()
@@ -148,9 +181,9 @@ mod tests {
     fn mutations_answered_by_one_transaction_are_all_kept() {
         let mut log = KeptLog::default();
         log.start_epoch(3);
-        log.answered(3, 40, kept(9));
-        log.answered(3, 40, kept(7));
-        log.answered(3, 41, kept(8));
+        assert!(log.answered(3, 40, kept(9)));
+        assert!(log.answered(3, 40, kept(7)));
+        assert!(log.answered(3, 41, kept(8)));
         assert_eq!(log.len(), 3);
         let order: Vec<(u64, u64)> = log
             .entries()
@@ -159,6 +192,26 @@ mod tests {
             .collect();
         assert_eq!(order, vec![(40, 7), (40, 9), (41, 8)]);
         log.durable(3, 40);
+        assert_eq!(log.len(), 1);
+    }
+
+    /// Once a recovery copied the entries to replay them, a reply of the old epoch that
+    /// comes in late is refused (it would be neither kept nor replayed) unless it is
+    /// durable already; after the new epoch starts, every old reply is.
+    #[test]
+    fn a_reply_of_an_epoch_being_left_is_not_trusted() {
+        let mut log = KeptLog::default();
+        log.start_epoch(5);
+        assert!(log.answered(5, 10, kept(1)));
+        log.durable(5, 8);
+        let replayed = log.seal();
+        assert_eq!(replayed.len(), 1);
+        assert!(!log.answered(5, 11, kept(2)));
+        assert!(log.answered(5, 7, kept(3)));
+        assert_eq!(log.len(), 1);
+        log.start_epoch(6);
+        assert!(!log.answered(5, 12, kept(4)));
+        assert!(log.answered(6, 1, kept(5)));
         assert_eq!(log.len(), 1);
     }
 }

@@ -451,9 +451,9 @@ fn meta_config(index: usize, data: &Path) -> MetaConfig {
         // often further behind than the log reaches and must install a snapshot.
         raft_snapshot_entries: 64,
         raft_log_kept_entries: 16,
-        // Short, so a failover waits little for clients that are gone (the recovery
-        // window is the longer of the two): faults here come every few seconds.
-        recovery_window_ms: 1_000,
+        // As short as a replicated server takes (a failover waits little for clients
+        // that are gone): faults here come every few seconds.
+        recovery_window_ms: freeflow_meta::RECOVERY_WINDOW_REPLICATED_MIN_MS,
         cache_lease_ms: 2_000,
         // Two copies of every stripe; a silent I/O server is put out soon.
         replicas: 2,

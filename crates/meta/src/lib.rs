@@ -364,6 +364,18 @@ impl MetaConfig {
                 ),
             ));
         }
+        if *recovery_window_ms < RECOVERY_WINDOW_REPLICATED_MIN_MS {
+            return Err(invalid(
+                "recovery_window_ms",
+                format!(
+                    "{recovery_window_ms} is below {RECOVERY_WINDOW_REPLICATED_MIN_MS}: with peers, \
+                     a client finds a leader cut off only once it has been silent for the \
+                     clients' liveness timeout ({} ms by default), and the changes it replays \
+                     to the new leader after the window are lost",
+                    freeflow_rpc::LIVENESS_TIMEOUT_MS_DEFAULT
+                ),
+            ));
+        }
         if *raft_snapshot_entries == 0 {
             return Err(invalid(
                 "raft_snapshot_entries",
@@ -373,6 +385,13 @@ impl MetaConfig {
         Ok(())
     }
 }
+
+/// The shortest recovery window of a replicated metadata server. The window starts when
+/// the new leader serves; a client whose calls wait on a leader cut off (not killed: its
+/// sockets stay open) finds it gone only after the liveness timeout of its connection
+/// (`freeflow_rpc::LIVENESS_TIMEOUT_MS_DEFAULT`, checked every quarter of it), then asks
+/// every member at once. Twice the default liveness timeout leaves room for both.
+pub const RECOVERY_WINDOW_REPLICATED_MIN_MS: u64 = 2 * freeflow_rpc::LIVENESS_TIMEOUT_MS_DEFAULT;
 
 /// A running metadata server.
 pub struct RunningMeta {
@@ -833,5 +852,46 @@ impl Drop for RunningMeta {
         for task in &self.background_tasks {
             task.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod config_tests {
+    use super::*;
+
+    fn replicated(recovery_window_ms: u64) -> MetaConfig {
+        let peers = (1..=3)
+            .map(|id| MetaPeer {
+                id,
+                address: format!("10.0.0.{id}:7700"),
+                raft_address: format!("10.0.0.{id}:7774"),
+            })
+            .collect();
+        MetaConfig {
+            node_id: 1,
+            peers,
+            recovery_window_ms,
+            ..MetaConfig::default()
+        }
+    }
+
+    /// A replicated server's recovery window must outlast a client's discovery that its
+    /// leader went silent; a single server's may be as short as its owner likes.
+    #[test]
+    fn a_replicated_recovery_window_shorter_than_a_clients_liveness_is_refused() {
+        assert!(replicated(MetaConfig::default().recovery_window_ms)
+            .validate()
+            .is_ok());
+        assert!(replicated(RECOVERY_WINDOW_REPLICATED_MIN_MS).validate().is_ok());
+        let error = replicated(3_000).validate().unwrap_err().to_string();
+        assert!(
+            error.contains("recovery_window_ms") && error.contains("liveness"),
+            "{error}"
+        );
+        let single = MetaConfig {
+            recovery_window_ms: 1_000,
+            ..MetaConfig::default()
+        };
+        assert!(single.validate().is_ok());
     }
 }

@@ -121,6 +121,9 @@ struct Inner {
     call_timeout_ms: u64,
 }
 
+/// How long the member that led last is asked alone before the others are asked too.
+const LEADER_HEAD_START_MS: u64 = 50;
+
 /// The metadata members' addresses (comma separated) and which of them led when last
 /// reached, so the next connection tries that one first (`Connection::connect_leader`).
 #[derive(Debug)]
@@ -187,10 +190,14 @@ impl Connection {
     }
 
     /// Connect to the metadata server that serves among `addresses` (comma separated,
-    /// several for a replicated metadata cluster), trying them in turn from `first`. A
-    /// member that does not lead says so with epoch 0 in its hello and is passed over
-    /// (with a single address it is taken as it is). Returns the connection and the index
-    /// of its address.
+    /// several for a replicated metadata cluster). A member that does not lead says so
+    /// with epoch 0 in its hello and is passed over (with a single address it is taken as
+    /// it is). Every member is asked at once, `first` (the one that led last time) a
+    /// moment ahead of the others, and the first that answers as leader is taken: a member
+    /// cut off or hung costs nothing when another leads, where trying them in turn cost a
+    /// whole connect timeout each (a client finding a new leader late can miss the
+    /// recovery window in which it replays what the old one answered). Returns the
+    /// connection and the index of its address.
     pub async fn connect_leader(
         addresses: &str,
         first: usize,
@@ -206,10 +213,22 @@ impl Connection {
             let connection = Connection::connect(addresses.trim(), key, options).await?;
             return Ok((connection, 0));
         }
+        let first = first % list.len();
+        let mut asked: futures::stream::FuturesUnordered<_> = list
+            .iter()
+            .enumerate()
+            .map(|(index, address)| async move {
+                if index != first {
+                    // The last leader usually still leads: let it answer before the others
+                    // are troubled with a connection each.
+                    tokio::time::sleep(Duration::from_millis(LEADER_HEAD_START_MS)).await;
+                }
+                (index, Connection::connect(address, key, options).await)
+            })
+            .collect();
         let mut failures = Vec::new();
-        for attempt in 0..list.len() {
-            let index = (first + attempt) % list.len();
-            match Connection::connect(list[index], key, options).await {
+        while let Some((index, result)) = futures::StreamExt::next(&mut asked).await {
+            match result {
                 Ok(connection) if connection.epoch() == 0 => {
                     failures.push(format!("{}: not the leader", list[index]));
                 }

@@ -17,7 +17,9 @@ pub mod net;
 mod server;
 mod transport;
 
-pub use client::{ConnectOptions, Connection, LeaderSearch};
+pub use client::{
+    ConnectOptions, Connection, LeaderSearch, LIVENESS_TIMEOUT_MS_DEFAULT, LIVENESS_TIMEOUT_MS_MIN,
+};
 pub use codec::{
     read_fixed_header, read_frame, read_frame_body, write_frame, write_frame_with_credit,
     FixedHeader, FrameLimits, FrameReadError, RawFrame,

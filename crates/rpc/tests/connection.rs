@@ -925,3 +925,35 @@ async fn a_server_at_its_request_limit_is_not_taken_for_dead() {
     );
     assert!(!connection.is_closed());
 }
+
+/// A replicated metadata cluster's leader is found however its other members fail: the
+/// member tried first accepts no connection's handshake (hung, or cut off with its socket
+/// open) and another answers as a follower (epoch 0); the leader, listed last, is found
+/// well before the first member's connect timeout (the members are asked at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_is_found_past_a_hung_member_and_a_follower() {
+    let key = ClusterKey::generate().unwrap();
+    // Bound and listening, never accepting: the kernel completes the TCP handshake, no
+    // hello ever comes.
+    let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hung_address = hung.local_addr().unwrap().to_string();
+    let follower = start_server(&key, ServerOptions::new("meta")).await;
+    let mut leading = ServerOptions::new("meta");
+    leading.epoch = 5;
+    let leader = start_server(&key, leading).await;
+    let addresses = format!("{hung_address},{follower},{leader}");
+    let options = ConnectOptions {
+        connect_timeout_ms: 120_000,
+        ..ConnectOptions::default()
+    };
+    let found = tokio::time::timeout(
+        Duration::from_secs(60),
+        Connection::connect_leader(&addresses, 0, &key, &options),
+    )
+    .await
+    .expect("the leader is found before the hung member's connect timeout")
+    .expect("a leader answers");
+    assert_eq!(found.1, 2);
+    assert_eq!(found.0.epoch(), 5);
+    drop(hung);
+}
