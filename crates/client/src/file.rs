@@ -252,6 +252,12 @@ struct HandleState {
     parked_bytes: usize,
     /// Whether a timer task is watching the parked pieces' age.
     park_timer: bool,
+    /// Batches of gathered or parked pieces taken from the handle and not yet all started
+    /// (`send_pieces_ordered`): between the two, the bytes are neither held here nor
+    /// counted in `writes_started`, and a flush that looked only at those would find
+    /// nothing to do and commit no size (a close answered before its write's size
+    /// reached the meta server, so the next open saw the file shorter).
+    batches_in_transit: u32,
     /// Per stripe, the object end this handle's requests charged space up to (see
     /// `charge_request`; from the size at open, or at the last truncation). Bounded by the
     /// stripe count.
@@ -328,7 +334,14 @@ impl HandleState {
 
     /// Whether written bytes wait on this handle to be sent (gathered or parked).
     fn holds_unsent(&self) -> bool {
-        self.gathered.is_some() || !self.parked.is_empty()
+        self.gathered.is_some() || !self.parked.is_empty() || self.batches_in_transit > 0
+    }
+
+    /// Pieces just taken to be sent by `send_pieces_ordered` (which counts them off).
+    fn in_transit(&mut self, pieces: &[(u64, Bytes)]) {
+        if !pieces.is_empty() {
+            self.batches_in_transit += 1;
+        }
     }
 
     /// If `piece` (at file offset `start`) and the parked pieces of its stripe unit make
@@ -667,14 +680,16 @@ impl HandleShared {
         // every parked piece, so those go first), else the parked pieces it overlaps.
         let earlier = {
             let mut state = self.lock();
-            if let Some(gathered) = state.gathered.take() {
+            let earlier = if let Some(gathered) = state.gathered.take() {
                 debug_assert!(state.parked.is_empty(), "parked and gathered at once");
                 vec![(gathered.offset, gathered.data.freeze())]
             } else {
                 state.take_parked(|start, piece| {
                     start < end && start + piece.data.len() as u64 > offset
                 })
-            }
+            };
+            state.in_transit(&earlier);
+            earlier
         };
         let (sent, turn) = self.send_pieces_ordered(turn, earlier).await;
         sent?;
@@ -749,6 +764,9 @@ impl HandleShared {
                     parks = true;
                 }
             }
+            if !units.is_empty() || !room.is_empty() {
+                state.batches_in_transit += 1;
+            }
         }
         if parks {
             self.watch_parked();
@@ -785,9 +803,12 @@ impl HandleShared {
                 };
                 tokio::time::sleep_until(oldest + wait).await;
                 let turn = shared.send_turn().await;
-                let due = shared
-                    .lock()
-                    .take_parked(|_, piece| piece.since.elapsed() >= wait);
+                let due = {
+                    let mut state = shared.lock();
+                    let due = state.take_parked(|_, piece| piece.since.elapsed() >= wait);
+                    state.in_transit(&due);
+                    due
+                };
                 // A failure is kept on the handle like any write's.
                 let _ = shared.send_pieces_ordered(turn, due).await;
             }
@@ -896,6 +917,7 @@ impl HandleShared {
             if let Some(gathered) = state.gathered.take() {
                 pieces.push((gathered.offset, gathered.data.freeze()));
             }
+            state.in_transit(&pieces);
             pieces
         };
         self.send_pieces_ordered(turn, pieces).await
@@ -903,7 +925,8 @@ impl HandleShared {
 
     /// Send acknowledged pieces taken from the handle (gathered or parked), in the order
     /// given, on a task that keeps the turn until all are in flight (as
-    /// `send_gathered_ordered`).
+    /// `send_gathered_ordered`). The caller counted them in transit (`in_transit`) in the
+    /// lock it took them under; they are counted off once started (or failed).
     async fn send_pieces_ordered(
         self: &Arc<Self>,
         turn: SendTurn,
@@ -914,13 +937,17 @@ impl HandleShared {
         }
         let shared = self.clone();
         let sending = tokio::spawn(async move {
+            let mut sent = Ok(());
             for (offset, data) in pieces {
                 // Fails only on a handle failed already, which every later call reports.
                 if let Err(error) = shared.start_write(offset, data).await {
-                    return (Err(error), turn);
+                    sent = Err(error);
+                    break;
                 }
             }
-            (Ok(()), turn)
+            shared.lock().batches_in_transit -= 1;
+            shared.notify();
+            (sent, turn)
         });
         match sending.await {
             Ok(sent) => sent,
@@ -1765,6 +1792,7 @@ impl FileHandle {
                 parked: BTreeMap::new(),
                 parked_bytes: 0,
                 park_timer: false,
+                batches_in_transit: 0,
                 charged_through: BTreeMap::new(),
                 readahead: ReadAhead::default(),
             }),

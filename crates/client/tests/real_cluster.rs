@@ -14,13 +14,20 @@ fn pattern(length: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn write_read_truncate_and_names_through_real_servers() {
-    let directory = tempfile::tempdir().unwrap();
+/// A meta server and three I/O servers (64 KiB stripe units) in this process, and a client
+/// of them once every I/O server has registered.
+async fn start_cluster(
+    directory: &std::path::Path,
+    tune: impl FnOnce(&mut ClientConfig),
+) -> (
+    freeflow_meta::RunningMeta,
+    Vec<freeflow_ioserver::RunningIo>,
+    Client,
+) {
     let key = ClusterKey::from_bytes([42; 32]);
     let meta_config = MetaConfig {
         listen_address: "127.0.0.1:0".into(),
-        data_dir: directory.path().join("meta"),
+        data_dir: directory.join("meta"),
         stripe_unit_bytes: 64 << 10,
         ..MetaConfig::default()
     };
@@ -33,7 +40,7 @@ async fn write_read_truncate_and_names_through_real_servers() {
         let config = IoConfig {
             server_id,
             listen_address: "127.0.0.1:0".into(),
-            data_dir: directory.path().join(format!("io{server_id}")),
+            data_dir: directory.join(format!("io{server_id}")),
             meta_address: meta_address.clone(),
             engine: EngineKind::Threads,
             ..IoConfig::default()
@@ -42,6 +49,7 @@ async fn write_read_truncate_and_names_through_real_servers() {
     }
     let mut config = ClientConfig::new(meta_address, key);
     config.call_timeout_ms = 10_000;
+    tune(&mut config);
     let client = Client::connect(config).await.unwrap();
     // Wait until every I/O server has registered.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -57,6 +65,13 @@ async fn write_read_truncate_and_names_through_real_servers() {
         assert!(Instant::now() < deadline, "I/O servers did not register");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    (meta, io_servers, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_read_truncate_and_names_through_real_servers() {
+    let directory = tempfile::tempdir().unwrap();
+    let (meta, io_servers, client) = start_cluster(directory.path(), |_| {}).await;
 
     client.mkdir_all("/data/deep").await.unwrap();
     let options = OpenOptions::new()
@@ -149,6 +164,57 @@ async fn write_read_truncate_and_names_through_real_servers() {
     );
 
     client.shutdown().await;
+    for server in io_servers {
+        server.shutdown().await;
+    }
+    meta.shutdown().await;
+}
+
+/// A small write is gathered on its handle and sent by a timer `gather_wait_ms` later. Between
+/// the timer taking the gathered bytes and the write starting, the bytes were neither held
+/// on the handle nor counted as started, and `flush_is_empty` (the mount's way to answer a
+/// close without a task) said there was nothing to flush: the close was answered before
+/// the write's size reached the meta server, and an open right after saw the file shorter
+/// (the exerciser's `Reopen` after a write past the end, found on a mount). Polled across
+/// the timer many times here: until a flush commits the size, there is always something
+/// to flush, and after it the meta server has the size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gathered_write_on_its_way_out_always_leaves_something_to_flush() {
+    let directory = tempfile::tempdir().unwrap();
+    let (meta, io_servers, client) = start_cluster(directory.path(), |config| {
+        config.gather_wait_ms = 1;
+        // No size commit in the background during the test: only the flush commits.
+        config.size_commit_interval_ms = 3_600_000;
+    })
+    .await;
+    let options = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .exclusive(true);
+    let file = client.open_path("/gathered", &options).await.unwrap();
+    let inode = file.attr().inode;
+    let mut end = 0u64;
+    for round in 0..300u64 {
+        let data = pattern(3_000 + (round as usize % 7) * 1_000, round as u8);
+        end += data.len() as u64 + 4_096;
+        file.write_at(end - data.len() as u64, Bytes::from(data))
+            .await
+            .unwrap();
+        // Across the timer's send: spin for a few of its periods.
+        let until = Instant::now() + Duration::from_millis(3);
+        while Instant::now() < until {
+            assert!(
+                !file.flush_is_empty(),
+                "round {round}: a written size not yet committed, and nothing to flush"
+            );
+            tokio::task::yield_now().await;
+        }
+        file.flush().await.unwrap();
+        assert!(file.flush_is_empty(), "round {round}: flushed, still work");
+        assert_eq!(client.getattr(inode).await.unwrap().size_bytes, end);
+    }
+    file.close().await.unwrap();
     for server in io_servers {
         server.shutdown().await;
     }

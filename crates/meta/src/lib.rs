@@ -882,7 +882,9 @@ mod config_tests {
         assert!(replicated(MetaConfig::default().recovery_window_ms)
             .validate()
             .is_ok());
-        assert!(replicated(RECOVERY_WINDOW_REPLICATED_MIN_MS).validate().is_ok());
+        assert!(replicated(RECOVERY_WINDOW_REPLICATED_MIN_MS)
+            .validate()
+            .is_ok());
         let error = replicated(3_000).validate().unwrap_err().to_string();
         assert!(
             error.contains("recovery_window_ms") && error.contains("liveness"),
