@@ -68,6 +68,11 @@ pub trait Target {
     fn reopen(&mut self, truncate: bool, choice: u64) -> io::Result<String>;
     /// The size as the target reports it (`fstat`).
     fn size(&mut self) -> io::Result<u64>;
+    /// Close the file at the end of a run, reporting what the close reports (dropping a
+    /// target closes it too, quietly).
+    fn close(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// What to run.

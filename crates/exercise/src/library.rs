@@ -156,8 +156,22 @@ impl Target for LibraryTarget {
         Ok(self.describe())
     }
 
+    fn close(&mut self) -> io::Result<()> {
+        self.close_now()
+    }
+
     fn size(&mut self) -> io::Result<u64> {
         Ok(self.handle()?.size())
+    }
+}
+
+impl LibraryTarget {
+    /// Close the open file now, from outside the runtime (the target blocks on it).
+    fn close_now(&mut self) -> io::Result<()> {
+        match self.handle.take() {
+            Some(handle) => self.runtime.block_on(handle.close()).map_err(with_reason),
+            None => Ok(()),
+        }
     }
 }
 

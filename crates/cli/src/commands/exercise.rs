@@ -62,6 +62,10 @@ pub async fn run(cluster: Option<PathBuf>, arguments: Arguments) -> anyhow::Resu
         return Err(ConfigError("--length-max must not exceed --size-max".into()).into());
     }
     let endpoints: Vec<Endpoint> = arguments.paths.iter().map(|path| endpoint(path)).collect();
+    // The library's clients, shut down at the end: a client that just exits leaves its
+    // session and leases at the meta server until they run out, and every other client's
+    // change in the same directory waits for them (10 s by default).
+    let mut library_clients = Vec::new();
     let mut target: Box<dyn Target + Send> = match endpoints.as_slice() {
         [Endpoint::Cluster(first), rest @ ..] => {
             let mut clients = Vec::new();
@@ -80,6 +84,7 @@ pub async fn run(cluster: Option<PathBuf>, arguments: Arguments) -> anyhow::Resu
             for _ in 0..endpoints.len() {
                 clients.push(crate::cluster_file::connect(cluster.clone()).await?);
             }
+            library_clients.clone_from(&clients);
             let runtime = tokio::runtime::Handle::current();
             let path = first.clone();
             Box::new(
@@ -114,12 +119,20 @@ pub async fn run(cluster: Option<PathBuf>, arguments: Arguments) -> anyhow::Resu
     let every = arguments.progress_every;
     let total = options.operations;
     let result = tokio::task::spawn_blocking(move || {
-        freeflow_exercise::run(target.as_mut(), &options, every, |done| {
+        let result = freeflow_exercise::run(target.as_mut(), &options, every, |done| {
             eprintln!("  {done} / {total} operations");
-        })
+        });
+        if let Err(error) = target.close() {
+            eprintln!("closing the exercised file: {error}");
+        }
+        result
     })
     .await
     .context("the exerciser task failed")?;
+    // The file was closed by the task.
+    for client in library_clients {
+        client.shutdown().await;
+    }
     match result {
         Ok(report) => {
             println!("{report}");

@@ -12,42 +12,48 @@ use crate::paths::cluster_path;
 
 pub async fn ls(cluster: Option<PathBuf>, path: &str, long: bool) -> anyhow::Result<()> {
     let client = cluster_file::connect(cluster).await?;
-    let path = cluster_path(path);
-    let attr = client
-        .lstat(&path)
-        .await
-        .with_context(|| format!("cannot list ff:{path}"))?;
-    let mut out = std::io::stdout().lock();
-    if attr.kind != FileKind::Directory {
-        print_entry(&mut out, &path, &attr, long)?;
-    } else {
-        let mut after: Option<String> = None;
-        loop {
-            let page = client
-                .readdir(
-                    attr.inode,
-                    after.as_deref(),
-                    freeflow_types::limits::READDIR_ENTRIES_MAX,
-                    long,
-                )
-                .await
-                .with_context(|| format!("cannot list ff:{path}"))?;
-            for entry in &page.entries {
-                match &entry.attr {
-                    Some(entry_attr) if long => {
-                        print_entry(&mut out, &entry.name, entry_attr, true)?
+    // Shut down however the work ends: a client that just exits keeps its leases at
+    // the meta server until they run out, and others' changes wait for them.
+    let result: anyhow::Result<()> = async {
+        let path = cluster_path(path);
+        let attr = client
+            .lstat(&path)
+            .await
+            .with_context(|| format!("cannot list ff:{path}"))?;
+        let mut out = std::io::stdout().lock();
+        if attr.kind != FileKind::Directory {
+            print_entry(&mut out, &path, &attr, long)?;
+        } else {
+            let mut after: Option<String> = None;
+            loop {
+                let page = client
+                    .readdir(
+                        attr.inode,
+                        after.as_deref(),
+                        freeflow_types::limits::READDIR_ENTRIES_MAX,
+                        long,
+                    )
+                    .await
+                    .with_context(|| format!("cannot list ff:{path}"))?;
+                for entry in &page.entries {
+                    match &entry.attr {
+                        Some(entry_attr) if long => {
+                            print_entry(&mut out, &entry.name, entry_attr, true)?
+                        }
+                        _ => writeln!(out, "{}", entry.name)?,
                     }
-                    _ => writeln!(out, "{}", entry.name)?,
                 }
+                if page.end || page.entries.is_empty() {
+                    break;
+                }
+                after = page.entries.last().map(|entry| entry.name.clone());
             }
-            if page.end || page.entries.is_empty() {
-                break;
-            }
-            after = page.entries.last().map(|entry| entry.name.clone());
         }
+        Ok(())
     }
+    .await;
     client.shutdown().await;
-    Ok(())
+    result
 }
 
 fn print_entry(out: &mut impl Write, name: &str, attr: &Attr, long: bool) -> std::io::Result<()> {
@@ -70,126 +76,146 @@ fn print_entry(out: &mut impl Write, name: &str, attr: &Attr, long: bool) -> std
 
 pub async fn stat(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
     let client = cluster_file::connect(cluster).await?;
-    let path = cluster_path(path);
-    let attr = client
-        .lstat(&path)
-        .await
-        .with_context(|| format!("cannot stat ff:{path}"))?;
-    println!("  File: ff:{path}");
-    println!(
-        "  Kind: {:?}   Inode: {}   Links: {}   Generation: {}",
-        attr.kind, attr.inode, attr.link_count, attr.generation
-    );
-    println!("  Size: {} bytes", attr.size_bytes);
-    println!(
-        "  Mode: {:o} ({})   Uid: {}   Gid: {}",
-        attr.mode(),
-        mode_string(&attr),
-        attr.user_id,
-        attr.group_id
-    );
-    println!("Access: {}", time_string(attr.access_time));
-    println!("Modify: {}", time_string(attr.modify_time));
-    println!("Change: {}", time_string(attr.change_time));
-    println!(" Birth: {}", time_string(attr.birth_time));
-    if let Some(layout) = &attr.layout {
+    let result: anyhow::Result<()> = async {
+        let path = cluster_path(path);
+        let attr = client
+            .lstat(&path)
+            .await
+            .with_context(|| format!("cannot stat ff:{path}"))?;
+        println!("  File: ff:{path}");
         println!(
-            "Layout: stripe unit {} bytes over servers {:?}",
-            layout.stripe_unit_bytes, layout.servers
+            "  Kind: {:?}   Inode: {}   Links: {}   Generation: {}",
+            attr.kind, attr.inode, attr.link_count, attr.generation
         );
+        println!("  Size: {} bytes", attr.size_bytes);
+        println!(
+            "  Mode: {:o} ({})   Uid: {}   Gid: {}",
+            attr.mode(),
+            mode_string(&attr),
+            attr.user_id,
+            attr.group_id
+        );
+        println!("Access: {}", time_string(attr.access_time));
+        println!("Modify: {}", time_string(attr.modify_time));
+        println!("Change: {}", time_string(attr.change_time));
+        println!(" Birth: {}", time_string(attr.birth_time));
+        if let Some(layout) = &attr.layout {
+            println!(
+                "Layout: stripe unit {} bytes over servers {:?}",
+                layout.stripe_unit_bytes, layout.servers
+            );
+        }
+        Ok(())
     }
+    .await;
     client.shutdown().await;
-    Ok(())
+    result
 }
 
 pub async fn mkdir(cluster: Option<PathBuf>, path: &str, parents: bool) -> anyhow::Result<()> {
     let client = cluster_file::connect(cluster).await?;
-    let path = cluster_path(path);
-    let result = if parents {
-        client.mkdir_all(&path).await.map(|_| ())
-    } else {
-        client.mkdir_path(&path, 0o755).await.map(|_| ())
-    };
-    result.with_context(|| format!("cannot create directory ff:{path}"))?;
+    let result: anyhow::Result<()> = async {
+        let path = cluster_path(path);
+        let result = if parents {
+            client.mkdir_all(&path).await.map(|_| ())
+        } else {
+            client.mkdir_path(&path, 0o755).await.map(|_| ())
+        };
+        result.with_context(|| format!("cannot create directory ff:{path}"))?;
+        Ok(())
+    }
+    .await;
     client.shutdown().await;
-    Ok(())
+    result
 }
 
 pub async fn rm(cluster: Option<PathBuf>, path: &str, recursive: bool) -> anyhow::Result<()> {
     let client = cluster_file::connect(cluster).await?;
-    let path = cluster_path(path);
-    let result = if recursive {
-        client.remove_all(&path).await
-    } else {
-        client.remove_path(&path).await
-    };
-    result.with_context(|| format!("cannot remove ff:{path}"))?;
+    let result: anyhow::Result<()> = async {
+        let path = cluster_path(path);
+        let result = if recursive {
+            client.remove_all(&path).await
+        } else {
+            client.remove_path(&path).await
+        };
+        result.with_context(|| format!("cannot remove ff:{path}"))?;
+        Ok(())
+    }
+    .await;
     client.shutdown().await;
-    Ok(())
+    result
 }
 
 pub async fn mv(cluster: Option<PathBuf>, source: &str, target: &str) -> anyhow::Result<()> {
     let client = cluster_file::connect(cluster).await?;
-    let (source, mut target) = (cluster_path(source), cluster_path(target));
-    // As mv(1): a target that is a directory receives the source under its own name.
-    if let Ok(attr) = client.stat(&target).await {
-        let name = source
-            .trim_end_matches('/')
-            .rsplit('/')
-            .next()
-            .unwrap_or_default();
-        if attr.kind == FileKind::Directory
-            && !name.is_empty()
-            && source.trim_end_matches('/') != target.trim_end_matches('/')
-        {
-            target = format!("{}/{name}", target.trim_end_matches('/'));
+    let result: anyhow::Result<()> = async {
+        let (source, mut target) = (cluster_path(source), cluster_path(target));
+        // As mv(1): a target that is a directory receives the source under its own name.
+        if let Ok(attr) = client.stat(&target).await {
+            let name = source
+                .trim_end_matches('/')
+                .rsplit('/')
+                .next()
+                .unwrap_or_default();
+            if attr.kind == FileKind::Directory
+                && !name.is_empty()
+                && source.trim_end_matches('/') != target.trim_end_matches('/')
+            {
+                target = format!("{}/{name}", target.trim_end_matches('/'));
+            }
         }
+        client
+            .rename_path(&source, &target)
+            .await
+            .with_context(|| format!("cannot move ff:{source} to ff:{target}"))?;
+        Ok(())
     }
-    client
-        .rename_path(&source, &target)
-        .await
-        .with_context(|| format!("cannot move ff:{source} to ff:{target}"))?;
+    .await;
     client.shutdown().await;
-    Ok(())
+    result
 }
 
 pub async fn cat(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
     let client = cluster_file::connect(cluster).await?;
-    let path = cluster_path(path);
-    let options = OpenOptions {
-        read: true,
-        ..OpenOptions::default()
-    };
-    let file = client
-        .open_path(&path, &options)
-        .await
-        .with_context(|| format!("cannot open ff:{path}"))?;
-    let chunk_bytes = 4u64 << 20;
-    let mut offset = 0u64;
-    let mut out = std::io::stdout().lock();
-    loop {
-        let data = file
-            .read_at(offset, chunk_bytes)
+    let result: anyhow::Result<()> = async {
+        let path = cluster_path(path);
+        let options = OpenOptions {
+            read: true,
+            ..OpenOptions::default()
+        };
+        let file = client
+            .open_path(&path, &options)
             .await
-            .with_context(|| format!("cannot read ff:{path} at offset {offset}"))?;
-        if data.is_empty() {
-            break;
-        }
-        offset += data.len() as u64;
-        if let Err(error) = out.write_all(&data) {
-            // A closed pipe (`| head`) ends the copy quietly, as cat does.
-            if error.kind() == std::io::ErrorKind::BrokenPipe {
+            .with_context(|| format!("cannot open ff:{path}"))?;
+        let chunk_bytes = 4u64 << 20;
+        let mut offset = 0u64;
+        let mut out = std::io::stdout().lock();
+        loop {
+            let data = file
+                .read_at(offset, chunk_bytes)
+                .await
+                .with_context(|| format!("cannot read ff:{path} at offset {offset}"))?;
+            if data.is_empty() {
                 break;
             }
-            return Err(error.into());
+            offset += data.len() as u64;
+            if let Err(error) = out.write_all(&data) {
+                // A closed pipe (`| head`) ends the copy quietly, as cat does.
+                if error.kind() == std::io::ErrorKind::BrokenPipe {
+                    break;
+                }
+                return Err(error.into());
+            }
         }
+        out.flush().ok();
+        file.close()
+            .await
+            .with_context(|| format!("cannot close ff:{path}"))?;
+        Ok(())
     }
-    out.flush().ok();
-    file.close()
-        .await
-        .with_context(|| format!("cannot close ff:{path}"))?;
+    .await;
     client.shutdown().await;
-    Ok(())
+    result
 }
 
 /// `ls -l` style mode: kind letter and rwx triplets with setuid/setgid/sticky.

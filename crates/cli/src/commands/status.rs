@@ -7,48 +7,51 @@ use crate::cluster_file;
 
 pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
     let client = cluster_file::connect(cluster).await?;
-    let report = client.cluster_status().await?;
-    // As wide as the longest address (Unix socket paths are long).
-    let width = report
-        .servers
-        .iter()
-        .map(|server| server.address.len())
-        .max()
-        .unwrap_or(0)
-        .max(22);
-    println!(
-        "{:<6} {:<width$} {:<5} {:<11} {:>11} {:>11} {:>9} {:>10}",
-        "SERVER", "ADDRESS", "STATE", "CHAIN", "CAPACITY", "FREE", "OBJECTS", "LAST SEEN"
-    );
-    let (mut capacity, mut free, mut up) = (0u64, 0u64, 0usize);
-    for server in &report.servers {
-        if server.up {
-            up += 1;
-            capacity += server.capacity_bytes;
-            free += server.free_bytes;
-        }
-        let seen = match server.last_seen_ms {
-            Some(ms) => format!("{:.1} s ago", ms as f64 / 1000.0),
-            None => "never".to_string(),
-        };
+    // Shut down however the work ends: a client that just exits keeps its leases at
+    // the meta server until they run out, and others' changes wait for them.
+    let result: anyhow::Result<()> = async {
+        let report = client.cluster_status().await?;
+        // As wide as the longest address (Unix socket paths are long).
+        let width = report
+            .servers
+            .iter()
+            .map(|server| server.address.len())
+            .max()
+            .unwrap_or(0)
+            .max(22);
         println!(
             "{:<6} {:<width$} {:<5} {:<11} {:>11} {:>11} {:>9} {:>10}",
-            server.server_id,
-            server.address,
-            if server.up { "up" } else { "DOWN" },
-            member_state(server.state),
-            human_bytes(server.capacity_bytes),
-            human_bytes(server.free_bytes),
-            server.object_count,
-            seen
+            "SERVER", "ADDRESS", "STATE", "CHAIN", "CAPACITY", "FREE", "OBJECTS", "LAST SEEN"
         );
-    }
-    for server in &report.servers {
-        if server.state == freeflow_proto::meta::MemberState::Syncing {
-            println!("{}", resync_line(server).await);
+        let (mut capacity, mut free, mut up) = (0u64, 0u64, 0usize);
+        for server in &report.servers {
+            if server.up {
+                up += 1;
+                capacity += server.capacity_bytes;
+                free += server.free_bytes;
+            }
+            let seen = match server.last_seen_ms {
+                Some(ms) => format!("{:.1} s ago", ms as f64 / 1000.0),
+                None => "never".to_string(),
+            };
+            println!(
+                "{:<6} {:<width$} {:<5} {:<11} {:>11} {:>11} {:>9} {:>10}",
+                server.server_id,
+                server.address,
+                if server.up { "up" } else { "DOWN" },
+                member_state(server.state),
+                human_bytes(server.capacity_bytes),
+                human_bytes(server.free_bytes),
+                server.object_count,
+                seen
+            );
         }
-    }
-    println!(
+        for server in &report.servers {
+            if server.state == freeflow_proto::meta::MemberState::Syncing {
+                println!("{}", resync_line(server).await);
+            }
+        }
+        println!(
         "{up} of {} I/O servers up; capacity {} ({} free); {} inodes, {} orphans awaiting removal",
         report.servers.len(),
         human_bytes(capacity),
@@ -56,36 +59,39 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
         report.inode_count,
         report.orphan_count
     );
-    if report.meta_members.is_empty() {
-        println!(
-            "metadata server ready in {} ms, up for {}",
-            report.ready_ms,
-            human_duration_ms(report.uptime_ms)
-        );
-    } else {
-        println!(
-            "metadata leader ready in {} ms, leading for {}",
-            report.ready_ms,
-            human_duration_ms(report.uptime_ms)
-        );
-        println!("META ADDRESS                ROLE      TERM  BEHIND");
-        for member in &report.meta_members {
-            let behind = match member.lag_entries {
-                Some(0) => "in step".to_string(),
-                Some(entries) => format!("{entries} entries"),
-                None => "not heard from".to_string(),
-            };
+        if report.meta_members.is_empty() {
             println!(
-                "{:<4} {:<22} {:<9} {:<5} {behind}",
-                member.id,
-                member.address,
-                if member.leader { "leader" } else { "follower" },
-                member.term
+                "metadata server ready in {} ms, up for {}",
+                report.ready_ms,
+                human_duration_ms(report.uptime_ms)
             );
+        } else {
+            println!(
+                "metadata leader ready in {} ms, leading for {}",
+                report.ready_ms,
+                human_duration_ms(report.uptime_ms)
+            );
+            println!("META ADDRESS                ROLE      TERM  BEHIND");
+            for member in &report.meta_members {
+                let behind = match member.lag_entries {
+                    Some(0) => "in step".to_string(),
+                    Some(entries) => format!("{entries} entries"),
+                    None => "not heard from".to_string(),
+                };
+                println!(
+                    "{:<4} {:<22} {:<9} {:<5} {behind}",
+                    member.id,
+                    member.address,
+                    if member.leader { "leader" } else { "follower" },
+                    member.term
+                );
+            }
         }
+        Ok(())
     }
+    .await;
     client.shutdown().await;
-    Ok(())
+    result
 }
 
 /// How far a syncing server's copy is, from its metrics endpoint, with a bar.

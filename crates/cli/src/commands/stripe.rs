@@ -13,59 +13,67 @@ use crate::paths::{cluster_path, parse_size};
 
 pub async fn get(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
     let client = cluster_file::connect(cluster).await?;
-    let path = cluster_path(path);
-    let attr = client
-        .stat(&path)
-        .await
-        .with_context(|| format!("cannot stat ff:{path}"))?;
-    if attr.kind == FileKind::Directory {
-        match &attr.layout {
-            Some(layout) => println!(
-                "ff:{path}: directory; new files get stripe unit {} over {} servers, {} {}",
+    // Shut down however the work ends: a client that just exits keeps its leases at
+    // the meta server until they run out, and others' changes wait for them.
+    let result: anyhow::Result<()> = async {
+        let path = cluster_path(path);
+        let attr = client
+            .stat(&path)
+            .await
+            .with_context(|| format!("cannot stat ff:{path}"))?;
+        if attr.kind == FileKind::Directory {
+            match &attr.layout {
+                Some(layout) => println!(
+                    "ff:{path}: directory; new files get stripe unit {} over {} servers, {} {}",
+                    human_bytes(u64::from(layout.stripe_unit_bytes)),
+                    layout.stripe_count(),
+                    layout.replicas(),
+                    copies(layout.replicas())
+                ),
+                None => {
+                    println!("ff:{path}: directory; new files get the cluster's default layout")
+                }
+            }
+        } else {
+            let (attr, layout, stripes) = client
+                .stripe_map(&path)
+                .await
+                .with_context(|| format!("cannot read the layout of ff:{path}"))?;
+            println!(
+                "ff:{path}: {} bytes, stripe unit {}, {} stripes, {} {} of each",
+                attr.size_bytes,
                 human_bytes(u64::from(layout.stripe_unit_bytes)),
                 layout.stripe_count(),
                 layout.replicas(),
                 copies(layout.replicas())
-            ),
-            None => println!("ff:{path}: directory; new files get the cluster's default layout"),
-        }
-    } else {
-        let (attr, layout, stripes) = client
-            .stripe_map(&path)
-            .await
-            .with_context(|| format!("cannot read the layout of ff:{path}"))?;
-        println!(
-            "ff:{path}: {} bytes, stripe unit {}, {} stripes, {} {} of each",
-            attr.size_bytes,
-            human_bytes(u64::from(layout.stripe_unit_bytes)),
-            layout.stripe_count(),
-            layout.replicas(),
-            copies(layout.replicas())
-        );
-        let width = stripes
-            .iter()
-            .map(|(_, server, _)| server.address.len())
-            .max()
-            .unwrap_or(0)
-            .max(22);
-        println!(
-            "{:<7} {:<7} {:<width$} {:<5} {:<11} {:>14}",
-            "STRIPE", "SERVER", "ADDRESS", "STATE", "CHAIN", "OBJECT BYTES"
-        );
-        for (stripe_index, server, object_bytes) in stripes {
+            );
+            let width = stripes
+                .iter()
+                .map(|(_, server, _)| server.address.len())
+                .max()
+                .unwrap_or(0)
+                .max(22);
             println!(
                 "{:<7} {:<7} {:<width$} {:<5} {:<11} {:>14}",
-                stripe_index,
-                server.server_id,
-                server.address,
-                if server.up { "up" } else { "DOWN" },
-                crate::commands::status::member_state(server.state),
-                object_bytes
+                "STRIPE", "SERVER", "ADDRESS", "STATE", "CHAIN", "OBJECT BYTES"
             );
+            for (stripe_index, server, object_bytes) in stripes {
+                println!(
+                    "{:<7} {:<7} {:<width$} {:<5} {:<11} {:>14}",
+                    stripe_index,
+                    server.server_id,
+                    server.address,
+                    if server.up { "up" } else { "DOWN" },
+                    crate::commands::status::member_state(server.state),
+                    object_bytes
+                );
+            }
         }
+        Ok(())
     }
+    .await;
     client.shutdown().await;
-    Ok(())
+    result
 }
 
 fn copies(replicas: u32) -> &'static str {
@@ -103,20 +111,24 @@ pub async fn set(
         );
     }
     let client = cluster_file::connect(cluster).await?;
-    let path = cluster_path(path);
-    let attr = client
-        .set_dir_layout_path(&path, unit, count, replicas)
-        .await
-        .with_context(|| format!("cannot set the layout of ff:{path}"))?;
-    if let Some(layout) = attr.layout {
-        println!(
-            "ff:{path}: new files get stripe unit {} over {} servers, {} {} of each stripe",
-            human_bytes(u64::from(layout.stripe_unit_bytes)),
-            layout.stripe_count(),
-            layout.replicas(),
-            copies(layout.replicas())
-        );
+    let result: anyhow::Result<()> = async {
+        let path = cluster_path(path);
+        let attr = client
+            .set_dir_layout_path(&path, unit, count, replicas)
+            .await
+            .with_context(|| format!("cannot set the layout of ff:{path}"))?;
+        if let Some(layout) = attr.layout {
+            println!(
+                "ff:{path}: new files get stripe unit {} over {} servers, {} {} of each stripe",
+                human_bytes(u64::from(layout.stripe_unit_bytes)),
+                layout.stripe_count(),
+                layout.replicas(),
+                copies(layout.replicas())
+            );
+        }
+        Ok(())
     }
+    .await;
     client.shutdown().await;
-    Ok(())
+    result
 }
