@@ -28,10 +28,12 @@ parent's client gets an ``OSError`` saying so. Make clients in the child (with
 
 from __future__ import annotations
 
+import atexit
 import errno
 import io
 import os
 import stat as _stat
+import weakref
 from typing import IO, Any, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 from ._native import Client as _NativeClient
@@ -251,13 +253,45 @@ def _open_flags(mode: str) -> Tuple[dict, bool]:
     return flags, "b" in letters
 
 
+#: Clients not closed yet, ended when the interpreter exits (see `_close_at_exit`).
+_open_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """End the session of every client of this process nobody closed (fsspec's shared
+    clients, a script that never calls ``close``). A client that just goes away keeps its
+    session and its cache leases at the meta server until they run out, and every other
+    client's change in a directory it listed waits for them (10 s by default)."""
+    for client in list(_open_clients):
+        if getattr(client, "_pid", None) != os.getpid():
+            continue  # a parent's, before a fork: not ours to end
+        try:
+            client.close()
+        except OSError:
+            pass
+
+
+atexit.register(_close_at_exit)
+
+
 class Client(_NativeClient):
     """A session with one Freeflow cluster.
 
     ``Client(cluster=None)`` reads the cluster file ``cluster``, else ``$FREEFLOW_CLUSTER``,
     else ``./freeflow-data/client.toml``. Paths are absolute inside the namespace. Safe to
-    share between threads. ``close()`` (or leaving a ``with`` block) ends the session.
+    share between threads. ``close()`` (or leaving a ``with`` block) ends the session; a
+    client still open when the interpreter exits is closed then.
     """
+
+    def __init__(self, cluster: Optional[PathLike] = None, *, client_name: Optional[str] = None) -> None:
+        # The session was opened by the native constructor; remember it to end it at exit.
+        self._pid = os.getpid()
+        _open_clients.add(self)
+
+    def close(self) -> None:
+        """End the session (files still open are closed by the meta server)."""
+        _open_clients.discard(self)
+        super().close()
 
     def open(
         self,

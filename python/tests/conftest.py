@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import threading
+import urllib.request
 import uuid
 
 import pytest
@@ -47,10 +48,11 @@ def _free(port: int) -> bool:
 
 
 def _ports() -> int:
-    """A meta port whose I/O ports (port + 10, + 11) are free too."""
+    """A meta port whose I/O ports (port + 10, + 11) and metrics ports (port + 1 for the
+    meta server, + 100 and + 101 for the I/O servers) are free too."""
     for _ in range(100):
-        port = random.randrange(20000, 40000, 20)
-        if all(_free(p) for p in (port, port + 10, port + 11)):
+        port = random.randrange(20000, 40000, 200)
+        if all(_free(p) for p in (port, port + 1, port + 10, port + 11, port + 100, port + 101)):
             return port
     raise RuntimeError("no free ports for a cluster")
 
@@ -60,11 +62,13 @@ class Cluster:
         self.data = data
         self.process = None
         self.log = []
+        self.port = 0
 
     def start(self) -> None:
         port = _ports()
+        self.port = port
         self.process = subprocess.Popen(
-            [_binary(), "up", "--data", str(self.data), "--port", str(port), "--io-servers", "2", "--no-metrics"],
+            [_binary(), "up", "--data", str(self.data), "--port", str(port), "--io-servers", "2"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -85,6 +89,14 @@ class Cluster:
     @property
     def cluster_file(self) -> str:
         return str(self.data / "client.toml")
+
+    def meta_gauge(self, name: str) -> float:
+        """A gauge of the meta server's metrics endpoint (docs/metrics.md)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port + 1}/metrics", timeout=10) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith(name + " ") or line.startswith(name + "{"):
+                    return float(line.rsplit(" ", 1)[1])
+        raise KeyError(f"no {name} in the meta server's metrics")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -5,6 +5,8 @@ import io
 import os
 import pathlib
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -328,3 +330,17 @@ def test_a_forked_child_makes_its_own_client(cluster, client, home):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert client.read_bytes(f"{home}/from-child") == b"child"
+
+
+def test_a_client_left_open_ends_its_session_when_python_exits(cluster, client, home):
+    # A script that lists a directory (a cache lease on it) and exits without close(), and
+    # the same through fsspec's shared client: neither leaves a session at the meta server
+    # (its leases would hold up every other client's change there until they ran out).
+    before = cluster.meta_gauge("freeflow_meta_sessions")
+    scripts = [
+        f"import freeflow; c = freeflow.Client({cluster.cluster_file!r}); print(c.listdir({home!r}))",
+        f"import fsspec; fs = fsspec.filesystem('ff'); print(fs.ls({home!r}))",
+    ]
+    for script in scripts:
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+        assert cluster.meta_gauge("freeflow_meta_sessions") == before, script
