@@ -283,7 +283,9 @@ class Client(_NativeClient):
     client still open when the interpreter exits is closed then.
     """
 
-    def __init__(self, cluster: Optional[PathLike] = None, *, client_name: Optional[str] = None) -> None:
+    def __init__(
+        self, cluster: Optional[PathLike] = None, *, client_name: Optional[str] = None
+    ) -> None:
         # The session was opened by the native constructor; remember it to end it at exit.
         self._pid = os.getpid()
         _open_clients.add(self)
