@@ -57,7 +57,7 @@ use futures::StreamExt;
 use tokio::sync::{watch, OwnedSemaphorePermit};
 
 use crate::plan::{plan_requests, ObjectRequest};
-use crate::readahead::{Fetch, Piece, ReadAhead};
+use crate::readahead::{Fetch, Piece, ReadAhead, Segments};
 use crate::{Client, ClientError};
 
 /// Largest single `read_at`, after clamping to the file size: the bound on the buffer one
@@ -1464,23 +1464,41 @@ impl HandleShared {
     /// Read `length` bytes at `offset` from the servers, every request at once; holes and
     /// short objects read as zeros (the caller clamped the range to the size).
     async fn fetch(&self, layout: &Layout, offset: u64, length: u64) -> Result<Bytes, ClientError> {
+        // `length` ≤ READ_LENGTH_MAX, so it fits usize.
+        Ok(self
+            .fetch_segments(layout, offset, length)
+            .await?
+            .range(offset, offset + length))
+    }
+
+    /// As `fetch`, the replies kept apart (see `Segments`): the read-ahead's pieces, which
+    /// a reader takes views of.
+    async fn fetch_segments(
+        &self,
+        layout: &Layout,
+        offset: u64,
+        length: u64,
+    ) -> Result<Segments, ClientError> {
         let requests = plan_requests(layout, offset, length, u64::from(IO_REQUEST_BYTES_MAX));
-        let mut pieces = futures::future::try_join_all(
+        let pieces = futures::future::try_join_all(
             requests
                 .iter()
                 .map(|request| self.read_piece(layout, request)),
         )
         .await?;
-        if pieces.len() == 1 && pieces[0].len() as u64 == length {
-            return Ok(pieces.pop().expect("one piece"));
+        let mut replies: Vec<(&ObjectRequest, Bytes)> = requests.iter().zip(pieces).collect();
+        replies.sort_by_key(|(request, _)| request.file_offset);
+        let mut segments = Segments::default();
+        for (request, piece) in replies {
+            let short = request.length - piece.len() as u64;
+            segments.push(request.file_offset, piece);
+            if short > 0 {
+                // A hole or a short object: zeros up to the request's end.
+                let at = request.file_offset + request.length - short;
+                segments.push(at, Bytes::from(vec![0u8; short as usize]));
+            }
         }
-        // `length` ≤ READ_LENGTH_MAX, so it fits usize.
-        let mut buffer = BytesMut::zeroed(length as usize);
-        for (request, piece) in requests.iter().zip(pieces) {
-            let at = (request.file_offset - offset) as usize;
-            buffer[at..at + piece.len()].copy_from_slice(&piece);
-        }
-        Ok(buffer.freeze())
+        Ok(segments)
     }
 
     /// A read with read-ahead (see `readahead.rs`): the pieces covering the range, taken
@@ -1548,13 +1566,13 @@ impl HandleShared {
                     Some(fetched) => (fetched, Some(permit)),
                     // Stopped by a change meanwhile, or failed: fetch it again.
                     None => (
-                        self.fetch(layout, start, piece_end.saturating_sub(start))
+                        self.fetch_segments(layout, start, piece_end.saturating_sub(start))
                             .await?,
                         None,
                     ),
                 },
                 None => (
-                    self.fetch(layout, start, piece_end.saturating_sub(start))
+                    self.fetch_segments(layout, start, piece_end.saturating_sub(start))
                         .await?,
                     None,
                 ),
@@ -1569,17 +1587,13 @@ impl HandleShared {
             .max()
             .unwrap_or(0);
         let mut result = if covered >= end && datas.len() == 1 {
-            // Within one piece: a view of it, no copy.
-            let (start, data, _) = &datas[0];
-            Some(data.slice((offset - start) as usize..(end - start) as usize))
+            // Within one piece: a view of the reply holding it, or a copy of its bytes
+            // if it spans several.
+            Some(datas[0].1.range(offset, end))
         } else if covered >= end {
             let mut buffer = BytesMut::with_capacity(length as usize);
-            for (start, data, _) in &datas {
-                let from = offset.max(*start) - start;
-                let to = end.min(start + data.len() as u64) - start;
-                if from < to {
-                    buffer.extend_from_slice(&data[from as usize..to as usize]);
-                }
+            for (_, data, _) in &datas {
+                data.copy_into(offset, end, &mut buffer);
             }
             Some(buffer.freeze())
         } else {
@@ -1648,7 +1662,10 @@ impl HandleShared {
                     return;
                 };
                 let (shared, layout) = (self.clone(), layout.clone());
-                let task = tokio::spawn(async move { shared.fetch(&layout, start, length).await });
+                let task =
+                    tokio::spawn(
+                        async move { shared.fetch_segments(&layout, start, length).await },
+                    );
                 vacant.insert(Piece::Fetching(Fetch(task), permit));
             }
             index += 1;

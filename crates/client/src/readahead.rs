@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::task::JoinHandle;
 
@@ -29,16 +29,81 @@ pub const READAHEAD_CLIENT_BYTES_MAX: usize = 256 << 20;
 /// A piece fetched ahead, by its index (file offset / piece size).
 pub(crate) enum Piece {
     Fetching(Fetch, OwnedSemaphorePermit),
-    Fetched(Bytes, OwnedSemaphorePermit),
+    Fetched(Segments, OwnedSemaphorePermit),
+}
+
+/// A file range as the servers' replies gave it: one part per request, in file order,
+/// contiguous, never copied together. A read inside one part (a kernel read of 1 MiB at a
+/// 1 MiB boundary of a layout with 1 MiB units) is a view of it; only a read across parts
+/// copies, and only its own bytes (a piece used to be copied whole into one buffer, after
+/// zeroing it: two passes over every byte read ahead).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Segments {
+    /// (file offset, bytes), by offset; each part starts where the one before ends.
+    parts: Vec<(u64, Bytes)>,
+}
+
+impl Segments {
+    /// Append `bytes` at the end (`offset` must be where the parts end).
+    pub fn push(&mut self, offset: u64, bytes: Bytes) {
+        debug_assert_eq!(offset, self.end(offset), "parts are contiguous");
+        if !bytes.is_empty() {
+            self.parts.push((offset, bytes));
+        }
+    }
+
+    /// Where the parts end (`or` when there are none).
+    fn end(&self, or: u64) -> u64 {
+        self.parts
+            .last()
+            .map_or(or, |(start, bytes)| start + bytes.len() as u64)
+    }
+
+    pub fn len(&self) -> usize {
+        self.parts.iter().map(|(_, bytes)| bytes.len()).sum()
+    }
+
+    /// The bytes of `[from, to)`, which the parts hold: a view of one part when it holds
+    /// them all, else one copy of them.
+    pub fn range(&self, from: u64, to: u64) -> Bytes {
+        let mut overlapping = self
+            .parts
+            .iter()
+            .filter(|(start, bytes)| *start < to && start + bytes.len() as u64 > from);
+        if let Some((start, bytes)) = overlapping.clone().next() {
+            if *start <= from && start + bytes.len() as u64 >= to {
+                return bytes.slice((from - start) as usize..(to - start) as usize);
+            }
+        }
+        let mut buffer = BytesMut::with_capacity(to.saturating_sub(from) as usize);
+        for (start, bytes) in overlapping.by_ref() {
+            let at = from.max(*start) - start;
+            let until = to.min(start + bytes.len() as u64) - start;
+            buffer.extend_from_slice(&bytes[at as usize..until as usize]);
+        }
+        buffer.freeze()
+    }
+
+    /// Copy the bytes of `[from, to)` these parts hold onto `buffer`.
+    pub fn copy_into(&self, from: u64, to: u64, buffer: &mut BytesMut) {
+        for (start, bytes) in &self.parts {
+            let end = start + bytes.len() as u64;
+            if *start < to && end > from {
+                let at = from.max(*start) - start;
+                let until = to.min(end) - start;
+                buffer.extend_from_slice(&bytes[at as usize..until as usize]);
+            }
+        }
+    }
 }
 
 /// A fetch on its task, stopped when dropped (a cancelled read, a cleared read-ahead):
 /// nothing keeps fetching once its room in the bound is given back.
-pub(crate) struct Fetch(pub JoinHandle<Result<Bytes, ClientError>>);
+pub(crate) struct Fetch(pub JoinHandle<Result<Segments, ClientError>>);
 
 impl Fetch {
     /// Its result; None if the task was stopped or failed (fetch the range again).
-    pub async fn wait(mut self) -> Option<Bytes> {
+    pub async fn wait(mut self) -> Option<Segments> {
         match (&mut self.0).await {
             Ok(Ok(bytes)) => Some(bytes),
             _ => None,
@@ -88,5 +153,32 @@ impl ReadAhead {
         self.generation += 1;
         // Fetches on their way stop as they are dropped.
         self.pieces.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_range_inside_one_part_is_a_view_and_one_across_parts_a_copy() {
+        let mut segments = Segments::default();
+        let first = Bytes::from((0u8..100).collect::<Vec<_>>());
+        let second = Bytes::from((100u8..200).collect::<Vec<_>>());
+        segments.push(1000, first.clone());
+        segments.push(1100, Bytes::new());
+        segments.push(1100, second.clone());
+        assert_eq!(segments.len(), 200);
+        let inside = segments.range(1110, 1150);
+        assert_eq!(&inside[..], &second[10..50]);
+        // A view: it points into the part's own memory.
+        assert_eq!(inside.as_ptr(), second[10..].as_ptr());
+        let across = segments.range(1090, 1120);
+        let expected: Vec<u8> = (90u8..120).collect();
+        assert_eq!(&across[..], &expected[..]);
+        let mut buffer = BytesMut::new();
+        segments.copy_into(1195, 1300, &mut buffer);
+        segments.copy_into(900, 1003, &mut buffer);
+        assert_eq!(&buffer[..], &[195, 196, 197, 198, 199, 0, 1, 2]);
     }
 }
