@@ -227,15 +227,24 @@ impl Connection {
             })
             .collect();
         let mut failures = Vec::new();
+        // A member that refuses our key is misconfigured (or not ours): said if no other
+        // member leads, but it does not stop the search.
+        let mut refused = None;
         while let Some((index, result)) = futures::StreamExt::next(&mut asked).await {
             match result {
                 Ok(connection) if connection.epoch() == 0 => {
                     failures.push(format!("{}: not the leader", list[index]));
                 }
                 Ok(connection) => return Ok((connection, index)),
-                Err(error @ RpcError::Refused { .. }) => return Err(error),
+                Err(error @ RpcError::Refused { .. }) => {
+                    failures.push(error.to_string());
+                    refused.get_or_insert(error);
+                }
                 Err(error) => failures.push(error.to_string()),
             }
+        }
+        if let Some(error) = refused {
+            return Err(error);
         }
         Err(RpcError::Connect {
             address: addresses.to_string(),

@@ -926,10 +926,12 @@ async fn a_server_at_its_request_limit_is_not_taken_for_dead() {
     assert!(!connection.is_closed());
 }
 
-/// A replicated metadata cluster's leader is found however its other members fail: the
-/// member tried first accepts no connection's handshake (hung, or cut off with its socket
-/// open) and another answers as a follower (epoch 0); the leader, listed last, is found
-/// well before the first member's connect timeout (the members are asked at once).
+/// A replicated metadata cluster's leader is found however its other members fail: one
+/// member accepts no connection's handshake (hung, or cut off with its socket open),
+/// another answers as a follower (epoch 0), the one tried first refuses our key (a
+/// misconfigured member); the leader, listed last, is found well before the hung member's
+/// connect timeout (the members are asked at once). With only refusing members, the
+/// refusal is the error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_leader_is_found_past_a_hung_member_and_a_follower() {
     let key = ClusterKey::generate().unwrap();
@@ -941,19 +943,28 @@ async fn the_leader_is_found_past_a_hung_member_and_a_follower() {
     let mut leading = ServerOptions::new("meta");
     leading.epoch = 5;
     let leader = start_server(&key, leading).await;
-    let addresses = format!("{hung_address},{follower},{leader}");
+    let other_key = ClusterKey::generate().unwrap();
+    let mut foreign_leading = ServerOptions::new("meta");
+    foreign_leading.epoch = 9;
+    let foreign = start_server(&other_key, foreign_leading).await;
+    let addresses = format!("{hung_address},{foreign},{follower},{leader}");
     let options = ConnectOptions {
         connect_timeout_ms: 120_000,
         ..ConnectOptions::default()
     };
     let found = tokio::time::timeout(
         Duration::from_secs(60),
-        Connection::connect_leader(&addresses, 0, &key, &options),
+        Connection::connect_leader(&addresses, 1, &key, &options),
     )
     .await
     .expect("the leader is found before the hung member's connect timeout")
     .expect("a leader answers");
-    assert_eq!(found.1, 2);
+    assert_eq!(found.1, 3);
     assert_eq!(found.0.epoch(), 5);
     drop(hung);
+    let refusing = format!("{foreign},{foreign}");
+    let error = Connection::connect_leader(&refusing, 0, &key, &options)
+        .await
+        .expect_err("no member takes our key");
+    assert!(matches!(error, RpcError::Refused { .. }), "{error}");
 }
