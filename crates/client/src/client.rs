@@ -435,6 +435,13 @@ impl Client {
     }
 
     /// Close the session at the meta server (best effort) and stop renewing it.
+    ///
+    /// Call it before the program ends. A client that is only dropped closes its session
+    /// on a background task, which does not run if the process exits first; the session
+    /// and its cache leases then stay at the meta server until they run out, and every
+    /// other client's change they cover (a create in a directory this one listed) waits
+    /// that long, 10 s by default. The command-line tools and the Python package do it
+    /// for their users.
     pub async fn shutdown(&self) {
         if let Some(renewer) = self.shared.renewer.lock().expect("not poisoned").take() {
             renewer.abort();
