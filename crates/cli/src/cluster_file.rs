@@ -95,3 +95,17 @@ pub async fn connect(flag: Option<PathBuf>) -> anyhow::Result<freeflow_client::C
             )
         })
 }
+
+/// Connect as [`connect`] does, run `work` with the client, then shut the client down
+/// however the work ended. A client that just exits keeps its session and cache leases at
+/// the meta server until they run out, and every other client's change they cover waits
+/// that long (10 s by default): every command that connects goes through here.
+pub async fn with_client<T>(
+    flag: Option<PathBuf>,
+    work: impl AsyncFnOnce(&freeflow_client::Client) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let client = connect(flag).await?;
+    let result = work(&client).await;
+    client.shutdown().await;
+    result
+}

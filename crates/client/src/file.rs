@@ -337,11 +337,10 @@ impl HandleState {
         self.gathered.is_some() || !self.parked.is_empty() || self.batches_in_transit > 0
     }
 
-    /// Pieces just taken to be sent by `send_pieces_ordered` (which counts them off).
-    fn in_transit(&mut self, pieces: &[(u64, Bytes)]) {
-        if !pieces.is_empty() {
-            self.batches_in_transit += 1;
-        }
+    /// A batch of pieces was just taken (`taken`: not empty) to be sent by
+    /// `send_pieces_ordered`, which counts it off.
+    fn in_transit(&mut self, taken: bool) {
+        self.batches_in_transit += u32::from(taken);
     }
 
     /// If `piece` (at file offset `start`) and the parked pieces of its stripe unit make
@@ -688,7 +687,7 @@ impl HandleShared {
                     start < end && start + piece.data.len() as u64 > offset
                 })
             };
-            state.in_transit(&earlier);
+            state.in_transit(!earlier.is_empty());
             earlier
         };
         let (sent, turn) = self.send_pieces_ordered(turn, earlier).await;
@@ -764,9 +763,8 @@ impl HandleShared {
                     parks = true;
                 }
             }
-            if !units.is_empty() || !room.is_empty() {
-                state.batches_in_transit += 1;
-            }
+            // Sent below, as `sends`.
+            state.in_transit(!units.is_empty() || !room.is_empty());
         }
         if parks {
             self.watch_parked();
@@ -806,7 +804,7 @@ impl HandleShared {
                 let due = {
                     let mut state = shared.lock();
                     let due = state.take_parked(|_, piece| piece.since.elapsed() >= wait);
-                    state.in_transit(&due);
+                    state.in_transit(!due.is_empty());
                     due
                 };
                 // A failure is kept on the handle like any write's.
@@ -917,7 +915,7 @@ impl HandleShared {
             if let Some(gathered) = state.gathered.take() {
                 pieces.push((gathered.offset, gathered.data.freeze()));
             }
-            state.in_transit(&pieces);
+            state.in_transit(!pieces.is_empty());
             pieces
         };
         self.send_pieces_ordered(turn, pieces).await

@@ -502,6 +502,8 @@ impl Pool {
                             );
                             self.meta.forget(&connection);
                             flags = FLAG_RESEND;
+                            // The recovery that left it may still be running: no spin.
+                            tokio::time::sleep(Duration::from_millis(RESEND_PAUSE_MS)).await;
                         }
                         None => {
                             return Err(RpcError::Disconnected {

@@ -37,21 +37,22 @@ pub async fn run(
     if let (Endpoint::Local(_), Endpoint::Local(_)) = (&source, &target) {
         anyhow::bail!("both paths are local; name a cluster path as ff:/path");
     }
-    let client = cluster_file::connect(cluster).await?;
-    let copied = match (&source, &target) {
-        (Endpoint::Local(from), Endpoint::Cluster(to)) => {
-            into_cluster(&client, from, to, sync, quiet).await
-        }
-        (Endpoint::Cluster(from), Endpoint::Local(to)) => {
-            out_of_cluster(&client, from, to, sync, quiet).await
-        }
-        (Endpoint::Cluster(from), Endpoint::Cluster(to)) => {
-            within_cluster(&client, from, to, sync, quiet).await
-        }
-        (Endpoint::Local(_), Endpoint::Local(_)) => unreachable!("refused above"),
-    };
-    client.shutdown().await;
-    copied.map(|_| ())
+    cluster_file::with_client(cluster, async |client| {
+        let copied = match (&source, &target) {
+            (Endpoint::Local(from), Endpoint::Cluster(to)) => {
+                into_cluster(client, from, to, sync, quiet).await
+            }
+            (Endpoint::Cluster(from), Endpoint::Local(to)) => {
+                out_of_cluster(client, from, to, sync, quiet).await
+            }
+            (Endpoint::Cluster(from), Endpoint::Cluster(to)) => {
+                within_cluster(client, from, to, sync, quiet).await
+            }
+            (Endpoint::Local(_), Endpoint::Local(_)) => unreachable!("refused above"),
+        };
+        copied.map(|_| ())
+    })
+    .await
 }
 
 fn progress(total_bytes: u64, quiet: bool) -> ProgressBar {

@@ -158,10 +158,7 @@ struct Tally {
 }
 
 pub async fn run(cluster: Option<PathBuf>, options: Options) -> anyhow::Result<()> {
-    let client = cluster_file::connect(cluster).await?;
-    let result = check(&client, &options).await;
-    client.shutdown().await;
-    result
+    cluster_file::with_client(cluster, async |client| check(client, &options).await).await
 }
 
 async fn check(client: &Client, options: &Options) -> anyhow::Result<()> {

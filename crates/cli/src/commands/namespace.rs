@@ -11,10 +11,7 @@ use crate::cluster_file;
 use crate::paths::cluster_path;
 
 pub async fn ls(cluster: Option<PathBuf>, path: &str, long: bool) -> anyhow::Result<()> {
-    let client = cluster_file::connect(cluster).await?;
-    // Shut down however the work ends: a client that just exits keeps its leases at
-    // the meta server until they run out, and others' changes wait for them.
-    let result: anyhow::Result<()> = async {
+    cluster_file::with_client(cluster, async |client| {
         let path = cluster_path(path);
         let attr = client
             .lstat(&path)
@@ -50,10 +47,8 @@ pub async fn ls(cluster: Option<PathBuf>, path: &str, long: bool) -> anyhow::Res
             }
         }
         Ok(())
-    }
-    .await;
-    client.shutdown().await;
-    result
+    })
+    .await
 }
 
 fn print_entry(out: &mut impl Write, name: &str, attr: &Attr, long: bool) -> std::io::Result<()> {
@@ -75,8 +70,7 @@ fn print_entry(out: &mut impl Write, name: &str, attr: &Attr, long: bool) -> std
 }
 
 pub async fn stat(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
-    let client = cluster_file::connect(cluster).await?;
-    let result: anyhow::Result<()> = async {
+    cluster_file::with_client(cluster, async |client| {
         let path = cluster_path(path);
         let attr = client
             .lstat(&path)
@@ -106,15 +100,12 @@ pub async fn stat(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
             );
         }
         Ok(())
-    }
-    .await;
-    client.shutdown().await;
-    result
+    })
+    .await
 }
 
 pub async fn mkdir(cluster: Option<PathBuf>, path: &str, parents: bool) -> anyhow::Result<()> {
-    let client = cluster_file::connect(cluster).await?;
-    let result: anyhow::Result<()> = async {
+    cluster_file::with_client(cluster, async |client| {
         let path = cluster_path(path);
         let result = if parents {
             client.mkdir_all(&path).await.map(|_| ())
@@ -123,15 +114,12 @@ pub async fn mkdir(cluster: Option<PathBuf>, path: &str, parents: bool) -> anyho
         };
         result.with_context(|| format!("cannot create directory ff:{path}"))?;
         Ok(())
-    }
-    .await;
-    client.shutdown().await;
-    result
+    })
+    .await
 }
 
 pub async fn rm(cluster: Option<PathBuf>, path: &str, recursive: bool) -> anyhow::Result<()> {
-    let client = cluster_file::connect(cluster).await?;
-    let result: anyhow::Result<()> = async {
+    cluster_file::with_client(cluster, async |client| {
         let path = cluster_path(path);
         let result = if recursive {
             client.remove_all(&path).await
@@ -140,15 +128,12 @@ pub async fn rm(cluster: Option<PathBuf>, path: &str, recursive: bool) -> anyhow
         };
         result.with_context(|| format!("cannot remove ff:{path}"))?;
         Ok(())
-    }
-    .await;
-    client.shutdown().await;
-    result
+    })
+    .await
 }
 
 pub async fn mv(cluster: Option<PathBuf>, source: &str, target: &str) -> anyhow::Result<()> {
-    let client = cluster_file::connect(cluster).await?;
-    let result: anyhow::Result<()> = async {
+    cluster_file::with_client(cluster, async |client| {
         let (source, mut target) = (cluster_path(source), cluster_path(target));
         // As mv(1): a target that is a directory receives the source under its own name.
         if let Ok(attr) = client.stat(&target).await {
@@ -169,15 +154,12 @@ pub async fn mv(cluster: Option<PathBuf>, source: &str, target: &str) -> anyhow:
             .await
             .with_context(|| format!("cannot move ff:{source} to ff:{target}"))?;
         Ok(())
-    }
-    .await;
-    client.shutdown().await;
-    result
+    })
+    .await
 }
 
 pub async fn cat(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
-    let client = cluster_file::connect(cluster).await?;
-    let result: anyhow::Result<()> = async {
+    cluster_file::with_client(cluster, async |client| {
         let path = cluster_path(path);
         let options = OpenOptions {
             read: true,
@@ -212,10 +194,8 @@ pub async fn cat(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot close ff:{path}"))?;
         Ok(())
-    }
-    .await;
-    client.shutdown().await;
-    result
+    })
+    .await
 }
 
 /// `ls -l` style mode: kind letter and rwx triplets with setuid/setgid/sticky.

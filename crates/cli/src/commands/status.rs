@@ -6,10 +6,7 @@ use std::path::PathBuf;
 use crate::cluster_file;
 
 pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
-    let client = cluster_file::connect(cluster).await?;
-    // Shut down however the work ends: a client that just exits keeps its leases at
-    // the meta server until they run out, and others' changes wait for them.
-    let result: anyhow::Result<()> = async {
+    cluster_file::with_client(cluster, async |client| {
         let report = client.cluster_status().await?;
         // As wide as the longest address (Unix socket paths are long).
         let width = report
@@ -88,10 +85,8 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
             }
         }
         Ok(())
-    }
-    .await;
-    client.shutdown().await;
-    result
+    })
+    .await
 }
 
 /// How far a syncing server's copy is, from its metrics endpoint, with a bar.

@@ -12,10 +12,7 @@ use crate::failure::ConfigError;
 use crate::paths::{cluster_path, parse_size};
 
 pub async fn get(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
-    let client = cluster_file::connect(cluster).await?;
-    // Shut down however the work ends: a client that just exits keeps its leases at
-    // the meta server until they run out, and others' changes wait for them.
-    let result: anyhow::Result<()> = async {
+    cluster_file::with_client(cluster, async |client| {
         let path = cluster_path(path);
         let attr = client
             .stat(&path)
@@ -70,10 +67,8 @@ pub async fn get(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
             }
         }
         Ok(())
-    }
-    .await;
-    client.shutdown().await;
-    result
+    })
+    .await
 }
 
 fn copies(replicas: u32) -> &'static str {
@@ -110,8 +105,7 @@ pub async fn set(
             ConfigError("nothing to set: give --unit, --count and/or --replicas".into()).into(),
         );
     }
-    let client = cluster_file::connect(cluster).await?;
-    let result: anyhow::Result<()> = async {
+    cluster_file::with_client(cluster, async |client| {
         let path = cluster_path(path);
         let attr = client
             .set_dir_layout_path(&path, unit, count, replicas)
@@ -127,8 +121,6 @@ pub async fn set(
             );
         }
         Ok(())
-    }
-    .await;
-    client.shutdown().await;
-    result
+    })
+    .await
 }

@@ -117,10 +117,9 @@ pub async fn run(cluster: Option<PathBuf>, options: Options) -> anyhow::Result<(
 /// The metrics endpoints of the cluster's meta server and I/O servers.
 async fn discover(cluster: Option<PathBuf>) -> anyhow::Result<Vec<Endpoint>> {
     let path = cluster_file::client_file_path(cluster.clone());
-    let client = cluster_file::connect(cluster).await?;
-    let report = client.cluster_status().await;
-    client.shutdown().await;
-    let report = report?;
+    let report =
+        cluster_file::with_client(cluster, async |client| Ok(client.cluster_status().await?))
+            .await?;
     // Servers bound to all interfaces report 0.0.0.0: reach them at the meta server's host.
     let file: ClientFile = cluster_file::read(&path)?;
     let meta_host = file
