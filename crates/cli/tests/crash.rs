@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{assert_bytes_eq, poll_until, Cluster, Xorshift};
-use freeflow_client::{ErrorCode, FileKind, OpenOptions, RenameMode, ROOT_INODE};
+use freeflow_client::{
+    Client, ClientConfig, ErrorCode, FileKind, OpenOptions, RenameMode, ROOT_INODE,
+};
 
 /// The bound on how long a writer may take to notice a dead I/O server.
 const ERROR_WITHIN_MS: u64 = 40_000;
@@ -395,6 +397,73 @@ async fn killing_the_meta_server_keeps_every_returned_operation() {
     assert!(
         reopened.is_some(),
         "the old client never opened files again after the restart"
+    );
+}
+
+/// Regression (CI, stop 25): a request a client starts in the moment between the meta
+/// server's death and its return failed at once with `Connection refused`, where the
+/// requests the death cut off waited for the server and were sent again. A server this
+/// client reached before is waited for (up to the call's deadline); one never reached still
+/// fails at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_made_while_the_meta_server_is_down_waits_for_its_return() {
+    let mut cluster = Cluster::start(1).await;
+    let client = cluster
+        .client_with(|config| config.call_timeout_ms = 30_000)
+        .await;
+    client
+        .mkdir(ROOT_INODE, "before", 0o755)
+        .await
+        .expect("mkdir before the crash");
+    client.sync().await.expect("sync");
+    cluster.kill_meta();
+    // Long enough for the client to see its connection closed: the call below finds no
+    // connection and must make one.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let during = {
+        let client = client.clone();
+        tokio::spawn(async move { client.mkdir(ROOT_INODE, "during", 0o755).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert!(
+        !during.is_finished(),
+        "the call waits for the meta server: {:?}",
+        during.await
+    );
+    cluster.restart_meta().await;
+    let made = tokio::time::timeout(Duration::from_secs(60), during)
+        .await
+        .expect("the call ends once the server is back")
+        .expect("no panic");
+    made.unwrap_or_else(|error| panic!("mkdir while the meta server was down: {error}"));
+    let reader = cluster.client().await;
+    reader
+        .stat("/during")
+        .await
+        .expect("the directory is there");
+
+    // With the server gone for good, shutting down does not wait for it, and a new
+    // client (which never reached it) gets its error at once.
+    cluster.kill_meta();
+    let started = Instant::now();
+    client.shutdown().await;
+    reader.shutdown().await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "shutdown waited {:?} for a dead meta server",
+        started.elapsed()
+    );
+    let started = Instant::now();
+    let mut config = ClientConfig::new(cluster.meta_address.clone(), cluster.key.clone());
+    config.call_timeout_ms = 30_000;
+    let error = match Client::connect(config).await {
+        Ok(_) => panic!("a client connected with no meta server"),
+        Err(error) => error,
+    };
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "a server never reached fails at once, not after {:?}: {error}",
+        started.elapsed()
     );
 }
 

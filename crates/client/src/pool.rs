@@ -8,7 +8,7 @@
 //! a server that is down gives an error naming it, never a hang.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -104,6 +104,10 @@ struct Endpoint {
     /// Held while connecting, so that many callers finding the connection closed make one
     /// new connection between them.
     connecting: tokio::sync::Mutex<()>,
+    /// Set once a connection was made: a server reached before and unreachable now is
+    /// most likely restarting, and calls wait for it (up to their deadline) rather than
+    /// fail at once as they do for a server never reached (a wrong address).
+    reached: AtomicBool,
 }
 
 impl Endpoint {
@@ -114,6 +118,7 @@ impl Endpoint {
             identity,
             current: Mutex::new(None),
             connecting: tokio::sync::Mutex::new(()),
+            reached: AtomicBool::new(false),
         }
     }
 
@@ -153,7 +158,13 @@ impl Endpoint {
             });
         }
         *self.current.lock().expect("not poisoned") = Some(connection.clone());
+        self.reached.store(true, Ordering::Relaxed);
         Ok(connection)
+    }
+
+    /// Whether a connection to this server was ever made.
+    fn reached(&self) -> bool {
+        self.reached.load(Ordering::Relaxed)
     }
 
     /// Several addresses: the members of a replicated metadata cluster.
@@ -225,6 +236,9 @@ pub(crate) struct Pool {
     /// The meta server epoch whose leases are trusted: the new one from the moment a
     /// restart is noticed, before anything is replayed (the kept log moves to it last).
     lease_epoch: AtomicU64,
+    /// Set by `Client::shutdown`: its last calls (closing the session, giving space back)
+    /// do not wait for a meta server that went away; both die with the server anyway.
+    shutting_down: AtomicBool,
 }
 
 /// Most post-operation attributes kept; past it they are all forgotten.
@@ -262,7 +276,18 @@ impl Pool {
             on_recover: Mutex::new(None),
             attributes: Mutex::new(HashMap::new()),
             lease_epoch: AtomicU64::new(0),
+            shutting_down: AtomicBool::new(false),
         }
+    }
+
+    /// The client is shutting down: from now on a call that cannot reach the meta server
+    /// fails at once (unless it carries a mutation answered early).
+    pub(crate) fn stop_waiting(&self) {
+        self.shutting_down.store(true, Ordering::Relaxed);
+    }
+
+    fn shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Relaxed)
     }
 
     fn attributes(&self) -> MutexGuard<'_, HashMap<InodeId, (Attr, Lease, u64)>> {
@@ -513,16 +538,22 @@ impl Pool {
                     }
                 }
                 // Sent, and the connection broke before the reply (the server may be
-                // restarting): the same request again on a new one. A first attempt that
-                // cannot connect fails at once: the server is simply not there.
+                // restarting): the same request again on a new one. So too a request
+                // that finds a server reached before unreachable (it is restarting: a
+                // request made in the moment between its death and its return waits like
+                // the ones it cut off). Only a server never reached fails the first
+                // attempt at once: it is simply not there, or the address is wrong. A
+                // client shutting down waits only for mutations it answered early.
                 Err(
                     error @ (RpcError::Disconnected { .. }
                     | RpcError::Connect { .. }
                     | RpcError::Handshake { .. }),
-                ) if (flags != 0
-                    || is_patient
-                    || replicated
-                    || matches!(error, RpcError::Disconnected { .. }))
+                ) if (is_patient
+                    || (!self.shutting_down()
+                        && (flags != 0
+                            || replicated
+                            || self.meta.reached()
+                            || matches!(error, RpcError::Disconnected { .. }))))
                     && Instant::now() < deadline =>
                 {
                     tracing::debug!(%error, request = R::NAME, request_id, "sending again");
