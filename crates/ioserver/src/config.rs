@@ -94,6 +94,10 @@ pub struct IoConfig {
     /// smaller payloads do not arrive page aligned). Default 1 MiB. With `direct_io` on, a
     /// quarter of `open_files_max` holds O_DIRECT descriptors.
     pub direct_io_min_bytes: u32,
+    /// Answer reads of up to 128 KiB whose bytes are all in the page cache in the request's
+    /// own task (`preadv2` with `RWF_NOWAIT`), without the disk engine's thread. Default
+    /// true (docs/BENCHMARKS.md, "Small reads from the page cache").
+    pub cached_reads: bool,
 }
 
 impl Default for IoConfig {
@@ -121,6 +125,7 @@ impl Default for IoConfig {
             metrics_address: None,
             direct_io: DirectIo::Writes,
             direct_io_min_bytes: 1 << 20,
+            cached_reads: true,
         }
     }
 }
@@ -151,6 +156,7 @@ impl IoConfig {
             metrics_address,
             direct_io: _,
             direct_io_min_bytes,
+            cached_reads: _,
         } = self;
         check_address("listen_address", listen_address, true)?;
         if let Some(path) = unix_socket {

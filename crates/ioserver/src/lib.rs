@@ -125,6 +125,7 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         path: config.data_dir.clone(),
         source,
     })?;
+    store.set_cached_reads(config.cached_reads);
     if direct_share > 0 {
         store.use_direct_io(
             u64::from(config.direct_io_min_bytes),

@@ -234,6 +234,11 @@ pub fn register_store_gauges(registry: &Registry, store: &Arc<ObjectStore>, read
         "Requests done with O_DIRECT, past the page cache (direct_io).",
         &[("op", "write")],
     );
+    let cached_reads = registry.counter(
+        "freeflow_io_cached_reads_total",
+        "Reads answered from the page cache in the request's task, without the disk engine.",
+        &[],
+    );
     registry
         .gauge(
             "freeflow_io_ready_milliseconds",
@@ -257,6 +262,7 @@ pub fn register_store_gauges(registry: &Registry, store: &Arc<ObjectStore>, read
         let direct = store.direct_counts();
         direct_reads.set_from_source(direct.reads);
         direct_writes.set_from_source(direct.writes);
+        cached_reads.set_from_source(store.cached_reads());
     });
 }
 

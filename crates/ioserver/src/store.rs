@@ -118,7 +118,20 @@ pub struct ObjectStore {
     last_stamp: AtomicU64,
     /// O_DIRECT for large aligned requests, when the config asks for it.
     direct: Option<DirectIo>,
+    /// Reads served from the page cache in the calling task (see [`CACHED_READ_MAX`]).
+    cached_reads: AtomicU64,
+    /// False when the config turns cached reads off, or once the file system refused
+    /// `RWF_NOWAIT`: then every read goes to the engine.
+    cached_reads_on: AtomicBool,
 }
+
+/// Reads up to this long are first tried against the page cache in the request's own task,
+/// with `preadv2(RWF_NOWAIT)`, which copies what is cached and never waits for the disk: a
+/// cached read answered there saves the two thread hops to the engine and back (on this
+/// 2-core machine, a third of a small read's cost). Anything not wholly cached goes to the
+/// engine as before. Larger reads always go to the engine: their copy is better done off
+/// the tasks' threads.
+pub const CACHED_READ_MAX: u32 = 128 << 10;
 
 /// Bytes of memory, offset and length a request must be a multiple of to go through O_DIRECT.
 pub const DIRECT_ALIGNMENT: u64 = 4096;
@@ -194,6 +207,8 @@ impl ObjectStore {
             removed: Mutex::default(),
             last_stamp: AtomicU64::new(0),
             direct: None,
+            cached_reads: AtomicU64::new(0),
+            cached_reads_on: AtomicBool::new(true),
         })
     }
 
@@ -209,6 +224,61 @@ impl ObjectStore {
             reads_done: AtomicU64::new(0),
             writes_done: AtomicU64::new(0),
         });
+    }
+
+    /// Whether small reads are first tried against the page cache (see [`CACHED_READ_MAX`]);
+    /// on by default.
+    pub fn set_cached_reads(&mut self, on: bool) {
+        *self.cached_reads_on.get_mut() = on;
+    }
+
+    /// Reads answered from the page cache without the engine so far.
+    pub fn cached_reads(&self) -> u64 {
+        self.cached_reads.load(Ordering::Relaxed)
+    }
+
+    /// `length_bytes` at `offset` if every byte of it is in the page cache (or the file
+    /// ends first, all of what is there being cached); None if some of it would need the
+    /// disk, or the file system does not do `RWF_NOWAIT`.
+    fn read_cached(&self, file: &File, offset: u64, length_bytes: u32) -> Option<Bytes> {
+        if length_bytes > CACHED_READ_MAX || !self.cached_reads_on.load(Ordering::Relaxed) {
+            return None;
+        }
+        let length = length_bytes as usize;
+        let mut buffer = Vec::<u8>::with_capacity(length);
+        let vector = libc::iovec {
+            iov_base: buffer.as_mut_ptr().cast(),
+            iov_len: length,
+        };
+        let position = libc::off_t::try_from(offset).ok()?;
+        // SAFETY: the iovec covers `buffer`'s allocation of `length` bytes, which outlives
+        // the call; the kernel writes at most `length` bytes into it.
+        let done =
+            unsafe { libc::preadv2(file.as_raw_fd(), &vector, 1, position, libc::RWF_NOWAIT) };
+        if done < 0 {
+            let error = io::Error::last_os_error();
+            if error.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                tracing::warn!(
+                    data_dir = %self.data_dir.display(),
+                    "the file system refuses RWF_NOWAIT: every read goes to the disk engine"
+                );
+                self.cached_reads_on.store(false, Ordering::Relaxed);
+            }
+            // EAGAIN: not all cached. Anything else: the engine's read says it properly.
+            return None;
+        }
+        let done = done as usize;
+        if done < length {
+            // Short: the end of the file, or a part not cached. Only the first is an answer.
+            let size = file.metadata().ok()?.len();
+            if offset + done as u64 != size.max(offset) {
+                return None;
+            }
+        }
+        // SAFETY: the kernel wrote `done` (≤ `length`) bytes at the start of `buffer`.
+        unsafe { buffer.set_len(done) };
+        self.cached_reads.fetch_add(1, Ordering::Relaxed);
+        Some(Bytes::from(buffer))
     }
 
     /// Requests done with O_DIRECT so far.
@@ -430,6 +500,9 @@ impl ObjectStore {
                     }
                 }
             }
+        }
+        if let Some(data) = self.read_cached(&file, offset, length_bytes) {
+            return Ok(data);
         }
         self.engine
             .read_at(file, offset, length_bytes as usize)

@@ -152,7 +152,12 @@ fn page_aligned(data: &[u8]) -> Bytes {
     Bytes::from(buffer).slice(lead..lead + data.len())
 }
 
-fn run_model(kind: Kind, direct: bool, steps: Vec<Step>) -> Result<(), TestCaseError> {
+fn run_model(
+    kind: Kind,
+    direct: bool,
+    cached_reads: bool,
+    steps: Vec<Step>,
+) -> Result<(), TestCaseError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -160,6 +165,7 @@ fn run_model(kind: Kind, direct: bool, steps: Vec<Step>) -> Result<(), TestCaseE
         .unwrap();
     let directory = tempfile::tempdir().unwrap();
     let mut store = store(kind, &directory, 4);
+    store.set_cached_reads(cached_reads);
     if direct {
         store.use_direct_io(4096, true, 2);
     }
@@ -262,17 +268,100 @@ proptest! {
 
     #[test]
     fn the_store_matches_the_model_with_io_uring(steps in prop::collection::vec(step(), 1..40)) {
-        run_model(Kind::Uring, false, steps)?;
+        run_model(Kind::Uring, false, true, steps.clone())?;
+        // Every read through the engine too (small cached ones skip it by default).
+        run_model(Kind::Uring, false, false, steps)?;
     }
 
     #[test]
     fn the_store_matches_the_model_with_direct_io(steps in prop::collection::vec(step(), 1..40)) {
-        run_model(Kind::Uring, true, steps)?;
+        run_model(Kind::Uring, true, true, steps)?;
     }
 
     #[test]
     fn the_store_matches_the_model_with_threads(steps in prop::collection::vec(step(), 1..40)) {
-        run_model(Kind::Threads, false, steps)?;
+        run_model(Kind::Threads, false, true, steps.clone())?;
+        run_model(Kind::Threads, false, false, steps)?;
+    }
+}
+
+/// Whether the first page of `file` is in the page cache: a one-byte `RWF_NOWAIT` read
+/// succeeds only if it is.
+fn first_page_cached(file: &std::fs::File) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    let vector = libc::iovec {
+        iov_base: (&mut byte as *mut u8).cast(),
+        iov_len: 1,
+    };
+    // SAFETY: one iovec of one byte, on the stack for the whole call.
+    unsafe { libc::preadv2(file.as_raw_fd(), &vector, 1, 0, libc::RWF_NOWAIT) == 1 }
+}
+
+/// Small reads whose bytes are all cached are answered without the engine (and counted);
+/// one whose pages were dropped from the cache goes to the engine and reads the disk; one
+/// cut short by the object's end is answered from the cache with what there is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_cached_reads_skip_the_engine_and_uncached_ones_use_it() {
+    use std::os::fd::AsRawFd;
+    for kind in [Kind::Uring, Kind::Threads] {
+        // Not /tmp: on a tmpfs the pages cannot leave the cache.
+        let directory = tempfile::tempdir_in("/var/tmp").unwrap();
+        let store = store(kind, &directory, 4);
+        let data = pattern(40_000, 9);
+        store
+            .write(OBJECT, 0, Bytes::from(data.clone()))
+            .await
+            .unwrap();
+        let engine_before = store.engine().stats().completions;
+        let read = store.read(OBJECT, 100, 4096).await.unwrap();
+        assert_eq!(&read[..], &data[100..4196], "{kind:?}");
+        let short = store.read(OBJECT, 36_000, 8192).await.unwrap();
+        assert_eq!(&short[..], &data[36_000..], "{kind:?}: cut at the end");
+        let past = store.read(OBJECT, 50_000, 4096).await.unwrap();
+        assert!(past.is_empty(), "{kind:?}: past the end");
+        assert_eq!(store.cached_reads(), 3, "{kind:?}");
+        assert_eq!(
+            store.engine().stats().completions,
+            engine_before,
+            "{kind:?}: the engine did nothing"
+        );
+
+        // Written back and dropped from the cache: the next read needs the disk.
+        let file = std::fs::File::open(store.object_path(OBJECT)).unwrap();
+        file.sync_all().unwrap();
+        // SAFETY: an advice call on a descriptor we hold open.
+        let advised =
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        assert_eq!(advised, 0);
+        assert!(
+            !first_page_cached(&file),
+            "{kind:?}: the pages left the cache"
+        );
+        let read = store.read(OBJECT, 0, 4096).await.unwrap();
+        assert_eq!(&read[..], &data[..4096], "{kind:?}");
+        assert_eq!(store.cached_reads(), 3, "{kind:?}: not from the cache");
+        assert!(
+            store.engine().stats().completions > engine_before,
+            "{kind:?}: the engine read it"
+        );
+        // Now cached again.
+        let read = store.read(OBJECT, 0, 4096).await.unwrap();
+        assert_eq!(&read[..], &data[..4096], "{kind:?}");
+        assert_eq!(store.cached_reads(), 4, "{kind:?}");
+        // Longer than CACHED_READ_MAX: always the engine.
+        let big = vec![5u8; freeflow_ioserver::store::CACHED_READ_MAX as usize + 4096];
+        store
+            .write(OBJECT, 0, Bytes::from(big.clone()))
+            .await
+            .unwrap();
+        let read = store.read(OBJECT, 0, big.len() as u32).await.unwrap();
+        assert_eq!(&read[..], &big[..], "{kind:?}");
+        assert_eq!(
+            store.cached_reads(),
+            4,
+            "{kind:?}: a large read is the engine's"
+        );
     }
 }
 
