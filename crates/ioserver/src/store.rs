@@ -278,6 +278,7 @@ impl ObjectStore {
         // SAFETY: the kernel wrote `done` (≤ `length`) bytes at the start of `buffer`.
         unsafe { buffer.set_len(done) };
         self.cached_reads.fetch_add(1, Ordering::Relaxed);
+        self.engine.note_cached_read(done as u64);
         Some(Bytes::from(buffer))
     }
 

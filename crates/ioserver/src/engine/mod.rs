@@ -63,4 +63,8 @@ pub trait DiskEngine: Send + Sync + 'static {
     fn sync_data(&self, file: Arc<File>) -> EngineFuture<'_, ()>;
 
     fn stats(&self) -> EngineStats;
+
+    /// A read of `length_bytes` was answered from the page cache without the engine (see
+    /// `ObjectStore::read_cached`): counted with the engine's reads where reads are counted.
+    fn note_cached_read(&self, _length_bytes: u64) {}
 }
