@@ -404,7 +404,7 @@ async fn killing_the_meta_server_keeps_every_returned_operation() {
 /// server's death and its return failed at once with `Connection refused`, where the
 /// requests the death cut off waited for the server and were sent again. A server this
 /// client reached before is waited for (up to the call's deadline); one never reached still
-/// fails at once.
+/// fails at once. A client shutting down waits for it too, and replays what it kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_made_while_the_meta_server_is_down_waits_for_its_return() {
     let mut cluster = Cluster::start(1).await;
@@ -442,17 +442,38 @@ async fn a_call_made_while_the_meta_server_is_down_waits_for_its_return() {
         .await
         .expect("the directory is there");
 
-    // With the server gone for good, shutting down does not wait for it, and a new
-    // client (which never reached it) gets its error at once.
-    cluster.kill_meta();
-    let started = Instant::now();
-    client.shutdown().await;
-    reader.shutdown().await;
+    // A client shutting down while it holds an answered change that is not durable yet,
+    // as the server dies: its closing call waits for the server and replays the change.
+    client
+        .mkdir(ROOT_INODE, "late", 0o755)
+        .await
+        .expect("mkdir late");
     assert!(
-        started.elapsed() < Duration::from_secs(10),
-        "shutdown waited {:?} for a dead meta server",
-        started.elapsed()
+        client.kept_mutations() > 0,
+        "the mkdir was answered before it was durable"
     );
+    cluster.kill_meta();
+    let closing = {
+        let client = client.clone();
+        tokio::spawn(async move { client.shutdown().await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cluster.restart_meta().await;
+    tokio::time::timeout(Duration::from_secs(60), closing)
+        .await
+        .expect("the shutdown ends once the server is back")
+        .expect("no panic");
+    let witness = cluster.client().await;
+    witness
+        .stat("/late")
+        .await
+        .expect("the change answered before the shutdown is there");
+
+    // With the server gone for good, a new client (which never reached it) gets its
+    // error at once.
+    witness.shutdown().await;
+    reader.shutdown().await;
+    cluster.kill_meta();
     let started = Instant::now();
     let mut config = ClientConfig::new(cluster.meta_address.clone(), cluster.key.clone());
     config.call_timeout_ms = 30_000;

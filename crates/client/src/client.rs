@@ -450,7 +450,6 @@ impl Client {
             watcher.abort();
         }
         self.shared.closed.store(true, Ordering::Release);
-        self.shared.pool.stop_waiting();
         self.shared.space.give_back(&self.shared.pool).await;
         let session_id = self.session_id();
         if let Err(error) = self

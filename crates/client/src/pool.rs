@@ -236,9 +236,6 @@ pub(crate) struct Pool {
     /// The meta server epoch whose leases are trusted: the new one from the moment a
     /// restart is noticed, before anything is replayed (the kept log moves to it last).
     lease_epoch: AtomicU64,
-    /// Set by `Client::shutdown`: its last calls (closing the session, giving space back)
-    /// do not wait for a meta server that went away; both die with the server anyway.
-    shutting_down: AtomicBool,
 }
 
 /// Most post-operation attributes kept; past it they are all forgotten.
@@ -276,18 +273,7 @@ impl Pool {
             on_recover: Mutex::new(None),
             attributes: Mutex::new(HashMap::new()),
             lease_epoch: AtomicU64::new(0),
-            shutting_down: AtomicBool::new(false),
         }
-    }
-
-    /// The client is shutting down: from now on a call that cannot reach the meta server
-    /// fails at once (unless it carries a mutation answered early).
-    pub(crate) fn stop_waiting(&self) {
-        self.shutting_down.store(true, Ordering::Relaxed);
-    }
-
-    fn shutting_down(&self) -> bool {
-        self.shutting_down.load(Ordering::Relaxed)
     }
 
     fn attributes(&self) -> MutexGuard<'_, HashMap<InodeId, (Attr, Lease, u64)>> {
@@ -542,18 +528,19 @@ impl Pool {
                 // that finds a server reached before unreachable (it is restarting: a
                 // request made in the moment between its death and its return waits like
                 // the ones it cut off). Only a server never reached fails the first
-                // attempt at once: it is simply not there, or the address is wrong. A
-                // client shutting down waits only for mutations it answered early.
+                // attempt at once: it is simply not there, or the address is wrong. (A
+                // client shutting down waits too: its closing call replays what it kept,
+                // and a session left open would make a restarted server or a new leader
+                // wait out its recovery window for a client that never comes back.)
                 Err(
                     error @ (RpcError::Disconnected { .. }
                     | RpcError::Connect { .. }
                     | RpcError::Handshake { .. }),
-                ) if (is_patient
-                    || (!self.shutting_down()
-                        && (flags != 0
-                            || replicated
-                            || self.meta.reached()
-                            || matches!(error, RpcError::Disconnected { .. }))))
+                ) if (flags != 0
+                    || is_patient
+                    || replicated
+                    || self.meta.reached()
+                    || matches!(error, RpcError::Disconnected { .. }))
                     && Instant::now() < deadline =>
                 {
                     tracing::debug!(%error, request = R::NAME, request_id, "sending again");
