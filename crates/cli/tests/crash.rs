@@ -488,6 +488,36 @@ async fn a_call_made_while_the_meta_server_is_down_waits_for_its_return() {
     );
 }
 
+/// Regression (the client simulation's seed 1, stop 26): `CloseSession` removed the
+/// client's record (the list of clients a restarted server waits for) after its durable
+/// sync and answered before the removal was durable. A client that exited right then was
+/// still on the list after a crash (or after its leader, cut off, took the removal back),
+/// and every later server waited out its whole recovery window for it, holding every
+/// other client's requests meanwhile. Now the answer waits for the removal to be durable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_closed_its_session_is_not_waited_for_after_a_crash() {
+    const ROUNDS: usize = 8;
+    let mut cluster = Cluster::start(1).await;
+    for round in 0..ROUNDS {
+        let client = cluster.client().await;
+        // A mutation records the client in the list of those a restart waits for.
+        client
+            .mkdir(ROOT_INODE, &format!("d{round}"), 0o755)
+            .await
+            .expect("mkdir");
+        client.shutdown().await;
+        cluster.kill_meta();
+        let before = cluster.meta_log().len();
+        cluster.restart_meta().await;
+        let log = cluster.meta_log();
+        let restart = &log[before..];
+        assert!(
+            !restart.contains("waiting for clients to replay"),
+            "round {round}: the restarted server waits for a client that closed its session:\n{restart}"
+        );
+    }
+}
+
 /// Regression: after a restart of the meta server, a connected client's opens failed with
 /// `BadHandle` ("session ... does not exist or its lease expired") until its background
 /// renewer noticed and opened a new session, up to a third of the lease later (10 s with

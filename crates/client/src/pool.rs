@@ -157,6 +157,12 @@ impl Endpoint {
                 ),
             });
         }
+        tracing::debug!(
+            client = %options.client_name,
+            address = connection.address(),
+            epoch = connection.epoch(),
+            "connected"
+        );
         *self.current.lock().expect("not poisoned") = Some(connection.clone());
         self.reached.store(true, Ordering::Relaxed);
         Ok(connection)
@@ -652,7 +658,13 @@ impl Pool {
     async fn recover(&self, connection: &Connection) -> Result<(), RpcError> {
         let _replaying = self.replaying.lock().await;
         let result = self.replay_to(connection).await;
-        if result.is_err() {
+        if let Err(error) = &result {
+            tracing::debug!(
+                client = %self.options.client_name,
+                %error,
+                epoch = connection.epoch(),
+                "replay to a new metadata epoch failed; the next connection tries again"
+            );
             // Not done: everything kept stays, to be replayed to the next server found,
             // and answers of the old epoch are kept again meanwhile.
             self.kept().unseal();
@@ -682,6 +694,7 @@ impl Pool {
             .store(connection.epoch(), Ordering::Release);
         self.attributes().clear();
         tracing::info!(
+            client = %self.options.client_name,
             old_epoch,
             new_epoch = connection.epoch(),
             kept = entries.len(),

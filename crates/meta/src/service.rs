@@ -929,6 +929,11 @@ async fn close_session(shared: &Shared, session_id: u64, caller: u64) -> Result<
     wake_reaper_for(shared, &closed);
     if let Some(client) = client.filter(|client| *client != 0 && !left) {
         shared.forget_client(client).await;
+        // Durable before the answer: a client told its session is closed exits, and if
+        // the removal of its record were lost (a crash, or a leader cut off that takes
+        // back what it had not committed) every later server would wait out its whole
+        // recovery window for a replay that never comes.
+        shared.sync().await?;
     }
     Ok(())
 }
