@@ -66,21 +66,17 @@ impl Segments {
     /// The bytes of `[from, to)`, which the parts hold: a view of one part when it holds
     /// them all, else one copy of them.
     pub fn range(&self, from: u64, to: u64) -> Bytes {
-        let mut overlapping = self
+        let first = self
             .parts
             .iter()
-            .filter(|(start, bytes)| *start < to && start + bytes.len() as u64 > from);
-        if let Some((start, bytes)) = overlapping.clone().next() {
+            .find(|(start, bytes)| *start < to && start + bytes.len() as u64 > from);
+        if let Some((start, bytes)) = first {
             if *start <= from && start + bytes.len() as u64 >= to {
                 return bytes.slice((from - start) as usize..(to - start) as usize);
             }
         }
         let mut buffer = BytesMut::with_capacity(to.saturating_sub(from) as usize);
-        for (start, bytes) in overlapping.by_ref() {
-            let at = from.max(*start) - start;
-            let until = to.min(start + bytes.len() as u64) - start;
-            buffer.extend_from_slice(&bytes[at as usize..until as usize]);
-        }
+        self.copy_into(from, to, &mut buffer);
         buffer.freeze()
     }
 

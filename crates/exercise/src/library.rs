@@ -157,21 +157,15 @@ impl Target for LibraryTarget {
     }
 
     fn close(&mut self) -> io::Result<()> {
-        self.close_now()
-    }
-
-    fn size(&mut self) -> io::Result<u64> {
-        Ok(self.handle()?.size())
-    }
-}
-
-impl LibraryTarget {
-    /// Close the open file now, from outside the runtime (the target blocks on it).
-    fn close_now(&mut self) -> io::Result<()> {
+        // From outside the runtime: the target blocks on its calls.
         match self.handle.take() {
             Some(handle) => self.runtime.block_on(handle.close()).map_err(with_reason),
             None => Ok(()),
         }
+    }
+
+    fn size(&mut self) -> io::Result<u64> {
+        Ok(self.handle()?.size())
     }
 }
 
