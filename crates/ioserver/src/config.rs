@@ -71,9 +71,11 @@ pub struct IoConfig {
     /// Request payload bytes this server holds at once, across every connection (the memory
     /// the data path may use for requests waiting for or in the disk). Default 512 MiB.
     pub payload_budget_bytes: u64,
-    /// io_uring submission queue size (in-flight disk operations + 1). Default 256.
+    /// io_uring submission queue size: the most disk operations in the ring at once (more
+    /// wait their turn). Default 256.
     pub ring_entries: u32,
-    /// Disk operations waiting to enter the engine before requests wait. Default 1024.
+    /// Thread engine: disk operations waiting for a worker thread before requests wait.
+    /// Default 1024.
     pub engine_queue_depth_max: usize,
     /// Requests served at once on one connection. Default 128.
     pub requests_in_flight_max: u32,

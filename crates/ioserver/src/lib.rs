@@ -59,7 +59,6 @@ pub fn build_engine(config: &IoConfig) -> Result<Arc<dyn DiskEngine>, IoServerEr
                 ring_entries: config.ring_entries,
                 buffer_count: config.buffer_count,
                 buffer_bytes: config.buffer_bytes,
-                queue_depth_max: config.engine_queue_depth_max,
             };
             match UringEngine::new(options) {
                 Ok(engine) => Ok(Arc::new(engine)),

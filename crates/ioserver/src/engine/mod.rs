@@ -1,9 +1,9 @@
 //! The disk engine: how positional reads, writes and data syncs of object files reach the
 //! disk. One trait, two implementations, chosen by config (`engine = "uring" | "threads"`):
 //!
-//! - [`uring::UringEngine`]: one io_uring per data directory on its own thread, with a
-//!   pool of registered buffers; completions are handled in whatever order the kernel
-//!   delivers them (DESIGN.md §6.5).
+//! - [`uring::UringEngine`]: one io_uring per data directory with a pool of registered
+//!   buffers, fed by the requests' tasks and reaped on the tokio runtime; completions are
+//!   handled in whatever order the kernel delivers them (DESIGN.md §6.5).
 //! - [`threads::ThreadEngine`]: a bounded pool of threads doing `pread`/`pwrite`/
 //!   `fdatasync`, for kernels or sandboxes without io_uring.
 //!

@@ -1,84 +1,106 @@
-//! The io_uring engine (DESIGN.md §6.5, FLAIM's lesson): one ring per data directory, driven
-//! by one dedicated thread, with a pool of registered buffers.
+//! The io_uring engine (DESIGN.md §6.5, FLAIM's lesson): one ring per data directory with a
+//! pool of registered buffers, fed by the requests' own tasks and reaped on the tokio
+//! runtime, so no thread of ours stands between a request and the disk.
 //!
 //! ## How a request reaches the disk
 //! 1. The async task takes a buffer from the [`BufferPool`] (queuing FIFO if none is free)
-//!    and sends a [`Submission`] on a bounded channel
-//!    (`queue_depth_max`) to the ring thread. A request larger than one buffer is done as
-//!    consecutive buffer-sized pieces, each holding one buffer, so no task ever holds one
-//!    buffer while waiting for another (no deadlock however small the pool).
-//! 2. The task then wakes the ring thread through an eventfd. The ring thread keeps a read of
-//!    that eventfd posted *in the ring itself*, so its single blocking call,
-//!    `submit_and_wait(1)`, returns on whichever comes first: a disk completion or new work.
-//!    A flag (`Wake::pending`) makes senders write the eventfd only when no wake-up is already
-//!    on its way, so a burst costs one `write(2)`, not one per request.
-//! 3. The ring thread moves submissions into the ring while fewer than `ring_entries - 1`
-//!    operations are in flight (the last slot is the eventfd read), tagging each with its
-//!    slot number as `user_data`. Beyond that bound, work waits in the channel: that is the
-//!    back-pressure.
+//!    and a slot in the ring (a FIFO semaphore of `ring_entries` permits: that bound is the
+//!    back-pressure). A request larger than one buffer is done as consecutive buffer-sized
+//!    pieces, each holding one buffer, so no task ever holds one buffer while waiting for
+//!    another (no deadlock however small the pool).
+//! 2. Under the ring's lock it pushes the entry, tagged with its slot number as `user_data`,
+//!    and submits it (`io_uring_enter`) itself. A read of cached pages or a buffered write
+//!    usually completes inside that call; the task then reaps the completion before letting
+//!    go of the lock, and its answer is ready when it first awaits it. An operation that must
+//!    wait for the disk completes later, in the kernel (a disk interrupt, an async buffered
+//!    read's page callback, or an io-wq worker for syncs).
+//! 3. The ring signals an eventfd with every completion (`register_eventfd`). A reaper task
+//!    on the tokio runtime waits for that eventfd in the runtime's own epoll: a completion
+//!    wakes a parked worker directly (one wake-up), which reaps every completion under the
+//!    lock. The engine used to have a thread of its own for the ring; a read that missed the
+//!    page cache then cost four wake-ups (the ring thread woken to submit, woken again by
+//!    the completion, and the task's worker woken by it), each tens of microseconds on this
+//!    machine (docs/BENCHMARKS.md).
 //! 4. Each completion is matched by `user_data` to its slot. A short transfer is resubmitted
 //!    for the rest (a read that returns 0 is end of file); `-EINTR`/`-EAGAIN` are retried; any
 //!    other negative result becomes `io::Error::from_raw_os_error`. When the operation is done
 //!    its buffer goes back to the pool at once (handing it to the oldest waiter) and its task
-//!    is answered. Nothing waits on the oldest I/O: completions arriving while an older
-//!    operation is still in flight are counted as `out_of_order_completions`.
+//!    is answered. Nothing waits on the oldest I/O: completions arriving while an operation
+//!    submitted earlier is still in flight are counted as `out_of_order_completions`.
+//!
+//! The reaper is spawned on the runtime of the first request (and again on a later request's
+//! runtime if that runtime has ended); it holds the engine only weakly and is aborted when
+//! the engine is dropped.
 //!
 //! Writes are `Write` straight from the request's payload, which the slot keeps alive until
 //! the completion: for buffered I/O the kernel copies the bytes into the page cache anyway,
 //! so copying them first into a registered buffer cost a memcpy of every byte written
 //! (~0.3 ms per MiB here) for nothing. The write still holds a pool buffer as its credit, so
 //! the pool bounds writes in flight and its completion wakes the next waiter. Reads land in
-//! a pool buffer (`ReadFixed`); the ring thread hands the buffer back to the task, which
-//! passes the buffer itself on as the reply's payload (`Bytes::from_owner`): no copy, and
-//! the buffer returns to the pool once the reply is on the socket, so the pool also bounds
-//! the memory of replies waiting to be sent. A read longer than one buffer is done in
-//! buffer-sized pieces copied into one reply. Syncs are `Fsync` with
-//! `DATASYNC`. With `direct_io` the store hands large aligned writes (and, with `all`, reads)
-//! a descriptor opened with O_DIRECT (`store.rs`, `DirectIo`): a write's payload is already
-//! page aligned, as the RPC layer reads large payloads to a page boundary, and the
-//! registered buffers reads land in are page aligned.
+//! a pool buffer (`ReadFixed`); the task passes the buffer itself on as the reply's payload
+//! (`Bytes::from_owner`): no copy, and the buffer returns to the pool once the reply is on
+//! the socket, so the pool also bounds the memory of replies waiting to be sent. A read
+//! longer than one buffer is done in buffer-sized pieces copied into one reply. Syncs are
+//! `Fsync` with `DATASYNC`. With `direct_io` the store hands large aligned writes (and, with
+//! `all`, reads) a descriptor opened with O_DIRECT (`store.rs`, `DirectIo`): a write's
+//! payload is already page aligned, as the RPC layer reads large payloads to a page
+//! boundary, and the registered buffers reads land in are page aligned.
 //!
 //! If `register_buffers` fails (for instance `RLIMIT_MEMLOCK` too small for the pool and no
 //! `CAP_IPC_LOCK`), the engine logs a warning and uses plain `Read`/`Write` on the same pool.
 //!
 //! ## Shutdown
-//! Dropping the engine closes the channel and wakes the thread; the thread finishes every
-//! operation already in flight (the kernel may still be using those buffers), completes its
-//! own eventfd read, and exits; then the ring is closed and the pool freed.
+//! Dropping the engine aborts the reaper. The ring itself goes when its last holder lets go
+//! (a request still in flight holds it); before it is closed, every operation still in the
+//! kernel is waited for on the dropping thread, since the kernel may still be using their
+//! buffers.
 
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
 use bytes::{Bytes, BytesMut};
 use io_uring::{opcode, squeue, types, IoUring};
-use tokio::sync::{mpsc, oneshot};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinHandle;
 
 use super::{DiskEngine, EngineFuture, EngineStats};
 use crate::buffer_pool::{BufferLease, BufferPool};
 
-/// `user_data` of the ring thread's own eventfd read.
-const WAKE_USER_DATA: u64 = u64::MAX;
+/// Largest buffered transfer done inline, on the runtime worker that submits it (or that
+/// its completion interrupts); larger ones go to a kernel worker (`IOSQE_ASYNC`). About
+/// 40 µs of copying here, the price of the hand-off it saves.
+pub const INLINE_TRANSFER_MAX: usize = 128 << 10;
 
 /// Bounds of the io_uring engine, from the config.
 #[derive(Clone, Copy, Debug)]
 pub struct UringOptions {
-    /// Submission queue size; operations in flight are at most `ring_entries - 1`.
+    /// Submission queue size, and the most operations in the ring at once (requests beyond
+    /// it wait, first come first served).
     pub ring_entries: u32,
     pub buffer_count: usize,
     pub buffer_bytes: usize,
-    /// Bound of the channel from async tasks to the ring thread.
-    pub queue_depth_max: usize,
 }
 
-/// What an async task asks the ring thread to do.
+/// One operation on one file.
 struct Submission {
     file: Arc<File>,
     operation: Operation,
+}
+
+impl Submission {
+    /// Whether the file was opened with O_DIRECT (asked of the kernel: the store hands the
+    /// engine either descriptor of an object).
+    fn direct(&self) -> bool {
+        // SAFETY: F_GETFL on a descriptor this submission keeps open.
+        let flags = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_GETFL) };
+        flags >= 0 && flags & libc::O_DIRECT != 0
+    }
 }
 
 enum Operation {
@@ -105,72 +127,51 @@ enum Operation {
     },
 }
 
-/// The eventfd that wakes the ring thread, shared with the senders.
-struct Wake {
-    eventfd: OwnedFd,
-    /// True while a wake-up has been written and not yet consumed by the ring thread.
-    pending: AtomicBool,
-}
-
-impl Wake {
-    fn new() -> io::Result<Wake> {
-        // Blocking eventfd: io_uring polls it internally; a non-blocking one would make the
-        // ring's read complete at once with -EAGAIN.
-        // SAFETY: plain syscall; the result is checked before use.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
-        let eventfd = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(Wake {
-            eventfd,
-            pending: AtomicBool::new(false),
-        })
-    }
-
-    /// Wakes the ring thread unless a wake-up is already on its way.
-    fn wake(&self) {
-        if !self.pending.swap(true, Ordering::SeqCst) {
-            self.signal();
-        }
-    }
-
-    fn signal(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to a descriptor we own. An eventfd write
-        // only fails if the counter would overflow, which one write per wake cannot reach.
-        unsafe {
-            libc::write(self.eventfd.as_raw_fd(), (&one as *const u64).cast(), 8);
-        }
-    }
-}
-
 struct Counters {
     completions: AtomicU64,
     out_of_order_completions: AtomicU64,
     submissions: AtomicU64,
 }
 
-pub struct UringEngine {
-    /// `None` only during drop.
-    submissions: Option<mpsc::Sender<Submission>>,
-    wake: Arc<Wake>,
-    pool: Arc<BufferPool>,
+/// What the engine, the requests' tasks and the reaper share.
+struct Shared {
+    /// Dropped first (fields drop in order): it waits for the kernel to finish with every
+    /// buffer it was given.
+    ring: Mutex<Ring>,
+    /// Written by the kernel with every completion (`register_eventfd`); the reaper waits on
+    /// a duplicate of it.
+    eventfd: OwnedFd,
+    /// One permit per operation the ring may hold.
+    slots: Arc<Semaphore>,
     counters: Arc<Counters>,
-    thread: Option<JoinHandle<()>>,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ring> {
+        // A panic while holding the ring (a bug) must not leave every later request hanging.
+        self.ring
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+pub struct UringEngine {
+    shared: Arc<Shared>,
+    pool: Arc<BufferPool>,
+    /// The reaper task, on the runtime of the request that started it.
+    reaper: Mutex<Option<JoinHandle<()>>>,
     registered: bool,
 }
 
 impl UringEngine {
     /// Sets up the ring and registers the pool; an error here means io_uring is unusable
-    /// (the caller falls back to the thread engine).
+    /// (the caller falls back to the thread engine). Needs no runtime: the reaper starts
+    /// with the first request.
     pub fn new(options: UringOptions) -> io::Result<UringEngine> {
         let UringOptions {
             ring_entries,
             buffer_count,
             buffer_bytes,
-            queue_depth_max,
         } = options;
         assert!(ring_entries >= 2, "validated by the config");
         assert!(
@@ -183,7 +184,7 @@ impl UringEngine {
         let pool = BufferPool::new(buffer_count, buffer_bytes);
         let iovecs = pool.iovecs();
         // SAFETY: the iovecs describe the pool's memory, which outlives the ring: the ring
-        // thread holds an Arc of the pool and drops the ring first.
+        // holds an Arc of the pool and drops the ring first.
         let registered = match unsafe { ring.submitter().register_buffers(&iovecs) } {
             Ok(()) => true,
             Err(error) => {
@@ -195,38 +196,40 @@ impl UringEngine {
                 false
             }
         };
-        let wake = Arc::new(Wake::new()?);
+        // SAFETY: plain syscall; the result is checked before use.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        let eventfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        ring.submitter().register_eventfd(eventfd.as_raw_fd())?;
         let counters = Arc::new(Counters {
             completions: AtomicU64::new(0),
             out_of_order_completions: AtomicU64::new(0),
             submissions: AtomicU64::new(0),
         });
-        let (submissions, receiver) = mpsc::channel(queue_depth_max);
-        let ring_thread = RingThread {
-            ring,
-            receiver,
-            wake: Arc::clone(&wake),
-            _pool: Arc::clone(&pool),
-            counters: Arc::clone(&counters),
-            registered,
-            slots: Vec::new(),
-            free_slots: Vec::new(),
-            in_flight_max: ring_entries as usize - 1,
-            sequences_in_flight: BTreeSet::new(),
-            next_sequence: 0,
-            wake_buffer: Box::new(0),
-            wake_posted: false,
-            closed: false,
-        };
-        let thread = std::thread::Builder::new()
-            .name("freeflow-io-uring".to_owned())
-            .spawn(move || ring_thread.run())?;
-        Ok(UringEngine {
-            submissions: Some(submissions),
-            wake,
-            pool,
+        let in_flight_max = ring_entries as usize;
+        let shared = Arc::new(Shared {
+            ring: Mutex::new(Ring {
+                ring,
+                slots: Vec::with_capacity(in_flight_max),
+                free_slots: Vec::new(),
+                sequences_in_flight: BTreeSet::new(),
+                next_sequence: 0,
+                completed: Vec::with_capacity(2 * in_flight_max),
+                counters: Arc::clone(&counters),
+                registered,
+                _pool: Arc::clone(&pool),
+            }),
+            eventfd,
+            slots: Arc::new(Semaphore::new(in_flight_max)),
             counters,
-            thread: Some(thread),
+        });
+        Ok(UringEngine {
+            shared,
+            pool,
+            reaper: Mutex::new(None),
             registered,
         })
     }
@@ -240,13 +243,38 @@ impl UringEngine {
         &self.pool
     }
 
-    async fn submit(&self, submission: Submission) -> io::Result<()> {
-        let sender = self.submissions.as_ref().ok_or_else(engine_stopped)?;
-        sender
-            .send(submission)
+    /// Starts the reaper on the current runtime unless one is running.
+    fn ensure_reaper(&self) -> io::Result<()> {
+        let mut reaper = self
+            .reaper
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if reaper.as_ref().is_some_and(|task| !task.is_finished()) {
+            return Ok(());
+        }
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| io::Error::other("the io_uring engine runs on a tokio runtime"))?;
+        let eventfd = self.shared.eventfd.try_clone()?;
+        // SAFETY: the AsyncFd owns this duplicate, which stays open (and the same file) until
+        // the AsyncFd is dropped.
+        let waiter = unsafe { AsyncFd::register_with_interest(eventfd, Interest::READABLE) }
+            .map_err(|error| error.into_parts().1)?;
+        *reaper = Some(runtime.spawn(reap_loop(waiter, Arc::downgrade(&self.shared))));
+        Ok(())
+    }
+
+    /// Puts one operation into the ring (waiting for a slot first) and submits it; what
+    /// completes at once is reaped before returning.
+    async fn start(&self, submission: Submission) -> io::Result<()> {
+        self.ensure_reaper()?;
+        let permit = Arc::clone(&self.shared.slots)
+            .acquire_owned()
             .await
             .map_err(|_| engine_stopped())?;
-        self.wake.wake();
+        let mut ring = self.shared.lock();
+        ring.start(submission, permit);
+        ring.enter();
+        ring.reap();
         Ok(())
     }
 
@@ -260,7 +288,7 @@ impl UringEngine {
             payload: piece,
             reply,
         };
-        self.submit(Submission {
+        self.start(Submission {
             file: Arc::clone(file),
             operation,
         })
@@ -268,7 +296,6 @@ impl UringEngine {
         receiver.await.unwrap_or_else(|_| Err(engine_stopped()))
     }
 
-    /// Reads one piece into `output`; returns the bytes read (fewer at end of file).
     /// Reads one piece into a pool buffer with `ReadFixed`; returns the bytes read (fewer at
     /// end of file) and the buffer holding them.
     async fn read_into_lease(
@@ -285,7 +312,7 @@ impl UringEngine {
             length_bytes,
             reply,
         };
-        self.submit(Submission {
+        self.start(Submission {
             file: Arc::clone(file),
             operation,
         })
@@ -305,6 +332,43 @@ impl UringEngine {
         let (read_bytes, lease) = self.read_into_lease(file, offset, length_bytes).await?;
         output.extend_from_slice(&lease.as_slice()[..read_bytes]);
         Ok(read_bytes)
+    }
+}
+
+/// Waits for the kernel's completion signals in the runtime's epoll and reaps. Holds the
+/// engine weakly: it ends when the engine is gone (and is aborted when it is dropped).
+async fn reap_loop(waiter: AsyncFd<OwnedFd>, shared: Weak<Shared>) {
+    // Completions may have come before this reaper existed (one on an ended runtime).
+    match shared.upgrade() {
+        Some(shared) => shared.lock().reap(),
+        None => return,
+    }
+    loop {
+        let Ok(mut guard) = waiter.readable().await else {
+            tracing::error!(
+                "io_uring completion eventfd failed; completions are reaped by new requests only"
+            );
+            return;
+        };
+        let mut count: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64. A failure is EAGAIN (nothing signalled
+        // since the last read): the reap below is then merely early.
+        unsafe {
+            libc::read(
+                waiter.get_ref().as_raw_fd(),
+                (&mut count as *mut u64).cast(),
+                8,
+            );
+        }
+        let Some(engine) = shared.upgrade() else {
+            return;
+        };
+        engine.lock().reap();
+        drop(engine);
+        // Every completion signalled before the reap was reaped; one signalled after it
+        // sets the readiness again (the eventfd is edge-triggered in epoll, and tokio keeps
+        // readiness newer than this guard's).
+        guard.clear_ready();
     }
 }
 
@@ -382,7 +446,7 @@ impl DiskEngine for UringEngine {
     fn sync_data(&self, file: Arc<File>) -> EngineFuture<'_, ()> {
         Box::pin(async move {
             let (reply, receiver) = oneshot::channel();
-            self.submit(Submission {
+            self.start(Submission {
                 file,
                 operation: Operation::Sync { reply },
             })
@@ -392,14 +456,12 @@ impl DiskEngine for UringEngine {
     }
 
     fn stats(&self) -> EngineStats {
+        let counters = &self.shared.counters;
         EngineStats {
-            completions: self.counters.completions.load(Ordering::Relaxed),
-            out_of_order_completions: self
-                .counters
-                .out_of_order_completions
-                .load(Ordering::Relaxed),
+            completions: counters.completions.load(Ordering::Relaxed),
+            out_of_order_completions: counters.out_of_order_completions.load(Ordering::Relaxed),
             buffer_waits: self.pool.wait_count(),
-            submissions: self.counters.submissions.load(Ordering::Relaxed),
+            submissions: counters.submissions.load(Ordering::Relaxed),
             buffer_wait_time_us: self.pool.wait_time_us(),
             buffer_waiters: self.pool.waiter_count() as u64,
         }
@@ -408,13 +470,14 @@ impl DiskEngine for UringEngine {
 
 impl Drop for UringEngine {
     fn drop(&mut self) {
-        drop(self.submissions.take());
-        self.wake.signal();
-        if let Some(thread) = self.thread.take() {
-            if thread.join().is_err() {
-                tracing::error!("io_uring thread panicked");
-            }
+        let reaper = self
+            .reaper
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(task) = reaper.take() {
+            task.abort();
         }
+        // The ring goes with the last `Shared` (see `Ring`'s drop).
     }
 }
 
@@ -424,125 +487,110 @@ struct InFlight {
     /// Bytes transferred so far (reads and writes continue after short transfers).
     done_bytes: usize,
     sequence: u64,
+    /// Its place in the ring, given back when it is done.
+    _permit: OwnedSemaphorePermit,
 }
 
-/// State owned by the ring thread.
-struct RingThread {
+/// The ring and what is in it; used under `Shared::ring`'s lock only.
+struct Ring {
     ring: IoUring,
-    receiver: mpsc::Receiver<Submission>,
-    wake: Arc<Wake>,
-    /// Keeps the registered memory alive until the ring is gone (fields drop in order:
-    /// `ring` first).
-    _pool: Arc<BufferPool>,
-    counters: Arc<Counters>,
-    registered: bool,
-    /// In-flight operations by slot (= `user_data`); at most `in_flight_max`.
+    /// In-flight operations by slot (= `user_data`); at most `ring_entries`.
     slots: Vec<Option<InFlight>>,
     free_slots: Vec<usize>,
-    in_flight_max: usize,
     /// Submission order of what is in flight, to spot out-of-order completions.
     sequences_in_flight: BTreeSet<u64>,
     next_sequence: u64,
-    /// Target of the eventfd read; boxed so its address is stable while the kernel has it.
-    wake_buffer: Box<u64>,
-    wake_posted: bool,
-    closed: bool,
+    /// Completions taken from the queue, reused between reaps.
+    completed: Vec<(u64, i32)>,
+    counters: Arc<Counters>,
+    registered: bool,
+    /// Keeps the registered memory alive until the ring is gone (fields drop in order:
+    /// `ring` first).
+    _pool: Arc<BufferPool>,
 }
 
-impl RingThread {
-    fn run(mut self) {
-        let mut completed: Vec<(u64, i32)> = Vec::with_capacity(self.in_flight_max + 1);
-        loop {
-            if !self.closed && !self.wake_posted {
-                self.post_wake_read();
+impl Ring {
+    fn in_flight(&self) -> usize {
+        self.slots.len() - self.free_slots.len()
+    }
+
+    /// Gives the operation a slot and pushes it to the submission queue.
+    fn start(&mut self, submission: Submission, permit: OwnedSemaphorePermit) {
+        let slot = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None => {
+                self.slots.push(None);
+                self.slots.len() - 1
             }
-            self.take_submissions();
-            let in_flight = self.slots.len() - self.free_slots.len();
-            if self.closed && in_flight == 0 {
-                if !self.wake_posted {
-                    return;
-                }
-                // Complete our own eventfd read before the ring (and its buffer) go away.
-                self.wake.signal();
-            }
-            match self.ring.submit_and_wait(1) {
+        };
+        let sequence = self.next_sequence;
+        self.next_sequence += 1;
+        self.sequences_in_flight.insert(sequence);
+        self.slots[slot] = Some(InFlight {
+            submission,
+            done_bytes: 0,
+            sequence,
+            _permit: permit,
+        });
+        self.push_slot(slot);
+    }
+
+    /// Hands what is in the submission queue to the kernel. On an error other than a
+    /// momentary one the entries stay queued and go with the next submission or reap.
+    fn enter(&mut self) {
+        let mut busy_tries = 0;
+        while !self.ring.submission().is_empty() {
+            match self.ring.submit() {
                 Ok(_) => {}
                 Err(error)
                     if matches!(
                         error.raw_os_error(),
                         Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
-                    ) => {}
+                    ) && busy_tries < 100 =>
+                {
+                    busy_tries += 1;
+                    if busy_tries > 1 {
+                        std::thread::yield_now();
+                    }
+                }
                 Err(error) => {
-                    tracing::error!(%error, "io_uring submit failed; retrying");
-                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    tracing::error!(%error, "io_uring submit failed; its entries wait for the next one");
+                    return;
                 }
             }
+        }
+    }
+
+    /// Takes every completion from the queue (submitting the rest of short transfers) until
+    /// none is left.
+    fn reap(&mut self) {
+        loop {
+            let mut completed = std::mem::take(&mut self.completed);
             completed.clear();
             completed.extend(
                 self.ring
                     .completion()
                     .map(|entry| (entry.user_data(), entry.result())),
             );
+            let done = completed.is_empty();
             for &(user_data, result) in &completed {
-                if user_data == WAKE_USER_DATA {
-                    self.wake_posted = false;
-                    // Consumed: the next sender must signal again. Cleared before draining
-                    // the channel (next loop turn), so no submission is left unseen.
-                    self.wake.pending.store(false, Ordering::SeqCst);
-                } else {
-                    self.complete(user_data as usize, result);
-                }
+                self.complete(user_data as usize, result);
             }
-        }
-    }
-
-    fn post_wake_read(&mut self) {
-        let entry = opcode::Read::new(
-            types::Fd(self.wake.eventfd.as_raw_fd()),
-            (&mut *self.wake_buffer as *mut u64).cast(),
-            8,
-        )
-        .build()
-        .user_data(WAKE_USER_DATA);
-        self.push(&entry);
-        self.wake_posted = true;
-    }
-
-    /// Moves submissions from the channel into the ring while there is room.
-    fn take_submissions(&mut self) {
-        while !self.closed && self.slots.len() - self.free_slots.len() < self.in_flight_max {
-            match self.receiver.try_recv() {
-                Ok(submission) => {
-                    let slot = match self.free_slots.pop() {
-                        Some(slot) => slot,
-                        None => {
-                            self.slots.push(None);
-                            self.slots.len() - 1
-                        }
-                    };
-                    let sequence = self.next_sequence;
-                    self.next_sequence += 1;
-                    self.sequences_in_flight.insert(sequence);
-                    self.slots[slot] = Some(InFlight {
-                        submission,
-                        done_bytes: 0,
-                        sequence,
-                    });
-                    self.submit_slot(slot);
-                }
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                Err(mpsc::error::TryRecvError::Disconnected) => self.closed = true,
+            self.completed = completed;
+            if done {
+                return;
             }
+            self.enter();
         }
     }
 
     /// Pushes the (remaining part of the) operation in `slot` to the submission queue.
-    fn submit_slot(&mut self, slot: usize) {
+    fn push_slot(&mut self, slot: usize) {
         let in_flight = self.slots[slot].as_mut().expect("submitting a live slot");
         let fd = types::Fd(in_flight.submission.file.as_raw_fd());
         let done = in_flight.done_bytes;
         let registered = self.registered;
-        let entry = match &mut in_flight.submission.operation {
+        let (entry, remaining_bytes) = match &mut in_flight.submission.operation {
             Operation::Write {
                 payload,
                 offset,
@@ -555,9 +603,10 @@ impl RingThread {
                 let pointer = unsafe { payload.as_ptr().add(done) };
                 let length = (*length_bytes - done) as u32;
                 let offset = *offset + done as u64;
-                opcode::Write::new(fd, pointer, length)
+                let entry = opcode::Write::new(fd, pointer, length)
                     .offset(offset)
-                    .build()
+                    .build();
+                (entry, length as usize)
             }
             Operation::Read {
                 lease,
@@ -570,7 +619,7 @@ impl RingThread {
                 let pointer = unsafe { lease.as_mut_ptr().add(done) };
                 let length = (*length_bytes - done) as u32;
                 let offset = *offset + done as u64;
-                if registered {
+                let entry = if registered {
                     opcode::ReadFixed::new(fd, pointer, length, index)
                         .offset(offset)
                         .build()
@@ -578,11 +627,26 @@ impl RingThread {
                     opcode::Read::new(fd, pointer, length)
                         .offset(offset)
                         .build()
-                }
+                };
+                (entry, length as usize)
             }
-            Operation::Sync { .. } => opcode::Fsync::new(fd)
-                .flags(types::FsyncFlags::DATASYNC)
-                .build(),
+            Operation::Sync { .. } => {
+                let entry = opcode::Fsync::new(fd)
+                    .flags(types::FsyncFlags::DATASYNC)
+                    .build();
+                (entry, 0)
+            }
+        };
+        // A large buffered transfer is a long memory copy in the kernel: left inline, it
+        // would run on the submitting runtime worker (or, for a read that waited for the
+        // disk, on the worker its completion interrupts) and hold up the requests behind
+        // it; a kernel worker does it beside the runtime instead, as the engine's own
+        // thread once did. Small transfers, and O_DIRECT ones (the device does the copy),
+        // stay inline: that is where the saved hand-offs matter.
+        let entry = if remaining_bytes > INLINE_TRANSFER_MAX && !in_flight.submission.direct() {
+            entry.flags(squeue::Flags::ASYNC)
+        } else {
+            entry
         };
         self.push(&entry.user_data(slot as u64));
         self.counters.submissions.fetch_add(1, Ordering::Relaxed);
@@ -590,12 +654,12 @@ impl RingThread {
 
     fn push(&mut self, entry: &squeue::Entry) {
         loop {
-            // SAFETY: every buffer an entry points at is owned by its in-flight slot (or is
-            // `wake_buffer`), which lives until the entry's completion has been reaped.
+            // SAFETY: every buffer an entry points at is owned by its in-flight slot, which
+            // lives until the entry's completion has been reaped.
             if unsafe { self.ring.submission().push(entry) }.is_ok() {
                 return;
             }
-            // Cannot happen with at most `ring_entries` entries pushed per turn, but if the
+            // Cannot happen with at most `ring_entries` operations in flight, but if the
             // queue is full, hand what is there to the kernel and try again.
             if let Err(error) = self.ring.submit() {
                 tracing::error!(%error, "io_uring submit failed while the queue was full");
@@ -643,8 +707,9 @@ impl RingThread {
             }
         };
         let Some(outcome) = outcome else {
-            // Short transfer or retryable error: the rest goes back into the ring.
-            self.submit_slot(slot);
+            // Short transfer or retryable error: the rest goes back into the ring (submitted
+            // by the reap that found this completion).
+            self.push_slot(slot);
             return;
         };
         let in_flight = self.slots[slot].take().expect("checked above");
@@ -671,6 +736,27 @@ impl RingThread {
             Operation::Sync { reply } => {
                 let _ = reply.send(outcome.map(drop));
             }
+        }
+    }
+}
+
+impl Drop for Ring {
+    /// The kernel may still be reading from or writing into the buffers of operations in
+    /// flight: wait for each before the ring, the payloads and the pool go.
+    fn drop(&mut self) {
+        while self.in_flight() > 0 {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(error) if error.raw_os_error() == Some(libc::EINTR) => {}
+                Err(error) => {
+                    // Never free memory the kernel may still write: leak it instead.
+                    tracing::error!(%error, in_flight = self.in_flight(), "io_uring wait failed at shutdown; leaking its buffers");
+                    std::mem::forget(std::mem::take(&mut self.slots));
+                    std::mem::forget(Arc::clone(&self._pool));
+                    return;
+                }
+            }
+            self.reap();
         }
     }
 }
