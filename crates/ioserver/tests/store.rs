@@ -947,11 +947,42 @@ async fn direct_io_takes_large_aligned_requests_and_agrees_with_the_cache() {
     );
 }
 
+/// A FIFO opened for reading and writing (so the open does not wait for a peer): an
+/// engine read of it stays in the kernel until bytes are written, and completes only then,
+/// outside the submission that started it.
+fn fifo(directory: &tempfile::TempDir) -> Arc<std::fs::File> {
+    let path = directory.path().join("fifo");
+    let name = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path that lives across the call.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+    Arc::new(
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap(),
+    )
+}
+
+/// Bytes waiting in a pipe (FIONREAD).
+fn pipe_bytes_waiting(file: &std::fs::File) -> i32 {
+    use std::os::fd::AsRawFd;
+    let mut waiting: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int through a pointer to a live local.
+    assert_eq!(
+        unsafe { libc::ioctl(file.as_raw_fd(), libc::FIONREAD, &mut waiting) },
+        0
+    );
+    waiting
+}
+
 /// The io_uring engine reaps its completions on the runtime of its requests: made outside
 /// any runtime, used on one that then ends, it serves the next runtime's requests (a new
-/// reaper starts there; without it they would wait for ever).
+/// reaper starts there; without it a completion that comes after its submission would never
+/// be reaped).
 #[test]
 fn the_io_uring_engine_outlives_the_runtime_that_first_used_it() {
+    use std::io::Write;
     let engine = Arc::new(
         UringEngine::new(UringOptions {
             ring_entries: 8,
@@ -961,80 +992,70 @@ fn the_io_uring_engine_outlives_the_runtime_that_first_used_it() {
         .unwrap(),
     );
     let directory = tempfile::tempdir().unwrap();
-    let path = directory.path().join("object");
-    std::fs::write(&path, vec![5u8; 64 << 10]).unwrap();
-    let file = Arc::new(std::fs::File::open(&path).unwrap());
-    for round in 0..3 {
+    let pipe = fifo(&directory);
+    for round in 0..3u8 {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
             .build()
             .unwrap();
         runtime.block_on(async {
-            for offset in [0u64, 8192, 60 << 10] {
-                let read = tokio::time::timeout(
-                    std::time::Duration::from_secs(10),
-                    engine.read_at(Arc::clone(&file), offset, 4096),
-                )
+            let read = {
+                let (engine, pipe) = (Arc::clone(&engine), Arc::clone(&pipe));
+                tokio::spawn(async move { engine.read_at(pipe, 0, 4096).await })
+            };
+            // The read is in the kernel, waiting for bytes, before they come.
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            assert!(!read.is_finished(), "round {round}: read of an empty FIFO");
+            (&*pipe).write_all(&[round; 4096]).unwrap();
+            let bytes = tokio::time::timeout(std::time::Duration::from_secs(10), read)
                 .await
-                .unwrap_or_else(|_| panic!("round {round}: a read never completed"))
+                .unwrap_or_else(|_| panic!("round {round}: the read's completion was never reaped"))
+                .unwrap()
                 .unwrap();
-                assert_eq!(read.len(), 4096);
-                assert!(read.iter().all(|&byte| byte == 5));
-            }
-            // A sync always completes after its submission (io_uring hands it to a kernel
-            // worker), so only a reaper can answer it; a read of cached pages completes
-            // inside its own submission.
-            tokio::time::timeout(
-                std::time::Duration::from_secs(10),
-                engine.sync_data(Arc::clone(&file)),
-            )
-            .await
-            .unwrap_or_else(|_| panic!("round {round}: a sync never completed"))
-            .unwrap();
+            assert_eq!(bytes.len(), 4096);
+            assert!(bytes.iter().all(|&byte| byte == round));
         });
         drop(runtime);
     }
-    assert!(engine.stats().completions >= 12);
 }
 
-/// Dropping the engine while the kernel still has an operation (an fdatasync of 64 MiB of
-/// dirty pages) waits for it on the dropping thread instead of freeing what the kernel may
-/// still use, and does not deadlock there: here the last holder is a task aborted in the
-/// middle of its sync, so the drop runs on a runtime worker.
+/// Dropping the engine while the kernel still has an operation in flight (a read into a
+/// pool buffer, of a FIFO nobody writes yet) lets the ring and the buffers go only once that
+/// operation is done: written to after the drop, the FIFO's bytes are taken by that read
+/// (had the ring been closed at once, the read would have been cancelled and the bytes left
+/// in the pipe). The wait happens on a thread of its own, so the dropping task, here one
+/// aborted on a runtime worker, is not held up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_io_uring_engine_waits_for_operations_in_the_kernel() {
+    use std::io::Write;
     let directory = tempfile::tempdir().unwrap();
-    let path = directory.path().join("big");
-    std::fs::write(&path, vec![9u8; 64 << 20]).unwrap();
-    let file = Arc::new(
-        std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .unwrap(),
-    );
+    let pipe = fifo(&directory);
     let engine = UringEngine::new(UringOptions {
         ring_entries: 8,
         buffer_count: 2,
         buffer_bytes: 4096,
     })
     .unwrap();
-    let task = tokio::spawn(async move { engine.sync_data(file).await });
-    // Give the sync time to reach the kernel, then drop the task and with it the engine.
-    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    let aborted = std::time::Instant::now();
+    let task = {
+        let pipe = Arc::clone(&pipe);
+        tokio::spawn(async move { engine.read_at(pipe, 0, 4096).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    assert!(!task.is_finished());
     task.abort();
-    let outcome = tokio::time::timeout(std::time::Duration::from_secs(60), task)
+    let outcome = tokio::time::timeout(std::time::Duration::from_secs(10), task)
         .await
-        .expect("the engine's drop hung");
-    println!(
-        "sync {}; the task (and the engine) went in {:?}",
-        if outcome.is_ok() {
-            "finished first"
-        } else {
-            "aborted"
-        },
-        aborted.elapsed()
-    );
+        .expect("dropping the engine held up the aborted task");
+    assert!(outcome.unwrap_err().is_cancelled());
+    (&*pipe).write_all(&[1; 4096]).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pipe_bytes_waiting(&pipe) > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the read in flight at the drop never took the FIFO's bytes: it was cancelled, \
+             not waited for"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
 }

@@ -9,18 +9,22 @@
 //!    pieces, each holding one buffer, so no task ever holds one buffer while waiting for
 //!    another (no deadlock however small the pool).
 //! 2. Under the ring's lock it pushes the entry, tagged with its slot number as `user_data`,
-//!    and submits it (`io_uring_enter`) itself. A read of cached pages or a buffered write
-//!    usually completes inside that call; the task then reaps the completion before letting
-//!    go of the lock, and its answer is ready when it first awaits it. An operation that must
-//!    wait for the disk completes later, in the kernel (a disk interrupt, an async buffered
-//!    read's page callback, or an io-wq worker for syncs).
+//!    and submits it (`io_uring_enter`) itself. A read of cached pages completes inside that
+//!    call; the task then reaps the completion before letting go of the lock, and its answer
+//!    is ready when it first awaits it. An operation that must wait completes later: a read
+//!    of pages not yet cached through the page's callback, run as task work on the
+//!    submitting thread; syncs, buffered writes on ext4 (which has no async buffered
+//!    writes; XFS does them inline) and transfers marked below on a kernel io-wq worker.
+//!    If the kernel refuses the entry for now, the task submits again after
+//!    [`SUBMIT_RETRY_MS`].
 //! 3. The ring signals an eventfd with every completion (`register_eventfd`). A reaper task
-//!    on the tokio runtime waits for that eventfd in the runtime's own epoll: a completion
-//!    wakes a parked worker directly (one wake-up), which reaps every completion under the
-//!    lock. The engine used to have a thread of its own for the ring; a read that missed the
-//!    page cache then cost four wake-ups (the ring thread woken to submit, woken again by
-//!    the completion, and the task's worker woken by it), each tens of microseconds on this
-//!    machine (docs/BENCHMARKS.md).
+//!    on the tokio runtime waits for that eventfd in the runtime's own epoll and reaps every
+//!    completion under the lock. A cold read then costs the wake-up of the submitting worker
+//!    for the task work (often the one parked in epoll, which the eventfd wakes anyway), not
+//!    the four of the engine's former thread of its own (woken to submit, woken by the
+//!    completion, waking the task's worker), each tens of microseconds on this machine
+//!    (docs/BENCHMARKS.md). Completions inside a submission also signal the eventfd, so
+//!    the reaper wakes once for nothing after them (cheap next to the hand-offs saved).
 //! 4. Each completion is matched by `user_data` to its slot. A short transfer is resubmitted
 //!    for the rest (a read that returns 0 is end of file); `-EINTR`/`-EAGAIN` are retried; any
 //!    other negative result becomes `io::Error::from_raw_os_error`. When the operation is done
@@ -30,7 +34,9 @@
 //!
 //! The reaper is spawned on the runtime of the first request (and again on a later request's
 //! runtime if that runtime has ended); it holds the engine only weakly and is aborted when
-//! the engine is dropped.
+//! the engine is dropped. The engine is meant for one runtime with I/O enabled, the
+//! server's: requests of a second runtime are served, but their completions are reaped by
+//! the first one's reaper while it lives.
 //!
 //! Writes are `Write` straight from the request's payload, which the slot keeps alive until
 //! the completion: for buffered I/O the kernel copies the bytes into the page cache anyway,
@@ -50,10 +56,10 @@
 //! `CAP_IPC_LOCK`), the engine logs a warning and uses plain `Read`/`Write` on the same pool.
 //!
 //! ## Shutdown
-//! Dropping the engine aborts the reaper. The ring itself goes when its last holder lets go
-//! (a request still in flight holds it); before it is closed, every operation still in the
-//! kernel is waited for on the dropping thread, since the kernel may still be using their
-//! buffers.
+//! Dropping the engine aborts the reaper. Before the ring is closed, every operation still
+//! in the kernel is waited for, since the kernel may still be using its buffers; if any is,
+//! that wait happens on a thread of its own (`freeflow-io-uring-drain`), so a drop on a
+//! runtime worker is not held up by, say, a long sync.
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -76,6 +82,9 @@ use crate::buffer_pool::{BufferLease, BufferPool};
 /// its completion interrupts); larger ones go to a kernel worker (`IOSQE_ASYNC`). About
 /// 40 µs of copying here, the price of the hand-off it saves.
 pub const INLINE_TRANSFER_MAX: usize = 128 << 10;
+
+/// Pause before a request whose entry the kernel would not take submits again.
+pub const SUBMIT_RETRY_MS: u64 = 1;
 
 /// Bounds of the io_uring engine, from the config.
 #[derive(Clone, Copy, Debug)]
@@ -156,7 +165,8 @@ impl Shared {
 }
 
 pub struct UringEngine {
-    shared: Arc<Shared>,
+    /// `None` only during drop.
+    shared: Option<Arc<Shared>>,
     pool: Arc<BufferPool>,
     /// The reaper task, on the runtime of the request that started it.
     reaper: Mutex<Option<JoinHandle<()>>>,
@@ -227,7 +237,7 @@ impl UringEngine {
             counters,
         });
         Ok(UringEngine {
-            shared,
+            shared: Some(shared),
             pool,
             reaper: Mutex::new(None),
             registered,
@@ -243,6 +253,10 @@ impl UringEngine {
         &self.pool
     }
 
+    fn shared(&self) -> &Shared {
+        self.shared.as_ref().expect("taken only in drop")
+    }
+
     /// Starts the reaper on the current runtime unless one is running.
     fn ensure_reaper(&self) -> io::Result<()> {
         let mut reaper = self
@@ -254,12 +268,13 @@ impl UringEngine {
         }
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|_| io::Error::other("the io_uring engine runs on a tokio runtime"))?;
-        let eventfd = self.shared.eventfd.try_clone()?;
+        let eventfd = self.shared().eventfd.try_clone()?;
         // SAFETY: the AsyncFd owns this duplicate, which stays open (and the same file) until
         // the AsyncFd is dropped.
         let waiter = unsafe { AsyncFd::register_with_interest(eventfd, Interest::READABLE) }
             .map_err(|error| error.into_parts().1)?;
-        *reaper = Some(runtime.spawn(reap_loop(waiter, Arc::downgrade(&self.shared))));
+        let shared = Arc::downgrade(self.shared.as_ref().expect("taken only in drop"));
+        *reaper = Some(runtime.spawn(reap_loop(waiter, shared)));
         Ok(())
     }
 
@@ -267,14 +282,25 @@ impl UringEngine {
     /// completes at once is reaped before returning.
     async fn start(&self, submission: Submission) -> io::Result<()> {
         self.ensure_reaper()?;
-        let permit = Arc::clone(&self.shared.slots)
+        let permit = Arc::clone(&self.shared().slots)
             .acquire_owned()
             .await
             .map_err(|_| engine_stopped())?;
-        let mut ring = self.shared.lock();
-        ring.start(submission, permit);
-        ring.enter();
-        ring.reap();
+        let mut submitted = {
+            let mut ring = self.shared().lock();
+            ring.start(submission, permit);
+            let submitted = ring.enter();
+            ring.reap();
+            submitted
+        };
+        // Only a submission or a completion submits what is queued: a request whose entry
+        // the kernel would not take now must try again itself, or it could wait for ever.
+        while !submitted {
+            tokio::time::sleep(std::time::Duration::from_millis(SUBMIT_RETRY_MS)).await;
+            let mut ring = self.shared().lock();
+            submitted = ring.enter();
+            ring.reap();
+        }
         Ok(())
     }
 
@@ -456,7 +482,7 @@ impl DiskEngine for UringEngine {
     }
 
     fn stats(&self) -> EngineStats {
-        let counters = &self.shared.counters;
+        let counters = &self.shared().counters;
         EngineStats {
             completions: counters.completions.load(Ordering::Relaxed),
             out_of_order_completions: counters.out_of_order_completions.load(Ordering::Relaxed),
@@ -477,7 +503,24 @@ impl Drop for UringEngine {
         if let Some(task) = reaper.take() {
             task.abort();
         }
-        // The ring goes with the last `Shared` (see `Ring`'s drop).
+        // The ring goes with the last `Shared`, once the kernel is done with every operation
+        // in it (see `Ring`'s drop). That wait can be long (a sync of much dirty data), and
+        // the engine may be dropped on a runtime worker: if anything is in flight, the wait
+        // happens on a thread of its own.
+        let Some(shared) = self.shared.take() else {
+            return;
+        };
+        if shared.lock().in_flight() == 0 {
+            return;
+        }
+        let waiting = std::thread::Builder::new()
+            .name("freeflow-io-uring-drain".to_owned())
+            .spawn(move || drop(shared));
+        if let Err(error) = waiting {
+            // The Arc went back with the failed spawn's closure and is dropped here: the
+            // wait then happens on this thread.
+            tracing::warn!(%error, "no thread to wait for the io_uring's last operations; waiting here");
+        }
     }
 }
 
@@ -535,9 +578,10 @@ impl Ring {
         self.push_slot(slot);
     }
 
-    /// Hands what is in the submission queue to the kernel. On an error other than a
-    /// momentary one the entries stay queued and go with the next submission or reap.
-    fn enter(&mut self) {
+    /// Hands what is in the submission queue to the kernel; true when it took everything.
+    /// On an error other than a momentary one the entries stay queued: the caller tries
+    /// again later (`UringEngine::start`), and any submission or reap meanwhile takes them.
+    fn enter(&mut self) -> bool {
         let mut busy_tries = 0;
         while !self.ring.submission().is_empty() {
             match self.ring.submit() {
@@ -554,11 +598,12 @@ impl Ring {
                     }
                 }
                 Err(error) => {
-                    tracing::error!(%error, "io_uring submit failed; its entries wait for the next one");
-                    return;
+                    tracing::warn!(%error, "io_uring submit failed; trying again shortly");
+                    return false;
                 }
             }
         }
+        true
     }
 
     /// Takes every completion from the queue (submitting the rest of short transfers) until
@@ -577,10 +622,11 @@ impl Ring {
                 self.complete(user_data as usize, result);
             }
             self.completed = completed;
+            // Resubmitted short transfers, and anything a failed submission left queued.
+            self.enter();
             if done {
                 return;
             }
-            self.enter();
         }
     }
 
