@@ -23,7 +23,10 @@ use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::codec::{read_frame, write_frame, RawFrame};
+use crate::codec::{
+    payload_checksum_for, read_frame, read_frame_covering, write_frame, write_frame_with,
+    FrameExtras, RawFrame,
+};
 use crate::credit::Window;
 use crate::transport::{Network, ReadHalf, Transport, WriteHalf};
 use crate::{ClusterKey, RpcError};
@@ -312,7 +315,15 @@ impl Connection {
             window: Arc::new(Window::new(hello.window_bytes)),
         });
         let (sender, receiver) = mpsc::channel(options.send_queue_max.max(1));
-        let writer_task = tokio::spawn(writer_loop(writer, receiver, shared.clone()));
+        // Frames on a Unix socket carry no checksum of their payload; the server's Unix
+        // listener expects the same.
+        let payload_checksum = payload_checksum_for(address);
+        let writer_task = tokio::spawn(writer_loop(
+            writer,
+            receiver,
+            shared.clone(),
+            payload_checksum,
+        ));
         let reply_payload_max = hello.payload_length_max.max(PAYLOAD_LENGTH_MAX_DEFAULT);
         // What the server sent right after its authenticate reply (a ping reply telling the
         // window) may be buffered already: it is read first.
@@ -325,7 +336,12 @@ impl Connection {
                 shared: shared.clone(),
             },
         );
-        let reader_task = tokio::spawn(reader_loop(reader, shared.clone(), reply_payload_max));
+        let reader_task = tokio::spawn(reader_loop(
+            reader,
+            shared.clone(),
+            reply_payload_max,
+            payload_checksum,
+        ));
         shared
             .tasks
             .lock()
@@ -632,10 +648,16 @@ async fn writer_loop(
     mut writer: BufWriter<WriteHalf>,
     mut receiver: mpsc::Receiver<Outgoing>,
     shared: Arc<Shared>,
+    payload_checksum: bool,
 ) {
+    let extras = FrameExtras {
+        credit: None,
+        payload_checksum,
+    };
     let write_one = async |writer: &mut BufWriter<WriteHalf>, outgoing: Outgoing| {
-        write_frame(
+        write_frame_with(
             writer,
+            extras,
             outgoing.flags,
             outgoing.opcode,
             outgoing.request_id,
@@ -741,20 +763,26 @@ async fn liveness_loop(shared: Arc<Shared>, sender: mpsc::WeakSender<Outgoing>, 
     }
 }
 
-async fn reader_loop(mut reader: BufReader<Heard>, shared: Arc<Shared>, payload_length_max: u32) {
+async fn reader_loop(
+    mut reader: BufReader<Heard>,
+    shared: Arc<Shared>,
+    payload_length_max: u32,
+    payload_checksum: bool,
+) {
     loop {
-        let frame = match read_frame(&mut reader, payload_length_max).await {
-            Ok(frame) => frame,
-            Err(error) => {
-                if !matches!(error, crate::FrameReadError::Closed)
-                    && !shared.closed.load(Ordering::Acquire)
-                {
-                    tracing::debug!(address = %shared.address, %error, "connection failed");
+        let frame =
+            match read_frame_covering(&mut reader, payload_length_max, payload_checksum).await {
+                Ok(frame) => frame,
+                Err(error) => {
+                    if !matches!(error, crate::FrameReadError::Closed)
+                        && !shared.closed.load(Ordering::Acquire)
+                    {
+                        tracing::debug!(address = %shared.address, %error, "connection failed");
+                    }
+                    shared.close();
+                    return;
                 }
-                shared.close();
-                return;
-            }
-        };
+            };
         if frame.fixed.flags & FLAG_REPLY == 0 {
             tracing::warn!(address = %shared.address, opcode = frame.fixed.opcode, "server sent a non-reply frame; closing");
             shared.close();

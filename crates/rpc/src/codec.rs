@@ -43,18 +43,41 @@ fn read_error(error: std::io::Error) -> FrameReadError {
     }
 }
 
-/// Read one frame, checking its bounds before allocating and its checksum after reading.
+/// Read one frame, checking its bounds before allocating and its checksum (payload
+/// included) after reading.
 pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
     reader: &mut R,
     payload_length_max: u32,
+) -> Result<RawFrame, FrameReadError> {
+    read_frame_covering(reader, payload_length_max, true).await
+}
+
+/// [`read_frame`], with the checksum covering the payload or not (a Unix-socket
+/// connection's frames: see [`FrameLimits::payload_checksum`]).
+pub async fn read_frame_covering<R: AsyncRead + Unpin + ?Sized>(
+    reader: &mut R,
+    payload_length_max: u32,
+    payload_checksum: bool,
 ) -> Result<RawFrame, FrameReadError> {
     let limits = FrameLimits {
         header_length_max: freeflow_proto::frame::HEADER_LENGTH_MAX,
         payload_length_max,
         header_timeout: None,
+        payload_checksum,
     };
     let fixed = read_fixed_header(reader, &limits).await?;
     read_frame_body(reader, fixed).await
+}
+
+/// Whether frames sent on a connection over `address` carry a checksum of their payload:
+/// not over a Unix socket (`unix:` addresses, and the Unix listener of a server). The
+/// checksum is there for bytes that cross a network, where TCP's 16-bit sum lets some
+/// corruption through; a Unix socket's bytes go from one process's memory to another's by
+/// the kernel's copy, which a checksum computed just before it cannot protect any better
+/// than the memory itself, and the two passes over every payload byte cost about a seventh
+/// of a host's CPU on large transfers (docs/protocol.md, "Checksum coverage").
+pub fn payload_checksum_for(address: &str) -> bool {
+    crate::transport::unix_socket_path(address).is_none()
 }
 
 /// Bounds a receiver puts on one frame.
@@ -64,6 +87,10 @@ pub struct FrameLimits {
     pub payload_length_max: u32,
     /// Time the rest of the fixed header may take once its first byte is here.
     pub header_timeout: Option<std::time::Duration>,
+    /// Whether the checksum covers the payload (every connection but a Unix socket's:
+    /// [`payload_checksum_for`]). Both ends of a connection must agree; a frame from a peer
+    /// that does not fails its checksum.
+    pub payload_checksum: bool,
 }
 
 /// Read and check the fixed header of the next frame. Waits as long as the peer is idle;
@@ -111,7 +138,11 @@ pub async fn read_fixed_header<R: AsyncRead + Unpin + ?Sized>(
     if header.header_length > limits.header_length_max {
         return Err(FrameError::HeaderTooLong(header.header_length).into());
     }
-    Ok(FixedHeader { header, bytes })
+    Ok(FixedHeader {
+        header,
+        bytes,
+        payload_checksum: limits.payload_checksum,
+    })
 }
 
 /// A checked fixed header and its raw bytes (the checksum covers them).
@@ -119,6 +150,8 @@ pub async fn read_fixed_header<R: AsyncRead + Unpin + ?Sized>(
 pub struct FixedHeader {
     pub header: FrameHeader,
     bytes: [u8; FIXED_HEADER_BYTES],
+    /// Whether the checksum covers the payload, from the reader's [`FrameLimits`].
+    payload_checksum: bool,
 }
 
 /// Read the sections announced by a fixed header into one exact-size buffer and verify
@@ -199,7 +232,11 @@ where
 }
 
 fn verify(fixed: &FixedHeader, header: &[u8], payload: &[u8]) -> Result<(), FrameReadError> {
-    let actual = checksum(&fixed.bytes, header, payload);
+    let actual = checksum(
+        &fixed.bytes,
+        header,
+        fixed.payload_checksum.then_some(payload),
+    );
     if actual != fixed.header.checksum {
         return Err(FrameError::BadChecksum {
             expected: fixed.header.checksum,
@@ -211,10 +248,23 @@ fn verify(fixed: &FixedHeader, header: &[u8], payload: &[u8]) -> Result<(), Fram
 }
 
 /// CRC-32C over the fixed header but its checksum (bytes 0..24, then the credit word),
-/// then the header section, then the payload.
-fn checksum(fixed: &[u8; FIXED_HEADER_BYTES], header: &[u8], payload: &[u8]) -> u32 {
+/// then the header section, then the payload unless it is not covered.
+fn checksum(fixed: &[u8; FIXED_HEADER_BYTES], header: &[u8], payload: Option<&[u8]>) -> u32 {
     let crc = crc32c::crc32c_append(crc32c::crc32c(&fixed[..24]), &fixed[28..32]);
-    crc32c::crc32c_append(crc32c::crc32c_append(crc, header), payload)
+    let crc = crc32c::crc32c_append(crc, header);
+    match payload {
+        Some(payload) => crc32c::crc32c_append(crc, payload),
+        None => crc,
+    }
+}
+
+/// What a sender adds to a frame beyond its own fields.
+#[derive(Clone, Copy, Debug)]
+pub struct FrameExtras {
+    /// The connection's window, told in a reply (`FLAG_CREDIT`).
+    pub credit: Option<u32>,
+    /// Whether the checksum covers the payload ([`payload_checksum_for`]).
+    pub payload_checksum: bool,
 }
 
 /// Write one frame. The payload is written straight from its buffer.
@@ -226,19 +276,28 @@ pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized>(
     header: &[u8],
     payload: &[u8],
 ) -> std::io::Result<()> {
-    write_frame_with_credit(writer, flags, opcode, request_id, None, header, payload).await
+    let extras = FrameExtras {
+        credit: None,
+        payload_checksum: true,
+    };
+    write_frame_with(writer, extras, flags, opcode, request_id, header, payload).await
 }
 
-/// [`write_frame`] of a reply that tells its connection's window (`FLAG_CREDIT`).
-pub async fn write_frame_with_credit<W: AsyncWrite + Unpin + ?Sized>(
+/// [`write_frame`] with a reply's window (`FLAG_CREDIT`) and the connection's checksum
+/// coverage.
+pub async fn write_frame_with<W: AsyncWrite + Unpin + ?Sized>(
     writer: &mut W,
+    extras: FrameExtras,
     flags: u8,
     opcode: u16,
     request_id: u64,
-    credit: Option<u32>,
     header: &[u8],
     payload: &[u8],
 ) -> std::io::Result<()> {
+    let FrameExtras {
+        credit,
+        payload_checksum,
+    } = extras;
     let flags = match credit {
         Some(_) => flags | freeflow_proto::frame::FLAG_CREDIT,
         None => flags & !freeflow_proto::frame::FLAG_CREDIT,
@@ -256,7 +315,7 @@ pub async fn write_frame_with_credit<W: AsyncWrite + Unpin + ?Sized>(
         checksum: 0,
         credit: credit.unwrap_or(0),
     };
-    fixed.checksum = checksum(&fixed.encode(), header, payload);
+    fixed.checksum = checksum(&fixed.encode(), header, payload_checksum.then_some(payload));
     writer.write_all(&fixed.encode()).await?;
     writer.write_all(header).await?;
     writer.write_all(payload).await
@@ -265,6 +324,51 @@ pub async fn write_frame_with_credit<W: AsyncWrite + Unpin + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A Unix-socket connection's frames leave the payload out of the checksum, and a TCP
+    /// connection's do not: each side reads the other's frames only with the same rule
+    /// (payloads of both sizes: the aligned read of large ones checks too), and the header
+    /// is checked either way.
+    #[tokio::test]
+    async fn unix_socket_frames_leave_the_payload_out_of_the_checksum() {
+        assert!(!payload_checksum_for("unix:/run/freeflow/io-0.sock"));
+        assert!(payload_checksum_for("127.0.0.1:7000"));
+        for payload in [vec![7u8; 100], vec![7u8; ALIGNED_PAYLOAD_MIN + 10]] {
+            let limit = payload.len() as u32;
+            for covered in [true, false] {
+                let extras = FrameExtras {
+                    credit: None,
+                    payload_checksum: covered,
+                };
+                let mut wire = Vec::new();
+                write_frame_with(&mut wire, extras, 0, 200, 3, b"head", &payload)
+                    .await
+                    .unwrap();
+                let frame = read_frame_covering(&mut wire.as_slice(), limit, covered)
+                    .await
+                    .unwrap();
+                assert_eq!(&frame.payload[..], &payload[..]);
+                // Read with the other rule, a frame with a payload fails its checksum.
+                assert!(matches!(
+                    read_frame_covering(&mut wire.as_slice(), limit, !covered).await,
+                    Err(FrameReadError::Invalid(FrameError::BadChecksum { .. }))
+                ));
+                // A flipped payload byte is caught only where the payload is covered.
+                let mut flipped_payload = wire.clone();
+                *flipped_payload.last_mut().unwrap() ^= 1;
+                let read =
+                    read_frame_covering(&mut flipped_payload.as_slice(), limit, covered).await;
+                assert_eq!(read.is_err(), covered, "payload covered: {covered}");
+                // A flipped header byte is caught either way.
+                let mut flipped_header = wire.clone();
+                flipped_header[FIXED_HEADER_BYTES] ^= 1;
+                assert!(matches!(
+                    read_frame_covering(&mut flipped_header.as_slice(), limit, covered).await,
+                    Err(FrameReadError::Invalid(FrameError::BadChecksum { .. }))
+                ));
+            }
+        }
+    }
 
     #[tokio::test]
     async fn frames_round_trip_and_corruption_is_caught() {

@@ -21,8 +21,8 @@ pub use client::{
     ConnectOptions, Connection, LeaderSearch, LIVENESS_TIMEOUT_MS_DEFAULT, LIVENESS_TIMEOUT_MS_MIN,
 };
 pub use codec::{
-    read_fixed_header, read_frame, read_frame_body, write_frame, write_frame_with_credit,
-    FixedHeader, FrameLimits, FrameReadError, RawFrame,
+    payload_checksum_for, read_fixed_header, read_frame, read_frame_body, read_frame_covering,
+    write_frame, write_frame_with, FixedHeader, FrameExtras, FrameLimits, FrameReadError, RawFrame,
 };
 pub use error::RpcError;
 pub use key::{ClusterKey, KeyError};

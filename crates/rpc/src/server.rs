@@ -23,7 +23,7 @@ use tokio::net::UnixListener;
 use tokio::sync::{mpsc, Notify, Semaphore};
 
 use crate::codec::{
-    read_fixed_header, read_frame_body, write_frame, write_frame_with_credit, FrameLimits,
+    read_fixed_header, read_frame_body, write_frame, write_frame_with, FrameExtras, FrameLimits,
     FrameReadError,
 };
 use crate::credit::{Credit, CreditBook, Window};
@@ -247,7 +247,7 @@ pub async fn serve_with_unix<S: Service>(
                     unix_rests_until = None;
                     crate::transport::widen_send_buffer(&stream);
                     let (read, write) = stream.into_split();
-                    (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf, "unix".to_string())
+                    (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf, UNIX_PEER.to_string())
                 }
                 Err(error) => {
                     tracing::warn!(%error, "accept on the Unix socket failed; retrying");
@@ -266,11 +266,16 @@ pub async fn serve_with_unix<S: Service>(
             continue;
         }
         let (shared, service) = (shared.clone(), service.clone());
+        // Frames on a Unix socket carry no checksum of their payload (`payload_checksum_for`).
+        let payload_checksum = address != UNIX_PEER;
         connections.spawn(async move {
-            run_connection(read, write, address, shared, service).await;
+            run_connection(read, write, address, payload_checksum, shared, service).await;
         });
     }
 }
+
+/// The peer address of every connection accepted on the Unix socket.
+const UNIX_PEER: &str = "unix";
 
 /// `accept` once `rests_until` has passed.
 async fn accept_after<T>(
@@ -305,13 +310,16 @@ pub async fn serve_connection<S: Service>(
     let options = (*options).clone();
     let shared = Arc::new(ServerShared::new(options, key, 1));
     let _share_out = AbortOnDrop(tokio::spawn(shared.book.clone().run()));
-    run_connection(read, write, address, shared, service).await;
+    run_connection(read, write, address, true, shared, service).await;
 }
 
+/// `payload_checksum`: whether frames' checksums cover their payloads both ways (the
+/// client decides the same from the address it dialled: `payload_checksum_for`).
 async fn run_connection<S: Service>(
     read: ReadHalf,
     write: WriteHalf,
     address: String,
+    payload_checksum: bool,
     shared: Arc<ServerShared>,
     service: Arc<S>,
 ) {
@@ -371,6 +379,7 @@ async fn run_connection<S: Service>(
         writer,
         reply_receiver,
         account.window.clone(),
+        payload_checksum,
     )));
     // A window changed between replies reaches the client in an unasked ping reply.
     let _tell_credit = AbortOnDrop(tokio::spawn(tell_credit(
@@ -385,6 +394,7 @@ async fn run_connection<S: Service>(
         header_length_max: freeflow_proto::frame::HEADER_LENGTH_MAX,
         payload_length_max: options.payload_length_max,
         header_timeout: Some(frame_timeout),
+        payload_checksum,
     };
     // Requests belong to their connection: when it ends, those still running are dropped.
     let mut requests = tokio::task::JoinSet::new();
@@ -674,17 +684,22 @@ async fn writer_loop<W: AsyncWrite + Unpin>(
     mut writer: BufWriter<W>,
     mut replies: mpsc::Receiver<Queued>,
     window: Arc<Window>,
+    payload_checksum: bool,
 ) {
     while let Some(first) = replies.recv().await {
         // Replies that finish together share one flush: write every one that is ready.
         let mut next = Some(first);
         while let Some((opcode, request_id, reply, _room)) = next {
-            let written = write_frame_with_credit(
+            let extras = FrameExtras {
+                credit: Some(window.size()),
+                payload_checksum,
+            };
+            let written = write_frame_with(
                 &mut writer,
+                extras,
                 FLAG_REPLY,
                 opcode,
                 request_id,
-                Some(window.size()),
                 &reply.header,
                 &reply.payload,
             )
@@ -726,6 +741,8 @@ async fn handshake(
         header_length_max: HANDSHAKE_HEADER_LENGTH_MAX,
         payload_length_max: 0,
         header_timeout: None,
+        // Handshake frames have no payload.
+        payload_checksum: true,
     };
     let fixed = read_fixed_header(reader, &limits)
         .await
