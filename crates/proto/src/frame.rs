@@ -10,7 +10,7 @@
 //! | 8      | 8    | request_id     | chosen by the client, echoed in the reply           |
 //! | 16     | 4    | header_length  | ≤ [`HEADER_LENGTH_MAX`]                              |
 //! | 20     | 4    | payload_length | ≤ the receiver's payload bound                      |
-//! | 24     | 4    | checksum       | CRC-32C of bytes 0..24 and 28..32, the header section, the payload |
+//! | 24     | 4    | checksum       | CRC-32C of bytes 0..24 and 28..32, the header section, the payload (not on Unix sockets: `freeflow_rpc::payload_checksum_for`) |
 //! | 28     | 4    | credit         | with [`FLAG_CREDIT`] (replies only): the window this connection has now; else zero |
 
 /// The frame magic, the bytes `FFLW`.

@@ -232,9 +232,9 @@ pub async fn serve_with_unix<S: Service>(
         while connections.try_join_next().is_some() {}
         let accepted = tokio::select! {
             accepted = accept_after(tcp_rests_until, listener.accept()) => match accepted {
-                Ok(accepted) => {
+                Ok((read, write, address)) => {
                     tcp_rests_until = None;
-                    accepted
+                    (read, write, address, true)
                 }
                 Err(error) => {
                     tracing::warn!(%error, "accept on TCP failed; retrying");
@@ -247,7 +247,9 @@ pub async fn serve_with_unix<S: Service>(
                     unix_rests_until = None;
                     crate::transport::widen_send_buffer(&stream);
                     let (read, write) = stream.into_split();
-                    (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf, UNIX_PEER.to_string())
+                    // Frames on a Unix socket carry no checksum of their payload
+                    // (`payload_checksum_for`, the client's side of the same rule).
+                    (Box::new(read) as ReadHalf, Box::new(write) as WriteHalf, "unix".to_string(), false)
                 }
                 Err(error) => {
                     tracing::warn!(%error, "accept on the Unix socket failed; retrying");
@@ -256,7 +258,7 @@ pub async fn serve_with_unix<S: Service>(
                 }
             },
         };
-        let (read, write, address) = accepted;
+        let (read, write, address, payload_checksum) = accepted;
         while connections.try_join_next().is_some() {}
         if connections.len() >= connections_max {
             tracing::warn!(peer = %address, limit = connections_max, "refusing connection: too many connections");
@@ -266,16 +268,11 @@ pub async fn serve_with_unix<S: Service>(
             continue;
         }
         let (shared, service) = (shared.clone(), service.clone());
-        // Frames on a Unix socket carry no checksum of their payload (`payload_checksum_for`).
-        let payload_checksum = address != UNIX_PEER;
         connections.spawn(async move {
             run_connection(read, write, address, payload_checksum, shared, service).await;
         });
     }
 }
-
-/// The peer address of every connection accepted on the Unix socket.
-const UNIX_PEER: &str = "unix";
 
 /// `accept` once `rests_until` has passed.
 async fn accept_after<T>(

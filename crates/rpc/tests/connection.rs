@@ -187,7 +187,16 @@ async fn a_refused_connection_names_the_address() {
 async fn raw_authenticated(address: &str, key: &ClusterKey) -> tokio::net::TcpStream {
     // A real connection authenticates; we take over a second raw stream using the codec.
     let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
-    let hello = freeflow_rpc::read_frame(&mut stream, 0).await.unwrap();
+    raw_authenticate(&mut stream, key).await;
+    stream
+}
+
+/// The client's side of the handshake, by hand, on any stream.
+async fn raw_authenticate<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    stream: &mut S,
+    key: &ClusterKey,
+) {
+    let hello = freeflow_rpc::read_frame(&mut *stream, 0).await.unwrap();
     let hello: freeflow_proto::handshake::Hello = freeflow_proto::decode(&hello.header).unwrap();
     let mut hasher = blake3::Hasher::new_keyed(key.bytes());
     hasher.update(b"freeflow v1 client proof");
@@ -199,7 +208,7 @@ async fn raw_authenticated(address: &str, key: &ClusterKey) -> tokio::net::TcpSt
         client_id: 0,
     };
     freeflow_rpc::write_frame(
-        &mut stream,
+        &mut *stream,
         0,
         freeflow_proto::frame::OPCODE_AUTHENTICATE,
         0,
@@ -208,16 +217,15 @@ async fn raw_authenticated(address: &str, key: &ClusterKey) -> tokio::net::TcpSt
     )
     .await
     .unwrap();
-    let reply = freeflow_rpc::read_frame(&mut stream, 0).await.unwrap();
+    let reply = freeflow_rpc::read_frame(&mut *stream, 0).await.unwrap();
     let outcome: Result<freeflow_proto::handshake::ServerProof, WireError> =
         freeflow_proto::decode(&reply.header).unwrap();
     outcome.unwrap();
-    stream
 }
 
 /// The server closes the stream within 5 s (what it sends before, such as a ping reply
 /// telling a new window, is read past).
-async fn assert_closed_by_server(mut stream: tokio::net::TcpStream) {
+async fn assert_closed_by_server<S: tokio::io::AsyncRead + Unpin>(mut stream: S) {
     let mut buffer = [0u8; 64];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
@@ -799,6 +807,80 @@ async fn a_server_answers_on_tcp_and_on_its_unix_socket() {
         .unwrap_err();
     assert!(error.to_string().contains("none.sock"), "{error}");
 }
+
+/// Frames on a server's Unix socket carry no checksum of their payload (protocol version
+/// 5), and on its TCP port they do: a raw request written by that rule is answered (its
+/// payload echoed, read by the same rule), and one written by the other rule is a bad
+/// checksum that closes the connection.
+#[tokio::test]
+async fn a_unix_socket_connection_leaves_payloads_out_of_the_checksum() {
+    let key = ClusterKey::generate().unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let socket = directory.path().join("server.sock");
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let tcp_address = tcp.local_addr().unwrap().to_string();
+    let unix = tokio::net::UnixListener::bind(&socket).unwrap();
+    tokio::spawn(serve_with_unix(
+        tcp,
+        Some(unix),
+        key.clone(),
+        ServerOptions::new("both"),
+        Arc::new(Echo),
+    ));
+    let request = freeflow_proto::encode(&write_request(1, 0));
+    let payload: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+    let send = async |stream: &mut dyn AsyncWriteRead, covered: bool| {
+        let extras = freeflow_rpc::FrameExtras {
+            credit: None,
+            payload_checksum: covered,
+        };
+        freeflow_rpc::write_frame_with(
+            stream,
+            extras,
+            0,
+            WriteObject::OPCODE,
+            7,
+            &request,
+            &payload,
+        )
+        .await
+        .unwrap();
+    };
+    // The server's rule for each listener, and the answer read by the same rule.
+    for (over_unix, covered) in [(true, false), (false, true)] {
+        let mut stream: Box<dyn AsyncWriteRead> = if over_unix {
+            Box::new(tokio::net::UnixStream::connect(&socket).await.unwrap())
+        } else {
+            Box::new(tokio::net::TcpStream::connect(&tcp_address).await.unwrap())
+        };
+        raw_authenticate(&mut stream, &key).await;
+        send(&mut *stream, covered).await;
+        let reply = loop {
+            let frame = freeflow_rpc::read_frame_covering(&mut stream, 1 << 20, covered)
+                .await
+                .unwrap_or_else(|error| panic!("unix {over_unix}: {error}"));
+            if frame.fixed.request_id == 7 {
+                break frame;
+            }
+        };
+        assert_eq!(&reply.payload[..], &payload[..], "unix {over_unix}");
+    }
+    // The other rule on each is refused.
+    for (over_unix, covered) in [(true, true), (false, false)] {
+        let mut stream: Box<dyn AsyncWriteRead> = if over_unix {
+            Box::new(tokio::net::UnixStream::connect(&socket).await.unwrap())
+        } else {
+            Box::new(tokio::net::TcpStream::connect(&tcp_address).await.unwrap())
+        };
+        raw_authenticate(&mut stream, &key).await;
+        send(&mut *stream, covered).await;
+        assert_closed_by_server(stream).await;
+    }
+}
+
+/// A byte stream both ways, for tests that take TCP and Unix streams alike.
+trait AsyncWriteRead: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> AsyncWriteRead for T {}
 
 /// A request that takes longer than the liveness timeout on a server that is alive is
 /// not cut off: the server answers the connection's pings while the request runs.
