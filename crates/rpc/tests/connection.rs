@@ -756,11 +756,9 @@ async fn a_busy_connection_window_grows_to_the_largest() {
     }
 }
 
-/// One server on TCP and a Unix socket at once: calls, large payloads (read to a page
-/// boundary) and errors arrive the same way on both, and a wrong key is refused on both.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_answers_on_tcp_and_on_its_unix_socket() {
-    let key = ClusterKey::generate().unwrap();
+/// An echo server on a TCP port and a Unix socket at once: the directory holding the
+/// socket (keep it), the socket's path and the TCP address.
+async fn start_server_on_both(key: &ClusterKey) -> (tempfile::TempDir, std::path::PathBuf, String) {
     let directory = tempfile::tempdir().unwrap();
     let socket = directory.path().join("server.sock");
     let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -773,6 +771,15 @@ async fn a_server_answers_on_tcp_and_on_its_unix_socket() {
         ServerOptions::new("both"),
         Arc::new(Echo),
     ));
+    (directory, socket, tcp_address)
+}
+
+/// One server on TCP and a Unix socket at once: calls, large payloads (read to a page
+/// boundary) and errors arrive the same way on both, and a wrong key is refused on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_answers_on_tcp_and_on_its_unix_socket() {
+    let key = ClusterKey::generate().unwrap();
+    let (directory, socket, tcp_address) = start_server_on_both(&key).await;
     let unix_address = format!("unix:{}", socket.display());
     for address in [&unix_address, &tcp_address] {
         let connection = Connection::connect(address, &key, &ConnectOptions::default())
@@ -815,18 +822,7 @@ async fn a_server_answers_on_tcp_and_on_its_unix_socket() {
 #[tokio::test]
 async fn a_unix_socket_connection_leaves_payloads_out_of_the_checksum() {
     let key = ClusterKey::generate().unwrap();
-    let directory = tempfile::tempdir().unwrap();
-    let socket = directory.path().join("server.sock");
-    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let tcp_address = tcp.local_addr().unwrap().to_string();
-    let unix = tokio::net::UnixListener::bind(&socket).unwrap();
-    tokio::spawn(serve_with_unix(
-        tcp,
-        Some(unix),
-        key.clone(),
-        ServerOptions::new("both"),
-        Arc::new(Echo),
-    ));
+    let (_directory, socket, tcp_address) = start_server_on_both(&key).await;
     let request = freeflow_proto::encode(&write_request(1, 0));
     let payload: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
     let send = async |stream: &mut dyn AsyncWriteRead, covered: bool| {
@@ -848,12 +844,7 @@ async fn a_unix_socket_connection_leaves_payloads_out_of_the_checksum() {
     };
     // The server's rule for each listener, and the answer read by the same rule.
     for (over_unix, covered) in [(true, false), (false, true)] {
-        let mut stream: Box<dyn AsyncWriteRead> = if over_unix {
-            Box::new(tokio::net::UnixStream::connect(&socket).await.unwrap())
-        } else {
-            Box::new(tokio::net::TcpStream::connect(&tcp_address).await.unwrap())
-        };
-        raw_authenticate(&mut stream, &key).await;
+        let mut stream = authenticated_on(over_unix, &socket, &tcp_address, &key).await;
         send(&mut *stream, covered).await;
         let reply = loop {
             let frame = freeflow_rpc::read_frame_covering(&mut stream, 1 << 20, covered)
@@ -867,15 +858,26 @@ async fn a_unix_socket_connection_leaves_payloads_out_of_the_checksum() {
     }
     // The other rule on each is refused.
     for (over_unix, covered) in [(true, true), (false, false)] {
-        let mut stream: Box<dyn AsyncWriteRead> = if over_unix {
-            Box::new(tokio::net::UnixStream::connect(&socket).await.unwrap())
-        } else {
-            Box::new(tokio::net::TcpStream::connect(&tcp_address).await.unwrap())
-        };
-        raw_authenticate(&mut stream, &key).await;
+        let mut stream = authenticated_on(over_unix, &socket, &tcp_address, &key).await;
         send(&mut *stream, covered).await;
         assert_closed_by_server(stream).await;
     }
+}
+
+/// A raw stream to the Unix socket or the TCP port, authenticated by hand.
+async fn authenticated_on(
+    over_unix: bool,
+    socket: &std::path::Path,
+    tcp_address: &str,
+    key: &ClusterKey,
+) -> Box<dyn AsyncWriteRead> {
+    let mut stream: Box<dyn AsyncWriteRead> = if over_unix {
+        Box::new(tokio::net::UnixStream::connect(socket).await.unwrap())
+    } else {
+        Box::new(tokio::net::TcpStream::connect(tcp_address).await.unwrap())
+    };
+    raw_authenticate(&mut stream, key).await;
+    stream
 }
 
 /// A byte stream both ways, for tests that take TCP and Unix streams alike.
