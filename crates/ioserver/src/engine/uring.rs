@@ -15,8 +15,9 @@
 //!    of pages not yet cached through the page's callback, run as task work on the
 //!    submitting thread; syncs, buffered writes on ext4 (which has no async buffered
 //!    writes; XFS does them inline) and transfers marked below on a kernel io-wq worker.
-//!    If the kernel refuses the entry for now, the task submits again after
-//!    [`SUBMIT_RETRY_MS`].
+//!    If the kernel refuses the entry for now, the task submits again every
+//!    [`SUBMIT_RETRY_MS`] until it is taken (never giving up: a write answered as failed
+//!    whose entry ran later could land over newer bytes).
 //! 3. The ring signals an eventfd with every completion (`register_eventfd`). A reaper task
 //!    on the tokio runtime waits for that eventfd in the runtime's own epoll and reaps every
 //!    completion under the lock. A cold read then costs the wake-up of the submitting worker
@@ -85,6 +86,10 @@ pub const INLINE_TRANSFER_MAX: usize = 128 << 10;
 
 /// Pause before a request whose entry the kernel would not take submits again.
 pub const SUBMIT_RETRY_MS: u64 = 1;
+
+/// Momentary refusals of one submission tried again at once (yielding the thread between
+/// tries) before the request waits `SUBMIT_RETRY_MS`.
+const ENTER_BUSY_TRIES_MAX: u32 = 100;
 
 /// Bounds of the io_uring engine, from the config.
 #[derive(Clone, Copy, Debug)]
@@ -253,7 +258,7 @@ impl UringEngine {
         &self.pool
     }
 
-    fn shared(&self) -> &Shared {
+    fn shared(&self) -> &Arc<Shared> {
         self.shared.as_ref().expect("taken only in drop")
     }
 
@@ -273,8 +278,7 @@ impl UringEngine {
         // the AsyncFd is dropped.
         let waiter = unsafe { AsyncFd::register_with_interest(eventfd, Interest::READABLE) }
             .map_err(|error| error.into_parts().1)?;
-        let shared = Arc::downgrade(self.shared.as_ref().expect("taken only in drop"));
-        *reaper = Some(runtime.spawn(reap_loop(waiter, shared)));
+        *reaper = Some(runtime.spawn(reap_loop(waiter, Arc::downgrade(self.shared()))));
         Ok(())
     }
 
@@ -295,7 +299,15 @@ impl UringEngine {
         };
         // Only a submission or a completion submits what is queued: a request whose entry
         // the kernel would not take now must try again itself, or it could wait for ever.
-        while !submitted {
+        // It does not give up: its entry stays in the queue, and a write answered as failed
+        // whose entry ran later could land over a newer write of the same bytes. Logged
+        // once a second while it lasts.
+        let mut retries: u64 = 0;
+        while let Err(error) = submitted {
+            if retries.is_multiple_of(1000 / SUBMIT_RETRY_MS) {
+                tracing::warn!(%error, retries, "io_uring would not take an operation; trying again");
+            }
+            retries += 1;
             tokio::time::sleep(std::time::Duration::from_millis(SUBMIT_RETRY_MS)).await;
             let mut ring = self.shared().lock();
             submitted = ring.enter();
@@ -578,32 +590,32 @@ impl Ring {
         self.push_slot(slot);
     }
 
-    /// Hands what is in the submission queue to the kernel; true when it took everything.
-    /// On an error other than a momentary one the entries stay queued: the caller tries
-    /// again later (`UringEngine::start`), and any submission or reap meanwhile takes them.
-    fn enter(&mut self) -> bool {
+    /// Hands what is in the submission queue to the kernel: `Ok` once it took everything.
+    /// A momentary refusal (EINTR, EAGAIN, EBUSY, or nothing taken) is tried again a
+    /// bounded number of times; after that, or on any other error, the entries stay queued
+    /// and the error is returned: the request that queued them tries again later
+    /// (`UringEngine::start`), and any submission or reap meanwhile takes them.
+    fn enter(&mut self) -> io::Result<()> {
         let mut busy_tries = 0;
         while !self.ring.submission().is_empty() {
-            match self.ring.submit() {
-                Ok(_) => {}
-                Err(error)
-                    if matches!(
-                        error.raw_os_error(),
-                        Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
-                    ) && busy_tries < 100 =>
-                {
-                    busy_tries += 1;
-                    if busy_tries > 1 {
-                        std::thread::yield_now();
-                    }
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "io_uring submit failed; trying again shortly");
-                    return false;
-                }
+            let refusal = match self.ring.submit() {
+                Ok(taken) if taken > 0 => continue,
+                Ok(_) => io::Error::from_raw_os_error(libc::EAGAIN),
+                Err(error) => error,
+            };
+            let momentary = matches!(
+                refusal.raw_os_error(),
+                Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+            );
+            if !momentary || busy_tries >= ENTER_BUSY_TRIES_MAX {
+                return Err(refusal);
+            }
+            busy_tries += 1;
+            if busy_tries > 1 {
+                std::thread::yield_now();
             }
         }
-        true
+        Ok(())
     }
 
     /// Takes every completion from the queue (submitting the rest of short transfers) until
@@ -623,7 +635,8 @@ impl Ring {
             }
             self.completed = completed;
             // Resubmitted short transfers, and anything a failed submission left queued.
-            self.enter();
+            // An error leaves them queued for the request that owns them (`start`).
+            let _ = self.enter();
             if done {
                 return;
             }
