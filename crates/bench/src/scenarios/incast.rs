@@ -1,8 +1,9 @@
 //! `incast`: many clients writing to one I/O server at once, the many-to-one pattern that
 //! fills a server's queues and memory. A cluster with a single I/O server is started; each
 //! subject is a number of clients (1, then N), each client with its own `Client` (its own
-//! session and connections) in this process, all released together to write and fsync a
-//! file of their own. Reported: aggregate and per-client throughput, Jain's fairness index
+//! session and connections) in this process. Each creates a file of its own, then all are
+//! released together to write and fsync it: the clock starts after the creates (they queue
+//! at the meta server; a writer whose create came back first would write alone). Reported: aggregate and per-client throughput, Jain's fairness index
 //! of the per-client throughputs, and the I/O server's peak resident memory (VmHWM, reset
 //! before each run where the kernel allows it).
 
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use freeflow_client::{Client, OpenAccess};
+use freeflow_client::{Client, FileHandle, OpenAccess};
 
 use super::{parameter, Env, Scenario, Subject};
 use crate::cluster::{Cluster, Placement};
@@ -125,6 +126,7 @@ impl Scenario for Incast {
                 client_bytes: self.client_bytes,
                 data: data.clone(),
                 io_pid,
+                warmed: false,
             }));
         }
         Ok(subjects)
@@ -156,16 +158,12 @@ struct IncastSubject {
     client_bytes: u64,
     data: Bytes,
     io_pid: u32,
+    /// Whether each client has made its connections (see `run_once`).
+    warmed: bool,
 }
 
-/// Write `bytes` to a new file `path` through `client`, fsync, close; seconds taken.
-async fn write_one(
-    client: Client,
-    path: String,
-    bytes: u64,
-    data: Bytes,
-    started: Instant,
-) -> Result<f64, StepError> {
+/// Create and open `path` for writing through `client`.
+async fn create_one(client: Client, path: String) -> Result<FileHandle, StepError> {
     let (parent, name) = path.rsplit_once('/').unwrap_or(("", &path));
     let parent = client
         .resolve(if parent.is_empty() { "/" } else { parent })
@@ -179,6 +177,17 @@ async fn write_one(
         .create_open(parent.inode, name, 0o644, true, access)
         .await
         .step(format!("create {path}"))?;
+    Ok(handle)
+}
+
+/// Write `bytes` through `handle` (of `path`), fsync, close; seconds since `started`.
+async fn write_one(
+    handle: FileHandle,
+    path: String,
+    bytes: u64,
+    data: Bytes,
+    started: Instant,
+) -> Result<f64, StepError> {
     let mut offset = 0u64;
     while offset < bytes {
         let length = (bytes - offset).min(data.len() as u64) as usize;
@@ -193,6 +202,47 @@ async fn write_one(
     Ok(started.elapsed().as_secs_f64())
 }
 
+/// Each client creates its file in `directory` (named `prefix` and its index), then all
+/// write `bytes` at once from one start; each one's seconds from that start to its close.
+fn create_then_write(
+    clients: &[Client],
+    directory: &str,
+    prefix: &str,
+    bytes: u64,
+    data: &Bytes,
+    env: &Env,
+) -> Result<Vec<f64>, StepError> {
+    env.runtime.block_on(async {
+        // Creates first, outside the clock: they queue at the meta server, and a client
+        // whose create is answered first would write alone for tens of milliseconds (a
+        // large part of a run here) and finish early. Incast is about the data path.
+        let creates: Vec<_> = clients
+            .iter()
+            .enumerate()
+            .map(|(index, client)| {
+                let path = format!("{directory}/{prefix}{index}");
+                (path.clone(), tokio::spawn(create_one(client.clone(), path)))
+            })
+            .collect();
+        let mut handles = Vec::new();
+        for (path, task) in creates {
+            handles.push((path, task.await.step("incast create task")??));
+        }
+        let started = Instant::now();
+        let writes: Vec<_> = handles
+            .into_iter()
+            .map(|(path, handle)| {
+                tokio::spawn(write_one(handle, path, bytes, data.clone(), started))
+            })
+            .collect();
+        let mut seconds = Vec::new();
+        for task in writes {
+            seconds.push(task.await.step("incast writer task")??);
+        }
+        Ok(seconds)
+    })
+}
+
 impl Subject for IncastSubject {
     fn name(&self) -> String {
         self.name.clone()
@@ -204,30 +254,25 @@ impl Subject for IncastSubject {
         env.runtime
             .block_on(setup.mkdir_path(&directory, 0o755))
             .step(format!("mkdir {directory}"))?;
+        if !self.warmed {
+            // A client's first write opens its connection to the I/O server: those that
+            // connect first would write alone for a while. The connections are made
+            // before the first measured run, by a small write of each client.
+            env.step(&format!("{} connecting", self.name));
+            let warm = Bytes::from_static(&[0u8; 4096]);
+            create_then_write(&self.clients, &directory, "warm", 4096, &warm, env)?;
+            self.warmed = true;
+        }
         reset_peak_rss(self.io_pid);
         env.step(&format!("{} writing", self.name));
-        let started = Instant::now();
-        let seconds = env.runtime.block_on(async {
-            let tasks: Vec<_> = self
-                .clients
-                .iter()
-                .enumerate()
-                .map(|(index, client)| {
-                    tokio::spawn(write_one(
-                        client.clone(),
-                        format!("{directory}/c{index}"),
-                        self.client_bytes,
-                        self.data.clone(),
-                        started,
-                    ))
-                })
-                .collect();
-            let mut seconds = Vec::new();
-            for task in tasks {
-                seconds.push(task.await.step("incast writer task")??);
-            }
-            Ok::<Vec<f64>, StepError>(seconds)
-        })?;
+        let seconds = create_then_write(
+            &self.clients,
+            &directory,
+            "c",
+            self.client_bytes,
+            &self.data,
+            env,
+        )?;
         let peak_kib = peak_rss_kib(self.io_pid).ok_or_else(|| {
             StepError::new(
                 "read the I/O server's VmHWM",
