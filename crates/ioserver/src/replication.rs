@@ -78,6 +78,7 @@ impl Replication {
                 client_name: format!("io:{server_id}:chain"),
                 call_timeout_ms,
                 connect_timeout_ms,
+                liveness_timeout_ms: crate::register::META_LIVENESS_TIMEOUT_MS,
                 ..ConnectOptions::default()
             },
             peer_options: ConnectOptions {
@@ -243,7 +244,13 @@ impl Replication {
     pub async fn fetch(&self) -> Result<u64, String> {
         let fetched = {
             let mut meta = self.meta.lock().await;
-            if meta.as_ref().is_none_or(Connection::is_closed) {
+            // A connection to a member the registration no longer finds leading (it moved
+            // on after a failover) is dropped: a call on it would wait for its liveness
+            // check (a cut-off leader keeps its sockets open) and hold up the heartbeat
+            // that fetches the map.
+            if meta.as_ref().is_none_or(|connection| {
+                connection.is_closed() || !self.meta_leader.is_preferred(connection.address())
+            }) {
                 *meta = Some(
                     self.connect_meta(&self.options)
                         .await

@@ -147,6 +147,20 @@ impl LeaderSearch {
         &self.addresses
     }
 
+    /// Whether `address` is the member found leading last (the first tried next time).
+    pub fn is_preferred(&self, address: &str) -> bool {
+        let list: Vec<&str> = self
+            .addresses
+            .split(',')
+            .map(str::trim)
+            .filter(|address| !address.is_empty())
+            .collect();
+        if list.len() <= 1 {
+            return true;
+        }
+        list[self.preferred.load(Ordering::Relaxed) % list.len()] == address
+    }
+
     /// The member that led no longer does: the next search starts at the one after it.
     pub fn pass_over(&self) {
         self.preferred.fetch_add(1, Ordering::Relaxed);
@@ -803,5 +817,24 @@ async fn reader_loop(
         if let Some(slot) = slot {
             let _ = slot.send(frame);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LeaderSearch;
+
+    #[test]
+    fn the_preferred_member_is_the_one_found_leading_last() {
+        let search = LeaderSearch::new("10.0.0.1:7000, 10.0.0.2:7000,10.0.0.3:7000");
+        assert!(search.is_preferred("10.0.0.1:7000"));
+        assert!(!search.is_preferred("10.0.0.2:7000"));
+        search.pass_over();
+        assert!(search.is_preferred("10.0.0.2:7000"));
+        search.pass_over();
+        search.pass_over();
+        assert!(search.is_preferred("10.0.0.1:7000"), "wraps around");
+        // A single member is always the one to use.
+        assert!(LeaderSearch::new("10.0.0.9:7000").is_preferred("anything"));
     }
 }
