@@ -11,7 +11,7 @@
 mod common;
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{Read, Write};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -671,6 +671,102 @@ async fn a_reader_holding_a_file_open_sees_another_mounts_appends() {
         );
         seen.extend_from_slice(&more);
     }
+}
+
+/// The same on a writeback mount, whose kernel keeps its own size of a file it holds open
+/// (it ignores the meta server's): the mount raises it when another client's change to the
+/// file is revoked or its lease runs out, so the reader sees the new size within a moment
+/// (at `fstat` and by path) and reads the appended bytes, never zeros in their place. One
+/// round appends at once (a revocation), one after the lease would have run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_holding_a_file_open_on_a_writeback_mount_sees_another_mounts_appends() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = coherence_cluster(1_000).await;
+    let reader_mount = Mount::start(&cluster, "a", &["--writeback"]);
+    let writer_mount = Mount::start(&cluster, "b", &[]);
+    fs::write(writer_mount.path("log"), b"first line\n").unwrap();
+    let mut reader = File::open(reader_mount.path("log")).unwrap();
+    let mut seen = Vec::new();
+    reader.read_to_end(&mut seen).unwrap();
+    assert_eq!(seen, b"first line\n");
+    for round in 0..4 {
+        if round % 2 == 1 {
+            std::thread::sleep(Duration::from_millis(2_500));
+        }
+        let line = format!(
+            "line {round} appended elsewhere, {}\n",
+            "x".repeat(round * 3000)
+        );
+        let mut writer = OpenOptions::new()
+            .append(true)
+            .open(writer_mount.path("log"))
+            .unwrap();
+        writer.write_all(line.as_bytes()).unwrap();
+        drop(writer);
+        let expected = (seen.len() + line.len()) as u64;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let size = reader.metadata().unwrap().len();
+            if size == expected {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: fstat of the held file stays at {size}, {expected} written"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(
+            fs::metadata(reader_mount.path("log")).unwrap().len(),
+            expected,
+            "round {round}: stat by path"
+        );
+        let mut more = Vec::new();
+        reader.read_to_end(&mut more).unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&more),
+            line,
+            "round {round}: the appended bytes"
+        );
+        seen.extend_from_slice(&more);
+    }
+    // The whole file again through the held descriptor: what was written, no zeros.
+    reader.seek(SeekFrom::Start(0)).unwrap();
+    let mut again = Vec::new();
+    reader.read_to_end(&mut again).unwrap();
+    assert_eq!(again, seen);
+    // This host empties the file (`: > log`); the next append elsewhere, shorter than what
+    // the file held before, shows all the same.
+    drop(
+        OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(reader_mount.path("log"))
+            .unwrap(),
+    );
+    assert_eq!(reader.metadata().unwrap().len(), 0, "emptied here");
+    let line = "after the cut\n";
+    let mut writer = OpenOptions::new()
+        .append(true)
+        .open(writer_mount.path("log"))
+        .unwrap();
+    writer.write_all(line.as_bytes()).unwrap();
+    drop(writer);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while reader.metadata().unwrap().len() != line.len() as u64 {
+        assert!(
+            Instant::now() < deadline,
+            "after emptying here: fstat stays at {}",
+            reader.metadata().unwrap().len()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    reader.seek(SeekFrom::Start(0)).unwrap();
+    let mut after = Vec::new();
+    reader.read_to_end(&mut after).unwrap();
+    assert_eq!(String::from_utf8_lossy(&after), line);
 }
 
 /// A writeback mount (`--writeback`: the kernel gathers writes in its page cache and owns

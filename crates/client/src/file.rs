@@ -1900,7 +1900,7 @@ impl FileHandle {
     /// Raise the known size to the meta server's if that is larger (another client's
     /// committed appends); never lowers it, so a reply older than this handle's own
     /// truncation or size commit cannot undo them. Returns the known size.
-    async fn learn_growth(&self) -> Result<u64, ClientError> {
+    pub async fn learn_growth(&self) -> Result<u64, ClientError> {
         let epoch = self.shared.lock().truncate_epoch;
         let attr = self.fetch_attr().await?;
         let mut state = self.shared.lock();

@@ -142,7 +142,15 @@ pub struct KernelCache {
     /// asking it to write them back would wait for that answer, which may itself wait for
     /// this mount's acknowledgement (`write_back` skips them).
     truncating: Mutex<HashMap<InodeId, usize>>,
+    /// Wakes the writeback mount's sweep at each revocation, so that a file held open here
+    /// that another client changed is followed at once (`evict_lapsing_files`), not at the
+    /// next tick.
+    pub revoked_held: tokio::sync::Notify,
 }
+
+/// The kernel's page size here (x86-64, arm64 with 4 KiB pages): what `raise_size`
+/// drops again around the byte it stores (a larger page is dropped whole all the same).
+const PAGE_BYTES: u64 = 4096;
 
 /// A truncation of this mount under way (see `KernelCache::truncating`); ends on drop.
 pub struct Truncating {
@@ -407,6 +415,7 @@ impl KernelCache {
             enabled: AtomicBool::new(false),
             writeback,
             truncating: Mutex::new(HashMap::new()),
+            revoked_held: tokio::sync::Notify::new(),
         }
     }
 
@@ -422,6 +431,14 @@ impl KernelCache {
             cache: self.clone(),
             inode,
         }
+    }
+
+    /// Whether this mount is truncating `inode` now.
+    pub fn is_truncating(&self, inode: InodeId) -> bool {
+        self.truncating
+            .lock()
+            .expect("not poisoned")
+            .contains_key(&inode)
     }
 
     fn notifier(&self) -> Option<Notifier> {
@@ -582,6 +599,39 @@ impl KernelCache {
             // held file's pages (another client may have changed them meanwhile).
             self.write_back(&files);
         }
+        if self.writeback {
+            self.revoked_held.notify_one();
+        }
+    }
+
+    /// Show the kernel that the regular file `inode`, which it holds open here on a
+    /// writeback mount, grew elsewhere to `size` bytes (it keeps its own size of such a
+    /// file and ignores the meta server's). First its pages go (the old last one ends in
+    /// zeros where the new bytes are), then the file's last byte, `last`, is stored at
+    /// `size - 1`: a store is the only notification that changes a size the kernel keeps,
+    /// and it raises it only with at least one byte. The caller makes sure that no open
+    /// here can write the file meanwhile (the store would land on its byte) and that no
+    /// read answered at the old size is still on its way. Blocking: the kernel takes page
+    /// locks, which reads waiting for this mount may hold. Returns whether the kernel took
+    /// the store.
+    pub fn raise_size(&self, inode: InodeId, size: u64, last: u8) -> bool {
+        let Some(notifier) = self.notifier() else {
+            return false;
+        };
+        if size == 0 {
+            return false;
+        }
+        // ENOENT: the kernel forgot the file; nothing to raise.
+        let _ = notifier.inval_inode(INodeNo(inode), 0, 0);
+        if let Err(error) = notifier.store(INodeNo(inode), size - 1, &[last]) {
+            tracing::debug!(inode, size, %error, "the kernel did not take a held file's new size");
+            return false;
+        }
+        // The last page once more: the byte stored was read before the pages went, and a
+        // read since may have brought a newer one into that page.
+        let page = (size - 1) & !(PAGE_BYTES - 1);
+        let _ = notifier.inval_inode(INodeNo(inode), page as i64, PAGE_BYTES as i64);
+        true
     }
 
     /// What one revocation covers, taken out of the index.

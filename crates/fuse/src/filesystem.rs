@@ -175,6 +175,79 @@ impl MountState {
         admission.attributes(left, inode).unwrap_or(self.attr_ttl)
     }
 
+    /// A regular file the kernel holds open here on a writeback mount, whose attribute
+    /// lease ran out or was revoked (the kernel keeps its own size of it and ignores the
+    /// meta server's): take a lease on its attributes again, so that the next change
+    /// elsewhere is revoked, and if it grew past the size last shown to the kernel (not
+    /// known: at the first follow after an open or a local change), raise the kernel's
+    /// size to the new one.
+    ///
+    /// Order matters, so that no read returns zeros for bytes that were written: the
+    /// handle learns the size first (never lowering it: reads from then on return the new
+    /// bytes), the reads already answering at the old size are waited for (their pages end
+    /// in zeros), and only then are the kernel's pages dropped and its size raised
+    /// (`raise_size`), while no open here has write access and nothing here wrote or
+    /// truncated the file since the start (a store would land on a byte it wrote, or
+    /// raise a size it cut).
+    pub(crate) async fn follow_growth(self: &Arc<Self>, inode: InodeId) {
+        let from = self.files.follow_point(inode);
+        let (attr, lease) = match self.client.getattr_leased(inode).await {
+            Ok(answer) => answer,
+            Err(error) => {
+                tracing::debug!(inode, %error, "cannot follow a held-open file");
+                return;
+            }
+        };
+        {
+            let mut admission = self.cache.admit();
+            self.attribute_time_out(&mut admission, &lease, inode);
+        }
+        let known = from.told.unwrap_or(0);
+        if attr.kind != FileKind::Regular
+            || attr.size_bytes <= known
+            || self.files.is_written(inode)
+        {
+            return;
+        }
+        let Some((handle, reads)) = self.files.get_for_reading(inode) else {
+            return;
+        };
+        let size = match handle.learn_growth().await {
+            Ok(size) => size,
+            Err(error) => {
+                tracing::debug!(inode, %error, "cannot refresh a held-open file");
+                return;
+            }
+        };
+        if size <= known {
+            return;
+        }
+        drop(reads.write().await);
+        let last = match handle.read_at(size - 1, 1).await {
+            Ok(last) if last.len() == 1 => last[0],
+            Ok(_) => return,
+            Err(error) => {
+                tracing::debug!(inode, %error, "cannot read a held-open file's last byte");
+                return;
+            }
+        };
+        if !self.files.begin_growth(inode, from) {
+            return;
+        }
+        // On a thread of its own to the end, whatever becomes of this task: the growth
+        // ends there (write opens and truncations wait for it). A truncation by this mount
+        // that began before `from` is not raised over (one that begins after gives the
+        // growth up, or waits for it).
+        let state = self.clone();
+        let raised = tokio::task::spawn_blocking(move || {
+            let shown = (!state.cache.is_truncating(inode)
+                && state.cache.raise_size(inode, size, last))
+            .then_some(size);
+            state.files.end_growth(inode, shown);
+        });
+        let _ = raised.await;
+    }
+
     /// Reply with `attr` for what is left of `lease`.
     fn reply_attr(&self, reply: ReplyAttr, attr: &Attr, lease: &Lease) {
         let mut admission = self.cache.admit();
@@ -363,6 +436,7 @@ impl FreeflowFs {
         parent: InodeId,
         name: &str,
         mode: u32,
+        writes: bool,
         reply: ReplyCreate,
     ) -> Option<ReplyCreate> {
         let state = &self.state;
@@ -404,6 +478,9 @@ impl FreeflowFs {
         let (entry_ttl, attr_ttl) =
             state.entry_time_outs(&mut admission, &lease, parent, name, Some(inode));
         admission.held_as(inode, parent, name);
+        if writes {
+            state.files.created_for_writing(inode);
+        }
         reply.created(
             &attr_ttl.min(entry_ttl),
             &file_attr(&attr, 0),
@@ -604,6 +681,11 @@ fn negative_attr() -> Attr {
     }
 }
 
+/// Whether open flags give write access (the kernel has checked the caller's right to it).
+fn writes(flags: i32) -> bool {
+    flags & libc::O_ACCMODE != libc::O_RDONLY
+}
+
 /// An error for a file handle the mount does not know.
 fn bad_handle() -> Errno {
     Errno::EBADF
@@ -772,9 +854,15 @@ impl fuser::Filesystem for FreeflowFs {
         };
         let state = self.state.clone();
         // The kernel holds this file's write-back until a truncation is answered.
-        let truncating = size.map(|_| self.state.cache.truncating(inode.0));
+        let truncating = size.map(|_| {
+            self.state.files.truncation_began(inode.0);
+            self.state.cache.truncating(inode.0)
+        });
         self.spawn(async move {
             let _truncating = truncating;
+            if size.is_some() {
+                state.files.wait_growth(inode.0).await;
+            }
             let result = if changes == SetAttr::default() {
                 client.getattr_leased(inode.0).await
             } else {
@@ -1029,7 +1117,10 @@ impl fuser::Filesystem for FreeflowFs {
         self.settle(&[inode.0]);
         let truncate = flags.0 & libc::O_TRUNC != 0;
         let (client, state) = (self.caller(request), self.state.clone());
-        let truncating = truncate.then(|| self.state.cache.truncating(inode.0));
+        let truncating = truncate.then(|| {
+            self.state.files.truncation_began(inode.0);
+            self.state.cache.truncating(inode.0)
+        });
         self.spawn(async move {
             let _truncating = truncating;
             let handle = match state.files.acquire(&state.client, inode.0).await {
@@ -1037,6 +1128,7 @@ impl fuser::Filesystem for FreeflowFs {
                 Err(error) => return reply.error(errno(&error)),
             };
             if truncate {
+                state.files.wait_growth(inode.0).await;
                 // FUSE_ATOMIC_O_TRUNC: the truncate comes with the open, which the kernel
                 // has checked for write access: authorised by the handle.
                 let changes = SetAttr {
@@ -1048,6 +1140,9 @@ impl fuser::Filesystem for FreeflowFs {
                     let _ = state.files.release(inode.0, || {}).await;
                     return reply.error(errno(&error));
                 }
+            }
+            if writes(flags.0) {
+                state.files.opened_for_writing(inode.0).await;
             }
             reply.opened(FileHandle(handle.inode()), FopenFlags::empty());
         });
@@ -1065,10 +1160,18 @@ impl fuser::Filesystem for FreeflowFs {
         reply: ReplyData,
     ) {
         self.settle(&[inode.0]);
-        let Some(handle) = self.state.files.get(inode.0) else {
+        let Some((handle, reads)) = self.state.files.get_for_reading(inode.0) else {
             return reply.error(bad_handle());
         };
+        let writeback = self.state.writeback;
         self.spawn(async move {
+            // A writeback mount's growth of a held-open file waits for the reads already
+            // answering (their pages may end at the size the handle knew before it).
+            let _reading = if writeback {
+                Some(reads.read().await)
+            } else {
+                None
+            };
             match handle.read_at(offset, u64::from(size)).await {
                 Ok(data) => reply.data(&data),
                 Err(error) => reply.error(errno(&error)),
@@ -1178,11 +1281,14 @@ impl fuser::Filesystem for FreeflowFs {
         _request: &Request,
         inode: INodeNo,
         _handle: FileHandle,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        if writes(flags.0) {
+            self.state.files.closed_for_writing(inode.0);
+        }
         let state = self.state.clone();
         self.spawn(async move {
             // A file created ahead of the meta server is released once it is there.
@@ -1610,7 +1716,8 @@ impl fuser::Filesystem for FreeflowFs {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
         };
-        let Some(reply) = self.create_ahead(request, parent.0, &name, mode, reply) else {
+        let Some(reply) = self.create_ahead(request, parent.0, &name, mode, writes(flags), reply)
+        else {
             return;
         };
         self.settle(&[parent.0]);
@@ -1621,6 +1728,9 @@ impl fuser::Filesystem for FreeflowFs {
             match create_and_open(&state, &client, parent.0, &name, mode, exclusive, truncate).await
             {
                 Ok((attr, lease)) => {
+                    if writes(flags) {
+                        state.files.opened_for_writing(attr.inode).await;
+                    }
                     state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
                     state.remember(attr.inode);
                     // One time-out covers both the entry and the attributes here: under a
@@ -1804,6 +1914,9 @@ async fn create_and_open(
             }
             let handle = state.files.acquire(&state.client, attr.inode).await?;
             if truncate {
+                state.files.truncation_began(attr.inode);
+                let _truncating = state.cache.truncating(attr.inode);
+                state.files.wait_growth(attr.inode).await;
                 let changes = SetAttr {
                     size_bytes: Some(0),
                     ..SetAttr::default()

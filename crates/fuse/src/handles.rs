@@ -12,7 +12,7 @@
 //! one. Entries are fetched from the meta server a page at a time and kept for the life of
 //! the open directory, so `seekdir` back to any offset works.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use freeflow_client::{Client, ClientError, DirEntry, ErrorCode, FileHandle, InodeId, OpenAccess};
@@ -27,18 +27,198 @@ pub const DIRECTORY_PAGE_ENTRIES: u32 = 1024;
 struct OpenFile {
     handle: Arc<FileHandle>,
     open_count: u64,
+    /// Held (shared) by each read of a writeback mount from the handle's answer until the
+    /// kernel has it; see [`OpenFiles::get_for_reading`].
+    reads: Arc<tokio::sync::RwLock<()>>,
+}
+
+/// Kernel opens with write access, this mount's truncations, and files whose size the
+/// mount is raising in the kernel (`MountState::follow_growth`): the raise excludes the
+/// others, and is given up if one of them came and went while it was being prepared.
+#[derive(Default)]
+struct Writers {
+    counts: HashMap<InodeId, u64>,
+    growing: HashSet<InodeId>,
+    /// Counts local changes (write opens, truncations by this mount) of every file.
+    generation: u64,
+    /// The generation of each file's last local change.
+    changed: HashMap<InodeId, u64>,
+    /// The size a growth last showed the kernel, per file (gone at a local change, after
+    /// which the kernel's size is this host's own).
+    told: HashMap<InodeId, u64>,
+}
+
+impl Writers {
+    fn local_change(&mut self, inode: InodeId) {
+        self.generation += 1;
+        self.changed.insert(inode, self.generation);
+        self.told.remove(&inode);
+    }
+}
+
+/// Where a growth of one file starts from (`OpenFiles::follow_point`).
+#[derive(Clone, Copy, Debug)]
+pub struct FollowPoint {
+    /// The size a growth last showed the kernel, if any since the last local change.
+    pub told: Option<u64>,
+    generation: u64,
 }
 
 /// The open files of the mount, by inode.
 pub struct OpenFiles {
     files: Mutex<HashMap<InodeId, OpenFile>>,
+    writers: Mutex<Writers>,
+    /// Wakes write opens that wait for a growth to end.
+    growth_ended: tokio::sync::Notify,
 }
 
 impl OpenFiles {
     pub fn new() -> OpenFiles {
         OpenFiles {
             files: Mutex::new(HashMap::new()),
+            writers: Mutex::new(Writers::default()),
+            growth_ended: tokio::sync::Notify::new(),
         }
+    }
+
+    fn writers(&self) -> std::sync::MutexGuard<'_, Writers> {
+        self.writers.lock().expect("writers not poisoned")
+    }
+
+    /// The kernel is being told it opened `inode` with write access (called before the
+    /// reply, so counted before it can write). Waits while the mount is raising the
+    /// file's size in the kernel: that copies a byte into the kernel's page, which must
+    /// not land on one this open wrote.
+    pub async fn opened_for_writing(&self, inode: InodeId) {
+        loop {
+            let ended = self.growth_ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            {
+                let mut writers = self.writers();
+                if !writers.growing.contains(&inode) {
+                    *writers.counts.entry(inode).or_insert(0) += 1;
+                    writers.local_change(inode);
+                    return;
+                }
+            }
+            ended.await;
+        }
+    }
+
+    /// [`OpenFiles::opened_for_writing`] of a file this mount just created (answered ahead
+    /// of the meta server, on the FUSE thread): no growth of it can be under way.
+    pub fn created_for_writing(&self, inode: InodeId) {
+        let mut writers = self.writers();
+        *writers.counts.entry(inode).or_insert(0) += 1;
+        writers.local_change(inode);
+    }
+
+    /// This mount begins truncating `inode` (while `KernelCache::truncating` is held): a
+    /// growth being prepared is given up.
+    pub fn truncation_began(&self, inode: InodeId) {
+        self.writers().local_change(inode);
+    }
+
+    /// Where a growth of `inode` starts from: taken before it asks the meta server.
+    pub fn follow_point(&self, inode: InodeId) -> FollowPoint {
+        let writers = self.writers();
+        FollowPoint {
+            told: writers.told.get(&inode).copied(),
+            generation: writers.generation,
+        }
+    }
+
+    /// Forget what is kept for following files not open here any more.
+    pub fn forget_closed(&self) {
+        let open: HashSet<InodeId> = self
+            .files
+            .lock()
+            .expect("open files not poisoned")
+            .keys()
+            .copied()
+            .collect();
+        let mut writers = self.writers();
+        let Writers {
+            counts,
+            changed,
+            told,
+            ..
+        } = &mut *writers;
+        told.retain(|inode, _| open.contains(inode));
+        changed.retain(|inode, _| open.contains(inode) || counts.contains_key(inode));
+    }
+
+    /// The kernel released an open of `inode` that had write access (its dirty pages went
+    /// out before: the kernel flushes them at close, and a shared writable mapping keeps
+    /// its open until unmapped).
+    pub fn closed_for_writing(&self, inode: InodeId) {
+        let mut writers = self.writers();
+        if let Some(count) = writers.counts.get_mut(&inode) {
+            *count -= 1;
+            if *count == 0 {
+                writers.counts.remove(&inode);
+            }
+        }
+    }
+
+    /// Whether the kernel has `inode` open with write access here.
+    pub fn is_written(&self, inode: InodeId) -> bool {
+        self.writers().counts.contains_key(&inode)
+    }
+
+    /// Begin raising `inode`'s size in the kernel if no kernel open of it has write access
+    /// and nothing here changed it since `from` was taken (then write opens and
+    /// truncations wait until [`OpenFiles::end_growth`]); false otherwise.
+    pub fn begin_growth(&self, inode: InodeId, from: FollowPoint) -> bool {
+        let mut writers = self.writers();
+        if writers.counts.contains_key(&inode)
+            || writers
+                .changed
+                .get(&inode)
+                .is_some_and(|changed| *changed > from.generation)
+        {
+            return false;
+        }
+        writers.growing.insert(inode)
+    }
+
+    /// Wait until no growth of `inode` is under way (a truncation by this mount waits: a
+    /// store after it would raise the size it cut).
+    pub async fn wait_growth(&self, inode: InodeId) {
+        loop {
+            let ended = self.growth_ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            if !self.writers().growing.contains(&inode) {
+                return;
+            }
+            ended.await;
+        }
+    }
+
+    /// The growth of `inode` ended, having shown the kernel `shown` bytes if it did.
+    pub fn end_growth(&self, inode: InodeId, shown: Option<u64>) {
+        {
+            let mut writers = self.writers();
+            writers.growing.remove(&inode);
+            if let Some(size) = shown {
+                writers.told.insert(inode, size);
+            }
+        }
+        self.growth_ended.notify_waiters();
+    }
+
+    /// The shared handle of `inode`, and the lock its reads hold until their answer is in
+    /// the kernel (a writeback mount's growth waits for the reads already answering).
+    pub fn get_for_reading(
+        &self,
+        inode: InodeId,
+    ) -> Option<(Arc<FileHandle>, Arc<tokio::sync::RwLock<()>>)> {
+        let files = self.files.lock().expect("open files not poisoned");
+        files
+            .get(&inode)
+            .map(|file| (file.handle.clone(), file.reads.clone()))
     }
 
     /// The shared handle of `inode` if this mount has it open.
@@ -95,6 +275,7 @@ impl OpenFiles {
                     OpenFile {
                         handle: handle.clone(),
                         open_count: 1,
+                        reads: Arc::new(tokio::sync::RwLock::new(())),
                     },
                 );
                 return Ok(handle);

@@ -15,8 +15,11 @@
 //! this mount turns the revocation into the kernel's `inval_entry` / `inval_inode`. A reply
 //! that carries no lease is not cached (entry and attribute time-outs 0 by default), and
 //! every open fetches fresh attributes, so data written and closed elsewhere is seen by the
-//! next open here (close-to-open). The kernel's writeback cache is off: under it the kernel
-//! treats its own file size as the truth and ignores sizes from the server.
+//! next open here (close-to-open). The kernel's writeback cache is off unless asked for
+//! (`--writeback`): under it the kernel treats its own file size as the truth and ignores
+//! sizes from the server, so this mount evicts the files it holds when their leases end,
+//! and raises the size of those held open when they grow elsewhere (docs/consistency.md,
+//! "Writeback mounts").
 
 mod cache;
 mod caller;

@@ -11,6 +11,7 @@
 //! files open), then closes what the mount still had open at the meta server.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -375,25 +376,58 @@ fn unescape_mountinfo(field: &str) -> String {
 const LAPSE_SWEEP_INTERVAL: Duration = Duration::from_millis(250);
 /// How long before its lease runs out such a file is evicted from the kernel.
 const LAPSE_MARGIN: Duration = Duration::from_millis(1_000);
+/// Longest a writeback mount spends following one held-open file at a sweep.
+const FOLLOW_TIMEOUT: Duration = Duration::from_millis(2_000);
+
+/// Marks the follow-up task as running until it ends (or panics).
+struct Following(Arc<AtomicBool>);
+
+impl Drop for Following {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
 
 /// A writeback mount's kernel keeps a file's size after the lease on its attributes ran
 /// out, and no revocation tells of a change after that: every file not open here leaves
-/// the kernel (its names invalidated) before its lease does (`KernelCache::lapsing`).
-/// Ends with the mount.
+/// the kernel (its names invalidated) before its lease does (`KernelCache::lapsing`). A
+/// file held open here cannot leave: it is followed instead (`MountState::follow_growth`:
+/// a new lease, and its size raised in the kernel if it grew elsewhere), on a task of its
+/// own so that a slow meta server never holds up the evictions. A revocation of such a
+/// file wakes the sweep at once. Ends with the mount.
 async fn evict_lapsing_files(state: std::sync::Weak<MountState>) {
+    let Some(revoked) = state.upgrade().map(|state| state.cache.clone()) else {
+        return;
+    };
     let mut ticks = tokio::time::interval(LAPSE_SWEEP_INTERVAL);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Whether a follow-up task is running.
+    let following = Arc::new(AtomicBool::new(false));
     loop {
-        ticks.tick().await;
+        tokio::select! {
+            _ = ticks.tick() => {}
+            () = revoked.revoked_held.notified() => {}
+        }
         let Some(state) = state.upgrade() else {
             return;
         };
         let lapsing = state.cache.lapsing(Instant::now() + LAPSE_MARGIN);
-        let names: Vec<(u64, String)> = lapsing
+        let (open, closed): (Vec<_>, Vec<_>) = lapsing
             .into_iter()
-            .filter(|(inode, _)| state.files.get(*inode).is_none())
-            .flat_map(|(_, names)| names)
-            .collect();
+            .partition(|(inode, _)| state.files.get(*inode).is_some());
+        if !open.is_empty() && !following.swap(true, Ordering::AcqRel) {
+            let (state, following) = (state.clone(), Following(following.clone()));
+            tokio::spawn(async move {
+                let _following = following;
+                state.files.forget_closed();
+                for (inode, _) in open {
+                    // Bounded, so that one file whose servers do not answer does not
+                    // hold up the others (it is tried again at the next sweep).
+                    let _ = tokio::time::timeout(FOLLOW_TIMEOUT, state.follow_growth(inode)).await;
+                }
+            });
+        }
+        let names: Vec<(u64, String)> = closed.into_iter().flat_map(|(_, names)| names).collect();
         if names.is_empty() {
             continue;
         }
