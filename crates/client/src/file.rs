@@ -1918,6 +1918,14 @@ impl FileHandle {
     pub async fn refresh(&self) -> Result<Attr, ClientError> {
         let attr = self.fetch_attr().await?;
         let mut state = self.shared.lock();
+        if attr.generation < state.attr.generation {
+            // Older than what the handle took from a reply that came meanwhile (its own
+            // size commit or truncation): taken, it would set the size back below bytes
+            // written and committed here, and reads would stop short of them.
+            let mut attr = state.attr.clone();
+            attr.size_bytes = state.known_size;
+            return Ok(attr);
+        }
         // A refresh sees other clients' changes: so must the next read.
         state.readahead.clear();
         state.readahead.suspended = false;

@@ -66,6 +66,9 @@ struct FakeMeta {
     stripe_count: usize,
     /// Every CommitSize sleeps this long before it is applied.
     commit_delay_ms: AtomicU64,
+    /// Every GetAttr reads the attributes when it arrives and answers this long after (a
+    /// reply overtaken by later changes, as a real server's read may be).
+    getattr_delay_ms: AtomicU64,
     /// SetAttributes with a size is refused with NotPermitted.
     refuse_size_changes: AtomicBool,
 }
@@ -113,6 +116,7 @@ impl FakeMeta {
             stripe_unit_bytes,
             stripe_count,
             commit_delay_ms: AtomicU64::new(0),
+            getattr_delay_ms: AtomicU64::new(0),
             refuse_size_changes: AtomicBool::new(false),
         }
     }
@@ -264,7 +268,15 @@ impl Service for FakeMeta {
                 typed::<Lookup>(frame, |r, _| Ok((self.lookup(r.parent, &r.name)?, none()))).await
             }
             GetAttr::OPCODE => {
-                typed::<GetAttr>(frame, |r, _| Ok((self.get(r.inode)?, none()))).await
+                let delay_ms = self.getattr_delay_ms.load(Ordering::Acquire);
+                if delay_ms == 0 {
+                    return typed::<GetAttr>(frame, |r, _| Ok((self.get(r.inode)?, none()))).await;
+                }
+                let request: GetAttr =
+                    freeflow_proto::decode(&frame.header).map_err(|error| error.to_string())?;
+                let attr = self.get(request.inode);
+                tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+                typed::<GetAttr>(frame, |_, _| Ok((attr?, none()))).await
             }
             SetAttributes::OPCODE => {
                 typed::<SetAttributes>(frame, |r, _| {
@@ -436,6 +448,7 @@ impl Service for FakeMeta {
                         .ok_or_else(|| wire(ErrorCode::NotFound, "inode"))?;
                     attr.size_bytes = attr.size_bytes.max(r.size_bytes);
                     attr.modify_time = r.modify_time;
+                    attr.generation += 1;
                     Ok((attr.clone(), none()))
                 })
                 .await
@@ -1220,6 +1233,39 @@ async fn a_size_commit_computed_before_a_truncate_does_not_grow_the_file_back() 
     assert_eq!(file.size(), 5);
     file.close_shared().await.unwrap();
     assert_eq!(client.getattr(inode).await.unwrap().size_bytes, 5);
+}
+
+#[tokio::test]
+async fn a_refresh_answered_before_a_size_commit_does_not_shrink_the_handle() {
+    // A refresh whose reply predates this handle's own size commit (the meta server read
+    // the attributes before the commit, the reply came after it) set the handle's size
+    // back, so its reads stopped short of bytes it had written and committed (through a
+    // writeback mount: zeros in their place).
+    let cluster = Cluster::start(1, 4096, 1).await;
+    let client = cluster.client().await;
+    let (file, _) = client
+        .create_open(ROOT_INODE, "late", 0o644, true, READ_WRITE)
+        .await
+        .unwrap();
+    let file = Arc::new(file);
+    file.write_at(0, Bytes::from(vec![7u8; 10_000]))
+        .await
+        .unwrap();
+    cluster.meta.getattr_delay_ms.store(300, Ordering::Release);
+    let refreshing = {
+        let file = file.clone();
+        tokio::spawn(async move { file.refresh().await })
+    };
+    // The refresh's GetAttr has read size 0 and waits; the commit of 10000 lands first.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    file.flush().await.unwrap();
+    assert_eq!(file.size(), 10_000);
+    let attr = refreshing.await.unwrap().unwrap();
+    cluster.meta.getattr_delay_ms.store(0, Ordering::Release);
+    assert_eq!(attr.size_bytes, 10_000, "the refresh's answer");
+    assert_eq!(file.size(), 10_000, "the handle's size after the refresh");
+    assert_eq!(file.read_at(0, 20_000).await.unwrap().len(), 10_000);
+    file.close_shared().await.unwrap();
 }
 
 #[tokio::test]
