@@ -62,6 +62,41 @@ fn gone(path: &Path) -> bool {
         && errno_of(File::open(path)) == Some(libc::ENOENT)
 }
 
+/// Append `text` to `path` and close it (`echo text >> path`).
+fn append(path: &Path, text: &str) {
+    let mut file = OpenOptions::new().append(true).open(path).unwrap();
+    file.write_all(text.as_bytes()).unwrap();
+}
+
+/// Wait (5 s at most) until `fstat` of the held `file` gives `expected` bytes.
+fn wait_for_size(file: &File, expected: u64, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let size = file.metadata().unwrap().len();
+        if size == expected {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: fstat of the held file stays at {size}, {expected} written"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Read what the held `reader` has past its position and check it is `line`, appended
+/// elsewhere in `round`; it is then `seen` too.
+fn read_appended(reader: &mut File, seen: &mut Vec<u8>, line: &str, round: usize) {
+    let mut more = Vec::new();
+    reader.read_to_end(&mut more).unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&more),
+        line,
+        "round {round}: the appended bytes"
+    );
+    seen.extend_from_slice(&more);
+}
+
 async fn coherence_cluster(lease_ms: u32) -> Cluster {
     Cluster::start_with(ClusterOptions {
         metrics: true,
@@ -612,12 +647,7 @@ async fn a_writeback_mount_sees_changes_made_after_its_lease_ran_out() {
     for round in 0..2 {
         warm(&writeback, "f");
         std::thread::sleep(Duration::from_millis(2_500));
-        let mut file = OpenOptions::new()
-            .append(true)
-            .open(plain.path("f"))
-            .unwrap();
-        file.write_all(b"abc").unwrap();
-        drop(file);
+        append(&plain.path("f"), "abc");
         let expected = 10 + 3 * (round + 1);
         assert_eq!(
             fs::metadata(writeback.path("f")).unwrap().len(),
@@ -650,26 +680,14 @@ async fn a_reader_holding_a_file_open_sees_another_mounts_appends() {
     assert_eq!(seen, b"first line\n");
     for round in 0..3 {
         let line = format!("line {round} appended elsewhere\n");
-        let mut writer = OpenOptions::new()
-            .append(true)
-            .open(writer_mount.path("log"))
-            .unwrap();
-        writer.write_all(line.as_bytes()).unwrap();
-        drop(writer);
+        append(&writer_mount.path("log"), &line);
         let expected = seen.len() + line.len();
         assert_eq!(
             reader.metadata().unwrap().len(),
             expected as u64,
             "round {round}: fstat of the held file"
         );
-        let mut more = Vec::new();
-        reader.read_to_end(&mut more).unwrap();
-        assert_eq!(
-            String::from_utf8_lossy(&more),
-            line,
-            "round {round}: the appended bytes"
-        );
-        seen.extend_from_slice(&more);
+        read_appended(&mut reader, &mut seen, &line, round);
     }
 }
 
@@ -699,38 +717,15 @@ async fn a_reader_holding_a_file_open_on_a_writeback_mount_sees_another_mounts_a
             "line {round} appended elsewhere, {}\n",
             "x".repeat(round * 3000)
         );
-        let mut writer = OpenOptions::new()
-            .append(true)
-            .open(writer_mount.path("log"))
-            .unwrap();
-        writer.write_all(line.as_bytes()).unwrap();
-        drop(writer);
+        append(&writer_mount.path("log"), &line);
         let expected = (seen.len() + line.len()) as u64;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let size = reader.metadata().unwrap().len();
-            if size == expected {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "round {round}: fstat of the held file stays at {size}, {expected} written"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_size(&reader, expected, &format!("round {round}"));
         assert_eq!(
             fs::metadata(reader_mount.path("log")).unwrap().len(),
             expected,
             "round {round}: stat by path"
         );
-        let mut more = Vec::new();
-        reader.read_to_end(&mut more).unwrap();
-        assert_eq!(
-            String::from_utf8_lossy(&more),
-            line,
-            "round {round}: the appended bytes"
-        );
-        seen.extend_from_slice(&more);
+        read_appended(&mut reader, &mut seen, &line, round);
     }
     // The whole file again through the held descriptor: what was written, no zeros.
     reader.seek(SeekFrom::Start(0)).unwrap();
@@ -748,21 +743,8 @@ async fn a_reader_holding_a_file_open_on_a_writeback_mount_sees_another_mounts_a
     );
     assert_eq!(reader.metadata().unwrap().len(), 0, "emptied here");
     let line = "after the cut\n";
-    let mut writer = OpenOptions::new()
-        .append(true)
-        .open(writer_mount.path("log"))
-        .unwrap();
-    writer.write_all(line.as_bytes()).unwrap();
-    drop(writer);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while reader.metadata().unwrap().len() != line.len() as u64 {
-        assert!(
-            Instant::now() < deadline,
-            "after emptying here: fstat stays at {}",
-            reader.metadata().unwrap().len()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    append(&writer_mount.path("log"), line);
+    wait_for_size(&reader, line.len() as u64, "after emptying here");
     reader.seek(SeekFrom::Start(0)).unwrap();
     let mut after = Vec::new();
     reader.read_to_end(&mut after).unwrap();
