@@ -190,7 +190,7 @@ impl MountState {
     /// truncated the file since the start (a store would land on a byte it wrote, or
     /// raise a size it cut).
     pub(crate) async fn follow_growth(self: &Arc<Self>, inode: InodeId) {
-        let from = self.files.follow_point(inode);
+        let from = self.files.prepare_growth(inode);
         let (attr, lease) = match self.client.getattr_leased(inode).await {
             Ok(answer) => answer,
             Err(error) => {
@@ -231,7 +231,7 @@ impl MountState {
                 return;
             }
         };
-        if !self.files.begin_growth(inode, from) {
+        if !self.files.begin_growth(from) {
             return;
         }
         // On a thread of its own to the end, whatever becomes of this task: the growth

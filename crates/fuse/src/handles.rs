@@ -34,34 +34,43 @@ struct OpenFile {
 
 /// Kernel opens with write access, this mount's truncations, and files whose size the
 /// mount is raising in the kernel (`MountState::follow_growth`): the raise excludes the
-/// others, and is given up if one of them came and went while it was being prepared.
+/// others, and is given up if one of them came (even and went) while it was being
+/// prepared. Every table holds files open here only (`told` goes at the last close,
+/// `preparing` with its follow), or files being written (`counts`).
 #[derive(Default)]
 struct Writers {
     counts: HashMap<InodeId, u64>,
     growing: HashSet<InodeId>,
-    /// Counts local changes (write opens, truncations by this mount) of every file.
-    generation: u64,
-    /// The generation of each file's last local change.
-    changed: HashMap<InodeId, u64>,
+    /// Growths being prepared, and whether a local change came meanwhile.
+    preparing: HashMap<InodeId, bool>,
     /// The size a growth last showed the kernel, per file (gone at a local change, after
     /// which the kernel's size is this host's own).
     told: HashMap<InodeId, u64>,
 }
 
 impl Writers {
+    /// A write open or a truncation by this mount.
     fn local_change(&mut self, inode: InodeId) {
-        self.generation += 1;
-        self.changed.insert(inode, self.generation);
         self.told.remove(&inode);
+        if let Some(spoiled) = self.preparing.get_mut(&inode) {
+            *spoiled = true;
+        }
     }
 }
 
-/// Where a growth of one file starts from (`OpenFiles::follow_point`).
-#[derive(Clone, Copy, Debug)]
-pub struct FollowPoint {
+/// A growth of one file being prepared (`OpenFiles::prepare_growth`); forgotten when
+/// dropped unless [`OpenFiles::begin_growth`] took it.
+pub struct Preparing<'a> {
+    files: &'a OpenFiles,
+    inode: InodeId,
     /// The size a growth last showed the kernel, if any since the last local change.
     pub told: Option<u64>,
-    generation: u64,
+}
+
+impl Drop for Preparing<'_> {
+    fn drop(&mut self) {
+        self.files.writers().preparing.remove(&self.inode);
+    }
 }
 
 /// The open files of the mount, by inode.
@@ -120,33 +129,16 @@ impl OpenFiles {
         self.writers().local_change(inode);
     }
 
-    /// Where a growth of `inode` starts from: taken before it asks the meta server.
-    pub fn follow_point(&self, inode: InodeId) -> FollowPoint {
-        let writers = self.writers();
-        FollowPoint {
-            told: writers.told.get(&inode).copied(),
-            generation: writers.generation,
-        }
-    }
-
-    /// Forget what is kept for following files not open here any more.
-    pub fn forget_closed(&self) {
-        let open: HashSet<InodeId> = self
-            .files
-            .lock()
-            .expect("open files not poisoned")
-            .keys()
-            .copied()
-            .collect();
+    /// Start preparing a growth of `inode`: taken before it asks the meta server, so that
+    /// any local change from here on gives it up.
+    pub fn prepare_growth(&self, inode: InodeId) -> Preparing<'_> {
         let mut writers = self.writers();
-        let Writers {
-            counts,
-            changed,
-            told,
-            ..
-        } = &mut *writers;
-        told.retain(|inode, _| open.contains(inode));
-        changed.retain(|inode, _| open.contains(inode) || counts.contains_key(inode));
+        writers.preparing.insert(inode, false);
+        Preparing {
+            files: self,
+            inode,
+            told: writers.told.get(&inode).copied(),
+        }
     }
 
     /// The kernel released an open of `inode` that had write access (its dirty pages went
@@ -167,17 +159,16 @@ impl OpenFiles {
         self.writers().counts.contains_key(&inode)
     }
 
-    /// Begin raising `inode`'s size in the kernel if no kernel open of it has write access
-    /// and nothing here changed it since `from` was taken (then write opens and
-    /// truncations wait until [`OpenFiles::end_growth`]); false otherwise.
-    pub fn begin_growth(&self, inode: InodeId, from: FollowPoint) -> bool {
+    /// Begin raising the size of the file `prepared` in the kernel if no kernel open of
+    /// it has write access and nothing here changed it since the preparation began (then
+    /// write opens and truncations wait until [`OpenFiles::end_growth`]); false otherwise.
+    pub fn begin_growth(&self, prepared: Preparing<'_>) -> bool {
+        let inode = prepared.inode;
         let mut writers = self.writers();
-        if writers.counts.contains_key(&inode)
-            || writers
-                .changed
-                .get(&inode)
-                .is_some_and(|changed| *changed > from.generation)
-        {
+        let spoiled = writers.preparing.remove(&inode).unwrap_or(true);
+        // Taken: its drop must not remove a later preparation of the same file.
+        std::mem::forget(prepared);
+        if spoiled || writers.counts.contains_key(&inode) {
             return false;
         }
         writers.growing.insert(inode)
@@ -310,6 +301,7 @@ impl OpenFiles {
                     if file.open_count > 0 {
                         return Ok(());
                     }
+                    self.writers().told.remove(&inode);
                     files.remove(&inode).map(|file| file.handle)
                 }
             };

@@ -419,7 +419,6 @@ async fn evict_lapsing_files(state: std::sync::Weak<MountState>) {
             let (state, following) = (state.clone(), Following(following.clone()));
             tokio::spawn(async move {
                 let _following = following;
-                state.files.forget_closed();
                 for (inode, _) in open {
                     // Bounded, so that one file whose servers do not answer does not
                     // hold up the others (it is tried again at the next sweep).
