@@ -248,6 +248,15 @@ impl MountState {
         let _ = raised.await;
     }
 
+    /// Note a truncation of `inode` by this mount until the guard is dropped: the kernel
+    /// holds the file's write-back meanwhile (`KernelCache::truncating`), and a growth
+    /// being prepared is given up (`OpenFiles::truncation_began`; the truncation still
+    /// waits for one under way, `wait_growth`, before it is sent).
+    fn begin_truncation(&self, inode: InodeId) -> crate::cache::Truncating {
+        self.files.truncation_began(inode);
+        self.cache.truncating(inode)
+    }
+
     /// Reply with `attr` for what is left of `lease`.
     fn reply_attr(&self, reply: ReplyAttr, attr: &Attr, lease: &Lease) {
         let mut admission = self.cache.admit();
@@ -854,10 +863,7 @@ impl fuser::Filesystem for FreeflowFs {
         };
         let state = self.state.clone();
         // The kernel holds this file's write-back until a truncation is answered.
-        let truncating = size.map(|_| {
-            self.state.files.truncation_began(inode.0);
-            self.state.cache.truncating(inode.0)
-        });
+        let truncating = size.map(|_| self.state.begin_truncation(inode.0));
         self.spawn(async move {
             let _truncating = truncating;
             if size.is_some() {
@@ -1117,10 +1123,7 @@ impl fuser::Filesystem for FreeflowFs {
         self.settle(&[inode.0]);
         let truncate = flags.0 & libc::O_TRUNC != 0;
         let (client, state) = (self.caller(request), self.state.clone());
-        let truncating = truncate.then(|| {
-            self.state.files.truncation_began(inode.0);
-            self.state.cache.truncating(inode.0)
-        });
+        let truncating = truncate.then(|| self.state.begin_truncation(inode.0));
         self.spawn(async move {
             let _truncating = truncating;
             let handle = match state.files.acquire(&state.client, inode.0).await {
@@ -1914,8 +1917,7 @@ async fn create_and_open(
             }
             let handle = state.files.acquire(&state.client, attr.inode).await?;
             if truncate {
-                state.files.truncation_began(attr.inode);
-                let _truncating = state.cache.truncating(attr.inode);
+                let _truncating = state.begin_truncation(attr.inode);
                 state.files.wait_growth(attr.inode).await;
                 let changes = SetAttr {
                     size_bytes: Some(0),

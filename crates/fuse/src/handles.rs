@@ -99,6 +99,17 @@ impl OpenFiles {
     /// file's size in the kernel: that copies a byte into the kernel's page, which must
     /// not land on one this open wrote.
     pub async fn opened_for_writing(&self, inode: InodeId) {
+        self.after_growth(inode, |writers| {
+            *writers.counts.entry(inode).or_insert(0) += 1;
+            writers.local_change(inode);
+        })
+        .await;
+    }
+
+    /// Once no growth of `inode` is under way, `then` under the same lock (so none can
+    /// begin before it is done).
+    async fn after_growth(&self, inode: InodeId, then: impl FnOnce(&mut Writers)) {
+        let mut then = Some(then);
         loop {
             let ended = self.growth_ended.notified();
             tokio::pin!(ended);
@@ -106,8 +117,9 @@ impl OpenFiles {
             {
                 let mut writers = self.writers();
                 if !writers.growing.contains(&inode) {
-                    *writers.counts.entry(inode).or_insert(0) += 1;
-                    writers.local_change(inode);
+                    if let Some(then) = then.take() {
+                        then(&mut writers);
+                    }
                     return;
                 }
             }
@@ -177,15 +189,7 @@ impl OpenFiles {
     /// Wait until no growth of `inode` is under way (a truncation by this mount waits: a
     /// store after it would raise the size it cut).
     pub async fn wait_growth(&self, inode: InodeId) {
-        loop {
-            let ended = self.growth_ended.notified();
-            tokio::pin!(ended);
-            ended.as_mut().enable();
-            if !self.writers().growing.contains(&inode) {
-                return;
-            }
-            ended.await;
-        }
+        self.after_growth(inode, |_| {}).await;
     }
 
     /// The growth of `inode` ended, having shown the kernel `shown` bytes if it did.

@@ -149,12 +149,7 @@ impl LeaderSearch {
 
     /// Whether `address` is the member found leading last (the first tried next time).
     pub fn is_preferred(&self, address: &str) -> bool {
-        let list: Vec<&str> = self
-            .addresses
-            .split(',')
-            .map(str::trim)
-            .filter(|address| !address.is_empty())
-            .collect();
+        let list = member_addresses(&self.addresses);
         if list.len() <= 1 {
             return true;
         }
@@ -178,6 +173,15 @@ impl LeaderSearch {
         self.preferred.store(index, Ordering::Relaxed);
         Ok(connection)
     }
+}
+
+/// The members' addresses in a comma-separated list, blanks dropped.
+fn member_addresses(addresses: &str) -> Vec<&str> {
+    addresses
+        .split(',')
+        .map(str::trim)
+        .filter(|address| !address.is_empty())
+        .collect()
 }
 
 /// An authenticated, pipelined connection to one server. Clones share it.
@@ -221,11 +225,7 @@ impl Connection {
         key: &ClusterKey,
         options: &ConnectOptions,
     ) -> Result<(Connection, usize), RpcError> {
-        let list: Vec<&str> = addresses
-            .split(',')
-            .map(str::trim)
-            .filter(|address| !address.is_empty())
-            .collect();
+        let list = member_addresses(addresses);
         if list.len() <= 1 {
             let connection = Connection::connect(addresses.trim(), key, options).await?;
             return Ok((connection, 0));
