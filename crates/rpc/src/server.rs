@@ -322,16 +322,20 @@ async fn run_connection<S: Service>(
 ) {
     let options = &shared.options;
     let metrics = options.metrics.clone();
-    let mut reader = BufReader::with_capacity(64 << 10, read);
-    let mut writer = BufWriter::with_capacity(64 << 10, write);
-    let Ok(handshake_slot) = shared.handshakes.try_acquire() else {
-        tracing::warn!(peer = %address, limit = options.handshakes_max, "closing connection: too many connections authenticating");
+    let timeout = Duration::from_millis(options.handshake_timeout_ms);
+    // Many clients connecting at once (a job starting on many nodes) wait their turn for a
+    // handshake slot, at most one handshake timeout, holding nothing but their socket;
+    // peers that never authenticate hold a slot for one timeout at most.
+    let Ok(Ok(handshake_slot)) = tokio::time::timeout(timeout, shared.handshakes.acquire()).await
+    else {
+        tracing::warn!(peer = %address, limit = options.handshakes_max, "closing connection: no handshake slot came free within handshake_timeout_ms");
         if let Some(metrics) = &metrics {
             metrics.connection_refused();
         }
         return;
     };
-    let timeout = Duration::from_millis(options.handshake_timeout_ms);
+    let mut reader = BufReader::with_capacity(64 << 10, read);
+    let mut writer = BufWriter::with_capacity(64 << 10, write);
     let (client_name, client_id) = match tokio::time::timeout(
         timeout,
         handshake(
