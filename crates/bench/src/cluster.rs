@@ -173,8 +173,8 @@ pub struct Cluster {
     pub io: Vec<Server>,
     freeflow_exe: PathBuf,
     runtime: tokio::runtime::Handle,
-    /// The I/O servers' `payload_budget_bytes` (None: their default).
-    io_payload_budget: Option<u64>,
+    /// The I/O servers' `memory_budget_bytes` (None: their default).
+    io_memory_budget: Option<u64>,
 }
 
 /// A loopback port that was free a moment ago.
@@ -208,14 +208,14 @@ impl Cluster {
         Cluster::start_with_budget(dir, io_count, placement, freeflow_exe, runtime, None)
     }
 
-    /// [`Cluster::start`] with the I/O servers' payload budget set (`payload_budget_bytes`).
+    /// [`Cluster::start`] with the I/O servers' memory budget set (`memory_budget_bytes`).
     pub fn start_with_budget(
         dir: PathBuf,
         io_count: u32,
         placement: Placement,
         freeflow_exe: &Path,
         runtime: &tokio::runtime::Handle,
-        io_payload_budget: Option<u64>,
+        io_memory_budget: Option<u64>,
     ) -> Result<Cluster, StepError> {
         std::fs::create_dir_all(&dir).step(format!("create {}", dir.display()))?;
         let key = ClusterKey::generate().step("generate a cluster key")?;
@@ -252,7 +252,7 @@ impl Cluster {
             meta_address: String::new(),
             freeflow_exe: freeflow_exe.to_path_buf(),
             runtime: runtime.clone(),
-            io_payload_budget,
+            io_memory_budget,
         };
         let meta_ip = match &placement {
             Placement::Loopback => "127.0.0.1".to_string(),
@@ -329,9 +329,9 @@ impl Cluster {
             meta_address: self.meta_address.clone(),
             engine: EngineKind::Uring,
             register_backoff_max_ms: 500,
-            payload_budget_bytes: self
-                .io_payload_budget
-                .unwrap_or(IoConfig::default().payload_budget_bytes),
+            memory_budget_bytes: self
+                .io_memory_budget
+                .unwrap_or(IoConfig::default().memory_budget_bytes),
             ..IoConfig::default()
         };
         write_toml(

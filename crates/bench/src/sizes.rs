@@ -64,7 +64,7 @@ pub struct Sizes {
     /// `incast`: clients writing to the one I/O server at once, bytes each.
     pub incast_clients: u32,
     pub incast_client_bytes: u64,
-    /// `incast`: the I/O server's payload budget (None: its default, 512 MiB).
+    /// `incast`: the I/O server's memory budget, `memory_budget_bytes` (None: its default, 768 MiB).
     pub incast_budget_bytes: Option<u64>,
     /// `striping`: I/O server counts compared, bytes of the file, per-link rate.
     pub striping_servers: Vec<u32>,

@@ -361,7 +361,7 @@ pub struct BenchArgs {
     /// incast: MiB each client writes.
     #[arg(long, value_name = "MIB")]
     pub incast_mib: Option<u64>,
-    /// incast: the I/O server's payload budget in MiB (default: its own, 512).
+    /// incast: the I/O server's memory budget in MiB, the whole process (default: its own, 768).
     #[arg(long, value_name = "MIB")]
     pub incast_budget_mib: Option<u64>,
     /// striping: I/O server counts, comma separated.

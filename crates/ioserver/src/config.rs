@@ -37,6 +37,16 @@ pub enum DirectIo {
 /// cache must leave room below it for sockets and everything else.
 const PROCESS_OPEN_FILES_LIMIT: usize = 20_000;
 
+/// Memory the I/O server's process holds besides its buffer pool, its connections and the
+/// payloads: the binary's pages, the runtime, the descriptor cache's entries, the links to
+/// the meta server and to replicas, metrics. Release builds hold 16-26 MiB of it idle
+/// (docs/BENCHMARKS.md, "The I/O server's memory budget").
+pub const BASELINE_MEMORY_BYTES: u64 = 32 << 20;
+
+/// Memory one connection may hold besides the payloads counted in the payload budget: its
+/// 64 KiB read and 64 KiB write buffers, the headers of its requests, its tasks.
+pub const CONNECTION_MEMORY_BYTES: u64 = 160 << 10;
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct IoConfig {
@@ -68,9 +78,21 @@ pub struct IoConfig {
     /// The largest window (payload bytes in flight) one connection is granted; windows are
     /// shared out of `payload_budget_bytes` while the server runs (credits). Default 64 MiB.
     pub window_bytes: u32,
-    /// Request payload bytes this server holds at once, across every connection (the memory
-    /// the data path may use for requests waiting for or in the disk). Default 512 MiB.
-    pub payload_budget_bytes: u64,
+    /// The most memory the server's process holds: the buffer pool (`buffer_count ×
+    /// buffer_bytes`), `connections_max` connections at [`CONNECTION_MEMORY_BYTES`] each,
+    /// [`BASELINE_MEMORY_BYTES`] for the rest of the process, and the payload budget, which
+    /// is what these leave unless `payload_budget_bytes` says less. Checked at start.
+    /// Default 768 MiB (a 512 MiB payload budget with the other defaults).
+    pub memory_budget_bytes: u64,
+    /// Connections served at once (clients, replicas, the meta server's); one more is closed
+    /// at accept. Each is counted in `memory_budget_bytes`. Default 1024.
+    pub connections_max: u32,
+    /// Request and reply payload bytes this server holds at once, across every connection
+    /// (what the data path may use for requests waiting for or in the disk, and for reads'
+    /// replies not yet sent); connections' windows are shared out of it (credits). Default:
+    /// what `memory_budget_bytes` leaves; when set, it must fit in that.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload_budget_bytes: Option<u64>,
     /// io_uring submission queue size: the most disk operations in the ring at once (more
     /// wait their turn). Default 256.
     pub ring_entries: u32,
@@ -117,7 +139,9 @@ impl Default for IoConfig {
             buffer_bytes: 1 << 20,
             worker_threads: 8,
             window_bytes: 64 << 20,
-            payload_budget_bytes: 512 << 20,
+            memory_budget_bytes: 768 << 20,
+            connections_max: 1024,
+            payload_budget_bytes: None,
             ring_entries: 256,
             engine_queue_depth_max: 1024,
             requests_in_flight_max: 128,
@@ -133,6 +157,22 @@ impl Default for IoConfig {
 }
 
 impl IoConfig {
+    /// Memory held whatever the load: the buffer pool, the connections, the baseline.
+    pub fn fixed_memory_bytes(&self) -> u64 {
+        (self.buffer_count as u64) * (self.buffer_bytes as u64)
+            + u64::from(self.connections_max) * CONNECTION_MEMORY_BYTES
+            + BASELINE_MEMORY_BYTES
+    }
+
+    /// The payload budget this configuration gives: `payload_budget_bytes` when set, else
+    /// what the memory budget leaves after [`IoConfig::fixed_memory_bytes`].
+    pub fn payload_budget(&self) -> u64 {
+        self.payload_budget_bytes.unwrap_or_else(|| {
+            self.memory_budget_bytes
+                .saturating_sub(self.fixed_memory_bytes())
+        })
+    }
+
     /// Checks every field; the error names the field and the rule.
     pub fn validate(&self) -> Result<(), IoServerError> {
         let IoConfig {
@@ -148,7 +188,9 @@ impl IoConfig {
             buffer_bytes,
             worker_threads,
             window_bytes,
-            payload_budget_bytes,
+            memory_budget_bytes,
+            connections_max,
+            payload_budget_bytes: _,
             ring_entries,
             engine_queue_depth_max,
             requests_in_flight_max,
@@ -230,12 +272,40 @@ impl IoConfig {
             u64::from(limits::IO_REQUEST_BYTES_MAX),
             u64::from(u32::MAX),
         )?;
+        check_range("connections_max", u64::from(*connections_max), 1, 65_536)?;
+        check_range(
+            "memory_budget_bytes",
+            *memory_budget_bytes,
+            64 << 20,
+            1 << 42,
+        )?;
+        let payload = self.payload_budget();
+        let fixed = self.fixed_memory_bytes();
+        if self.payload_budget_bytes.is_none() && payload < u64::from(limits::IO_REQUEST_BYTES_MAX)
+        {
+            return invalid(format!(
+                "memory_budget_bytes = {memory_budget_bytes} leaves {payload} bytes for payloads, \
+                 less than one largest request ({} bytes): the buffer pool (buffer_count × \
+                 buffer_bytes), {connections_max} connections (connections_max × {} KiB) and \
+                 {} MiB for the process take {fixed}",
+                limits::IO_REQUEST_BYTES_MAX,
+                CONNECTION_MEMORY_BYTES >> 10,
+                BASELINE_MEMORY_BYTES >> 20,
+            ));
+        }
         check_range(
             "payload_budget_bytes",
-            *payload_budget_bytes,
+            payload,
             u64::from(limits::IO_REQUEST_BYTES_MAX),
             1 << 40,
         )?;
+        if fixed + payload > *memory_budget_bytes {
+            return invalid(format!(
+                "payload_budget_bytes = {payload} does not fit in memory_budget_bytes = \
+                 {memory_budget_bytes}: the buffer pool, {connections_max} connections and the \
+                 process itself take {fixed}"
+            ));
+        }
         check_range("ring_entries", u64::from(*ring_entries), 2, 4096)?;
         check_range(
             "engine_queue_depth_max",
@@ -319,6 +389,72 @@ mod tests {
     }
 
     #[test]
+    fn the_memory_budget_holds_the_pool_the_connections_and_the_payloads() {
+        // The defaults: 768 MiB = 64 MiB of pool + 1024 × 160 KiB + 32 MiB + 512 MiB.
+        let config = IoConfig::default();
+        assert_eq!(config.fixed_memory_bytes(), 256 << 20);
+        assert_eq!(config.payload_budget(), 512 << 20);
+        // A smaller budget leaves a smaller payload budget.
+        let small = IoConfig {
+            memory_budget_bytes: 384 << 20,
+            ..IoConfig::default()
+        };
+        small.validate().unwrap();
+        assert_eq!(small.payload_budget(), 128 << 20);
+        // Fewer connections leave more for payloads.
+        let few = IoConfig {
+            memory_budget_bytes: 384 << 20,
+            connections_max: 64,
+            ..IoConfig::default()
+        };
+        assert_eq!(
+            few.payload_budget(),
+            (288 << 20) - 64 * CONNECTION_MEMORY_BYTES
+        );
+        // A budget the fixed part eats is refused, naming what takes it.
+        let error = IoConfig {
+            memory_budget_bytes: 256 << 20,
+            ..IoConfig::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains("memory_budget_bytes = 268435456 leaves 0 bytes"),
+            "{error}"
+        );
+        assert!(error.contains("1024 connections"), "{error}");
+        // An explicit payload budget larger than what is left is refused.
+        let error = IoConfig {
+            memory_budget_bytes: 384 << 20,
+            payload_budget_bytes: Some(256 << 20),
+            ..IoConfig::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains("does not fit in memory_budget_bytes"),
+            "{error}"
+        );
+        // An explicit smaller one is kept.
+        let explicit = IoConfig {
+            payload_budget_bytes: Some(64 << 20),
+            ..IoConfig::default()
+        };
+        explicit.validate().unwrap();
+        assert_eq!(explicit.payload_budget(), 64 << 20);
+        let error = IoConfig {
+            connections_max: 0,
+            ..IoConfig::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("connections_max = 0"), "{error}");
+    }
+
+    #[test]
     fn direct_io_and_unix_socket_settings_are_checked() {
         let config: IoConfig = toml::from_str("direct_io = \"all\"\n").unwrap();
         assert_eq!(config.direct_io, DirectIo::All);
@@ -343,7 +479,7 @@ mod tests {
         );
         refused(
             IoConfig {
-                payload_budget_bytes: 1 << 20,
+                payload_budget_bytes: Some(1 << 20),
                 ..IoConfig::default()
             },
             "payload_budget_bytes",
@@ -353,7 +489,8 @@ mod tests {
 ",
         )
         .unwrap();
-        assert_eq!(config.payload_budget_bytes, 256 << 20);
+        assert_eq!(config.payload_budget(), 256 << 20);
+        config.validate().unwrap();
         refused(
             IoConfig {
                 unix_socket: Some(PathBuf::from("io.sock")),

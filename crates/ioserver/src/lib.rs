@@ -171,7 +171,8 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
     let options = ServerOptions {
         metrics: Some(ServerMetrics::new(&registry, freeflow_proto::io::OPCODES)),
         window_bytes: config.window_bytes,
-        payload_bytes_in_flight_max: config.payload_budget_bytes,
+        payload_bytes_in_flight_max: config.payload_budget(),
+        connections_max: config.connections_max,
         payload_length_max: limits::IO_REQUEST_BYTES_MAX,
         requests_in_flight_max: config.requests_in_flight_max,
         ..ServerOptions::new(format!("io:{}", config.server_id))
@@ -203,6 +204,7 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         progress: Arc::new(resync::ResyncProgress::default()),
     });
     metrics::register_resync_gauges(&registry, &resync.progress);
+    metrics::register_memory_gauges(&registry, &config);
     metrics::register_replication_gauges(&registry, &replication);
     let serve = tokio::spawn(freeflow_rpc::serve_with_unix(
         listener,

@@ -272,6 +272,25 @@ pub fn register_store_gauges(registry: &Registry, store: &Arc<ObjectStore>, read
     });
 }
 
+/// The memory budget (`memory_budget_bytes`, the whole process) and the payload budget it
+/// leaves, set once at start.
+pub fn register_memory_gauges(registry: &Registry, config: &crate::IoConfig) {
+    registry
+        .gauge(
+            "freeflow_io_memory_budget_bytes",
+            "The most memory the server's process holds (memory_budget_bytes): buffer pool, connections, payloads and the process itself.",
+            &[],
+        )
+        .set(config.memory_budget_bytes);
+    registry
+        .gauge(
+            "freeflow_io_payload_budget_bytes",
+            "Request and reply payload bytes the server holds at once at most (what memory_budget_bytes leaves, or payload_budget_bytes).",
+            &[],
+        )
+        .set(config.payload_budget());
+}
+
 /// Chain replication (see `replication.rs`): what was passed on to the next member of a
 /// chain, the map version held, and the resync's progress (`resync.rs`).
 pub fn register_replication_gauges(

@@ -5,7 +5,8 @@
 //! released together to write and fsync it: the clock starts after the creates (they queue
 //! at the meta server; a writer whose create came back first would write alone). Reported: aggregate and per-client throughput, Jain's fairness index
 //! of the per-client throughputs, and the I/O server's peak resident memory (VmHWM, reset
-//! before each run where the kernel allows it).
+//! before each run where the kernel allows it), also as a share of its memory budget
+//! (`memory_budget_bytes`, the whole process).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -42,6 +43,13 @@ impl Incast {
     }
 }
 
+impl Incast {
+    fn memory_budget(&self) -> u64 {
+        self.budget_bytes
+            .unwrap_or(freeflow_ioserver::IoConfig::default().memory_budget_bytes)
+    }
+}
+
 impl Scenario for Incast {
     fn name(&self) -> &'static str {
         "incast"
@@ -53,10 +61,14 @@ impl Scenario for Incast {
             parameter("client_bytes", self.client_bytes),
             parameter("write_bytes", WRITE_BYTES as u64),
             parameter("io_servers", 1),
+            parameter("io_memory_budget", self.memory_budget()),
             parameter(
                 "io_payload_budget",
-                self.budget_bytes
-                    .unwrap_or(freeflow_ioserver::IoConfig::default().payload_budget_bytes),
+                freeflow_ioserver::IoConfig {
+                    memory_budget_bytes: self.memory_budget(),
+                    ..freeflow_ioserver::IoConfig::default()
+                }
+                .payload_budget(),
             ),
         ]
     }
@@ -68,6 +80,7 @@ impl Scenario for Incast {
             MetricSpec::new("per_client_median", "MB/s", Better::Higher),
             MetricSpec::new("jain_index", "index", Better::Higher),
             MetricSpec::new("io_peak_rss", "MiB", Better::Lower),
+            MetricSpec::new("io_peak_rss_of_budget", "%", Better::Lower),
         ]
     }
 
@@ -126,6 +139,7 @@ impl Scenario for Incast {
                 client_bytes: self.client_bytes,
                 data: data.clone(),
                 io_pid,
+                memory_budget: self.memory_budget(),
                 warmed: false,
             }));
         }
@@ -158,6 +172,8 @@ struct IncastSubject {
     client_bytes: u64,
     data: Bytes,
     io_pid: u32,
+    /// The I/O server's `memory_budget_bytes`.
+    memory_budget: u64,
     /// Whether each client has made its connections (see `run_once`).
     warmed: bool,
 }
@@ -298,6 +314,10 @@ impl Subject for IncastSubject {
             Measurement::new("per_client_median", median(&per_client)),
             Measurement::new("jain_index", jain_index(&per_client)),
             Measurement::new("io_peak_rss", peak_kib as f64 / 1024.0),
+            Measurement::new(
+                "io_peak_rss_of_budget",
+                (peak_kib * 1024) as f64 * 100.0 / self.memory_budget as f64,
+            ),
         ])
     }
 }
