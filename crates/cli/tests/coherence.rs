@@ -751,6 +751,82 @@ async fn a_reader_holding_a_file_open_on_a_writeback_mount_sees_another_mounts_a
     assert_eq!(String::from_utf8_lossy(&after), line);
 }
 
+/// Two writeback mounts writing different bytes of one page: the kernel writes back whole
+/// pages, and a page one host read before the other wrote into it, or began past what it
+/// knew as the end of the file (filling the rest with zeros), carried the old bytes or the
+/// zeros over the other's. Only the bytes changed on each host go (`fuse/src/shadow.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writeback_mounts_writing_neighbouring_bytes_of_one_page_keep_both() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = coherence_cluster(LONG_LEASE_MS).await;
+    let a = Mount::start(&cluster, "a", &["--writeback"]);
+    let b = Mount::start(&cluster, "b", &["--writeback"]);
+    let plain = Mount::start(&cluster, "c", &[]);
+
+    // An existing file: A reads its first page and changes a few bytes of it (a dirty
+    // page in A's kernel); B writes elsewhere in that page and closes (its change recalls
+    // A's page: A writes it back), then A closes.
+    fs::write(plain.path("records"), vec![b'o'; 8192]).unwrap();
+    let on_a = open_rw(&a.path("records"));
+    let mut first = vec![0u8; 4096];
+    on_a.read_exact_at(&mut first, 0).unwrap();
+    assert_eq!(first, vec![b'o'; 4096]);
+    on_a.write_all_at(b"AAAA", 0).unwrap();
+    let on_b = open_rw(&b.path("records"));
+    on_b.write_all_at(b"BBBB", 100).unwrap();
+    drop(on_b);
+    drop(on_a);
+    let mut expected = vec![b'o'; 8192];
+    expected[..4].copy_from_slice(b"AAAA");
+    expected[100..104].copy_from_slice(b"BBBB");
+    assert_bytes_eq(
+        &read_all(&plain.path("records")),
+        &expected,
+        "a page read, then changed",
+    );
+
+    // A new file, two records meeting inside its first page, each written on one host:
+    // A's kernel begins that page past the end it knows (0) and fills it with zeros.
+    File::create(plain.path("n-to-1")).unwrap();
+    let on_b = open_rw(&b.path("n-to-1"));
+    let on_a = open_rw(&a.path("n-to-1"));
+    on_b.write_all_at(&[b'B'; 1000], 0).unwrap();
+    on_b.sync_all().unwrap();
+    on_a.write_all_at(&[b'A'; 1000], 1000).unwrap();
+    on_a.write_all_at(&[b'a'; 100], 3000).unwrap();
+    drop(on_a);
+    drop(on_b);
+    let mut expected = vec![b'B'; 1000];
+    expected.extend_from_slice(&[b'A'; 1000]);
+    expected.extend_from_slice(&[0; 1000]);
+    expected.extend_from_slice(&[b'a'; 100]);
+    assert_bytes_eq(
+        &read_all(&plain.path("n-to-1")),
+        &expected,
+        "records of two hosts",
+    );
+
+    // One host alone: zeros written over bytes, and over a page it read, still land.
+    fs::write(plain.path("zeros"), vec![b'x'; 3 * 4096]).unwrap();
+    let on_a = open_rw(&a.path("zeros"));
+    let mut page = vec![0u8; 4096];
+    on_a.read_exact_at(&mut page, 4096).unwrap();
+    on_a.write_all_at(&[0; 4096], 0).unwrap();
+    on_a.write_all_at(&[0; 10], 4096 + 50).unwrap();
+    on_a.write_all_at(&[0; 4096], 3 * 4096).unwrap();
+    drop(on_a);
+    let mut expected = vec![0u8; 4 * 4096];
+    expected[4096..3 * 4096].fill(b'x');
+    expected[4096 + 50..4096 + 60].fill(0);
+    assert_bytes_eq(
+        &read_all(&plain.path("zeros")),
+        &expected,
+        "zeros from one host",
+    );
+}
+
 /// A writeback mount (`--writeback`: the kernel gathers writes in its page cache and owns
 /// the sizes of the files it holds) beside a plain one. Its writes reach the other mount at
 /// close and survive its SIGKILL once fsynced; another mount's changes evict the files its

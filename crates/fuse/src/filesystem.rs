@@ -36,6 +36,7 @@ use crate::caller::GroupsCache;
 use crate::convert::{self, errno, file_attr, STATFS_BLOCK_BYTES};
 use crate::handles::{OpenDirectories, OpenFiles};
 use crate::session::{MountOptions, REQUESTS_IN_FLIGHT_MAX};
+use crate::shadow::Shadows;
 
 /// Largest write the kernel sends in one request (and the read size it asks for): 1 MiB,
 /// one stripe unit by default (DESIGN.md §6.1).
@@ -97,6 +98,9 @@ pub(crate) struct MountState {
     pub cache: Arc<KernelCache>,
     /// The kernel's writeback cache is on (`MountOptions::writeback`).
     pub writeback: bool,
+    /// Writeback mounts: the pages of files open for writing as the kernel got them, so
+    /// that a page written back carries only what changed here (`shadow.rs`).
+    pub shadows: Shadows,
 }
 
 impl MountState {
@@ -118,6 +122,15 @@ impl MountState {
             in_flight: Arc::new(Semaphore::new(REQUESTS_IN_FLIGHT_MAX)),
             cache: Arc::new(KernelCache::new(options.writeback)),
             writeback: options.writeback,
+            shadows: Shadows::default(),
+        }
+    }
+
+    /// The kernel opens `inode` (of `size` bytes) for writing: on a writeback mount its
+    /// pages are followed from here (`shadow.rs`). Called under the write opens' count.
+    fn follow_pages(&self, inode: InodeId, size: u64) {
+        if self.writeback {
+            self.shadows.begin(inode, size);
         }
     }
 
@@ -488,7 +501,9 @@ impl FreeflowFs {
             state.entry_time_outs(&mut admission, &lease, parent, name, Some(inode));
         admission.held_as(inode, parent, name);
         if writes {
-            state.files.created_for_writing(inode);
+            state
+                .files
+                .created_for_writing(inode, || state.follow_pages(inode, 0));
         }
         reply.created(
             &attr_ttl.min(entry_ttl),
@@ -622,6 +637,51 @@ impl FreeflowFs {
         self.state.runtime.spawn(async move {
             task.await;
             drop(permit);
+        });
+    }
+
+    /// A write-back of `data` at `offset` of which only `spans` (offsets into `data`)
+    /// changed here (`shadow.rs`): those go, and the kernel is told all was written.
+    fn write_spans(
+        &self,
+        handle: Arc<freeflow_client::FileHandle>,
+        offset: u64,
+        data: &[u8],
+        spans: &[std::ops::Range<usize>],
+        kill_privileges: bool,
+        reply: ReplyWrite,
+    ) {
+        let Ok(length) = u32::try_from(data.len()) else {
+            return reply.error(Errno::EINVAL);
+        };
+        let pieces: Vec<(u64, Bytes)> = spans
+            .iter()
+            .map(|span| {
+                (
+                    offset + span.start as u64,
+                    Bytes::copy_from_slice(&data[span.clone()]),
+                )
+            })
+            .collect();
+        let privileged_client = kill_privileges.then(|| {
+            self.state
+                .client
+                .with_caller(freeflow_client::Caller::root())
+        });
+        self.spawn(async move {
+            if let Some(client) = privileged_client {
+                if let Err(error) = kill_set_id_bits(&client, handle.inode()).await {
+                    return reply.error(errno(&error));
+                }
+            }
+            // Disjoint pieces: sent at once.
+            let writes = pieces
+                .into_iter()
+                .map(|(at, piece)| handle.write_at(at, piece));
+            match futures::future::try_join_all(writes).await {
+                Ok(_) => reply.written(length),
+                Err(error) => reply.error(errno(&error)),
+            }
         });
     }
 
@@ -876,7 +936,12 @@ impl fuser::Filesystem for FreeflowFs {
                 client.setattr_leased(inode.0, changes, through).await
             };
             match result {
-                Ok((attr, lease)) => state.reply_attr(reply, &attr, &lease),
+                Ok((attr, lease)) => {
+                    if let Some(size) = size {
+                        state.shadows.truncated(inode.0, size);
+                    }
+                    state.reply_attr(reply, &attr, &lease)
+                }
                 Err(error) => reply.error(errno(&error)),
             }
         });
@@ -1144,9 +1209,18 @@ impl fuser::Filesystem for FreeflowFs {
                     return reply.error(errno(&error));
                 }
             }
-            if writes(flags.0) {
-                state.files.opened_for_writing(inode.0).await;
+            if truncate {
+                state.shadows.truncated(inode.0, 0);
             }
+            if writes(flags.0) {
+                let size = if truncate { 0 } else { handle.size() };
+                state
+                    .files
+                    .opened_for_writing(inode.0, || state.follow_pages(inode.0, size))
+                    .await;
+            }
+            // No FOPEN_KEEP_CACHE: the kernel drops the file's pages at every open, which
+            // the writeback mount's shadows count on (`shadow.rs`).
             reply.opened(FileHandle(handle.inode()), FopenFlags::empty());
         });
     }
@@ -1166,17 +1240,23 @@ impl fuser::Filesystem for FreeflowFs {
         let Some((handle, reads)) = self.state.files.get_for_reading(inode.0) else {
             return reply.error(bad_handle());
         };
-        let writeback = self.state.writeback;
+        let writeback = self.state.writeback.then(|| self.state.clone());
         self.spawn(async move {
             // A writeback mount's growth of a held-open file waits for the reads already
             // answering (their pages may end at the size the handle knew before it).
-            let _reading = if writeback {
+            let _reading = if writeback.is_some() {
                 Some(reads.read().await)
             } else {
                 None
             };
             match handle.read_at(offset, u64::from(size)).await {
-                Ok(data) => reply.data(&data),
+                Ok(data) => {
+                    // Copied before the kernel has the page and can change it.
+                    if let Some(state) = &writeback {
+                        state.shadows.read(inode.0, offset, u64::from(size), &data);
+                    }
+                    reply.data(&data)
+                }
                 Err(error) => reply.error(errno(&error)),
             }
         });
@@ -1203,6 +1283,20 @@ impl fuser::Filesystem for FreeflowFs {
         // kernel has made the decision, so it is carried out as root: a writer who is not
         // the owner could not chmod the file itself.
         let kill_privileges = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        if self.state.writeback {
+            if !write_flags.contains(WriteFlags::FUSE_WRITE_CACHE) {
+                self.state
+                    .shadows
+                    .written_directly(inode.0, offset, data.len() as u64);
+            } else {
+                // Pages from the kernel's cache: only what changed here goes (`shadow.rs`).
+                let spans = self.state.shadows.write_back(inode.0, offset, data);
+                let whole = spans.len() == 1 && spans[0] == (0..data.len());
+                if !whole {
+                    return self.write_spans(handle, offset, data, &spans, kill_privileges, reply);
+                }
+            }
+        }
         if !kill_privileges {
             // A small write that joins those gathered is answered here, on the session
             // thread, without a task or a request of its own.
@@ -1290,7 +1384,10 @@ impl fuser::Filesystem for FreeflowFs {
         reply: ReplyEmpty,
     ) {
         if writes(flags.0) {
-            self.state.files.closed_for_writing(inode.0);
+            let state = &self.state;
+            state
+                .files
+                .closed_for_writing(inode.0, || state.shadows.end(inode.0));
         }
         let state = self.state.clone();
         self.spawn(async move {
@@ -1732,7 +1829,12 @@ impl fuser::Filesystem for FreeflowFs {
             {
                 Ok((attr, lease)) => {
                     if writes(flags) {
-                        state.files.opened_for_writing(attr.inode).await;
+                        state
+                            .files
+                            .opened_for_writing(attr.inode, || {
+                                state.follow_pages(attr.inode, attr.size_bytes)
+                            })
+                            .await;
                     }
                     state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
                     state.remember(attr.inode);
@@ -1803,9 +1905,13 @@ impl fuser::Filesystem for FreeflowFs {
         let Some(handle) = self.state.files.get(inode.0) else {
             return reply.error(bad_handle());
         };
+        let state = self.state.clone();
         self.spawn(async move {
             match handle.allocate(offset, length, how).await {
-                Ok(()) => reply.ok(),
+                Ok(()) => {
+                    state.shadows.written_directly(inode.0, offset, length);
+                    reply.ok()
+                }
                 Err(error) => reply.error(errno(&error)),
             }
         });
@@ -1836,13 +1942,19 @@ impl fuser::Filesystem for FreeflowFs {
         };
         // The reply counts bytes in 32 bits.
         let length = length.min(u64::from(!0xfff_u32));
+        let state = self.state.clone();
         self.spawn(async move {
             match target
                 .copy_range_from(&source, source_offset, target_offset, length)
                 .await
             {
                 // At most `length`, which fits u32.
-                Ok(copied) => reply.written(copied as u32),
+                Ok(copied) => {
+                    state
+                        .shadows
+                        .written_directly(target_inode.0, target_offset, copied);
+                    reply.written(copied as u32)
+                }
                 Err(error) => reply.error(errno(&error)),
             }
         });
@@ -1928,6 +2040,7 @@ async fn create_and_open(
                     let _ = state.files.release(attr.inode, || {}).await;
                     return Err(error);
                 }
+                state.shadows.truncated(attr.inode, 0);
             }
             Ok((handle.attr(), Lease::default()))
         }

@@ -98,10 +98,12 @@ impl OpenFiles {
     /// reply, so counted before it can write). Waits while the mount is raising the
     /// file's size in the kernel: that copies a byte into the kernel's page, which must
     /// not land on one this open wrote.
-    pub async fn opened_for_writing(&self, inode: InodeId) {
+    /// `then` runs under the same lock as the count (see [`OpenFiles::closed_for_writing`]).
+    pub async fn opened_for_writing(&self, inode: InodeId, then: impl FnOnce()) {
         self.after_growth(inode, |writers| {
             *writers.counts.entry(inode).or_insert(0) += 1;
             writers.local_change(inode);
+            then();
         })
         .await;
     }
@@ -129,10 +131,11 @@ impl OpenFiles {
 
     /// [`OpenFiles::opened_for_writing`] of a file this mount just created (answered ahead
     /// of the meta server, on the FUSE thread): no growth of it can be under way.
-    pub fn created_for_writing(&self, inode: InodeId) {
+    pub fn created_for_writing(&self, inode: InodeId, then: impl FnOnce()) {
         let mut writers = self.writers();
         *writers.counts.entry(inode).or_insert(0) += 1;
         writers.local_change(inode);
+        then();
     }
 
     /// This mount begins truncating `inode` (while `KernelCache::truncating` is held): a
@@ -155,13 +158,15 @@ impl OpenFiles {
 
     /// The kernel released an open of `inode` that had write access (its dirty pages went
     /// out before: the kernel flushes them at close, and a shared writable mapping keeps
-    /// its open until unmapped).
-    pub fn closed_for_writing(&self, inode: InodeId) {
+    /// its open until unmapped). `at_last` runs when it was the last, under the lock the
+    /// opens are counted under, so a write open counted after it runs after it too.
+    pub fn closed_for_writing(&self, inode: InodeId, at_last: impl FnOnce()) {
         let mut writers = self.writers();
         if let Some(count) = writers.counts.get_mut(&inode) {
             *count -= 1;
             if *count == 0 {
                 writers.counts.remove(&inode);
+                at_last();
             }
         }
     }

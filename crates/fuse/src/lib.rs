@@ -27,5 +27,6 @@ mod convert;
 mod filesystem;
 mod handles;
 mod session;
+mod shadow;
 
 pub use session::{mount, FuseError, MountHandle, MountOptions, REQUESTS_IN_FLIGHT_MAX};

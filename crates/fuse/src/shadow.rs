@@ -1,0 +1,526 @@
+//! Writeback mounts: what the kernel's pages of a file held before this host's programs
+//! changed them, so that a page written back carries only the bytes changed here.
+//!
+//! The kernel writes back whole pages. A page it read from the cluster, then changed in a
+//! few bytes, would otherwise carry the rest of the page as it was read, over bytes another
+//! client wrote there since (two hosts writing neighbouring records of one file, records
+//! meeting or taking turns inside a page). So while the kernel has a file open for
+//! writing here, the mount keeps a copy of every page it answers a read with and of every
+//! page written back (the *shadow*). A page written back is compared with its shadow and
+//! only the runs of changed bytes are sent; runs closer than [`CHANGED_GAP_MIN`] bytes go
+//! as one (bytes equal by chance inside what a program wrote do not cut it up; a
+//! neighbour's record between them would be shorter than that), and a page changed in
+//! more than [`PAGE_SPANS_MAX`] places goes from its first changed byte to its last.
+//!
+//! A page the kernel did not read has no shadow: it was written whole, or begun past what
+//! the kernel knew as the end of the file, where it fills the rest with zeros. Such a page
+//! goes whole, but for the first page of a write-back that starts past `extent`, the most
+//! this host knows the file holds (the size at the first write open, grown by this host's
+//! writes, set by its truncations): the zeros it begins with are the kernel's filling
+//! before what was written here (the room of another host's record, in an N-to-1 file),
+//! and are not sent; a page of zeros alone was written and goes whole. A write-back that
+//! goes past `extent` sends its last byte, so the file's size grows as the kernel says.
+//! Records of several hosts taking turns inside a page are kept apart from the second
+//! write-back of the page on (it has a shadow then); the first one of a page the kernel
+//! began past the end carries its zeros between this host's records.
+//!
+//! The kernel drops a file's pages at every open (no `FOPEN_KEEP_CACHE`), so the pages it
+//! holds while a write open lasts were read or written during one: shadows start at the
+//! first write open and go at the last close (the kernel writes back before a release).
+//! [`SHADOW_PAGES_MAX`] bounds the copies; past it the oldest go, and their pages are sent
+//! whole if written back (as without shadows).
+
+// A Vec of one range here is one span of bytes, not the numbers in it.
+#![allow(clippy::single_range_in_vec_init)]
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::Range;
+use std::sync::Mutex;
+
+use freeflow_types::InodeId;
+
+/// The kernel's page size here (x86-64, arm64 with 4 KiB pages).
+pub const PAGE_BYTES: u64 = 4096;
+
+/// Most pages copied over all files (64 MiB); past it the oldest copies go.
+pub const SHADOW_PAGES_MAX: usize = 16_384;
+
+/// Changed bytes closer than this are sent as one span: bytes equal by chance inside what a
+/// program wrote do not cut it into pieces (a neighbour's record is longer).
+const CHANGED_GAP_MIN: usize = 16;
+
+/// Most spans one page is sent in; a page changed in more places goes from its first to
+/// its last changed byte (each span is a request of its own).
+const PAGE_SPANS_MAX: usize = 8;
+
+struct FileShadow {
+    /// The most this host knows the file holds (see the module doc).
+    extent: u64,
+    /// Page index → the page's bytes as the kernel holds them (zeros past the file's end).
+    pages: BTreeMap<u64, Box<[u8]>>,
+}
+
+#[derive(Default)]
+struct Table {
+    files: HashMap<InodeId, FileShadow>,
+    pages: usize,
+    /// Pages in the order they were first copied (entries of pages gone since are
+    /// skipped): the oldest go first past [`SHADOW_PAGES_MAX`].
+    order: VecDeque<(InodeId, u64)>,
+}
+
+impl Table {
+    /// Keep `bytes` (zeros past them) as the copy of page `index` of `inode`.
+    fn keep(&mut self, inode: InodeId, index: u64, bytes: &[u8]) {
+        let Some(file) = self.files.get_mut(&inode) else {
+            return;
+        };
+        match file.pages.get_mut(&index) {
+            Some(page) => {
+                page[..bytes.len()].copy_from_slice(bytes);
+                page[bytes.len()..].fill(0);
+            }
+            None => {
+                // At the bound, the oldest copy's memory takes the new one.
+                let reused = (self.pages >= SHADOW_PAGES_MAX).then(|| self.oldest());
+                let mut page = reused
+                    .flatten()
+                    .unwrap_or_else(|| vec![0u8; PAGE_BYTES as usize].into_boxed_slice());
+                page[..bytes.len()].copy_from_slice(bytes);
+                page[bytes.len()..].fill(0);
+                if let Some(file) = self.files.get_mut(&inode) {
+                    file.pages.insert(index, page);
+                    self.pages += 1;
+                    self.order.push_back((inode, index));
+                }
+                self.evict();
+            }
+        }
+    }
+
+    /// Take the oldest copy out of the table.
+    fn oldest(&mut self) -> Option<Box<[u8]>> {
+        while let Some((inode, index)) = self.order.pop_front() {
+            let Some(file) = self.files.get_mut(&inode) else {
+                continue;
+            };
+            if let Some(page) = file.pages.remove(&index) {
+                self.pages -= 1;
+                return Some(page);
+            }
+        }
+        None
+    }
+
+    /// Drop the oldest copies past the bound (their pages go whole if written back), and
+    /// the order's entries of pages gone otherwise when they outnumber the live ones.
+    fn evict(&mut self) {
+        while self.pages > SHADOW_PAGES_MAX && self.oldest().is_some() {}
+        if self.order.len() > 2 * SHADOW_PAGES_MAX.max(self.pages) {
+            let files = &self.files;
+            self.order.retain(|(inode, index)| {
+                files
+                    .get(inode)
+                    .is_some_and(|file| file.pages.contains_key(index))
+            });
+        }
+    }
+
+    /// Drop the copies of `inode`'s pages in `indexes`.
+    fn forget(&mut self, inode: InodeId, indexes: impl std::ops::RangeBounds<u64>) {
+        let Some(file) = self.files.get_mut(&inode) else {
+            return;
+        };
+        let gone: Vec<u64> = file.pages.range(indexes).map(|(&index, _)| index).collect();
+        for index in gone {
+            file.pages.remove(&index);
+            self.pages -= 1;
+        }
+    }
+}
+
+/// The shadows of the files open for writing on a writeback mount.
+#[derive(Default)]
+pub struct Shadows {
+    table: Mutex<Table>,
+}
+
+impl Shadows {
+    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().expect("shadows not poisoned")
+    }
+
+    /// The kernel opens `inode` for writing and no other write open of it is here: its
+    /// pages are dropped at this open, and the cluster holds `size` bytes of it.
+    pub fn begin(&self, inode: InodeId, size: u64) {
+        self.table().files.entry(inode).or_insert(FileShadow {
+            extent: size,
+            pages: BTreeMap::new(),
+        });
+    }
+
+    /// The last write open of `inode` here was released: its dirty pages went out before.
+    pub fn end(&self, inode: InodeId) {
+        let mut table = self.table();
+        if let Some(file) = table.files.remove(&inode) {
+            table.pages -= file.pages.len();
+        }
+        table.evict();
+    }
+
+    /// The kernel asked for `size` bytes at `offset` and is given `data` (short at the end
+    /// of the file: it fills the rest of the page with zeros). Called before the reply, so
+    /// that the copy is there before the kernel can change the page.
+    pub fn read(&self, inode: InodeId, offset: u64, size: u64, data: &[u8]) {
+        if !offset.is_multiple_of(PAGE_BYTES) {
+            return;
+        }
+        let mut table = self.table();
+        if !table.files.contains_key(&inode) {
+            return;
+        }
+        let mut at = 0u64;
+        while at < size {
+            let start = (at as usize).min(data.len());
+            let end = ((at + PAGE_BYTES) as usize).min(data.len());
+            table.keep(inode, (offset + at) / PAGE_BYTES, &data[start..end]);
+            at += PAGE_BYTES;
+        }
+    }
+
+    /// The kernel writes back `data` at `offset` (pages from its cache): the spans to send,
+    /// as offsets into `data`, in order. The shadows take the new bytes and `extent` grows
+    /// to the write's end. A file not followed is sent whole.
+    pub fn write_back(&self, inode: InodeId, offset: u64, data: &[u8]) -> Vec<Range<usize>> {
+        let whole = vec![0..data.len()];
+        if data.is_empty() || !offset.is_multiple_of(PAGE_BYTES) {
+            return whole;
+        }
+        let mut table = self.table();
+        let Some(file) = table.files.get(&inode) else {
+            return whole;
+        };
+        let extent = file.extent;
+        let mut spans: Vec<Range<usize>> = Vec::new();
+        let mut add = |span: Range<usize>| match spans.last_mut() {
+            Some(previous) if previous.end == span.start => previous.end = span.end,
+            _ => spans.push(span),
+        };
+        let mut at = 0usize;
+        while at < data.len() {
+            let end = (at + PAGE_BYTES as usize).min(data.len());
+            let bytes = &data[at..end];
+            let index = (offset + at as u64) / PAGE_BYTES;
+            let file = table.files.get(&inode).expect("followed above");
+            let runs = match file.pages.get(&index) {
+                Some(shadow) if *bytes == shadow[..bytes.len()] => Vec::new(),
+                Some(shadow) => changed_runs(bytes, &shadow[..bytes.len()]),
+                // The first page of a write-back begun past the end this host knows: the
+                // zeros it begins with are the kernel's filling before what was written
+                // here (a page of zeros alone was written, and goes whole).
+                None if at == 0 && offset >= extent => {
+                    match bytes.iter().position(|&byte| byte != 0) {
+                        Some(first) => vec![first..bytes.len()],
+                        None => vec![0..bytes.len()],
+                    }
+                }
+                None => vec![0..bytes.len()],
+            };
+            for run in runs {
+                add(at + run.start..at + run.end);
+            }
+            table.keep(inode, index, bytes);
+            at = end;
+        }
+        // A write past what is known to be held ends the file: its last byte goes, so the
+        // size grows as the kernel says.
+        let write_end = offset + data.len() as u64;
+        if write_end > extent && spans.last().is_none_or(|span| span.end < data.len()) {
+            spans.push(data.len() - 1..data.len());
+        }
+        if let Some(file) = table.files.get_mut(&inode) {
+            file.extent = file.extent.max(write_end);
+        }
+        spans
+    }
+
+    /// This host wrote `length` bytes at `offset` past the kernel's pages (a direct write):
+    /// the pages it covers are the cluster's now, not what a shadow says.
+    pub fn written_directly(&self, inode: InodeId, offset: u64, length: u64) {
+        if length == 0 {
+            return;
+        }
+        let mut table = self.table();
+        table.forget(
+            inode,
+            offset / PAGE_BYTES..=(offset + length - 1) / PAGE_BYTES,
+        );
+        if let Some(file) = table.files.get_mut(&inode) {
+            file.extent = file.extent.max(offset + length);
+        }
+    }
+
+    /// This host cut `inode` to `size`: the kernel dropped its pages past it and zeroed the
+    /// rest of the page the end falls in; nothing of this host's is past it any more.
+    pub fn truncated(&self, inode: InodeId, size: u64) {
+        let mut table = self.table();
+        table.forget(inode, size.div_ceil(PAGE_BYTES)..);
+        let Some(file) = table.files.get_mut(&inode) else {
+            return;
+        };
+        if !size.is_multiple_of(PAGE_BYTES) {
+            if let Some(page) = file.pages.get_mut(&(size / PAGE_BYTES)) {
+                page[(size % PAGE_BYTES) as usize..].fill(0);
+            }
+        }
+        file.extent = size;
+    }
+
+    /// Pages copied now, over all files.
+    #[cfg(test)]
+    fn pages(&self) -> usize {
+        self.table().pages
+    }
+}
+
+/// The runs of `bytes` that differ from `old`, runs closer than [`CHANGED_GAP_MIN`] joined;
+/// past [`PAGE_SPANS_MAX`] runs, one from the first changed byte to the last.
+fn changed_runs(bytes: &[u8], old: &[u8]) -> Vec<Range<usize>> {
+    const WORD: usize = 8;
+    let old = &old[..bytes.len()];
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    // Word by word (a page is compared in a few hundred steps), then each run's ends to
+    // the byte.
+    let mut i = 0;
+    while i < bytes.len() {
+        let step = WORD.min(bytes.len() - i);
+        if bytes[i..i + step] == old[i..i + step] {
+            i += step;
+            continue;
+        }
+        let start = i + (0..step).find(|&k| bytes[i + k] != old[i + k]).unwrap_or(0);
+        let mut end = i + step;
+        while end < bytes.len() {
+            let step = WORD.min(bytes.len() - end);
+            if bytes[end..end + step] == old[end..end + step] {
+                break;
+            }
+            end += step;
+        }
+        i = end;
+        // Back to the last changed byte of the run's last word.
+        while end > start + 1 && bytes[end - 1] == old[end - 1] {
+            end -= 1;
+        }
+        match runs.last_mut() {
+            Some(previous) if start - previous.end < CHANGED_GAP_MIN => previous.end = end,
+            _ => runs.push(start..end),
+        }
+    }
+    if runs.len() > PAGE_SPANS_MAX {
+        let whole = runs[0].start..runs[runs.len() - 1].end;
+        runs = vec![whole];
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAGE: usize = PAGE_BYTES as usize;
+
+    #[test]
+    fn a_page_read_then_changed_in_part_sends_only_the_changed_span() {
+        let shadows = Shadows::default();
+        shadows.begin(7, 3 * PAGE_BYTES);
+        let old = vec![b'o'; 2 * PAGE];
+        shadows.read(7, 0, 2 * PAGE_BYTES, &old);
+        let mut page = old.clone();
+        page[10..20].fill(b'n');
+        page[PAGE + 100] = b'n';
+        assert_eq!(
+            shadows.write_back(7, 0, &page[..PAGE]),
+            vec![10..20],
+            "inside the file: the changed span alone"
+        );
+        let shadows = Shadows::default();
+        shadows.begin(7, 3 * PAGE_BYTES);
+        shadows.read(7, 0, 2 * PAGE_BYTES, &old);
+        assert_eq!(
+            shadows.write_back(7, 0, &page),
+            vec![10..20, PAGE + 100..PAGE + 101],
+            "one span per changed page"
+        );
+        // Written back again unchanged: nothing goes.
+        assert_eq!(shadows.write_back(7, 0, &page), Vec::<Range<usize>>::new());
+        // Past the end: the last page goes to the write's end, for the size.
+        let mut longer = page.clone();
+        longer.resize(3 * PAGE + 10, b'o');
+        assert_eq!(
+            shadows.write_back(7, 0, &longer),
+            vec![2 * PAGE..3 * PAGE + 10],
+            "a page not read inside the file goes whole, the rest to the write's end"
+        );
+        // Changed again: compared with what was written back, not with what was read.
+        page[30] = b'm';
+        assert_eq!(shadows.write_back(7, 0, &page), vec![30..31]);
+    }
+
+    #[test]
+    fn pages_begun_past_the_end_do_not_send_the_kernels_zeros() {
+        let shadows = Shadows::default();
+        // An empty file: another host writes [0, 1000), this one [1000, 2000).
+        shadows.begin(3, 0);
+        let mut page = vec![0u8; 2000];
+        page[1000..].fill(b'a');
+        assert_eq!(shadows.write_back(3, 0, &page), vec![1000..2000]);
+        // Then this host writes [3000, 3100) in the same page: [2000, 3000) is the
+        // kernel's zeros, the page compares with what went out.
+        let mut page = page.clone();
+        page.resize(3100, 0);
+        page[3000..].fill(b'b');
+        assert_eq!(shadows.write_back(3, 0, &page), vec![3000..3100]);
+        // Below what the file held when opened, a page not read is sent whole.
+        let shadows = Shadows::default();
+        shadows.begin(4, 10 * PAGE_BYTES);
+        let zeros = vec![0u8; PAGE];
+        assert_eq!(
+            shadows.write_back(4, PAGE_BYTES, &zeros),
+            vec![0..PAGE],
+            "zeros written over old bytes are sent"
+        );
+        // Past it, a page of zeros alone is sent whole too (written, not filled).
+        assert_eq!(
+            shadows.write_back(4, 20 * PAGE_BYTES, &zeros),
+            vec![0..PAGE]
+        );
+        // A long write-back goes as one span, and each of its pages is copied.
+        let shadows = Shadows::default();
+        shadows.begin(8, 0);
+        let data = vec![b'd'; 5 * PAGE + 7];
+        assert_eq!(shadows.write_back(8, 0, &data), vec![0..data.len()]);
+        assert_eq!(shadows.pages(), 6);
+        // Written a second time, the page compares with its copy: records of two hosts
+        // taking turns inside it each keep their own bytes.
+        let shadows = Shadows::default();
+        shadows.begin(10, 0);
+        let mut page = vec![0u8; 1000];
+        page.fill(b'a');
+        assert_eq!(shadows.write_back(10, 0, &page), vec![0..1000]);
+        page.resize(3000, 0);
+        page[2000..].fill(b'a');
+        assert_eq!(shadows.write_back(10, 0, &page), vec![2000..3000]);
+        // Zeros inside written data go with it.
+        let mut page = vec![b'a'; PAGE];
+        page[100..1000].fill(0);
+        assert_eq!(shadows.write_back(10, 4 * PAGE_BYTES, &page), vec![0..PAGE]);
+    }
+
+    /// Byte by byte: what `changed_runs` must find.
+    fn runs_by_bytes(bytes: &[u8], old: &[u8]) -> Vec<Range<usize>> {
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        for i in (0..bytes.len()).filter(|&i| bytes[i] != old[i]) {
+            match runs.last_mut() {
+                Some(previous) if i - previous.end < CHANGED_GAP_MIN => previous.end = i + 1,
+                _ => runs.push(i..i + 1),
+            }
+        }
+        if runs.len() > PAGE_SPANS_MAX {
+            runs = vec![runs[0].start..runs[runs.len() - 1].end];
+        }
+        runs
+    }
+
+    #[test]
+    fn word_by_word_finds_the_runs_byte_by_byte_does() {
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..5_000 {
+            let length = (next() % PAGE_BYTES) as usize + 1;
+            let old: Vec<u8> = (0..length).map(|_| next() as u8 % 4).collect();
+            let mut new = old.clone();
+            for _ in 0..next() % 12 {
+                let at = (next() as usize) % length;
+                let run = ((next() % 40) as usize).min(length - at);
+                for byte in &mut new[at..at + run] {
+                    *byte = next() as u8 % 4;
+                }
+            }
+            assert_eq!(
+                changed_runs(&new, &old),
+                runs_by_bytes(&new, &old),
+                "{length}"
+            );
+        }
+    }
+
+    #[test]
+    fn changed_bytes_close_together_go_as_one_span() {
+        let old = vec![b'o'; 1000];
+        let mut new = old.clone();
+        new[10] = b'n';
+        new[20] = b'n';
+        new[500..600].fill(b'n');
+        assert_eq!(changed_runs(&new, &old), vec![10..21, 500..600]);
+        assert_eq!(changed_runs(&old, &old), vec![]);
+        // Changed in many places: one span from the first to the last.
+        let mut scattered = old.clone();
+        for i in 0..20 {
+            scattered[i * 40] = b'n';
+        }
+        assert_eq!(changed_runs(&scattered, &old), vec![0..761]);
+    }
+
+    #[test]
+    fn truncations_direct_writes_and_the_bound_reset_what_is_known() {
+        let shadows = Shadows::default();
+        shadows.begin(5, 4 * PAGE_BYTES);
+        shadows.read(5, 0, 4 * PAGE_BYTES, &vec![b'o'; 4 * PAGE]);
+        assert_eq!(shadows.pages(), 4);
+        // A direct write over page 1: its shadow goes (the cluster holds other bytes).
+        shadows.written_directly(5, PAGE_BYTES + 5, 10);
+        assert_eq!(shadows.pages(), 3);
+        assert_eq!(
+            shadows.write_back(5, PAGE_BYTES, &vec![b'o'; PAGE]),
+            vec![0..PAGE]
+        );
+        // Cut to 100 bytes: pages past it go, the rest of page 0 is zeros.
+        shadows.truncated(5, 100);
+        assert_eq!(shadows.pages(), 1);
+        let mut page = vec![b'o'; 100];
+        page.resize(200, b'x');
+        assert_eq!(shadows.write_back(5, 0, &page), vec![100..200]);
+        // Not followed: sent whole.
+        assert_eq!(shadows.write_back(6, 0, &page), vec![0..200]);
+        shadows.end(5);
+        assert_eq!(shadows.pages(), 0);
+        // Past the bound the oldest copies go: their pages go whole if written back.
+        let shadows = Shadows::default();
+        shadows.begin(9, u64::MAX / 2);
+        let data = vec![b'o'; PAGE];
+        for index in 0..=SHADOW_PAGES_MAX as u64 {
+            shadows.read(9, index * PAGE_BYTES, PAGE_BYTES, &data);
+        }
+        assert_eq!(shadows.pages(), SHADOW_PAGES_MAX);
+        let mut changed = data.clone();
+        changed[0] = b'n';
+        assert_eq!(
+            shadows.write_back(9, 0, &changed),
+            vec![0..PAGE],
+            "the oldest"
+        );
+        let last = SHADOW_PAGES_MAX as u64 * PAGE_BYTES;
+        assert_eq!(
+            shadows.write_back(9, last, &changed),
+            vec![0..1],
+            "the newest"
+        );
+        assert_eq!(shadows.pages(), SHADOW_PAGES_MAX);
+    }
+}
