@@ -668,19 +668,24 @@ impl FreeflowFs {
                 .client
                 .with_caller(freeflow_client::Caller::root())
         });
+        let state = self.state.clone();
         self.spawn(async move {
             if let Some(client) = privileged_client {
                 if let Err(error) = kill_set_id_bits(&client, handle.inode()).await {
                     return reply.error(errno(&error));
                 }
             }
-            // Disjoint pieces: sent at once.
+            // Disjoint pieces: sent at once, each seen through to its end.
             let writes = pieces
                 .into_iter()
                 .map(|(at, piece)| handle.write_at(at, piece));
-            match futures::future::try_join_all(writes).await {
-                Ok(_) => reply.written(length),
-                Err(error) => reply.error(errno(&error)),
+            let results = futures::future::join_all(writes).await;
+            match results.into_iter().find_map(Result::err) {
+                None => reply.written(length),
+                Some(error) => {
+                    state.shadows.failed(handle.inode());
+                    reply.error(errno(&error))
+                }
             }
         });
     }
@@ -1213,10 +1218,10 @@ impl fuser::Filesystem for FreeflowFs {
                 state.shadows.truncated(inode.0, 0);
             }
             if writes(flags.0) {
-                let size = if truncate { 0 } else { handle.size() };
+                // The size read under the count (after any growth under way ended).
                 state
                     .files
-                    .opened_for_writing(inode.0, || state.follow_pages(inode.0, size))
+                    .opened_for_writing(inode.0, || state.follow_pages(inode.0, handle.size()))
                     .await;
             }
             // No FOPEN_KEEP_CACHE: the kernel drops the file's pages at every open, which
@@ -1232,7 +1237,7 @@ impl fuser::Filesystem for FreeflowFs {
         _handle: FileHandle,
         offset: u64,
         size: u32,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
@@ -1240,11 +1245,15 @@ impl fuser::Filesystem for FreeflowFs {
         let Some((handle, reads)) = self.state.files.get_for_reading(inode.0) else {
             return reply.error(bad_handle());
         };
-        let writeback = self.state.writeback.then(|| self.state.clone());
+        let writeback = self.state.writeback;
+        // A read into the kernel's pages (not a direct one) of a file open for writing
+        // here is copied (`shadow.rs`), unless the file changed otherwise meanwhile.
+        let copy = (writeback && flags.0 & libc::O_DIRECT == 0)
+            .then(|| (self.state.clone(), self.state.shadows.reading(inode.0)));
         self.spawn(async move {
             // A writeback mount's growth of a held-open file waits for the reads already
             // answering (their pages may end at the size the handle knew before it).
-            let _reading = if writeback.is_some() {
+            let _reading = if writeback {
                 Some(reads.read().await)
             } else {
                 None
@@ -1252,8 +1261,9 @@ impl fuser::Filesystem for FreeflowFs {
             match handle.read_at(offset, u64::from(size)).await {
                 Ok(data) => {
                     // Copied before the kernel has the page and can change it.
-                    if let Some(state) = &writeback {
-                        state.shadows.read(inode.0, offset, u64::from(size), &data);
+                    if let Some((state, start)) = &copy {
+                        let size = u64::from(size);
+                        state.shadows.read(inode.0, *start, offset, size, &data);
                     }
                     reply.data(&data)
                 }
@@ -1283,8 +1293,9 @@ impl fuser::Filesystem for FreeflowFs {
         // kernel has made the decision, so it is carried out as root: a writer who is not
         // the owner could not chmod the file itself.
         let kill_privileges = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        let direct = !write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
         if self.state.writeback {
-            if !write_flags.contains(WriteFlags::FUSE_WRITE_CACHE) {
+            if direct {
                 self.state
                     .shadows
                     .written_directly(inode.0, offset, data.len() as u64);
@@ -1302,9 +1313,18 @@ impl fuser::Filesystem for FreeflowFs {
             // thread, without a task or a request of its own.
             match handle.write_gathered(offset, data) {
                 // Gathered writes are shorter than GATHER_WRITE_MAX: the length fits.
-                Ok(true) => return reply.written(data.len() as u32),
+                Ok(true) => {
+                    if direct {
+                        let end = offset + data.len() as u64;
+                        self.state.shadows.grown(inode.0, end);
+                    }
+                    return reply.written(data.len() as u32);
+                }
                 Ok(false) => {}
-                Err(error) => return reply.error(errno(&error)),
+                Err(error) => {
+                    self.state.shadows.failed(inode.0);
+                    return reply.error(errno(&error));
+                }
             }
         }
         let privileged_client = kill_privileges.then(|| {
@@ -1317,6 +1337,7 @@ impl fuser::Filesystem for FreeflowFs {
         let Ok(length) = u32::try_from(data.len()) else {
             return reply.error(Errno::EINVAL);
         };
+        let state = self.state.clone();
         self.spawn(async move {
             if let Some(client) = privileged_client {
                 if let Err(error) = kill_set_id_bits(&client, inode.0).await {
@@ -1324,8 +1345,17 @@ impl fuser::Filesystem for FreeflowFs {
                 }
             }
             match handle.write_at(offset, data).await {
-                Ok(()) => reply.written(length),
-                Err(error) => reply.error(errno(&error)),
+                Ok(()) => {
+                    if direct {
+                        let end = offset + u64::from(length);
+                        state.shadows.grown(inode.0, end);
+                    }
+                    reply.written(length)
+                }
+                Err(error) => {
+                    state.shadows.failed(inode.0);
+                    reply.error(errno(&error))
+                }
             }
         });
     }
@@ -1368,7 +1398,11 @@ impl fuser::Filesystem for FreeflowFs {
             };
             match result {
                 Ok(()) => reply.ok(),
-                Err(error) => reply.error(errno(&error)),
+                Err(error) => {
+                    // Gathered writes fail here: the copies may claim what never landed.
+                    state.shadows.failed(inode.0);
+                    reply.error(errno(&error))
+                }
             }
         });
     }
@@ -1508,10 +1542,15 @@ impl fuser::Filesystem for FreeflowFs {
         let Some(handle) = self.state.files.get(inode.0) else {
             return reply.error(bad_handle());
         };
+        let state = self.state.clone();
         self.spawn(async move {
             match handle.fsync().await {
                 Ok(()) => reply.ok(),
-                Err(error) => reply.error(errno(&error)),
+                Err(error) => {
+                    // Gathered writes fail here: the copies may claim what never landed.
+                    state.shadows.failed(inode.0);
+                    reply.error(errno(&error))
+                }
             }
         });
     }
@@ -1905,11 +1944,13 @@ impl fuser::Filesystem for FreeflowFs {
         let Some(handle) = self.state.files.get(inode.0) else {
             return reply.error(bad_handle());
         };
+        // Its pages are the cluster's after it (the kernel drops them, `shadow.rs`).
+        self.state.shadows.written_directly(inode.0, offset, length);
         let state = self.state.clone();
         self.spawn(async move {
             match handle.allocate(offset, length, how).await {
                 Ok(()) => {
-                    state.shadows.written_directly(inode.0, offset, length);
+                    state.shadows.grown(inode.0, handle.size());
                     reply.ok()
                 }
                 Err(error) => reply.error(errno(&error)),
@@ -1942,6 +1983,9 @@ impl fuser::Filesystem for FreeflowFs {
         };
         // The reply counts bytes in 32 bits.
         let length = length.min(u64::from(!0xfff_u32));
+        self.state
+            .shadows
+            .written_directly(target_inode.0, target_offset, length);
         let state = self.state.clone();
         self.spawn(async move {
             match target
@@ -1950,9 +1994,7 @@ impl fuser::Filesystem for FreeflowFs {
             {
                 // At most `length`, which fits u32.
                 Ok(copied) => {
-                    state
-                        .shadows
-                        .written_directly(target_inode.0, target_offset, copied);
+                    state.shadows.grown(target_inode.0, target.size());
                     reply.written(copied as u32)
                 }
                 Err(error) => reply.error(errno(&error)),

@@ -16,19 +16,27 @@
 //! the kernel knew as the end of the file, where it fills the rest with zeros. Such a page
 //! goes whole, but for the first page of a write-back that starts past `extent`, the most
 //! this host knows the file holds (the size at the first write open, grown by this host's
-//! writes, set by its truncations): the zeros it begins with are the kernel's filling
-//! before what was written here (the room of another host's record, in an N-to-1 file),
+//! writes, set by its truncations): the zeros it begins with are taken for the kernel's
+//! filling before what was written here (the room of another host's record, in an N-to-1
+//! file; zeros a program wrote there are not sent either, so another host's bytes under
+//! them stay),
 //! and are not sent; a page of zeros alone was written and goes whole. A write-back that
 //! goes past `extent` sends its last byte, so the file's size grows as the kernel says.
 //! Records of several hosts taking turns inside a page are kept apart from the second
 //! write-back of the page on (it has a shadow then); the first one of a page the kernel
 //! began past the end carries its zeros between this host's records.
 //!
-//! The kernel drops a file's pages at every open (no `FOPEN_KEEP_CACHE`), so the pages it
-//! holds while a write open lasts were read or written during one: shadows start at the
-//! first write open and go at the last close (the kernel writes back before a release).
-//! [`SHADOW_PAGES_MAX`] bounds the copies; past it the oldest go, and their pages are sent
-//! whole if written back (as without shadows).
+//! The kernel drops a file's pages at every open (no `FOPEN_KEEP_CACHE`), so copies start
+//! at the first write open and go at the last close (the kernel writes back before a
+//! release). A copy can outlive its page (reclaim, a revocation's invalidation, a second
+//! write open): a later write of the whole page is then compared with it, and bytes equal
+//! to it are not sent, which on one host changes nothing (the copy is what the cluster
+//! holds there: truncations, direct writes, `fallocate`, `copy_file_range` and failed
+//! writes drop the copies they make untrue, and a read that began before one of them is
+//! not copied). Only reads into the kernel's pages are copied (not direct reads), and only
+//! whole pages (or the page the file ends in). [`SHADOW_PAGES_MAX`] bounds the copies;
+//! past it the oldest go, and their pages are sent whole if written back (as without
+//! shadows). Where the kernel's pages are not [`PAGE_BYTES`] long nothing is copied.
 
 // A Vec of one range here is one span of bytes, not the numbers in it.
 #![allow(clippy::single_range_in_vec_init)]
@@ -56,17 +64,24 @@ const PAGE_SPANS_MAX: usize = 8;
 struct FileShadow {
     /// The most this host knows the file holds (see the module doc).
     extent: u64,
-    /// Page index → the page's bytes as the kernel holds them (zeros past the file's end).
-    pages: BTreeMap<u64, Box<[u8]>>,
+    /// Page index → when it was copied (a number of `Table::copied`) and the page's bytes
+    /// as the kernel holds them (zeros past the file's end).
+    pages: BTreeMap<u64, (u64, Box<[u8]>)>,
+    /// Moves at each change of the file here that is not a write-back (truncation, direct
+    /// write, failed write): a read answered from before it is not copied.
+    epoch: u64,
 }
 
 #[derive(Default)]
 struct Table {
     files: HashMap<InodeId, FileShadow>,
     pages: usize,
-    /// Pages in the order they were first copied (entries of pages gone since are
-    /// skipped): the oldest go first past [`SHADOW_PAGES_MAX`].
-    order: VecDeque<(InodeId, u64)>,
+    /// Copies made so far: numbers each one.
+    copied: u64,
+    /// Pages in the order they were copied, by number (an entry whose page was copied again
+    /// or dropped since is stale and skipped): the oldest go first past
+    /// [`SHADOW_PAGES_MAX`].
+    order: VecDeque<(InodeId, u64, u64)>,
 }
 
 impl Table {
@@ -76,7 +91,7 @@ impl Table {
             return;
         };
         match file.pages.get_mut(&index) {
-            Some(page) => {
+            Some((_, page)) => {
                 page[..bytes.len()].copy_from_slice(bytes);
                 page[bytes.len()..].fill(0);
             }
@@ -88,41 +103,51 @@ impl Table {
                     .unwrap_or_else(|| vec![0u8; PAGE_BYTES as usize].into_boxed_slice());
                 page[..bytes.len()].copy_from_slice(bytes);
                 page[bytes.len()..].fill(0);
+                self.copied += 1;
+                let number = self.copied;
                 if let Some(file) = self.files.get_mut(&inode) {
-                    file.pages.insert(index, page);
+                    file.pages.insert(index, (number, page));
                     self.pages += 1;
-                    self.order.push_back((inode, index));
+                    self.order.push_back((inode, index, number));
                 }
                 self.evict();
             }
         }
     }
 
+    /// Whether the order's entry stands for a copy still held.
+    fn live(&self, inode: InodeId, index: u64, number: u64) -> bool {
+        self.files
+            .get(&inode)
+            .and_then(|file| file.pages.get(&index))
+            .is_some_and(|(held, _)| *held == number)
+    }
+
     /// Take the oldest copy out of the table.
     fn oldest(&mut self) -> Option<Box<[u8]>> {
-        while let Some((inode, index)) = self.order.pop_front() {
-            let Some(file) = self.files.get_mut(&inode) else {
+        while let Some((inode, index, number)) = self.order.pop_front() {
+            if !self.live(inode, index, number) {
                 continue;
-            };
-            if let Some(page) = file.pages.remove(&index) {
-                self.pages -= 1;
-                return Some(page);
             }
+            let file = self.files.get_mut(&inode)?;
+            let (_, page) = file.pages.remove(&index)?;
+            self.pages -= 1;
+            return Some(page);
         }
         None
     }
 
     /// Drop the oldest copies past the bound (their pages go whole if written back), and
-    /// the order's entries of pages gone otherwise when they outnumber the live ones.
+    /// the order's stale entries when they outnumber the live ones (each copy has one
+    /// live entry, so the order stays within twice the bound).
     fn evict(&mut self) {
         while self.pages > SHADOW_PAGES_MAX && self.oldest().is_some() {}
         if self.order.len() > 2 * SHADOW_PAGES_MAX.max(self.pages) {
-            let files = &self.files;
-            self.order.retain(|(inode, index)| {
-                files
-                    .get(inode)
-                    .is_some_and(|file| file.pages.contains_key(index))
-            });
+            let order = std::mem::take(&mut self.order);
+            self.order = order
+                .into_iter()
+                .filter(|&(inode, index, number)| self.live(inode, index, number))
+                .collect();
         }
     }
 
@@ -131,6 +156,7 @@ impl Table {
         let Some(file) = self.files.get_mut(&inode) else {
             return;
         };
+        file.epoch += 1;
         let gone: Vec<u64> = file.pages.range(indexes).map(|(&index, _)| index).collect();
         for index in gone {
             file.pages.remove(&index);
@@ -140,23 +166,64 @@ impl Table {
 }
 
 /// The shadows of the files open for writing on a writeback mount.
-#[derive(Default)]
 pub struct Shadows {
     table: Mutex<Table>,
+    /// Off where the kernel's pages are not [`PAGE_BYTES`] long (nothing is followed).
+    enabled: bool,
 }
+
+impl Default for Shadows {
+    fn default() -> Shadows {
+        // SAFETY: sysconf reads a constant of the system; no memory is involved.
+        let page_bytes = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        Shadows {
+            table: Mutex::new(Table::default()),
+            enabled: page_bytes == PAGE_BYTES as libc::c_long,
+        }
+    }
+}
+
+/// Where a file stood when a read began (`Shadows::reading`): its answer is copied only if
+/// nothing but write-backs changed the file meanwhile.
+#[derive(Clone, Copy)]
+pub struct ReadStart(Option<u64>);
 
 impl Shadows {
     fn table(&self) -> std::sync::MutexGuard<'_, Table> {
         self.table.lock().expect("shadows not poisoned")
     }
 
-    /// The kernel opens `inode` for writing and no other write open of it is here: its
-    /// pages are dropped at this open, and the cluster holds `size` bytes of it.
+    /// The kernel opens `inode` for writing: its pages are dropped at this open, and the
+    /// cluster holds `size` bytes of it. A file followed already keeps its copies.
     pub fn begin(&self, inode: InodeId, size: u64) {
-        self.table().files.entry(inode).or_insert(FileShadow {
+        if !self.enabled {
+            return;
+        }
+        let mut table = self.table();
+        let file = table.files.entry(inode).or_insert(FileShadow {
             extent: size,
             pages: BTreeMap::new(),
+            epoch: 0,
         });
+        file.extent = file.extent.max(size);
+    }
+
+    /// A read of `inode` begins (see [`Shadows::read`]).
+    pub fn reading(&self, inode: InodeId) -> ReadStart {
+        ReadStart(self.table().files.get(&inode).map(|file| file.epoch))
+    }
+
+    /// A write-back or a flush of `inode` failed: what the copies say the cluster holds
+    /// may not be there, so they go (its pages go whole from here).
+    pub fn failed(&self, inode: InodeId) {
+        self.table().forget(inode, ..);
+    }
+
+    /// The cluster holds at least `size` bytes of `inode` after a change by this host.
+    pub fn grown(&self, inode: InodeId, size: u64) {
+        if let Some(file) = self.table().files.get_mut(&inode) {
+            file.extent = file.extent.max(size);
+        }
     }
 
     /// The last write open of `inode` here was released: its dirty pages went out before.
@@ -168,22 +235,29 @@ impl Shadows {
         table.evict();
     }
 
-    /// The kernel asked for `size` bytes at `offset` and is given `data` (short at the end
-    /// of the file: it fills the rest of the page with zeros). Called before the reply, so
-    /// that the copy is there before the kernel can change the page.
-    pub fn read(&self, inode: InodeId, offset: u64, size: u64, data: &[u8]) {
+    /// The kernel asked for `size` bytes at `offset` through its page cache (not a direct
+    /// read) and is given `data` (short at the end of the file: it fills the rest of the
+    /// page with zeros). Called before the reply, so that the copy is there before the
+    /// kernel can change the page; `start` from [`Shadows::reading`] before the read.
+    /// Only whole pages are copied (or the page the file ends in).
+    pub fn read(&self, inode: InodeId, start: ReadStart, offset: u64, size: u64, data: &[u8]) {
         if !offset.is_multiple_of(PAGE_BYTES) {
             return;
         }
         let mut table = self.table();
-        if !table.files.contains_key(&inode) {
+        let current = table.files.get(&inode).map(|file| file.epoch);
+        if start.0.is_none() || current != start.0 {
             return;
         }
+        let ended = (data.len() as u64) < size;
         let mut at = 0u64;
         while at < size {
-            let start = (at as usize).min(data.len());
-            let end = ((at + PAGE_BYTES) as usize).min(data.len());
-            table.keep(inode, (offset + at) / PAGE_BYTES, &data[start..end]);
+            if at + PAGE_BYTES > size && !ended {
+                break;
+            }
+            let from = (at as usize).min(data.len());
+            let to = ((at + PAGE_BYTES) as usize).min(data.len());
+            table.keep(inode, (offset + at) / PAGE_BYTES, &data[from..to]);
             at += PAGE_BYTES;
         }
     }
@@ -213,8 +287,8 @@ impl Shadows {
             let index = (offset + at as u64) / PAGE_BYTES;
             let file = table.files.get(&inode).expect("followed above");
             let runs = match file.pages.get(&index) {
-                Some(shadow) if *bytes == shadow[..bytes.len()] => Vec::new(),
-                Some(shadow) => changed_runs(bytes, &shadow[..bytes.len()]),
+                Some((_, shadow)) if *bytes == shadow[..bytes.len()] => Vec::new(),
+                Some((_, shadow)) => changed_runs(bytes, &shadow[..bytes.len()]),
                 // The first page of a write-back begun past the end this host knows: the
                 // zeros it begins with are the kernel's filling before what was written
                 // here (a page of zeros alone was written, and goes whole).
@@ -244,20 +318,18 @@ impl Shadows {
         spans
     }
 
-    /// This host wrote `length` bytes at `offset` past the kernel's pages (a direct write):
-    /// the pages it covers are the cluster's now, not what a shadow says.
+    /// This host changes `length` bytes at `offset` past the kernel's pages (a direct
+    /// write, `fallocate`, `copy_file_range`): the pages it covers will be the cluster's,
+    /// not what a shadow says. Called before the change is sent; [`Shadows::grown`] after
+    /// it, with the size it left.
     pub fn written_directly(&self, inode: InodeId, offset: u64, length: u64) {
         if length == 0 {
             return;
         }
-        let mut table = self.table();
-        table.forget(
+        self.table().forget(
             inode,
             offset / PAGE_BYTES..=(offset + length - 1) / PAGE_BYTES,
         );
-        if let Some(file) = table.files.get_mut(&inode) {
-            file.extent = file.extent.max(offset + length);
-        }
     }
 
     /// This host cut `inode` to `size`: the kernel dropped its pages past it and zeroed the
@@ -269,7 +341,7 @@ impl Shadows {
             return;
         };
         if !size.is_multiple_of(PAGE_BYTES) {
-            if let Some(page) = file.pages.get_mut(&(size / PAGE_BYTES)) {
+            if let Some((_, page)) = file.pages.get_mut(&(size / PAGE_BYTES)) {
                 page[(size % PAGE_BYTES) as usize..].fill(0);
             }
         }
@@ -335,7 +407,7 @@ mod tests {
         let shadows = Shadows::default();
         shadows.begin(7, 3 * PAGE_BYTES);
         let old = vec![b'o'; 2 * PAGE];
-        shadows.read(7, 0, 2 * PAGE_BYTES, &old);
+        shadows.read(7, shadows.reading(7), 0, 2 * PAGE_BYTES, &old);
         let mut page = old.clone();
         page[10..20].fill(b'n');
         page[PAGE + 100] = b'n';
@@ -346,7 +418,7 @@ mod tests {
         );
         let shadows = Shadows::default();
         shadows.begin(7, 3 * PAGE_BYTES);
-        shadows.read(7, 0, 2 * PAGE_BYTES, &old);
+        shadows.read(7, shadows.reading(7), 0, 2 * PAGE_BYTES, &old);
         assert_eq!(
             shadows.write_back(7, 0, &page),
             vec![10..20, PAGE + 100..PAGE + 101],
@@ -417,6 +489,53 @@ mod tests {
         assert_eq!(shadows.write_back(10, 4 * PAGE_BYTES, &page), vec![0..PAGE]);
     }
 
+    #[test]
+    fn a_failure_a_late_read_or_a_part_of_a_page_leaves_no_copy() {
+        let shadows = Shadows::default();
+        shadows.begin(11, 2 * PAGE_BYTES);
+        let old = vec![b'o'; 2 * PAGE];
+        shadows.read(11, shadows.reading(11), 0, 2 * PAGE_BYTES, &old);
+        assert_eq!(shadows.pages(), 2);
+        // A failed write-back: the copies may claim what never landed.
+        shadows.failed(11);
+        assert_eq!(shadows.pages(), 0);
+        assert_eq!(shadows.write_back(11, 0, &old[..PAGE]), vec![0..PAGE]);
+        // A read that began before a truncation answers with what the cut removed.
+        let start = shadows.reading(11);
+        shadows.truncated(11, 0);
+        shadows.read(11, start, PAGE_BYTES, PAGE_BYTES, &old[..PAGE]);
+        assert_eq!(shadows.pages(), 0, "the late read is not copied");
+        // A read of part of a page (not where the file ends) is not a page.
+        let shadows = Shadows::default();
+        shadows.begin(12, 2 * PAGE_BYTES);
+        shadows.read(12, shadows.reading(12), 0, 512, &old[..512]);
+        assert_eq!(shadows.pages(), 0);
+        // Where the file ends, the rest of the page is the kernel's zeros.
+        shadows.read(12, shadows.reading(12), 0, PAGE_BYTES, &old[..100]);
+        assert_eq!(shadows.pages(), 1);
+        // A file not followed is not copied.
+        shadows.read(13, shadows.reading(13), 0, PAGE_BYTES, &old[..PAGE]);
+        assert_eq!(shadows.pages(), 1);
+    }
+
+    #[test]
+    fn a_file_cut_and_written_again_and_again_keeps_the_order_bounded() {
+        let shadows = Shadows::default();
+        shadows.begin(14, 0);
+        let page = vec![b'p'; PAGE];
+        for _ in 0..5 * SHADOW_PAGES_MAX {
+            shadows.write_back(14, 0, &page);
+            shadows.truncated(14, 0);
+        }
+        let table = shadows.table();
+        assert!(
+            table.order.len() <= 2 * SHADOW_PAGES_MAX + 1,
+            "{} entries",
+            table.order.len()
+        );
+        assert_eq!(table.pages, 0);
+    }
+
     /// Byte by byte: what `changed_runs` must find.
     fn runs_by_bytes(bytes: &[u8], old: &[u8]) -> Vec<Range<usize>> {
         let mut runs: Vec<Range<usize>> = Vec::new();
@@ -481,7 +600,13 @@ mod tests {
     fn truncations_direct_writes_and_the_bound_reset_what_is_known() {
         let shadows = Shadows::default();
         shadows.begin(5, 4 * PAGE_BYTES);
-        shadows.read(5, 0, 4 * PAGE_BYTES, &vec![b'o'; 4 * PAGE]);
+        shadows.read(
+            5,
+            shadows.reading(5),
+            0,
+            4 * PAGE_BYTES,
+            &vec![b'o'; 4 * PAGE],
+        );
         assert_eq!(shadows.pages(), 4);
         // A direct write over page 1: its shadow goes (the cluster holds other bytes).
         shadows.written_directly(5, PAGE_BYTES + 5, 10);
@@ -505,7 +630,7 @@ mod tests {
         shadows.begin(9, u64::MAX / 2);
         let data = vec![b'o'; PAGE];
         for index in 0..=SHADOW_PAGES_MAX as u64 {
-            shadows.read(9, index * PAGE_BYTES, PAGE_BYTES, &data);
+            shadows.read(9, shadows.reading(9), index * PAGE_BYTES, PAGE_BYTES, &data);
         }
         assert_eq!(shadows.pages(), SHADOW_PAGES_MAX);
         let mut changed = data.clone();
