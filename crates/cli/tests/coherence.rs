@@ -751,6 +751,50 @@ async fn a_reader_holding_a_file_open_on_a_writeback_mount_sees_another_mounts_a
     assert_eq!(String::from_utf8_lossy(&after), line);
 }
 
+/// A writeback mount's kernel writes a file's change time inside each unlink of it; the
+/// mount answers that from what it keeps while the unlink, answered ahead, is on its way
+/// (`times_of_unlinked`). The link counts the kernel then holds are right, through a
+/// descriptor and by the other name, here and on another mount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unlinks_on_a_writeback_mount_leave_the_link_counts_right() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = coherence_cluster(LONG_LEASE_MS).await;
+    let a = Mount::start(&cluster, "a", &["--writeback"]);
+    let plain = Mount::start(&cluster, "b", &[]);
+    fs::create_dir(a.path("d")).unwrap();
+    for round in 0..20 {
+        let (first, second) = (format!("d/f{round}"), format!("d/g{round}"));
+        fs::write(a.path(&first), b"linked twice").unwrap();
+        fs::hard_link(a.path(&first), a.path(&second)).unwrap();
+        let held = File::open(a.path(&first)).unwrap();
+        fs::remove_file(a.path(&first)).unwrap();
+        assert_eq!(held.metadata().unwrap().nlink(), 1, "round {round}: fstat");
+        assert_eq!(
+            fs::metadata(a.path(&second)).unwrap().nlink(),
+            1,
+            "round {round}"
+        );
+        fs::remove_file(a.path(&second)).unwrap();
+        assert_eq!(
+            held.metadata().unwrap().nlink(),
+            0,
+            "round {round}: all gone"
+        );
+        assert!(gone(&plain.path(&first)) && gone(&plain.path(&second)));
+    }
+    // Files unlinked with their only name, many at once: all gone everywhere.
+    for index in 0..200 {
+        fs::write(a.path(&format!("d/n{index}")), b"x").unwrap();
+    }
+    for index in 0..200 {
+        fs::remove_file(a.path(&format!("d/n{index}"))).unwrap();
+    }
+    assert!(fs::read_dir(a.path("d")).unwrap().next().is_none());
+    assert!(fs::read_dir(plain.path("d")).unwrap().next().is_none());
+}
+
 /// Two writeback mounts writing different bytes of one page: the kernel writes back whole
 /// pages, and a page one host read before the other wrote into it, or began past what it
 /// knew as the end of the file (filling the rest with zeros), carried the old bytes or the

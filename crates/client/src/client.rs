@@ -928,6 +928,11 @@ impl Client {
         self.shared.delegations.settle(inodes).await
     }
 
+    /// Whether an unlink of a name of `inode` answered ahead is on its way.
+    pub fn ahead_unlinking(&self, inode: InodeId) -> bool {
+        self.shared.delegations.unlinking(inode)
+    }
+
     /// Whether creates answered ahead are on their way in `directory`.
     pub fn ahead_creating_in(&self, directory: InodeId) -> bool {
         self.shared.delegations.creating_in(directory)

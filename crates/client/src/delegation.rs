@@ -49,6 +49,8 @@ struct Inner {
     in_flight: HashSet<InodeId>,
     /// Names whose unlink answered ahead is on its way: a create of one waits for it.
     unlinking: HashSet<(InodeId, String)>,
+    /// The files of `unlinking`.
+    unlinking_files: HashSet<InodeId>,
     /// Reserved numbers not used yet: ranges (next, end).
     reserved: VecDeque<(InodeId, InodeId)>,
     reserving: bool,
@@ -216,6 +218,7 @@ impl Delegations {
         self.in_flight
             .store(inner.in_flight.len(), Ordering::Release);
         inner.unlinking.insert(key);
+        inner.unlinking_files.insert(inode);
         Some(AheadOp {
             delegations: Arc::clone(self),
             directory,
@@ -248,6 +251,7 @@ impl Delegations {
             .store(inner.in_flight.len(), Ordering::Release);
         if let Some(name) = unlinked {
             inner.unlinking.remove(&(directory, name));
+            inner.unlinking_files.remove(&inode);
         }
         drop(inner);
         self.landed.notify_waiters();
@@ -266,6 +270,11 @@ impl Delegations {
         inodes.iter().any(|inode| {
             *inode == 0 || inner.in_directory.contains_key(inode) || inner.in_flight.contains(inode)
         })
+    }
+
+    /// Whether an unlink of (a name of) `inode` answered ahead is on its way.
+    pub fn unlinking(&self, inode: InodeId) -> bool {
+        self.in_flight.load(Ordering::Acquire) != 0 && self.inner().unlinking_files.contains(&inode)
     }
 
     /// Whether creates or unlinks answered ahead are on their way in `directory` (itself

@@ -690,6 +690,53 @@ impl FreeflowFs {
         });
     }
 
+    /// The times a writeback mount's kernel sends for a file right after an unlink of it
+    /// (inside the unlink: it writes the new change time at once), while that unlink,
+    /// answered ahead, is on its way: answered from the attributes kept for the file (one
+    /// link fewer, not cached), and sent once the unlink has landed, instead of holding
+    /// the unlinking program until it has (the meta server sets the change time at the
+    /// unlink itself). Returns the reply if it is not such a case.
+    fn times_of_unlinked(
+        &self,
+        inode: InodeId,
+        modify_time: Option<TimeOrNow>,
+        change_time: Option<std::time::SystemTime>,
+        reply: ReplyAttr,
+    ) -> Option<ReplyAttr> {
+        let client = &self.state.client;
+        if !self.state.writeback || !client.ahead_unlinking(inode) {
+            return Some(reply);
+        }
+        let Some(mut attr) = client.kept_attributes(inode) else {
+            return Some(reply);
+        };
+        attr.link_count = attr.link_count.saturating_sub(1);
+        let modify_time = modify_time.map(convert::time_or_now);
+        if let Some(time) = modify_time {
+            attr.modify_time = time;
+        }
+        if let Some(time) = change_time {
+            attr.change_time = convert::time_spec(time);
+        }
+        self.state.reply_attr(reply, &attr, &Lease::default());
+        // Only the modify time is the kernel's news: the change time is the unlink's.
+        if let Some(modify_time) = modify_time {
+            let client = client.clone();
+            self.state.runtime.spawn(async move {
+                client.settle_ahead(&[inode]).await;
+                let changes = SetAttr {
+                    modify_time: Some(modify_time),
+                    ..SetAttr::default()
+                };
+                // Gone with its last name, or linked elsewhere: either way nothing waits.
+                if let Err(error) = client.setattr_leased(inode, changes, None).await {
+                    tracing::debug!(inode, %error, "times of a file unlinked here not set");
+                }
+            });
+        }
+        None
+    }
+
     /// The client acting for the process that made `request`.
     fn caller(&self, request: &Request) -> Client {
         let caller = self
@@ -889,6 +936,24 @@ impl fuser::Filesystem for FreeflowFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        // A writeback mount's kernel keeps a file's times itself and sends them with the
+        // change time: at a write-back of the file, or as the explicit times of a `touch`
+        // (no "now" flag then). It checked the caller's right to either (default
+        // permissions) before sending, so they are set as root: a writer who is not the
+        // owner may set the times to now, which the meta server could not tell apart.
+        let kernel_times = change_time.is_some()
+            && mode.is_none()
+            && user_id.is_none()
+            && group_id.is_none()
+            && size.is_none();
+        let reply = if kernel_times {
+            match self.times_of_unlinked(inode.0, modify_time, change_time, reply) {
+                Some(reply) => reply,
+                None => return,
+            }
+        } else {
+            reply
+        };
         self.settle(&[inode.0]);
         let changes = SetAttr {
             permissions: mode.map(|mode| mode & 0o7777),
@@ -911,16 +976,6 @@ impl fuser::Filesystem for FreeflowFs {
             (Some(_), Some(_)) => self.state.files.get(inode.0),
             _ => None,
         };
-        // A writeback mount's kernel keeps a file's times itself and sends them with the
-        // change time: at a write-back of the file, or as the explicit times of a `touch`
-        // (no "now" flag then). It checked the caller's right to either (default
-        // permissions) before sending, so they are set as root: a writer who is not the
-        // owner may set the times to now, which the meta server could not tell apart.
-        let kernel_times = change_time.is_some()
-            && mode.is_none()
-            && user_id.is_none()
-            && group_id.is_none()
-            && size.is_none();
         let client = if kernel_times {
             self.state.client.clone()
         } else {
