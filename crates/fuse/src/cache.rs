@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 use freeflow_client::{InodeId, Lease, Revocation};
 use fuser::{INodeNo, Notifier};
 
+use crate::shadow::PAGE_BYTES;
+
 /// Most names and inodes remembered as handed to the kernel under a lease; past it (once
 /// those whose lease ran out are dropped), replies are given the configured time-outs
 /// instead (no more caching).
@@ -147,10 +149,6 @@ pub struct KernelCache {
     /// next tick.
     pub revoked_held: tokio::sync::Notify,
 }
-
-/// The kernel's page size here (x86-64, arm64 with 4 KiB pages): what `raise_size`
-/// drops again around the byte it stores (a larger page is dropped whole all the same).
-const PAGE_BYTES: u64 = 4096;
 
 /// A truncation of this mount under way (see `KernelCache::truncating`); ends on drop.
 pub struct Truncating {
@@ -628,7 +626,8 @@ impl KernelCache {
             return false;
         }
         // The last page once more: the byte stored was read before the pages went, and a
-        // read since may have brought a newer one into that page.
+        // read since may have brought a newer one into that page (a larger page than
+        // `PAGE_BYTES` is dropped whole all the same).
         let page = (size - 1) & !(PAGE_BYTES - 1);
         let _ = notifier.inval_inode(INodeNo(inode), page as i64, PAGE_BYTES as i64);
         true

@@ -122,15 +122,7 @@ impl MountState {
             in_flight: Arc::new(Semaphore::new(REQUESTS_IN_FLIGHT_MAX)),
             cache: Arc::new(KernelCache::new(options.writeback)),
             writeback: options.writeback,
-            shadows: Shadows::default(),
-        }
-    }
-
-    /// The kernel opens `inode` (of `size` bytes) for writing: on a writeback mount its
-    /// pages are followed from here (`shadow.rs`). Called under the write opens' count.
-    fn follow_pages(&self, inode: InodeId, size: u64) {
-        if self.writeback {
-            self.shadows.begin(inode, size);
+            shadows: Shadows::new(options.writeback),
         }
     }
 
@@ -503,7 +495,7 @@ impl FreeflowFs {
         if writes {
             state
                 .files
-                .created_for_writing(inode, || state.follow_pages(inode, 0));
+                .created_for_writing(inode, || state.shadows.begin(inode, 0));
         }
         reply.created(
             &attr_ttl.min(entry_ttl),
@@ -721,8 +713,9 @@ impl FreeflowFs {
         self.state.reply_attr(reply, &attr, &Lease::default());
         // Only the modify time is the kernel's news: the change time is the unlink's.
         if let Some(modify_time) = modify_time {
+            // A task like any request's (within `REQUESTS_IN_FLIGHT_MAX`).
             let client = client.clone();
-            self.state.runtime.spawn(async move {
+            self.spawn(async move {
                 client.settle_ahead(&[inode]).await;
                 let changes = SetAttr {
                     modify_time: Some(modify_time),
@@ -1268,15 +1261,13 @@ impl fuser::Filesystem for FreeflowFs {
                     let _ = state.files.release(inode.0, || {}).await;
                     return reply.error(errno(&error));
                 }
-            }
-            if truncate {
                 state.shadows.truncated(inode.0, 0);
             }
             if writes(flags.0) {
                 // The size read under the count (after any growth under way ended).
                 state
                     .files
-                    .opened_for_writing(inode.0, || state.follow_pages(inode.0, handle.size()))
+                    .opened_for_writing(inode.0, || state.shadows.begin(inode.0, handle.size()))
                     .await;
             }
             // No FOPEN_KEEP_CACHE: the kernel drops the file's pages at every open, which
@@ -1926,7 +1917,7 @@ impl fuser::Filesystem for FreeflowFs {
                         state
                             .files
                             .opened_for_writing(attr.inode, || {
-                                state.follow_pages(attr.inode, attr.size_bytes)
+                                state.shadows.begin(attr.inode, attr.size_bytes)
                             })
                             .await;
                     }

@@ -168,19 +168,9 @@ impl Table {
 /// The shadows of the files open for writing on a writeback mount.
 pub struct Shadows {
     table: Mutex<Table>,
-    /// Off where the kernel's pages are not [`PAGE_BYTES`] long (nothing is followed).
+    /// Off on a mount without the kernel's writeback cache, and where the kernel's pages
+    /// are not [`PAGE_BYTES`] long: nothing is followed, and no call takes the lock.
     enabled: bool,
-}
-
-impl Default for Shadows {
-    fn default() -> Shadows {
-        // SAFETY: sysconf reads a constant of the system; no memory is involved.
-        let page_bytes = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        Shadows {
-            table: Mutex::new(Table::default()),
-            enabled: page_bytes == PAGE_BYTES as libc::c_long,
-        }
-    }
 }
 
 /// Where a file stood when a read began (`Shadows::reading`): its answer is copied only if
@@ -189,17 +179,28 @@ impl Default for Shadows {
 pub struct ReadStart(Option<u64>);
 
 impl Shadows {
-    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
-        self.table.lock().expect("shadows not poisoned")
+    /// Shadows for a mount with the kernel's writeback cache on (`writeback`), or none.
+    pub fn new(writeback: bool) -> Shadows {
+        // SAFETY: sysconf reads a constant of the system; no memory is involved.
+        let page_bytes = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        Shadows {
+            table: Mutex::new(Table::default()),
+            enabled: writeback && page_bytes == PAGE_BYTES as libc::c_long,
+        }
+    }
+
+    /// The table, unless shadows are off.
+    fn table(&self) -> Option<std::sync::MutexGuard<'_, Table>> {
+        self.enabled
+            .then(|| self.table.lock().expect("shadows not poisoned"))
     }
 
     /// The kernel opens `inode` for writing: its pages are dropped at this open, and the
     /// cluster holds `size` bytes of it. A file followed already keeps its copies.
     pub fn begin(&self, inode: InodeId, size: u64) {
-        if !self.enabled {
+        let Some(mut table) = self.table() else {
             return;
-        }
-        let mut table = self.table();
+        };
         let file = table.files.entry(inode).or_insert(FileShadow {
             extent: size,
             pages: BTreeMap::new(),
@@ -210,25 +211,35 @@ impl Shadows {
 
     /// A read of `inode` begins (see [`Shadows::read`]).
     pub fn reading(&self, inode: InodeId) -> ReadStart {
-        ReadStart(self.table().files.get(&inode).map(|file| file.epoch))
+        ReadStart(
+            self.table()
+                .and_then(|table| table.files.get(&inode).map(|file| file.epoch)),
+        )
     }
 
     /// A write-back or a flush of `inode` failed: what the copies say the cluster holds
     /// may not be there, so they go (its pages go whole from here).
     pub fn failed(&self, inode: InodeId) {
-        self.table().forget(inode, ..);
+        if let Some(mut table) = self.table() {
+            table.forget(inode, ..);
+        }
     }
 
     /// The cluster holds at least `size` bytes of `inode` after a change by this host.
     pub fn grown(&self, inode: InodeId, size: u64) {
-        if let Some(file) = self.table().files.get_mut(&inode) {
+        let Some(mut table) = self.table() else {
+            return;
+        };
+        if let Some(file) = table.files.get_mut(&inode) {
             file.extent = file.extent.max(size);
         }
     }
 
     /// The last write open of `inode` here was released: its dirty pages went out before.
     pub fn end(&self, inode: InodeId) {
-        let mut table = self.table();
+        let Some(mut table) = self.table() else {
+            return;
+        };
         if let Some(file) = table.files.remove(&inode) {
             table.pages -= file.pages.len();
         }
@@ -244,7 +255,9 @@ impl Shadows {
         if !offset.is_multiple_of(PAGE_BYTES) {
             return;
         }
-        let mut table = self.table();
+        let Some(mut table) = self.table() else {
+            return;
+        };
         let current = table.files.get(&inode).map(|file| file.epoch);
         if start.0.is_none() || current != start.0 {
             return;
@@ -270,7 +283,9 @@ impl Shadows {
         if data.is_empty() || !offset.is_multiple_of(PAGE_BYTES) {
             return whole;
         }
-        let mut table = self.table();
+        let Some(mut table) = self.table() else {
+            return whole;
+        };
         let Some(file) = table.files.get(&inode) else {
             return whole;
         };
@@ -326,7 +341,10 @@ impl Shadows {
         if length == 0 {
             return;
         }
-        self.table().forget(
+        let Some(mut table) = self.table() else {
+            return;
+        };
+        table.forget(
             inode,
             offset / PAGE_BYTES..=(offset + length - 1) / PAGE_BYTES,
         );
@@ -335,7 +353,9 @@ impl Shadows {
     /// This host cut `inode` to `size`: the kernel dropped its pages past it and zeroed the
     /// rest of the page the end falls in; nothing of this host's is past it any more.
     pub fn truncated(&self, inode: InodeId, size: u64) {
-        let mut table = self.table();
+        let Some(mut table) = self.table() else {
+            return;
+        };
         table.forget(inode, size.div_ceil(PAGE_BYTES)..);
         let Some(file) = table.files.get_mut(&inode) else {
             return;
@@ -351,7 +371,7 @@ impl Shadows {
     /// Pages copied now, over all files.
     #[cfg(test)]
     fn pages(&self) -> usize {
-        self.table().pages
+        self.table().map_or(0, |table| table.pages)
     }
 }
 
@@ -404,7 +424,7 @@ mod tests {
 
     #[test]
     fn a_page_read_then_changed_in_part_sends_only_the_changed_span() {
-        let shadows = Shadows::default();
+        let shadows = Shadows::new(true);
         shadows.begin(7, 3 * PAGE_BYTES);
         let old = vec![b'o'; 2 * PAGE];
         shadows.read(7, shadows.reading(7), 0, 2 * PAGE_BYTES, &old);
@@ -416,7 +436,7 @@ mod tests {
             vec![10..20],
             "inside the file: the changed span alone"
         );
-        let shadows = Shadows::default();
+        let shadows = Shadows::new(true);
         shadows.begin(7, 3 * PAGE_BYTES);
         shadows.read(7, shadows.reading(7), 0, 2 * PAGE_BYTES, &old);
         assert_eq!(
@@ -441,7 +461,7 @@ mod tests {
 
     #[test]
     fn pages_begun_past_the_end_do_not_send_the_kernels_zeros() {
-        let shadows = Shadows::default();
+        let shadows = Shadows::new(true);
         // An empty file: another host writes [0, 1000), this one [1000, 2000).
         shadows.begin(3, 0);
         let mut page = vec![0u8; 2000];
@@ -454,7 +474,7 @@ mod tests {
         page[3000..].fill(b'b');
         assert_eq!(shadows.write_back(3, 0, &page), vec![3000..3100]);
         // Below what the file held when opened, a page not read is sent whole.
-        let shadows = Shadows::default();
+        let shadows = Shadows::new(true);
         shadows.begin(4, 10 * PAGE_BYTES);
         let zeros = vec![0u8; PAGE];
         assert_eq!(
@@ -468,14 +488,14 @@ mod tests {
             vec![0..PAGE]
         );
         // A long write-back goes as one span, and each of its pages is copied.
-        let shadows = Shadows::default();
+        let shadows = Shadows::new(true);
         shadows.begin(8, 0);
         let data = vec![b'd'; 5 * PAGE + 7];
         assert_eq!(shadows.write_back(8, 0, &data), vec![0..data.len()]);
         assert_eq!(shadows.pages(), 6);
         // Written a second time, the page compares with its copy: records of two hosts
         // taking turns inside it each keep their own bytes.
-        let shadows = Shadows::default();
+        let shadows = Shadows::new(true);
         shadows.begin(10, 0);
         let mut page = vec![0u8; 1000];
         page.fill(b'a');
@@ -491,7 +511,7 @@ mod tests {
 
     #[test]
     fn a_failure_a_late_read_or_a_part_of_a_page_leaves_no_copy() {
-        let shadows = Shadows::default();
+        let shadows = Shadows::new(true);
         shadows.begin(11, 2 * PAGE_BYTES);
         let old = vec![b'o'; 2 * PAGE];
         shadows.read(11, shadows.reading(11), 0, 2 * PAGE_BYTES, &old);
@@ -506,7 +526,7 @@ mod tests {
         shadows.read(11, start, PAGE_BYTES, PAGE_BYTES, &old[..PAGE]);
         assert_eq!(shadows.pages(), 0, "the late read is not copied");
         // A read of part of a page (not where the file ends) is not a page.
-        let shadows = Shadows::default();
+        let shadows = Shadows::new(true);
         shadows.begin(12, 2 * PAGE_BYTES);
         shadows.read(12, shadows.reading(12), 0, 512, &old[..512]);
         assert_eq!(shadows.pages(), 0);
@@ -520,14 +540,14 @@ mod tests {
 
     #[test]
     fn a_file_cut_and_written_again_and_again_keeps_the_order_bounded() {
-        let shadows = Shadows::default();
+        let shadows = Shadows::new(true);
         shadows.begin(14, 0);
         let page = vec![b'p'; PAGE];
         for _ in 0..5 * SHADOW_PAGES_MAX {
             shadows.write_back(14, 0, &page);
             shadows.truncated(14, 0);
         }
-        let table = shadows.table();
+        let table = shadows.table().unwrap();
         assert!(
             table.order.len() <= 2 * SHADOW_PAGES_MAX + 1,
             "{} entries",
@@ -598,7 +618,7 @@ mod tests {
 
     #[test]
     fn truncations_direct_writes_and_the_bound_reset_what_is_known() {
-        let shadows = Shadows::default();
+        let shadows = Shadows::new(true);
         shadows.begin(5, 4 * PAGE_BYTES);
         shadows.read(
             5,
@@ -626,7 +646,7 @@ mod tests {
         shadows.end(5);
         assert_eq!(shadows.pages(), 0);
         // Past the bound the oldest copies go: their pages go whole if written back.
-        let shadows = Shadows::default();
+        let shadows = Shadows::new(true);
         shadows.begin(9, u64::MAX / 2);
         let data = vec![b'o'; PAGE];
         for index in 0..=SHADOW_PAGES_MAX as u64 {

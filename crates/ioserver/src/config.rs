@@ -379,6 +379,12 @@ fn check_address(name: &str, address: &str, port_zero_allowed: bool) -> Result<(
 mod tests {
     use super::*;
 
+    /// `config` is refused with an error that says `needle`.
+    fn refused(config: IoConfig, needle: &str) {
+        let error = config.validate().unwrap_err().to_string();
+        assert!(error.contains(needle), "{error}");
+    }
+
     #[test]
     fn defaults_are_valid_and_parse_from_toml() {
         IoConfig::default().validate().unwrap();
@@ -412,30 +418,23 @@ mod tests {
             (288 << 20) - 64 * CONNECTION_MEMORY_BYTES
         );
         // A budget the fixed part eats is refused, naming what takes it.
-        let error = IoConfig {
+        let eaten = IoConfig {
             memory_budget_bytes: 256 << 20,
             ..IoConfig::default()
-        }
-        .validate()
-        .unwrap_err()
-        .to_string();
-        assert!(
-            error.contains("memory_budget_bytes = 268435456 leaves 0 bytes"),
-            "{error}"
+        };
+        refused(
+            eaten.clone(),
+            "memory_budget_bytes = 268435456 leaves 0 bytes",
         );
-        assert!(error.contains("1024 connections"), "{error}");
+        refused(eaten, "1024 connections");
         // An explicit payload budget larger than what is left is refused.
-        let error = IoConfig {
-            memory_budget_bytes: 384 << 20,
-            payload_budget_bytes: Some(256 << 20),
-            ..IoConfig::default()
-        }
-        .validate()
-        .unwrap_err()
-        .to_string();
-        assert!(
-            error.contains("does not fit in memory_budget_bytes"),
-            "{error}"
+        refused(
+            IoConfig {
+                memory_budget_bytes: 384 << 20,
+                payload_budget_bytes: Some(256 << 20),
+                ..IoConfig::default()
+            },
+            "does not fit in memory_budget_bytes",
         );
         // An explicit smaller one is kept.
         let explicit = IoConfig {
@@ -444,14 +443,13 @@ mod tests {
         };
         explicit.validate().unwrap();
         assert_eq!(explicit.payload_budget(), 64 << 20);
-        let error = IoConfig {
-            connections_max: 0,
-            ..IoConfig::default()
-        }
-        .validate()
-        .unwrap_err()
-        .to_string();
-        assert!(error.contains("connections_max = 0"), "{error}");
+        refused(
+            IoConfig {
+                connections_max: 0,
+                ..IoConfig::default()
+            },
+            "connections_max = 0",
+        );
     }
 
     #[test]
@@ -459,10 +457,6 @@ mod tests {
         let config: IoConfig = toml::from_str("direct_io = \"all\"\n").unwrap();
         assert_eq!(config.direct_io, DirectIo::All);
         assert_eq!(IoConfig::default().direct_io, DirectIo::Writes);
-        let refused = |config: IoConfig, needle: &str| {
-            let error = config.validate().unwrap_err().to_string();
-            assert!(error.contains(needle), "{error}");
-        };
         refused(
             IoConfig {
                 direct_io_min_bytes: 4096,
