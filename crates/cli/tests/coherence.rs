@@ -125,8 +125,8 @@ fn meta_requests(before: &Snapshot, after: &Snapshot, operations: &[&str]) -> f6
         .sum()
 }
 
-/// Every operation but those sent on their own clock: clients' revocation polls and
-/// session renewals, and the I/O servers' heartbeats.
+/// Every operation but those sent on their own clock: clients' revocation polls, session
+/// and lease renewals, and the I/O servers' heartbeats.
 fn all_but_periodic(snapshot: &Snapshot) -> Vec<String> {
     snapshot
         .label_values("freeflow_rpc_requests_total", "op")
@@ -134,7 +134,7 @@ fn all_but_periodic(snapshot: &Snapshot) -> Vec<String> {
         .filter(|op| {
             !matches!(
                 op.as_str(),
-                "WaitRevocations" | "RenewSession" | "RegisterServer"
+                "WaitRevocations" | "RenewSession" | "RenewLeases" | "RegisterServer"
             )
         })
         .collect()
@@ -354,6 +354,77 @@ async fn a_stopped_or_killed_mount_holds_up_changes_one_lease_at_most() {
     assert!(
         after.sum("freeflow_meta_revocation_expiries_total", &[]) >= 1.0,
         "the silent holder's revocation ran out"
+    );
+}
+
+/// What `count` stats of a warm name asked of the meta server, besides its periodic
+/// requests and the gathered closes of earlier reads (they go out on their own time).
+async fn stats_ask_nothing(cluster: &Cluster, path: &Path, count: usize) -> Vec<(String, f64)> {
+    let before = scrape_meta(cluster).await;
+    for _ in 0..count {
+        fs::metadata(path).unwrap();
+    }
+    let after = scrape_meta(cluster).await;
+    all_but_periodic(&after)
+        .into_iter()
+        .filter(|op| op != "CloseHandles")
+        .map(|op| {
+            let count = meta_requests(&before, &after, &[&op]);
+            (op, count)
+        })
+        .filter(|(_, count)| *count > 0.0)
+        .collect()
+}
+
+/// Leases are renewed while a mount lives: a name stat'ed several leases ago is still
+/// answered by the kernel alone, and another mount's changes are seen at once all the same.
+/// When the renewals stop succeeding (the meta server silent), the mount takes back what
+/// it handed to its kernel before the leases end: its next stat asks the meta server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_names_outlive_their_lease_while_it_is_renewed_and_go_when_renewals_fail() {
+    if !fuse_available() {
+        return;
+    }
+    const LEASE_MS: u64 = 2_000;
+    let cluster = coherence_cluster(LEASE_MS as u32).await;
+    let holder = Mount::start(&cluster, "a", &[]);
+    let changer = Mount::start(&cluster, "b", &[]);
+    // The mounts' first renewals (soon after connect) start their runs.
+    std::thread::sleep(Duration::from_millis(LEASE_MS / 2));
+    fs::create_dir(changer.path("d")).unwrap();
+    for name in ["kept", "unlinked", "grown", "stale"] {
+        fs::write(changer.path(&format!("d/{name}")), b"0123456789").unwrap();
+        warm(&holder, &format!("d/{name}"));
+    }
+    std::thread::sleep(Duration::from_millis(3 * LEASE_MS));
+    let asked = stats_ask_nothing(&cluster, &holder.path("d/kept"), 100).await;
+    assert!(
+        asked.is_empty(),
+        "100 stats three leases after the name was warmed asked {asked:?}"
+    );
+
+    // Changes elsewhere are still revoked from the renewed caches.
+    fs::remove_file(changer.path("d/unlinked")).unwrap();
+    assert!(gone(&holder.path("d/unlinked")), "an unlinked name is gone");
+    append(&changer.path("d/grown"), "abc");
+    assert_eq!(fs::metadata(holder.path("d/grown")).unwrap().len(), 13);
+    assert_eq!(read_all(&holder.path("d/grown")), b"0123456789abc");
+
+    // The meta server stops answering for longer than the renewals can bridge: the mount
+    // drops what its kernel holds, so its next stat asks again.
+    warm(&holder, "d/stale");
+    let asked = stats_ask_nothing(&cluster, &holder.path("d/stale"), 10).await;
+    assert!(asked.is_empty(), "warm before the silence: {asked:?}");
+    cluster.signal_meta(libc::SIGSTOP);
+    std::thread::sleep(Duration::from_millis(LEASE_MS * 3 / 2));
+    cluster.signal_meta(libc::SIGCONT);
+    let before = scrape_meta(&cluster).await;
+    fs::metadata(holder.path("d/stale")).unwrap();
+    let after = scrape_meta(&cluster).await;
+    let asked = meta_requests(&before, &after, &["Lookup", "LookupEntry", "GetAttr"]);
+    assert!(
+        asked >= 1.0,
+        "after renewals failed for a lease, the stat asked the meta server ({asked} requests)"
     );
 }
 

@@ -67,6 +67,12 @@ pub(crate) struct Shared {
     pub(crate) revoked: Mutex<crate::leases::Revoked>,
     /// The revocation poll (started at connect) and who is told of revocations.
     watcher: Mutex<Option<JoinHandle<()>>>,
+    /// The newest revocation the poll handled, by server epoch (`leases::renew` waits
+    /// for it).
+    pub(crate) handled: tokio::sync::watch::Sender<(u64, u64)>,
+    /// The run of lease renewals (see `leases.rs`) and its task.
+    pub(crate) renewed: Mutex<crate::leases::Renewed>,
+    lease_renewer: Mutex<Option<JoinHandle<()>>>,
     pub(crate) revocation_handler: Mutex<Option<crate::leases::RevocationHandler>>,
     /// Who writes back what it holds of a recalled file before the acknowledgement.
     pub(crate) recall_handler: Mutex<Option<crate::leases::RecallHandler>>,
@@ -98,7 +104,7 @@ impl Drop for Shared {
     /// session is closed in the background (best effort), so that the meta server does not
     /// wait for it as for a client that crashed (after a restart, for its replay).
     fn drop(&mut self) {
-        for task in [&self.renewer, &self.watcher] {
+        for task in [&self.renewer, &self.watcher, &self.lease_renewer] {
             if let Some(task) = task.lock().map(|mut task| task.take()).unwrap_or(None) {
                 task.abort();
             }
@@ -316,6 +322,9 @@ impl Client {
             metrics,
             revoked: crate::leases::new_revoked(),
             watcher: Mutex::new(None),
+            handled: tokio::sync::watch::Sender::new((0, 0)),
+            renewed: Mutex::new(crate::leases::Renewed::default()),
+            lease_renewer: Mutex::new(None),
             revocation_handler: Mutex::new(None),
             recall_handler: Mutex::new(None),
             locks: crate::locks::new_held(),
@@ -351,6 +360,12 @@ impl Client {
             shared.pool.clone(),
         ));
         *shared.watcher.lock().expect("not poisoned") = Some(watcher);
+        let lease_renewer = tokio::spawn(crate::leases::renew(
+            Arc::downgrade(&shared),
+            shared.pool.clone(),
+            shared.handled.subscribe(),
+        ));
+        *shared.lease_renewer.lock().expect("not poisoned") = Some(lease_renewer);
         Ok(Client { shared, caller })
     }
 
@@ -430,8 +445,24 @@ impl Client {
     /// How long `lease` can still be trusted for what it covers (`inodes`), if at all.
     pub fn lease_remaining(&self, lease: &Lease, inodes: &[InodeId]) -> Option<Duration> {
         let epoch = self.shared.pool.lease_epoch();
+        let renewed = *self.shared.renewed();
         let revoked = self.shared.revoked();
-        crate::leases::remaining(lease, epoch, &revoked, inodes)
+        crate::leases::remaining(lease, epoch, &revoked, &renewed, inodes)
+    }
+
+    /// How long a cache that is told of revocations and of lapses (the mount's kernel,
+    /// through `watch_revocations`) may keep what `lease` covers (`inodes`): while this
+    /// client's leases are being renewed, up to the lease's span; else what remains of it.
+    /// Ask while holding off the handler (the mount's `Admission`), so that a lapse that
+    /// comes after the answer takes the reply back.
+    pub fn kernel_time_out(&self, lease: &Lease, inodes: &[InodeId]) -> Option<Duration> {
+        let left = self.lease_remaining(lease, inodes)?;
+        let span = self.shared.renewed().spans(lease);
+        Some(span.map_or(left, |until| {
+            until
+                .saturating_duration_since(tokio::time::Instant::now())
+                .max(left)
+        }))
     }
 
     /// Close the session at the meta server (best effort) and stop renewing it.
@@ -446,8 +477,10 @@ impl Client {
         if let Some(renewer) = self.shared.renewer.lock().expect("not poisoned").take() {
             renewer.abort();
         }
-        if let Some(watcher) = self.shared.watcher.lock().expect("not poisoned").take() {
-            watcher.abort();
+        for task in [&self.shared.watcher, &self.shared.lease_renewer] {
+            if let Some(task) = task.lock().expect("not poisoned").take() {
+                task.abort();
+            }
         }
         self.shared.closed.store(true, Ordering::Release);
         self.shared.space.give_back(&self.shared.pool).await;

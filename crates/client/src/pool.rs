@@ -18,7 +18,7 @@ use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::io::{ReadObject, SyncObjects, WriteObject};
 use freeflow_proto::meta::{
     is_mutation, CloseSession, GetServiceMap, ListServers, ReplayDone, ReplayOf, ReplyStamp,
-    ServerRecord, ServiceMap, Sync,
+    ServerRecord, ServiceMap, Sync, LEASE_RENEWAL_SPAN_MS,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, LeaderSearch, RawFrame, RpcError};
@@ -42,10 +42,13 @@ pub struct Lease {
     /// The reply delegated a directory to this client (a mkdir: the new directory), see
     /// `delegation.rs`.
     pub delegated: bool,
+    /// The latest time renewals can keep it to (`LEASE_RENEWAL_SPAN_MS` after it was
+    /// sent; see `leases::Renewed`).
+    pub span_until: Option<Instant>,
 }
 
 /// Part of a lease the client gives up to allow for clock rates and scheduling.
-const LEASE_MARGIN_PERCENT: u64 = 10;
+pub(crate) const LEASE_MARGIN_PERCENT: u64 = 10;
 
 impl Lease {
     fn from_stamp(stamp: &ReplyStamp, sent_at: Instant) -> Lease {
@@ -58,6 +61,7 @@ impl Lease {
             seq: stamp.lease_seq,
             epoch: stamp.epoch,
             delegated: !stamp.delegated.is_empty(),
+            span_until: Some(sent_at + Duration::from_millis(LEASE_RENEWAL_SPAN_MS)),
         }
     }
 }

@@ -256,6 +256,21 @@ impl Service for FakeMeta {
                 })
                 .await
             }
+            // Nothing is leased here: nothing to renew.
+            RenewLeases::OPCODE => {
+                typed::<RenewLeases>(frame, |_, _| {
+                    Ok((
+                        LeasesRenewed {
+                            epoch: 0,
+                            renewed: false,
+                            lease_ms: 0,
+                            revocations_through: 0,
+                        },
+                        none(),
+                    ))
+                })
+                .await
+            }
             // Everything here is durable at once: nothing to do.
             Sync::OPCODE => typed::<Sync>(frame, |_, _| Ok(((), none()))).await,
             ListServers::OPCODE => {

@@ -788,6 +788,7 @@ mod tests {
             seq: 5,
             epoch: 1,
             delegated: false,
+            span_until: None,
         };
         let good = |lease: &Lease| {
             lease

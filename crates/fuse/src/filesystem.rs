@@ -151,8 +151,9 @@ impl MountState {
     }
 
     /// Time-outs (entry, attributes) for `name` in `parent` (and `child`'s attributes)
-    /// answered with `lease`: what is left of the lease, or the configured ones. The reply
-    /// must be written before `admission` is dropped.
+    /// answered with `lease`: what is left of the lease (its whole span while this client
+    /// renews its leases: a lapse takes everything back, see the client's `leases.rs`), or
+    /// the configured ones. The reply must be written before `admission` is dropped.
     fn entry_time_outs(
         &self,
         admission: &mut Admission<'_>,
@@ -162,7 +163,7 @@ impl MountState {
         child: Option<InodeId>,
     ) -> (Duration, Duration) {
         let inodes: Vec<InodeId> = [Some(parent), child].into_iter().flatten().collect();
-        let left = self.client.lease_remaining(lease, &inodes);
+        let left = self.client.kernel_time_out(lease, &inodes);
         match admission.entry(left, parent, name, child) {
             Some(left) => (left, left),
             None => (self.entry_ttl, self.attr_ttl),
@@ -176,7 +177,7 @@ impl MountState {
         lease: &Lease,
         inode: InodeId,
     ) -> Duration {
-        let left = self.client.lease_remaining(lease, &[inode]);
+        let left = self.client.kernel_time_out(lease, &[inode]);
         admission.attributes(left, inode).unwrap_or(self.attr_ttl)
     }
 

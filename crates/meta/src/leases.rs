@@ -18,6 +18,14 @@
 //! client that receives a revocation before the reply it races with can tell the reply is
 //! older (`ReplyStamp::lease_seq`).
 //!
+//! A lease is kept past its time by the client's renewals (`RenewLeases`, sent at a
+//! fraction of the lease): every lease still good when a renewal of an unbroken run of
+//! them arrives lasts until the newest renewal's end, but never longer than
+//! `LEASE_RENEWAL_SPAN_MS` after its grant ([`live_until`]). A client that stops renewing
+//! (dead, cut off) is still waited for one lease at most, from its last renewal. A renewal
+//! tells the client the newest revocation queued to it, and the client counts on it only
+//! once it handled that one: a revoked lease is never kept by a renewal.
+//!
 //! Every table has a bound: clients (`sessions_max`), leases per client, revocations queued
 //! per client, and inodes remembered as changed. Past a bound, leases are refused (the
 //! client simply does not cache), never the operation.
@@ -27,7 +35,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 use tokio::time::Instant;
 
-use freeflow_proto::meta::Revocation;
+use freeflow_proto::meta::{Revocation, LEASE_RENEWAL_SPAN_MS};
 use freeflow_types::InodeId;
 use tokio::sync::Notify;
 
@@ -49,7 +57,37 @@ struct Held {
     client: u64,
     names: bool,
     attributes: bool,
+    /// Its own end: the grant's time plus a lease (and a margin).
     until: Instant,
+    /// When it was (last) granted: renewals keep it at most `LEASE_RENEWAL_SPAN_MS` longer.
+    granted: Instant,
+}
+
+/// An unbroken run of a client's lease renewals: each arrived before the previous one's
+/// end.
+#[derive(Clone, Copy, Debug)]
+struct Renewals {
+    /// When the first renewal of the run arrived: leases good then are kept by the run.
+    since: Instant,
+    /// The newest renewal's end.
+    until: Instant,
+}
+
+/// The server holds a lease a little longer than the client trusts it.
+const SERVER_MARGIN: Duration = Duration::from_millis(100);
+
+/// When `held` runs out: its own time, or the end of its client's run of renewals if the
+/// lease was still good when the run began, up to `LEASE_RENEWAL_SPAN_MS` after its grant.
+fn live_until(held: &Held, clients: &HashMap<u64, CallbackClient>) -> Instant {
+    let run = clients.get(&held.client).and_then(|client| client.renewals);
+    match run {
+        Some(run) if held.until > run.since => {
+            let span_end =
+                held.granted + Duration::from_millis(LEASE_RENEWAL_SPAN_MS) + SERVER_MARGIN;
+            held.until.max(run.until.min(span_end))
+        }
+        _ => held.until,
+    }
 }
 
 struct CallbackClient {
@@ -64,6 +102,13 @@ struct CallbackClient {
     polls: u64,
     /// Woken when a revocation is queued or a newer poll arrives.
     wake: std::sync::Arc<Notify>,
+    /// The newest revocation queued to the client (a renewal's `revocations_through`).
+    queued_through: u64,
+    /// Its current run of renewals, if any.
+    renewals: Option<Renewals>,
+    /// A revocation could not be queued (the client fell too far behind): no renewal is
+    /// taken before this time, when every lease it should have ended has run out.
+    renewals_refused_until: Option<Instant>,
 }
 
 impl CallbackClient {
@@ -75,6 +120,9 @@ impl CallbackClient {
             leases: 0,
             polls: 0,
             wake: std::sync::Arc::new(Notify::new()),
+            queued_through: 0,
+            renewals: None,
+            renewals_refused_until: None,
         }
     }
 }
@@ -216,18 +264,23 @@ impl Leases {
                 return Grant::default();
             }
         }
-        // The server holds a lease a little longer than the client trusts it.
-        let until = now + self.lease + Duration::from_millis(100);
+        let until = now + self.lease + SERVER_MARGIN;
         let mut added = 0;
+        let Inner {
+            holders: all_holders,
+            clients,
+            ..
+        } = &mut *inner;
         for inode in names.union(&attributes) {
-            let holders = inner.holders.entry(*inode).or_default();
-            holders.retain(|held| held.until > now);
+            let holders = all_holders.entry(*inode).or_default();
+            holders.retain(|held| live_until(held, clients) > now);
             let (names, attributes) = (names.contains(inode), attributes.contains(inode));
             match holders.iter_mut().find(|held| held.client == client) {
                 Some(held) => {
                     held.names |= names;
                     held.attributes |= attributes;
                     held.until = until;
+                    held.granted = now;
                 }
                 None => {
                     holders.push(Held {
@@ -235,6 +288,7 @@ impl Leases {
                         names,
                         attributes,
                         until,
+                        granted: now,
                     });
                     added += 1;
                 }
@@ -321,7 +375,8 @@ impl Leases {
         }
         for (directory, name) in &all_names {
             for held in inner.holders.get(directory).into_iter().flatten() {
-                if held.client == changer || !held.names || held.until <= now {
+                if held.client == changer || !held.names || live_until(held, &inner.clients) <= now
+                {
                     continue;
                 }
                 let entry = per_client.entry((held.client, *directory)).or_insert((
@@ -345,7 +400,10 @@ impl Leases {
             })
         {
             for held in inner.holders.get(inode).into_iter().flatten() {
-                if held.client == changer || !held.attributes || held.until <= now {
+                if held.client == changer
+                    || !held.attributes
+                    || live_until(held, &inner.clients) <= now
+                {
                     continue;
                 }
                 per_client
@@ -360,7 +418,7 @@ impl Leases {
                 .holders
                 .get(&inode)
                 .and_then(|holders| holders.iter().find(|held| held.client == client))
-                .map_or(now, |held| held.until);
+                .map_or(now, |held| live_until(held, &inner.clients));
             // The attribute lease is gone with its revocation; names stay leased but for
             // the ones named (they are re-read at their next lookup).
             if attributes {
@@ -402,21 +460,22 @@ impl Leases {
         if client == 0 || !inner.clients.contains_key(&client) {
             return false;
         }
-        let holds_names = |holders: &[Held], holder: u64| {
-            holders
-                .iter()
-                .any(|held| held.client == holder && held.names && held.until > now)
-        };
+        let holds_names =
+            |holders: &[Held], holder: u64, clients: &HashMap<u64, CallbackClient>| {
+                holders.iter().any(|held| {
+                    held.client == holder && held.names && live_until(held, clients) > now
+                })
+            };
         let (mine, others) = {
             let holders = inner
                 .holders
                 .get(&directory)
                 .map(Vec::as_slice)
                 .unwrap_or(&[]);
-            let others = holders
-                .iter()
-                .any(|held| held.client != client && held.names && held.until > now);
-            (holds_names(holders, client), others)
+            let others = holders.iter().any(|held| {
+                held.client != client && held.names && live_until(held, &inner.clients) > now
+            });
+            (holds_names(holders, client, &inner.clients), others)
         };
         if !mine || others {
             return false;
@@ -425,12 +484,13 @@ impl Leases {
             let Inner {
                 delegations,
                 holders,
+                clients,
                 ..
             } = &mut *inner;
             delegations.retain(|directory, holder| {
                 holders
                     .get(directory)
-                    .is_some_and(|held| holds_names(held, *holder))
+                    .is_some_and(|held| holds_names(held, *holder, clients))
             });
             if delegations.len() >= DELEGATIONS_MAX {
                 return false;
@@ -677,11 +737,44 @@ impl Leases {
     /// Leases held now, over all clients (for metrics).
     pub fn held(&self) -> usize {
         let now = Instant::now();
-        self.inner()
+        let inner = self.inner();
+        inner
             .holders
             .values()
-            .map(|holders| holders.iter().filter(|held| held.until > now).count())
+            .map(|holders| {
+                holders
+                    .iter()
+                    .filter(|held| live_until(held, &inner.clients) > now)
+                    .count()
+            })
             .sum()
+    }
+
+    /// A client's renewal of its leases (`RenewLeases`): whether it was taken, and the
+    /// newest revocation queued to the client, which it must handle before counting on
+    /// the renewal. Refused for a client that does not poll, and for a while after a
+    /// revocation could not be queued to it.
+    pub fn renew(&self, client: u64) -> (bool, u64) {
+        let now = Instant::now();
+        let mut inner = self.inner();
+        let Some(entry) = inner.clients.get_mut(&client) else {
+            return (false, 0);
+        };
+        if entry
+            .renewals_refused_until
+            .is_some_and(|until| now < until)
+        {
+            // The run ends on its own time: what it promised is kept.
+            return (false, entry.queued_through);
+        }
+        entry.renewals_refused_until = None;
+        let until = now + self.lease + SERVER_MARGIN;
+        let since = match entry.renewals {
+            Some(run) if now < run.until => run.since,
+            _ => now,
+        };
+        entry.renewals = Some(Renewals { since, until });
+        (true, entry.queued_through)
     }
 }
 
@@ -701,11 +794,18 @@ fn queue_revocation(
     };
     if target.queue.len() >= REVOCATIONS_QUEUED_MAX {
         // The client is not keeping up: it will be waited for until `until`, like a client
-        // that is gone.
+        // that is gone, and its leases are not renewed before then (it never learns of
+        // this revocation).
+        target.renewals_refused_until = Some(
+            target
+                .renewals_refused_until
+                .map_or(until, |refused| refused.max(until)),
+        );
         pending.waits.push((client, u64::MAX, until));
         return;
     }
     let id = revocation.id;
+    target.queued_through = id;
     target.queue.push_back(revocation);
     target.wake.notify_waiters();
     pending.waits.push((client, id, until));
@@ -713,8 +813,13 @@ fn queue_revocation(
 
 /// Drop expired leases and count again what each client holds.
 fn sweep(inner: &mut Inner, now: Instant) {
-    inner.holders.retain(|_, holders| {
-        holders.retain(|held| held.until > now && (held.names || held.attributes));
+    let Inner {
+        holders: all_holders,
+        clients,
+        ..
+    } = &mut *inner;
+    all_holders.retain(|_, holders| {
+        holders.retain(|held| live_until(held, clients) > now && (held.names || held.attributes));
         !holders.is_empty()
     });
     for entry in inner.clients.values_mut() {
@@ -789,6 +894,66 @@ mod tests {
             .unwrap();
         // Its own changes are never revoked from a client.
         assert!(leases.changed(7, &changed(&[(1, "b")], &[])).is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn renewals_keep_leases_good_at_their_start_for_a_span_and_a_silent_client_one_lease() {
+        let leases = Leases::new(10_000);
+        // Renewals of a client that does not poll are not taken.
+        assert_eq!(leases.renew(7), (false, 0));
+        leases.poll(7, 0, Duration::ZERO).await;
+        leases.poll(8, 0, Duration::ZERO).await;
+        let since = leases.seq();
+        assert_eq!(leases.grant(7, &read(&[], &[5]), since).lease_ms, 10_000);
+        let old = leases.seq();
+        tokio::time::advance(Duration::from_secs(11)).await;
+        // Inode 6 is granted and runs out before the run begins; 5 is renewed in time.
+        assert_eq!(leases.grant(7, &read(&[], &[6]), old).lease_ms, 10_000);
+        assert_eq!(leases.held(), 1, "5 ran out");
+        let since = leases.seq();
+        assert_eq!(leases.grant(7, &read(&[], &[5]), since).lease_ms, 10_000);
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert_eq!(leases.renew(7), (true, 0));
+        for _ in 0..5 {
+            tokio::time::advance(Duration::from_secs(5)).await;
+            assert_eq!(leases.renew(7), (true, 0));
+        }
+        // 34 s after 5's second grant, 23 s after 6's: both kept by the run.
+        assert_eq!(leases.held(), 2);
+        let pending = leases.changed(8, &changed(&[], &[5]));
+        assert_eq!(pending.len(), 1, "a renewed lease is revoked");
+        let revocations = leases.poll(7, 0, Duration::ZERO).await;
+        assert_eq!(revocations.len(), 1);
+        // The renewal names the revocation the client must handle first.
+        assert_eq!(leases.renew(7), (true, revocations[0].id));
+        // Past its span (60 s after its grant), a lease is not kept any more.
+        for _ in 0..6 {
+            tokio::time::advance(Duration::from_secs(5)).await;
+            assert!(leases.renew(7).0);
+        }
+        assert_eq!(leases.held(), 0, "6 is 63 s old");
+        assert!(leases.changed(8, &changed(&[], &[6])).is_empty());
+        // A client that stops renewing holds its leases one lease past its last renewal.
+        let since = leases.seq();
+        assert_eq!(leases.grant(7, &read(&[], &[9]), since).lease_ms, 10_000);
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert!(leases.renew(7).0);
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(leases.held(), 1, "9: 10 s after the last renewal");
+        let pending = leases.changed(8, &changed(&[], &[9]));
+        assert_eq!(pending.len(), 1);
+        tokio::time::advance(Duration::from_millis(200)).await;
+        assert_eq!(
+            leases.held(),
+            0,
+            "one lease and the margin after the last renewal"
+        );
+        // A renewal after the run ended starts a new one, which keeps nothing older.
+        let since = leases.seq();
+        assert_eq!(leases.grant(7, &read(&[], &[10]), since).lease_ms, 10_000);
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert!(leases.renew(7).0);
+        assert_eq!(leases.held(), 0);
     }
 
     #[tokio::test]

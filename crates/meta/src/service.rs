@@ -20,12 +20,12 @@ use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::meta::{
     is_mutation, Close, CloseHandles, CloseSession, ClusterReport, ClusterStatus, CommitSize,
     Create, CreateReply, FsStats, GetAttr, GetLock, GetServiceMap, GetXattr, InodeFacts,
-    InodeRange, InspectInodes, Link, ListServers, ListXattr, LockConflict, Lookup, LookupEntry,
-    MemberState, Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink, ReclaimSession,
-    RegisterReply, RegisterServer, RemoveXattr, Rename, RenewSession, ReplayDone, ReplayOf,
-    ReplyStamp, ReserveInodes, ResyncDone, Rmdir, SessionGrant, SetAttributes, SetDirLayout,
-    SetLock, SetXattr, StatFs, Symlink, Sync, Unlink, WaitRevocations, INSPECT_INODES_MAX,
-    RECLAIM_HANDLES_MAX,
+    InodeRange, InspectInodes, LeasesRenewed, Link, ListServers, ListXattr, LockConflict, Lookup,
+    LookupEntry, MemberState, Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink,
+    ReclaimSession, RegisterReply, RegisterServer, RemoveXattr, Rename, RenewLeases, RenewSession,
+    ReplayDone, ReplayOf, ReplyStamp, ReserveInodes, ResyncDone, Rmdir, SessionGrant,
+    SetAttributes, SetDirLayout, SetLock, SetXattr, StatFs, Symlink, Sync, Unlink, WaitRevocations,
+    INSPECT_INODES_MAX, RECLAIM_HANDLES_MAX,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
@@ -84,6 +84,7 @@ fn served_while_recovering(opcode: u16) -> bool {
         opcode,
         OpenSession::OPCODE
             | WaitRevocations::OPCODE
+            | RenewLeases::OPCODE
             | RenewSession::OPCODE
             | CloseSession::OPCODE
             | RegisterServer::OPCODE
@@ -702,6 +703,19 @@ impl Service for MetaService {
             WaitRevocations::OPCODE => {
                 handle(frame, |request: WaitRevocations, _| async move {
                     unstamped(shared, wait_revocations(shared, client, request).await)
+                })
+                .await
+            }
+            RenewLeases::OPCODE => {
+                handle(frame, |_: RenewLeases, _| {
+                    let (renewed, revocations_through) = shared.leases.renew(client);
+                    let reply = LeasesRenewed {
+                        epoch: shared.boot_epoch,
+                        renewed,
+                        lease_ms: shared.leases.lease_ms(),
+                        revocations_through,
+                    };
+                    async move { unstamped(shared, Ok(reply)) }
                 })
                 .await
             }

@@ -516,6 +516,31 @@ requests! {
         client_name: String,
         handles: Vec<ReclaimedHandle>,
     }
+    /// A lease-capable client's renewal of every lease it holds (issue 9): a lease still
+    /// good when the server takes this is kept for another `lease_ms` from now, up to
+    /// [`LEASE_RENEWAL_SPAN_MS`] after its grant (see [`LeasesRenewed`]). Sent at a
+    /// fraction of the lease, so a warm cache outlives one lease while the client lives.
+    RenewLeases = 146 => LeasesRenewed {}
+}
+
+/// How long after its grant a lease can be kept by renewals ([`RenewLeases`]); past it the
+/// client asks again. Bounds what a client holds to what it read within this time.
+pub const LEASE_RENEWAL_SPAN_MS: u64 = 60_000;
+
+/// The reply to [`RenewLeases`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeasesRenewed {
+    /// The server's boot epoch: a renewal holds only for leases of this epoch.
+    pub epoch: u64,
+    /// False: nothing renewed (the client does not poll for revocations, or it fell too
+    /// far behind with them); its leases end on their own time.
+    pub renewed: bool,
+    /// The length of the renewal, from when the client sent the request.
+    pub lease_ms: u32,
+    /// The newest revocation queued to this client when the renewal was taken: the client
+    /// may count on the renewal only once it has handled every revocation up to this one
+    /// (a revoked lease is not renewed, and the client must drop what it covers first).
+    pub revocations_through: u64,
 }
 
 /// Most handles one `ReclaimSession` carries.

@@ -82,6 +82,7 @@ fn every_meta_message(bytes: &[u8]) {
         GetServiceMap,
         ResyncDone,
         ReclaimSession,
+        RenewLeases,
     );
 }
 
@@ -282,6 +283,13 @@ fn samples() -> Vec<Vec<u8>> {
             server_id: 2,
             map_version: 17,
         }),
+        encode(&RenewLeases {}),
+        encode(&Ok::<LeasesRenewed, WireError>(LeasesRenewed {
+            epoch: 3,
+            renewed: true,
+            lease_ms: 10_000,
+            revocations_through: 41,
+        })),
         encode(&ReclaimSession {
             session_id: 459_709_137_134_548_995,
             client_name: "mount-a".into(),
