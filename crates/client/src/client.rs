@@ -456,9 +456,13 @@ impl Client {
     /// Ask while holding off the handler (the mount's `Admission`), so that a lapse that
     /// comes after the answer takes the reply back.
     pub fn kernel_time_out(&self, lease: &Lease, inodes: &[InodeId]) -> Option<Duration> {
-        let left = self.lease_remaining(lease, inodes)?;
-        let span = self.shared.renewed().spans(lease);
-        Some(span.map_or(left, |until| {
+        let epoch = self.shared.pool.lease_epoch();
+        let renewed = *self.shared.renewed();
+        let left = {
+            let revoked = self.shared.revoked();
+            crate::leases::remaining(lease, epoch, &revoked, &renewed, inodes)?
+        };
+        Some(renewed.spans(lease).map_or(left, |until| {
             until
                 .saturating_duration_since(tokio::time::Instant::now())
                 .max(left)

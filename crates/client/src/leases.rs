@@ -177,12 +177,9 @@ pub(crate) async fn renew(
     // Soon after connect: the first renewal starts the run.
     let mut next = Instant::now() + RENEWAL_RETRY;
     loop {
-        let lapse_at = {
-            let Some(client) = shared.upgrade() else {
-                return;
-            };
-            let lapse_at = client.renewed().lapse_at();
-            lapse_at
+        // No strong reference across the sleep: the client may go meanwhile.
+        let Some(lapse_at) = shared.upgrade().map(|client| client.renewed().lapse_at()) else {
+            return;
         };
         let wake = lapse_at.map_or(next, |at| at.min(next));
         tokio::time::sleep_until(wake).await;
