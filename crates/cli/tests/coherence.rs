@@ -428,6 +428,139 @@ async fn warm_names_outlive_their_lease_while_it_is_renewed_and_go_when_renewals
     );
 }
 
+/// The kernel keeps a listing it read (its readdir cache) while the mount holds the leases
+/// it was read under: a second listing of a warm directory asks the meta server nothing.
+/// Every change another mount makes to it (a create, an unlink, renames within, into and
+/// out of it, a directory made and removed, a hard link, a symlink) is in the next listing
+/// on each warm mount, and so is a change the lister makes itself. The directory spans
+/// several of the mount's pages of entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listings_the_kernel_keeps_show_every_change_at_once() {
+    if !fuse_available() {
+        return;
+    }
+    const FILES: usize = 2_100;
+    let cluster = coherence_cluster(LONG_LEASE_MS).await;
+    let changer = Mount::start(&cluster, "a", &[]);
+    let listers = [
+        Mount::start(&cluster, "b", &[]),
+        Mount::start(&cluster, "c", &[]),
+    ];
+    fs::create_dir(changer.path("d")).unwrap();
+    fs::create_dir(changer.path("elsewhere")).unwrap();
+    let mut expected: Vec<String> = (0..FILES).map(|index| format!("file-{index:05}")).collect();
+    for name in &expected {
+        File::create(changer.path(&format!("d/{name}"))).unwrap();
+    }
+    fs::write(changer.path("elsewhere/moved-in"), b"x").unwrap();
+
+    // Warm, then a second listing is the kernel's alone.
+    for mount in &listers {
+        assert_eq!(names_of(&mount.path("d")), expected, "the first listing");
+        let before = scrape_meta(&cluster).await;
+        assert_eq!(names_of(&mount.path("d")), expected, "the second listing");
+        let after = scrape_meta(&cluster).await;
+        let asked = meta_requests(&before, &after, &["ReadDir"]);
+        assert_eq!(asked, 0.0, "a warm listing asked for {asked} pages");
+    }
+
+    let check = |change: &str, expected: &mut Vec<String>| {
+        expected.sort();
+        for mount in &listers {
+            for listing in ["the listing", "the listing again"] {
+                let names = names_of(&mount.path("d"));
+                let missing: Vec<&String> = expected
+                    .iter()
+                    .filter(|name| !names.contains(name))
+                    .collect();
+                let extra: Vec<&String> = names
+                    .iter()
+                    .filter(|name| !expected.contains(name))
+                    .collect();
+                assert!(
+                    missing.is_empty() && extra.is_empty() && names.len() == expected.len(),
+                    "{}: {listing} after {change} lacks {missing:?} and has {extra:?} too",
+                    mount.mountpoint.display()
+                );
+            }
+        }
+    };
+    File::create(changer.path("d/created")).unwrap();
+    expected.push("created".to_string());
+    check("a create", &mut expected);
+
+    fs::remove_file(changer.path("d/file-00007")).unwrap();
+    expected.retain(|name| name != "file-00007");
+    check("an unlink", &mut expected);
+
+    fs::rename(changer.path("d/file-00008"), changer.path("d/renamed")).unwrap();
+    expected.retain(|name| name != "file-00008");
+    expected.push("renamed".to_string());
+    check("a rename within", &mut expected);
+
+    fs::rename(changer.path("d/file-00009"), changer.path("d/file-00010")).unwrap();
+    expected.retain(|name| name != "file-00009");
+    check("a rename over a name", &mut expected);
+
+    fs::rename(
+        changer.path("elsewhere/moved-in"),
+        changer.path("d/moved-in"),
+    )
+    .unwrap();
+    expected.push("moved-in".to_string());
+    check("a rename into it", &mut expected);
+
+    fs::rename(
+        changer.path("d/file-02099"),
+        changer.path("elsewhere/moved-out"),
+    )
+    .unwrap();
+    expected.retain(|name| name != "file-02099");
+    check("a rename out of it", &mut expected);
+
+    fs::create_dir(changer.path("d/sub")).unwrap();
+    expected.push("sub".to_string());
+    check("a mkdir", &mut expected);
+    fs::remove_dir(changer.path("d/sub")).unwrap();
+    expected.retain(|name| name != "sub");
+    check("an rmdir", &mut expected);
+
+    fs::hard_link(changer.path("d/created"), changer.path("d/linked")).unwrap();
+    expected.push("linked".to_string());
+    check("a hard link", &mut expected);
+
+    std::os::unix::fs::symlink("created", changer.path("d/symlink")).unwrap();
+    expected.push("symlink".to_string());
+    check("a symlink", &mut expected);
+
+    // A create whose directory then gets its old modify time back (as `tar` and
+    // `rsync -a` do): the kernel cannot tell the listing changed from the time.
+    let modified = fs::metadata(changer.path("d")).unwrap().modified().unwrap();
+    File::create(changer.path("d/time-restored")).unwrap();
+    File::open(changer.path("d"))
+        .unwrap()
+        .set_modified(modified)
+        .unwrap();
+    assert_eq!(
+        fs::metadata(listers[0].path("d"))
+            .unwrap()
+            .modified()
+            .unwrap(),
+        modified,
+        "the modify time is back"
+    );
+    expected.push("time-restored".to_string());
+    check("a create behind a restored modify time", &mut expected);
+
+    // A change made by a lister itself, seen by it and by the other.
+    File::create(listers[0].path("d/by-a-lister")).unwrap();
+    expected.push("by-a-lister".to_string());
+    check("a lister's own create", &mut expected);
+    fs::remove_file(listers[1].path("d/file-01500")).unwrap();
+    expected.retain(|name| name != "file-01500");
+    check("a lister's own unlink", &mut expected);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn creates_ask_no_lookup_where_the_mount_knows_every_name_and_a_warm_stat_asks_nothing() {
     if !fuse_available() {

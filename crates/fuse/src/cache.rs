@@ -28,6 +28,11 @@ use fuser::{INodeNo, Notifier};
 
 use crate::shadow::PAGE_BYTES;
 
+/// Most directories whose whole listing the kernel may keep in its readdir cache under a
+/// lease ([`Index::kernel_listings`]); past it a listing read is not recorded (the next
+/// open of that directory has the kernel read it again).
+pub const KERNEL_LISTINGS_MAX: usize = 65_536;
+
 /// Most names and inodes remembered as handed to the kernel under a lease; past it (once
 /// those whose lease ran out are dropped), replies are given the configured time-outs
 /// instead (no more caching).
@@ -71,6 +76,12 @@ struct Index {
     swept_at: Option<Instant>,
     listings: HashMap<InodeId, Listing>,
     listed_names: usize,
+    /// Directories the kernel read to their end through this mount, every page of it
+    /// under a lease still good when the end was answered (those leases): the kernel's
+    /// readdir cache then holds that listing (`FOPEN_CACHE_DIR`), and the next open may
+    /// keep it (`FOPEN_KEEP_CACHE`) while the leases hold. Any revocation of the directory
+    /// removes it. Bounded by [`KERNEL_LISTINGS_MAX`].
+    kernel_listings: HashMap<InodeId, Vec<Lease>>,
     /// Writeback mounts: the names under which the kernel holds each regular file, leased
     /// or not. The kernel owns such a file's size; a revocation of its attributes
     /// invalidates every one of these names so that the kernel drops the inode (and that
@@ -382,6 +393,67 @@ impl Admission<'_> {
         }
     }
 
+    /// Whether the kernel may keep the listing of `directory` it has cached at this
+    /// open: it read it to the end under leases that are all still good (`left`). A
+    /// listing whose leases are over is forgotten.
+    pub fn kernel_listing_good(
+        &mut self,
+        directory: InodeId,
+        left: impl Fn(&Lease) -> Option<Duration>,
+    ) -> bool {
+        if !self.enabled {
+            return false;
+        }
+        let Some(leases) = self.index.kernel_listings.get(&directory) else {
+            return false;
+        };
+        if leases.iter().all(|lease| left(lease).is_some()) {
+            return true;
+        }
+        self.index.kernel_listings.remove(&directory);
+        false
+    }
+
+    /// The kernel was answered the end of `directory`'s listing, read in pages under
+    /// `pages` (each page's lease) by a handle that was the only one of that directory
+    /// open since its open (`alone`; else answers of several handles, read at different
+    /// times, may have gone into the kernel's cache). Recorded if every lease is still
+    /// good (`left`), so that the next open keeps what the kernel cached
+    /// ([`Admission::kernel_listing_good`]). A handle opened keeping the kernel's cache
+    /// (`kept`) only filled in what the cache lacked: the leases of the rest are added to
+    /// it, if it is still recorded. Called before the reply is written, like
+    /// [`Admission::entry`].
+    pub fn kernel_listing_read(
+        &mut self,
+        directory: InodeId,
+        pages: &[Lease],
+        alone: bool,
+        kept: bool,
+        left: impl Fn(&Lease) -> Option<Duration>,
+    ) {
+        let earlier = self.index.kernel_listings.remove(&directory);
+        let mut leases = match earlier {
+            Some(leases) if kept => leases,
+            None if kept => return,
+            _ => Vec::new(),
+        };
+        if !self.enabled
+            || !alone
+            || pages.is_empty()
+            || self.index.kernel_listings.len() >= KERNEL_LISTINGS_MAX
+        {
+            return;
+        }
+        for lease in pages {
+            if !leases.iter().any(|known| known.seq == lease.seq) {
+                leases.push(*lease);
+            }
+        }
+        if leases.iter().all(|lease| left(lease).is_some()) {
+            self.index.kernel_listings.insert(directory, leases);
+        }
+    }
+
     /// The kernel forgot `inode` (its last lookup reference went).
     pub fn forgotten(&mut self, inode: InodeId) {
         self.index.held.remove(&inode);
@@ -563,6 +635,11 @@ impl KernelCache {
         }
     }
 
+    /// Whether anything may be cached under leases (a notifier can take it back).
+    pub fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::Acquire)
+    }
+
     pub fn set_notifier(&self, notifier: Notifier) {
         *self.notifier.lock().expect("notifier not poisoned") = Some(notifier);
         self.enabled.store(true, Ordering::Release);
@@ -679,8 +756,11 @@ impl KernelCache {
             inodes.extend(index.attributes.drain().map(|(inode, _)| inode));
             index.listings.clear();
             index.listed_names = 0;
+            index.kernel_listings.clear();
             return (entries, inodes);
         }
+        // Whatever changed, the kernel's cached listing of it is not kept at the next open.
+        index.kernel_listings.remove(&revocation.inode);
         // Another client changed it: the listing may be wrong from here on.
         index.drop_listing(revocation.inode);
         if revocation.whole_directory {
@@ -777,6 +857,70 @@ mod tests {
         assert_eq!(entries, vec![(2, "c".to_string())]);
         assert_eq!(inodes, vec![10]);
         assert_eq!(cache.index().name_count, 0);
+    }
+
+    #[test]
+    fn the_kernel_keeps_a_listing_read_alone_under_leases_until_one_ends_or_is_revoked() {
+        let cache = KernelCache::new(false);
+        cache.enabled.store(true, Ordering::Release);
+        let lease = |seq| Lease {
+            until: Some(tokio::time::Instant::now() + Duration::from_secs(10)),
+            seq,
+            epoch: 1,
+            delegated: false,
+            span_until: None,
+        };
+        let good = |lease: &Lease| {
+            lease
+                .until
+                .and_then(|until| until.checked_duration_since(tokio::time::Instant::now()))
+        };
+        let all_but_seq_2 = |lease: &Lease| if lease.seq == 2 { None } else { good(lease) };
+        let mut admission = cache.admit();
+        assert!(!admission.kernel_listing_good(7, good), "nothing read yet");
+        admission.kernel_listing_read(7, &[lease(1), lease(2)], false, false, good);
+        assert!(
+            !admission.kernel_listing_good(7, good),
+            "another handle of it was open: the kernel's cache may mix two readings"
+        );
+        admission.kernel_listing_read(7, &[lease(1), lease(2)], true, false, all_but_seq_2);
+        assert!(
+            !admission.kernel_listing_good(7, good),
+            "a page's lease is over"
+        );
+        admission.kernel_listing_read(7, &[], true, false, good);
+        assert!(!admission.kernel_listing_good(7, good), "no page: no lease");
+        admission.kernel_listing_read(7, &[lease(1), lease(2)], true, false, good);
+        assert!(admission.kernel_listing_good(7, good));
+        // A handle that kept the cache filled in its end: the earlier leases still count.
+        admission.kernel_listing_read(7, &[lease(3)], true, true, good);
+        assert!(admission.kernel_listing_good(7, good));
+        assert!(
+            !admission.kernel_listing_good(7, all_but_seq_2),
+            "a lease of the earlier reading ended"
+        );
+        assert!(
+            !admission.kernel_listing_good(7, good),
+            "and it was forgotten"
+        );
+        admission.kernel_listing_read(7, &[lease(3)], true, true, good);
+        assert!(
+            !admission.kernel_listing_good(7, good),
+            "what a kept cache held is not known any more"
+        );
+        admission.kernel_listing_read(7, &[lease(4)], true, false, good);
+        admission.kernel_listing_read(8, &[lease(4)], true, false, good);
+        drop(admission);
+        cache.take(&revocation(7, &["a"], false, false));
+        let mut admission = cache.admit();
+        assert!(!admission.kernel_listing_good(7, good), "revoked");
+        assert!(admission.kernel_listing_good(8, good), "another directory");
+        drop(admission);
+        cache.take(&revocation(0, &[], true, true));
+        assert!(
+            !cache.admit().kernel_listing_good(8, good),
+            "everything revoked"
+        );
     }
 
     #[test]

@@ -34,7 +34,7 @@ use tokio::sync::Semaphore;
 use crate::cache::{Admission, KernelCache};
 use crate::caller::GroupsCache;
 use crate::convert::{self, errno, file_attr, STATFS_BLOCK_BYTES};
-use crate::handles::{OpenDirectories, OpenFiles};
+use crate::handles::{DirectoryListing, OpenDirectories, OpenFiles};
 use crate::session::{MountOptions, REQUESTS_IN_FLIGHT_MAX};
 use crate::shadow::Shadows;
 
@@ -179,6 +179,23 @@ impl MountState {
     ) -> Duration {
         let left = self.client.kernel_time_out(lease, &[inode]);
         admission.attributes(left, inode).unwrap_or(self.attr_ttl)
+    }
+
+    /// The kernel is about to be answered the end of `listing`: note what it was read
+    /// under (see `KernelCache`'s kernel listings). The reply must be written before the
+    /// returned admission is dropped.
+    fn listing_read(&self, listing: &DirectoryListing) -> Admission<'_> {
+        let alone = self.directories.alone(listing);
+        let mut admission = self.cache.admit();
+        let directory = listing.inode;
+        admission.kernel_listing_read(
+            directory,
+            &listing.pages,
+            alone,
+            listing.kept_cache,
+            |lease| self.client.kernel_time_out(lease, &[directory]),
+        );
+        admission
     }
 
     /// A regular file the kernel holds open here on a writeback mount, whose attribute
@@ -1604,10 +1621,27 @@ impl fuser::Filesystem for FreeflowFs {
 
     fn opendir(&self, _request: &Request, inode: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         self.settle(&[inode.0]);
-        match self.state.directories.open(inode.0) {
-            Some(handle) => reply.opened(FileHandle(handle), FopenFlags::empty()),
+        // The kernel caches what it reads of a listing (`FOPEN_CACHE_DIR`) and keeps it at
+        // this open only while the leases it was read under hold (else it drops it here);
+        // its own changes of the directory make it read the listing again. Without the
+        // lease cache (`--no-cache`) nothing would take a cached listing back.
+        let mut admission = self.state.cache.admit();
+        let client = &self.state.client;
+        let mut flags = FopenFlags::empty();
+        if self.state.cache.enabled() {
+            flags |= FopenFlags::FOPEN_CACHE_DIR;
+            if admission
+                .kernel_listing_good(inode.0, |lease| client.kernel_time_out(lease, &[inode.0]))
+            {
+                flags |= FopenFlags::FOPEN_KEEP_CACHE;
+            }
+        }
+        let kept = flags.contains(FopenFlags::FOPEN_KEEP_CACHE);
+        match self.state.directories.open(inode.0, kept) {
+            Some(handle) => reply.opened(FileHandle(handle), flags),
             None => reply.error(Errno::EMFILE),
         }
+        drop(admission);
     }
 
     fn readdir(
@@ -1622,7 +1656,7 @@ impl fuser::Filesystem for FreeflowFs {
         let Some(listing) = self.state.directories.get(handle.0) else {
             return reply.error(bad_handle());
         };
-        let client = self.caller(request);
+        let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             let mut listing = listing.lock().await;
             let mut index = offset;
@@ -1634,6 +1668,11 @@ impl fuser::Filesystem for FreeflowFs {
                         let at = (index - 2) as usize;
                         match listing.ensure(&client, at, false).await {
                             Ok(true) => {}
+                            Ok(false) if index == offset => {
+                                // Nothing more: the kernel now holds the whole listing.
+                                let _admission = state.listing_read(&listing);
+                                return reply.ok();
+                            }
                             Ok(false) => break,
                             Err(error) => return reply.error(errno(&error)),
                         }
@@ -1699,6 +1738,11 @@ impl fuser::Filesystem for FreeflowFs {
                     },
                 };
                 found.push((entry.name.clone(), attr, names_lease, attr_lease));
+            }
+            if found.is_empty() && directory.is_none() {
+                // Nothing more: the kernel now holds the whole listing.
+                let _admission = state.listing_read(&listing);
+                return reply.ok();
             }
             let ttl = state.attr_ttl.min(state.entry_ttl);
             let mut admission = state.cache.admit();

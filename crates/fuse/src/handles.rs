@@ -333,9 +333,19 @@ impl OpenFiles {
 /// One open directory: the entries fetched so far.
 pub struct DirectoryListing {
     pub inode: InodeId,
+    /// Its kernel handle number.
+    pub handle: u64,
+    /// The kernel was told to keep the listing it had cached at this open
+    /// (`FOPEN_KEEP_CACHE`): it asks only for what its cache lacks.
+    pub kept_cache: bool,
+    /// No other handle of the directory was open when this one was opened.
+    pub alone_at_open: bool,
     pub entries: Vec<DirEntry>,
     /// The lease of the page each entry came in (parallel to `entries`).
     pub leases: Vec<freeflow_client::Lease>,
+    /// The lease of each page fetched, empty ones too: what the whole listing was read
+    /// under (see `KernelCache`'s cached listings).
+    pub pages: Vec<freeflow_client::Lease>,
     pub end: bool,
 }
 
@@ -362,6 +372,7 @@ impl DirectoryListing {
                 )
                 .await?;
             self.end = page.end || page.entries.is_empty();
+            self.pages.push(lease);
             self.leases
                 .extend(std::iter::repeat_n(lease, page.entries.len()));
             self.entries.extend(page.entries);
@@ -372,45 +383,83 @@ impl DirectoryListing {
 
 /// The open directories of the mount, by kernel handle number.
 pub struct OpenDirectories {
-    listings: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<DirectoryListing>>>>,
+    open: Mutex<Directories>,
     next_handle: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct Directories {
+    /// By handle: the directory and its listing.
+    listings: HashMap<u64, (InodeId, Arc<tokio::sync::Mutex<DirectoryListing>>)>,
+    /// By directory: how many handles are open, and the newest one.
+    by_inode: HashMap<InodeId, (usize, u64)>,
 }
 
 impl OpenDirectories {
     pub fn new() -> OpenDirectories {
         OpenDirectories {
-            listings: Mutex::new(HashMap::new()),
+            open: Mutex::new(Directories::default()),
             next_handle: std::sync::atomic::AtomicU64::new(1),
         }
     }
 
-    pub fn open(&self, inode: InodeId) -> Option<u64> {
-        let mut listings = self.listings.lock().expect("directories not poisoned");
-        if listings.len() >= OPEN_DIRECTORIES_MAX {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Directories> {
+        self.open.lock().expect("directories not poisoned")
+    }
+
+    /// Open `inode`; `kept_cache`: the kernel keeps the listing it cached (see
+    /// [`DirectoryListing::kept_cache`]).
+    pub fn open(&self, inode: InodeId, kept_cache: bool) -> Option<u64> {
+        let mut open = self.lock();
+        if open.listings.len() >= OPEN_DIRECTORIES_MAX {
             return None;
         }
         let handle = self
             .next_handle
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        listings.insert(
+        let opens = open.by_inode.entry(inode).or_insert((0, 0));
+        let alone_at_open = opens.0 == 0;
+        *opens = (opens.0 + 1, handle);
+        let listing = DirectoryListing {
+            inode,
             handle,
-            Arc::new(tokio::sync::Mutex::new(DirectoryListing {
-                inode,
-                entries: Vec::new(),
-                leases: Vec::new(),
-                end: false,
-            })),
-        );
+            kept_cache,
+            alone_at_open,
+            entries: Vec::new(),
+            leases: Vec::new(),
+            pages: Vec::new(),
+            end: false,
+        };
+        open.listings
+            .insert(handle, (inode, Arc::new(tokio::sync::Mutex::new(listing))));
         Some(handle)
     }
 
     pub fn get(&self, handle: u64) -> Option<Arc<tokio::sync::Mutex<DirectoryListing>>> {
-        let listings = self.listings.lock().expect("directories not poisoned");
-        listings.get(&handle).cloned()
+        self.lock()
+            .listings
+            .get(&handle)
+            .map(|(_, listing)| listing.clone())
+    }
+
+    /// Whether `listing` was the only handle of its directory open from its open until
+    /// now: then only its answers went into the kernel's cache of that listing since the
+    /// open (which dropped the cache unless told to keep it).
+    pub fn alone(&self, listing: &DirectoryListing) -> bool {
+        listing.alone_at_open
+            && self.lock().by_inode.get(&listing.inode) == Some(&(1, listing.handle))
     }
 
     pub fn close(&self, handle: u64) {
-        let mut listings = self.listings.lock().expect("directories not poisoned");
-        listings.remove(&handle);
+        let mut open = self.lock();
+        let Some((inode, _)) = open.listings.remove(&handle) else {
+            return;
+        };
+        if let Some(opens) = open.by_inode.get_mut(&inode) {
+            opens.0 -= 1;
+            if opens.0 == 0 {
+                open.by_inode.remove(&inode);
+            }
+        }
     }
 }
