@@ -429,11 +429,12 @@ async fn warm_names_outlive_their_lease_while_it_is_renewed_and_go_when_renewals
 }
 
 /// The kernel keeps a listing it read (its readdir cache) while the mount holds the leases
-/// it was read under: a second listing of a warm directory asks the meta server nothing.
-/// Every change another mount makes to it (a create, an unlink, renames within, into and
-/// out of it, a directory made and removed, a hard link, a symlink) is in the next listing
-/// on each warm mount, and so is a change the lister makes itself. The directory spans
-/// several of the mount's pages of entries.
+/// it was read under: a second listing of a warm directory asks the meta server nothing,
+/// nor does the first one on the mount that made the directory and its names. Every change
+/// another mount makes to it (a create, an unlink, renames within, into and out of it, a
+/// directory made and removed, a hard link, a symlink) is in the next listing on each warm
+/// mount, and so is a change the lister makes itself; the maker's own changes are in its
+/// listings too. The directory spans several of the mount's pages of entries.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listings_the_kernel_keeps_show_every_change_at_once() {
     if !fuse_available() {
@@ -454,6 +455,17 @@ async fn listings_the_kernel_keeps_show_every_change_at_once() {
     }
     fs::write(changer.path("elsewhere/moved-in"), b"x").unwrap();
 
+    // The mount that made the directory and every name in it lists it from what it knows.
+    let before = scrape_meta(&cluster).await;
+    assert_eq!(
+        names_of(&changer.path("d")),
+        expected,
+        "the maker's listing"
+    );
+    let after = scrape_meta(&cluster).await;
+    let asked = meta_requests(&before, &after, &["ReadDir"]);
+    assert_eq!(asked, 0.0, "the maker's listing asked for {asked} pages");
+
     // Warm, then a second listing is the kernel's alone.
     for mount in &listers {
         assert_eq!(names_of(&mount.path("d")), expected, "the first listing");
@@ -466,7 +478,7 @@ async fn listings_the_kernel_keeps_show_every_change_at_once() {
 
     let check = |change: &str, expected: &mut Vec<String>| {
         expected.sort();
-        for mount in &listers {
+        for mount in [&changer, &listers[0], &listers[1]] {
             for listing in ["the listing", "the listing again"] {
                 let names = names_of(&mount.path("d"));
                 let missing: Vec<&String> = expected

@@ -237,6 +237,33 @@ impl Admission<'_> {
         Some((listing.lease, child))
     }
 
+    /// Every name of `directory` with its inode, and the lease they are known under, when
+    /// this mount holds a complete listing of it under a lease still good (`left`) and
+    /// knows the inode of every name (not so after a link or rename whose inode it did not
+    /// learn): a listing answered without the meta server.
+    pub fn complete_listing(
+        &mut self,
+        directory: InodeId,
+        left: impl Fn(&Lease) -> Option<Duration>,
+    ) -> Option<(Vec<(String, InodeId)>, Lease)> {
+        let listing = self.index.listings.get(&directory)?;
+        if left(&listing.lease).is_none() {
+            self.index.drop_listing(directory);
+            return None;
+        }
+        if listing.children.len() != listing.names.len() {
+            return None;
+        }
+        let mut entries: Vec<(String, InodeId)> = listing
+            .children
+            .iter()
+            .map(|(name, inode)| (name.clone(), *inode))
+            .collect();
+        // The meta server's order (its keys hold the names' bytes).
+        entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+        Some((entries, listing.lease))
+    }
+
     /// This mount made `directory` (empty) and holds the lease on its names; new files
     /// there get group `group_of_new` if set (a setgid directory).
     pub fn listing_started(&mut self, directory: InodeId, lease: Lease, group_of_new: Option<u32>) {
@@ -955,7 +982,21 @@ mod tests {
                 "a name it made"
             );
             assert_eq!(admission.known_missing(7, "b", good), Some(lease));
+            assert_eq!(
+                admission.complete_listing(7, good),
+                None,
+                "the inode of \"a\" is not known"
+            );
+            admission.listing_added(7, "a", Some(12), None, good);
+            admission.listing_added(7, "B", Some(11), None, good);
+            assert_eq!(
+                admission.complete_listing(7, good),
+                Some((vec![("B".to_string(), 11), ("a".to_string(), 12)], lease)),
+                "every name, in the order of their bytes"
+            );
+            admission.listing_removed(7, "B");
             admission.listing_removed(7, "a");
+            assert_eq!(admission.complete_listing(7, good), Some((vec![], lease)));
             assert_eq!(admission.known_missing(7, "a", good), Some(lease));
             assert_eq!(
                 admission.known_missing(7, "a", |_| None),

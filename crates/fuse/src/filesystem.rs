@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use freeflow_client::{
-    Allocation, Attr, Client, ClientError, ErrorCode, FileKind, InodeId, Lease, LockKind, LockSpec,
-    RenameMode, SetAttr, TimeSpec, XattrSetMode,
+    Allocation, Attr, Client, ClientError, DirEntry, ErrorCode, FileKind, InodeId, Lease, LockKind,
+    LockSpec, RenameMode, SetAttr, TimeSpec, XattrSetMode,
 };
 use fuser::{
     AccessFlags, Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
@@ -179,6 +179,39 @@ impl MountState {
     ) -> Duration {
         let left = self.client.kernel_time_out(lease, &[inode]);
         admission.attributes(left, inode).unwrap_or(self.attr_ttl)
+    }
+
+    /// Before `listing` asks the meta server for its first page: take the whole listing
+    /// from what this mount knows, if it made the directory and still holds the lease on
+    /// its names, and keeps the attributes of every entry from its own changes under
+    /// leases still good (see `KernelCache::complete_listing`). No request then.
+    fn take_known_listing(&self, listing: &mut DirectoryListing) {
+        if !listing.entries.is_empty() || listing.end {
+            return;
+        }
+        let directory = listing.inode;
+        let known = {
+            let mut admission = self.cache.admit();
+            admission.complete_listing(directory, |lease| {
+                self.client.lease_remaining(lease, &[directory])
+            })
+        };
+        let Some((names, lease)) = known else {
+            return;
+        };
+        let mut entries = Vec::with_capacity(names.len());
+        for (name, inode) in names {
+            let Some(attr) = self.client.kept_attributes(inode) else {
+                return;
+            };
+            entries.push(DirEntry {
+                name,
+                inode,
+                kind: attr.kind,
+                attr: Some(attr),
+            });
+        }
+        listing.take_known(entries, lease);
     }
 
     /// The kernel is about to be answered the end of `listing`: note what it was read
@@ -1659,6 +1692,7 @@ impl fuser::Filesystem for FreeflowFs {
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             let mut listing = listing.lock().await;
+            state.take_known_listing(&mut listing);
             let mut index = offset;
             loop {
                 let full = match index {
@@ -1709,6 +1743,7 @@ impl fuser::Filesystem for FreeflowFs {
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             let mut listing = listing.lock().await;
+            state.take_known_listing(&mut listing);
             // "." and ".." need attributes too (the kernel ignores them): leased ones do.
             let directory = if offset < 2 {
                 match state.client.getattr_leased(inode.0).await {

@@ -381,6 +381,20 @@ impl DirectoryListing {
     }
 }
 
+impl DirectoryListing {
+    /// Take the whole listing as known by this mount (see `KernelCache::complete_listing`)
+    /// instead of asking the meta server, if nothing was fetched yet.
+    pub fn take_known(&mut self, entries: Vec<DirEntry>, lease: freeflow_client::Lease) {
+        if !self.entries.is_empty() || self.end {
+            return;
+        }
+        self.leases = vec![lease; entries.len()];
+        self.pages = vec![lease];
+        self.entries = entries;
+        self.end = true;
+    }
+}
+
 /// The open directories of the mount, by kernel handle number.
 pub struct OpenDirectories {
     open: Mutex<Directories>,
