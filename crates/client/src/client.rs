@@ -982,6 +982,23 @@ impl Client {
         self.lease_remaining(&lease, &[inode]).map(|_| attr)
     }
 
+    /// The kinds of `inodes` from the attributes this client keeps under leases still good
+    /// (as [`Client::kept_attributes`]), or None if any is not kept: no request, and no
+    /// attributes copied.
+    pub fn kept_kinds(&self, inodes: &[InodeId]) -> Option<Vec<FileKind>> {
+        let kept = self.shared.pool.kept_kinds(inodes)?;
+        let epoch = self.shared.pool.lease_epoch();
+        let renewed = *self.shared.renewed();
+        let revoked = self.shared.revoked();
+        inodes
+            .iter()
+            .zip(kept)
+            .map(|(inode, (kind, lease))| {
+                crate::leases::remaining(&lease, epoch, &revoked, &renewed, &[*inode]).map(|_| kind)
+            })
+            .collect()
+    }
+
     pub async fn unlink(&self, parent: InodeId, name: &str) -> Result<(), ClientError> {
         self.unlink_leased(parent, name).await.map(|_| ())
     }

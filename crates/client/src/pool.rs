@@ -22,7 +22,7 @@ use freeflow_proto::meta::{
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, LeaderSearch, RawFrame, RpcError};
-use freeflow_types::{Attr, InodeId, ServerId};
+use freeflow_types::{Attr, FileKind, InodeId, ServerId};
 
 use crate::metrics::ClientMetrics;
 use crate::replay::{Kept, KeptLog};
@@ -248,8 +248,31 @@ pub(crate) struct Pool {
     lease_epoch: AtomicU64,
 }
 
-/// Most post-operation attributes kept; past it they are all forgotten.
+/// Most post-operation attributes kept; past it those whose lease can no longer be good
+/// go, then the older half (see [`make_room`]).
 const ATTRIBUTES_KEPT_MAX: usize = 65_536;
+
+/// Room in a full table of kept attributes: first what renewals can no longer keep (past
+/// its lease's span), then, if that freed less than a quarter, every entry older than the
+/// newest half (by transaction: the files of a job long done, or unlinked since, go
+/// before those it is working on).
+fn make_room(kept: &mut HashMap<InodeId, (Attr, Lease, u64)>) {
+    let now = Instant::now();
+    kept.retain(|_, (_, lease, _)| {
+        lease
+            .span_until
+            .or(lease.until)
+            .is_some_and(|until| until > now)
+    });
+    if kept.len() < ATTRIBUTES_KEPT_MAX / 4 * 3 {
+        return;
+    }
+    let mut txns: Vec<u64> = kept.values().map(|(_, _, txn)| *txn).collect();
+    let middle = txns.len() / 2;
+    let (_, newest_old, _) = txns.select_nth_unstable(middle);
+    let cut = *newest_old;
+    kept.retain(|_, (_, _, txn)| *txn > cut);
+}
 
 /// See [`Pool::on_recover`].
 pub(crate) type RecoverHook = std::sync::Arc<
@@ -297,6 +320,16 @@ impl Pool {
             .map(|(attr, lease, _)| (attr.clone(), *lease))
     }
 
+    /// The kinds of `inodes` kept, with their leases (to be checked by the caller); None
+    /// if any is not kept.
+    pub(crate) fn kept_kinds(&self, inodes: &[InodeId]) -> Option<Vec<(FileKind, Lease)>> {
+        let kept = self.attributes();
+        inodes
+            .iter()
+            .map(|inode| kept.get(inode).map(|(attr, lease, _)| (attr.kind, *lease)))
+            .collect()
+    }
+
     /// A mutation's post-operation attributes replace what was kept from an earlier
     /// transaction (replies of concurrent mutations may arrive out of order); without a
     /// lease they only drop it. If the server could not list everything the mutation
@@ -315,7 +348,7 @@ impl Pool {
                 continue;
             }
             if kept.len() >= ATTRIBUTES_KEPT_MAX {
-                kept.clear();
+                make_room(&mut kept);
             }
             match kept.get(&attr.inode) {
                 Some((_, _, txn)) if *txn > stamp.txn => {}
@@ -1101,5 +1134,55 @@ mod tests {
         assert!(resend_is_safe(SyncObjects::OPCODE));
         assert!(!resend_is_safe(WriteObject::OPCODE));
         assert!(!resend_is_safe(TruncateObject::OPCODE));
+    }
+
+    #[test]
+    fn a_full_table_of_kept_attributes_forgets_the_dead_then_the_older_half() {
+        let now = Instant::now();
+        let lease = |span: Duration| Lease {
+            until: Some(now + span.min(Duration::from_secs(9))),
+            seq: 1,
+            epoch: 1,
+            delegated: false,
+            span_until: Some(now + span),
+        };
+        let attr = |inode| {
+            Attr::new_inode(
+                inode,
+                freeflow_types::FileKind::Regular,
+                0o644,
+                0,
+                0,
+                freeflow_types::TimeSpec::default(),
+            )
+        };
+        let mut kept = HashMap::new();
+        let full = ATTRIBUTES_KEPT_MAX as u64;
+        for inode in 1..=full {
+            // An eighth of them past their span: not enough room, the older half goes too.
+            let span = if inode % 8 == 0 {
+                Duration::ZERO
+            } else {
+                Duration::from_secs(60)
+            };
+            kept.insert(inode, (attr(inode), lease(span), inode));
+        }
+        make_room(&mut kept);
+        assert!(kept
+            .values()
+            .all(|(_, lease, _)| lease.span_until.unwrap() > now));
+        let left = kept.len() as u64;
+        assert!(
+            left <= full / 2 && left > full / 4,
+            "{left} of {full} left: the dead went, then the older half"
+        );
+        let oldest_left = kept.values().map(|(_, _, txn)| *txn).min().unwrap();
+        assert!(
+            kept.values().all(|(_, _, txn)| *txn >= oldest_left)
+                && (oldest_left..=full)
+                    .filter(|txn| txn % 8 != 0)
+                    .all(|txn| kept.contains_key(&txn)),
+            "the newest are kept"
+        );
     }
 }

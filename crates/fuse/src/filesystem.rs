@@ -199,18 +199,22 @@ impl MountState {
         let Some((names, lease)) = known else {
             return;
         };
-        let mut entries = Vec::with_capacity(names.len());
-        for (name, inode) in names {
-            let Some(attr) = self.client.kept_attributes(inode) else {
-                return;
-            };
-            entries.push(DirEntry {
+        let inodes: Vec<InodeId> = names.iter().map(|(_, inode)| *inode).collect();
+        let Some(kinds) = self.client.kept_kinds(&inodes) else {
+            return;
+        };
+        // The attributes themselves are taken as each entry is answered (`readdirplus`
+        // asks `getattr_leased`, which answers from them while they are kept).
+        let entries = names
+            .into_iter()
+            .zip(kinds)
+            .map(|((name, inode), kind)| DirEntry {
                 name,
                 inode,
-                kind: attr.kind,
-                attr: Some(attr),
-            });
-        }
+                kind,
+                attr: None,
+            })
+            .collect();
         listing.take_known(entries, lease);
     }
 
