@@ -576,10 +576,8 @@ impl Client {
     /// Answered without a request while this client holds a lease on the attributes its
     /// own last mutation of the inode returned (a directory it just created a file in).
     pub async fn getattr_leased(&self, inode: InodeId) -> Result<(Attr, Lease), ClientError> {
-        if let Some((attr, lease)) = self.shared.pool.kept_attributes(inode) {
-            if self.lease_remaining(&lease, &[inode]).is_some() {
-                return Ok((attr, lease));
-            }
+        if let Some(kept) = self.kept_attributes_leased(inode) {
+            return Ok(kept);
         }
         self.shared
             .pool
@@ -978,8 +976,15 @@ impl Client {
     /// The attributes of `inode` this client keeps under a lease still good (from the
     /// replies to its own mutations), if any: no request.
     pub fn kept_attributes(&self, inode: InodeId) -> Option<Attr> {
+        self.kept_attributes_leased(inode).map(|(attr, _)| attr)
+    }
+
+    /// [`Client::kept_attributes`] with their lease: what [`Client::getattr_leased`]
+    /// answers without a request.
+    pub fn kept_attributes_leased(&self, inode: InodeId) -> Option<(Attr, Lease)> {
         let (attr, lease) = self.shared.pool.kept_attributes(inode)?;
-        self.lease_remaining(&lease, &[inode]).map(|_| attr)
+        self.lease_remaining(&lease, &[inode])?;
+        Some((attr, lease))
     }
 
     /// The kinds of `inodes` from the attributes this client keeps under leases still good

@@ -957,6 +957,11 @@ impl fuser::Filesystem for FreeflowFs {
             }
         }
         self.settle(&[inode.0]);
+        // Attributes kept from this mount's own changes: answered here, without a task
+        // (a writeback mount's kernel asks again after every close of a file).
+        if let Some((attr, lease)) = client.kept_attributes_leased(inode.0) {
+            return self.state.reply_attr(reply, &attr, &lease);
+        }
         let state = self.state.clone();
         self.spawn(async move {
             match state.client.getattr_leased(inode.0).await {
