@@ -101,15 +101,31 @@ pub fn file_attr(attr: &Attr, size_bytes: u64) -> FileAttr {
     }
 }
 
-/// A name from the kernel as UTF-8 (the client API's names are strings).
+/// A name from the kernel as UTF-8 (the client API's names are strings), no longer than
+/// a name may be (`ENAMETOOLONG` otherwise: checked here, as the mount answers some
+/// lookups and creates without the meta server, which checks it too).
 pub fn name(name: &OsStr) -> Result<&str, Errno> {
-    name.to_str().ok_or(Errno::EINVAL)
+    let name = name.to_str().ok_or(Errno::EINVAL)?;
+    if name.len() > freeflow_types::limits::NAME_LENGTH_MAX {
+        return Err(Errno::ENAMETOOLONG);
+    }
+    Ok(name)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use freeflow_client::ErrorCode;
+
+    #[test]
+    fn names_are_utf8_and_no_longer_than_a_name_may_be() {
+        let longest = "n".repeat(freeflow_types::limits::NAME_LENGTH_MAX);
+        assert_eq!(name(OsStr::new(&longest)), Ok(longest.as_str()));
+        let longer = format!("{longest}x");
+        assert_eq!(name(OsStr::new(&longer)), Err(Errno::ENAMETOOLONG));
+        use std::os::unix::ffi::OsStrExt;
+        assert_eq!(name(OsStr::from_bytes(b"\xff")), Err(Errno::EINVAL));
+    }
 
     #[test]
     fn times_round_trip_before_and_after_the_epoch() {
