@@ -840,6 +840,29 @@ struct Taken {
 mod tests {
     use super::*;
 
+    fn enabled_cache() -> KernelCache {
+        let cache = KernelCache::new(false);
+        cache.enabled.store(true, Ordering::Release);
+        cache
+    }
+
+    fn ten_second_lease(seq: u64) -> Lease {
+        Lease {
+            until: Some(tokio::time::Instant::now() + Duration::from_secs(10)),
+            seq,
+            epoch: 1,
+            delegated: false,
+            span_until: None,
+        }
+    }
+
+    /// What is left of `lease` by its own time.
+    fn good(lease: &Lease) -> Option<Duration> {
+        lease
+            .until
+            .and_then(|until| until.checked_duration_since(tokio::time::Instant::now()))
+    }
+
     fn revocation(inode: InodeId, names: &[&str], attributes: bool, whole: bool) -> Revocation {
         Revocation {
             id: 1,
@@ -852,8 +875,7 @@ mod tests {
 
     #[test]
     fn revocations_take_what_they_name_out_of_the_index() {
-        let cache = KernelCache::new(false);
-        cache.enabled.store(true, Ordering::Release);
+        let cache = enabled_cache();
         let lease = Some(Duration::from_secs(10));
         {
             let mut admission = cache.admit();
@@ -888,20 +910,8 @@ mod tests {
 
     #[test]
     fn the_kernel_keeps_a_listing_read_alone_under_leases_until_one_ends_or_is_revoked() {
-        let cache = KernelCache::new(false);
-        cache.enabled.store(true, Ordering::Release);
-        let lease = |seq| Lease {
-            until: Some(tokio::time::Instant::now() + Duration::from_secs(10)),
-            seq,
-            epoch: 1,
-            delegated: false,
-            span_until: None,
-        };
-        let good = |lease: &Lease| {
-            lease
-                .until
-                .and_then(|until| until.checked_duration_since(tokio::time::Instant::now()))
-        };
+        let cache = enabled_cache();
+        let lease = ten_second_lease;
         let all_but_seq_2 = |lease: &Lease| if lease.seq == 2 { None } else { good(lease) };
         let mut admission = cache.admit();
         assert!(!admission.kernel_listing_good(7, good), "nothing read yet");
@@ -952,20 +962,8 @@ mod tests {
 
     #[test]
     fn a_listing_answers_missing_names_until_its_lease_or_a_revocation_ends_it() {
-        let cache = KernelCache::new(false);
-        cache.enabled.store(true, Ordering::Release);
-        let lease = Lease {
-            until: Some(tokio::time::Instant::now() + Duration::from_secs(10)),
-            seq: 5,
-            epoch: 1,
-            delegated: false,
-            span_until: None,
-        };
-        let good = |lease: &Lease| {
-            lease
-                .until
-                .and_then(|until| until.checked_duration_since(tokio::time::Instant::now()))
-        };
+        let cache = enabled_cache();
+        let lease = ten_second_lease(5);
         {
             let mut admission = cache.admit();
             assert_eq!(
