@@ -51,6 +51,14 @@ pub struct Lease {
 pub(crate) const LEASE_MARGIN_PERCENT: u64 = 10;
 
 impl Lease {
+    /// Whether nothing can keep this lease good any more at `now`, renewals included: past
+    /// its span (or its own end, without one), or no lease at all.
+    pub fn ended_for_good(&self, now: Instant) -> bool {
+        self.span_until
+            .or(self.until)
+            .is_none_or(|until| until <= now)
+    }
+
     fn from_stamp(stamp: &ReplyStamp, sent_at: Instant) -> Lease {
         if stamp.lease_ms == 0 {
             return Lease::default();
@@ -258,12 +266,7 @@ const ATTRIBUTES_KEPT_MAX: usize = 65_536;
 /// before those it is working on).
 fn make_room(kept: &mut HashMap<InodeId, (Attr, Lease, u64)>) {
     let now = Instant::now();
-    kept.retain(|_, (_, lease, _)| {
-        lease
-            .span_until
-            .or(lease.until)
-            .is_some_and(|until| until > now)
-    });
+    kept.retain(|_, (_, lease, _)| !lease.ended_for_good(now));
     if kept.len() < ATTRIBUTES_KEPT_MAX / 4 * 3 {
         return;
     }

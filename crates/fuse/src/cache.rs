@@ -29,8 +29,9 @@ use fuser::{INodeNo, Notifier};
 use crate::shadow::PAGE_BYTES;
 
 /// Most directories whose whole listing the kernel may keep in its readdir cache under a
-/// lease ([`Index::kernel_listings`]); past it a listing read is not recorded (the next
-/// open of that directory has the kernel read it again).
+/// lease ([`Index::kernel_listings`]); when full, those whose leases ended for good go,
+/// and past it a listing read is not recorded (the next open of that directory has the
+/// kernel read it again).
 pub const KERNEL_LISTINGS_MAX: usize = 65_536;
 
 /// Most names and inodes remembered as handed to the kernel under a lease; past it (once
@@ -464,12 +465,17 @@ impl Admission<'_> {
             None if kept => return,
             _ => Vec::new(),
         };
-        if !self.enabled
-            || !alone
-            || pages.is_empty()
-            || self.index.kernel_listings.len() >= KERNEL_LISTINGS_MAX
-        {
+        if !self.enabled || !alone || pages.is_empty() {
             return;
+        }
+        let listings = &mut self.index.kernel_listings;
+        if listings.len() >= KERNEL_LISTINGS_MAX {
+            // Directories never opened again since their leases ended are still here.
+            let now = tokio::time::Instant::now();
+            listings.retain(|_, leases| !leases.iter().any(|lease| lease.ended_for_good(now)));
+            if listings.len() >= KERNEL_LISTINGS_MAX {
+                return;
+            }
         }
         for lease in pages {
             if !leases.iter().any(|known| known.seq == lease.seq) {
@@ -958,6 +964,25 @@ mod tests {
             !cache.admit().kernel_listing_good(8, good),
             "everything revoked"
         );
+
+        // Full of directories never opened again: those whose leases ended make room.
+        let ended = Lease {
+            until: Some(tokio::time::Instant::now()),
+            span_until: None,
+            ..lease(5)
+        };
+        let mut admission = cache.admit();
+        for directory in 0..KERNEL_LISTINGS_MAX as InodeId {
+            admission.kernel_listing_read(100 + directory, &[ended], true, false, |_| {
+                Some(Duration::from_secs(1))
+            });
+        }
+        admission.kernel_listing_read(9, &[lease(6)], true, false, good);
+        assert!(
+            admission.kernel_listing_good(9, good),
+            "recorded once room was made"
+        );
+        assert_eq!(admission.index.kernel_listings.len(), 1);
     }
 
     #[test]

@@ -186,7 +186,7 @@ impl MountState {
     /// its names, and keeps the attributes of every entry from its own changes under
     /// leases still good (see `KernelCache::complete_listing`). No request then.
     fn take_known_listing(&self, listing: &mut DirectoryListing) {
-        if !listing.entries.is_empty() || listing.end {
+        if !listing.untouched() {
             return;
         }
         let directory = listing.inode;

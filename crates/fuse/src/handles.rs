@@ -379,13 +379,16 @@ impl DirectoryListing {
         }
         Ok(true)
     }
-}
 
-impl DirectoryListing {
+    /// Nothing was fetched yet.
+    pub fn untouched(&self) -> bool {
+        self.entries.is_empty() && !self.end
+    }
+
     /// Take the whole listing as known by this mount (see `KernelCache::complete_listing`)
     /// instead of asking the meta server, if nothing was fetched yet.
     pub fn take_known(&mut self, entries: Vec<DirEntry>, lease: freeflow_client::Lease) {
-        if !self.entries.is_empty() || self.end {
+        if !self.untouched() {
             return;
         }
         self.leases = vec![lease; entries.len()];
