@@ -469,6 +469,27 @@ impl Client {
         }))
     }
 
+    /// [`Client::kernel_time_out`] of `lease` for each of `inodes` on its own, with the
+    /// lease tables' locks taken once (a listing's page answers hundreds of entries under
+    /// one lease).
+    pub fn kernel_time_outs(&self, lease: &Lease, inodes: &[InodeId]) -> Vec<Option<Duration>> {
+        let epoch = self.shared.pool.lease_epoch();
+        let renewed = *self.shared.renewed();
+        let revoked = self.shared.revoked();
+        let now = tokio::time::Instant::now();
+        let spans = renewed
+            .spans(lease)
+            .map(|until| until.saturating_duration_since(now));
+        inodes
+            .iter()
+            .map(|inode| {
+                let left =
+                    crate::leases::remaining_at(lease, epoch, &revoked, &renewed, &[*inode], now)?;
+                Some(spans.map_or(left, |spans| spans.max(left)))
+            })
+            .collect()
+    }
+
     /// Close the session at the meta server (best effort) and stop renewing it.
     ///
     /// Call it before the program ends. A client that is only dropped closes its session

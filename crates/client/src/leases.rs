@@ -96,6 +96,18 @@ pub(crate) fn remaining(
     renewed: &Renewed,
     inodes: &[InodeId],
 ) -> Option<Duration> {
+    remaining_at(lease, epoch, revoked, renewed, inodes, Instant::now())
+}
+
+/// [`remaining`] as of `now`.
+pub(crate) fn remaining_at(
+    lease: &Lease,
+    epoch: u64,
+    revoked: &Revoked,
+    renewed: &Renewed,
+    inodes: &[InodeId],
+    now: Instant,
+) -> Option<Duration> {
     let until = lease.until?;
     if lease.epoch != epoch
         || inodes
@@ -106,7 +118,7 @@ pub(crate) fn remaining(
     }
     renewed
         .extend(lease, until)
-        .checked_duration_since(Instant::now())
+        .checked_duration_since(now)
         .filter(|left| !left.is_zero())
 }
 

@@ -340,6 +340,13 @@ impl MountState {
         *lookups.entry(inode).or_insert(0) += 1;
     }
 
+    fn remember_all(&self, inodes: &[InodeId]) {
+        let mut lookups = self.lookups.lock().expect("lookups not poisoned");
+        for inode in inodes {
+            *lookups.entry(*inode).or_insert(0) += 1;
+        }
+    }
+
     fn forget(&self, inode: InodeId, count: u64) {
         // The cache index before the lookup counts, as where a reply counts a lookup under
         // an admission (readdirplus, creates answered ahead): one order, no deadlock.
@@ -1801,10 +1808,41 @@ impl fuser::Filesystem for FreeflowFs {
                 }
                 index = 2;
             }
-            for (name, attr, names_lease, attr_lease) in found {
-                let (entry_ttl, _) =
-                    state.entry_time_outs(&mut admission, &names_lease, inode.0, &name, None);
-                let attr_ttl = state.attribute_time_out(&mut admission, &attr_lease, attr.inode);
+            // Time-outs asked for each run of entries under one lease at once (the locks
+            // of the lease tables taken once, not per entry).
+            let mut names_left: Option<(Lease, Option<Duration>)> = None;
+            let mut attributes_left = Vec::with_capacity(found.len());
+            let mut start = 0;
+            while start < found.len() {
+                let lease = found[start].3;
+                let run = found[start..]
+                    .iter()
+                    .take_while(|(_, _, _, attr_lease)| *attr_lease == lease)
+                    .count();
+                let inodes: Vec<InodeId> = found[start..start + run]
+                    .iter()
+                    .map(|(_, attr, _, _)| attr.inode)
+                    .collect();
+                attributes_left.extend(state.client.kernel_time_outs(&lease, &inodes));
+                start += run;
+            }
+            let mut taken = Vec::with_capacity(found.len());
+            for ((name, attr, names_lease, _), attr_left) in found.into_iter().zip(attributes_left)
+            {
+                let left = match names_left {
+                    Some((lease, left)) if lease == names_lease => left,
+                    _ => {
+                        let left = state.client.kernel_time_out(&names_lease, &[inode.0]);
+                        names_left = Some((names_lease, left));
+                        left
+                    }
+                };
+                let entry_ttl = admission
+                    .entry(left, inode.0, &name, None)
+                    .unwrap_or(state.entry_ttl);
+                let attr_ttl = admission
+                    .attributes(attr_left, attr.inode)
+                    .unwrap_or(state.attr_ttl);
                 let full = reply.add(
                     INodeNo(attr.inode),
                     index + 1,
@@ -1816,8 +1854,7 @@ impl fuser::Filesystem for FreeflowFs {
                 if full {
                     break;
                 }
-                // The kernel counts a lookup for each entry it takes.
-                state.remember(attr.inode);
+                taken.push(attr.inode);
                 if attr.kind == FileKind::Regular {
                     admission.held_as(attr.inode, inode.0, &name);
                     if state.writeback && attr_ttl.min(entry_ttl).is_zero() {
@@ -1826,6 +1863,8 @@ impl fuser::Filesystem for FreeflowFs {
                 }
                 index += 1;
             }
+            // The kernel counts a lookup for each entry it takes.
+            state.remember_all(&taken);
             reply.ok();
             drop(admission);
             state.evict_names(inode.0, unleased);

@@ -30,11 +30,12 @@
 //! per client, and inodes remembered as changed. Past a bound, leases are refused (the
 //! client simply does not cache), never the operation.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::Duration;
 use tokio::time::Instant;
 
+use foldhash::HashMap;
 use freeflow_proto::meta::{Revocation, LEASE_RENEWAL_SPAN_MS};
 use freeflow_types::InodeId;
 use tokio::sync::Notify;
@@ -229,38 +230,53 @@ impl Leases {
         if !inner.clients.contains_key(&client) {
             return Grant::default();
         }
-        let names: HashSet<InodeId> = touches
-            .names_read
-            .iter()
-            .copied()
-            .chain(
-                touches
-                    .names_changed
-                    .iter()
-                    .map(|(directory, _)| *directory),
-            )
-            .collect();
-        let attributes: HashSet<InodeId> = touches
-            .attributes_read
-            .iter()
-            .chain(&touches.attributes_changed)
-            .copied()
-            .collect();
-        let raced = names.iter().chain(&attributes).any(|inode| {
-            inner.changed.get(inode).is_some_and(|change| {
-                change.seq >= since && (change.client != client || change.others_seq >= since)
-            })
+        // One entry per inode: whether its names, its attributes or both are leased.
+        let mut wanted: Vec<(InodeId, bool, bool)> = Vec::with_capacity(
+            touches.names_read.len()
+                + touches.names_changed.len()
+                + touches.attributes_read.len()
+                + touches.attributes_changed.len(),
+        );
+        wanted.extend(touches.names_read.iter().map(|inode| (*inode, true, false)));
+        wanted.extend(
+            touches
+                .names_changed
+                .iter()
+                .map(|(directory, _)| (*directory, true, false)),
+        );
+        wanted.extend(
+            touches
+                .attributes_read
+                .iter()
+                .chain(&touches.attributes_changed)
+                .map(|inode| (*inode, false, true)),
+        );
+        wanted.sort_unstable_by_key(|(inode, _, _)| *inode);
+        wanted.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                kept.1 |= later.1;
+                kept.2 |= later.2;
+            }
+            same
         });
+        // Every change takes a number of the sequence: none since the read began, none
+        // raced it (the common case, checked without a lookup per inode).
+        let raced = inner.next_seq > since
+            && wanted.iter().any(|(inode, _, _)| {
+                inner.changed.get(inode).is_some_and(|change| {
+                    change.seq >= since && (change.client != client || change.others_seq >= since)
+                })
+            });
         if raced {
             return Grant::default();
         }
-        let wanted = names.union(&attributes).count();
         let held = inner.clients.get(&client).map_or(0, |entry| entry.leases);
-        if held + wanted > LEASES_PER_CLIENT_MAX {
+        if held + wanted.len() > LEASES_PER_CLIENT_MAX {
             // Some of what is counted may have run out since the last sweep.
             sweep(&mut inner, now);
             let held = inner.clients.get(&client).map_or(0, |entry| entry.leases);
-            if held + wanted > LEASES_PER_CLIENT_MAX {
+            if held + wanted.len() > LEASES_PER_CLIENT_MAX {
                 return Grant::default();
             }
         }
@@ -271,10 +287,9 @@ impl Leases {
             clients,
             ..
         } = &mut *inner;
-        for inode in names.union(&attributes) {
-            let holders = all_holders.entry(*inode).or_default();
+        for (inode, names, attributes) in wanted {
+            let holders = all_holders.entry(inode).or_default();
             holders.retain(|held| live_until(held, clients) > now);
-            let (names, attributes) = (names.contains(inode), attributes.contains(inode));
             match holders.iter_mut().find(|held| held.client == client) {
                 Some(held) => {
                     held.names |= names;
@@ -308,7 +323,7 @@ impl Leases {
     pub fn changed(&self, changer: u64, touches: &Touches) -> Pending {
         let now = Instant::now();
         let mut inner = self.inner();
-        let mut per_client: HashMap<(u64, InodeId), (Vec<String>, bool, bool)> = HashMap::new();
+        let mut per_client: HashMap<(u64, InodeId), (Vec<String>, bool, bool)> = HashMap::default();
         let all_names: Vec<(InodeId, Option<&str>)> = if touches.overflowed {
             // Too much to say what: everything every other client holds.
             inner.holders.keys().map(|inode| (*inode, None)).collect()
@@ -1016,6 +1031,31 @@ mod tests {
             .expect("the new poll is answered")
             .unwrap();
         assert_eq!(new.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_read_touching_an_inode_several_ways_holds_one_lease_covering_each_way() {
+        let leases = Leases::new(10_000);
+        leases.poll(7, 0, Duration::ZERO).await;
+        let since = leases.seq();
+        // A listing of directory 1: its names, its own record and those of 5 and 6, 5 twice.
+        let touches = Touches {
+            names_read: vec![1],
+            attributes_read: vec![5, 1, 6, 5],
+            ..Touches::default()
+        };
+        assert_eq!(leases.grant(7, &touches, since).lease_ms, 10_000);
+        assert_eq!(leases.held(), 3, "one lease per inode");
+        assert_eq!(leases.inner().clients[&7].leases, 3);
+        // Both ways of inode 1 are leased: a rename in it and a change of its record are
+        // each revoked from the reader.
+        let pending = leases.changed(8, &changed(&[(1, "a")], &[1, 6]));
+        assert_eq!(pending.len(), 2, "directory 1 and inode 6");
+        let revocations = leases.poll(7, 0, Duration::ZERO).await;
+        let directory = revocations.iter().find(|r| r.inode == 1).unwrap();
+        assert!(directory.attributes && directory.names == vec!["a".to_string()]);
+        assert!(revocations.iter().any(|r| r.inode == 6 && r.attributes));
+        assert!(!revocations.iter().any(|r| r.inode == 5));
     }
 
     #[tokio::test]

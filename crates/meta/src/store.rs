@@ -22,8 +22,8 @@ use std::path::Path;
 use freeflow_types::InodeId;
 
 use redb::{
-    Database, Durability, ReadTransaction, ReadableDatabase, ReadableTable, TableDefinition,
-    WriteTransaction,
+    Database, Durability, ReadOnlyTable, ReadTransaction, ReadableDatabase, ReadableTable,
+    TableDefinition, WriteTransaction,
 };
 
 /// The tables of the metadata store. Key and value formats are in `records.rs`.
@@ -325,6 +325,7 @@ impl MetaStore for RedbStore {
         let transaction = self.database.begin_read().map_err(StoreError::backend)?;
         Ok(RedbRead {
             transaction,
+            opened: RefCell::default(),
             touched: RefCell::default(),
         })
     }
@@ -343,9 +344,52 @@ impl MetaStore for RedbStore {
     }
 }
 
+/// A table opened in a read transaction: owned, so it is opened once per transaction
+/// (a listing reads one inode record per entry).
+type OpenedTable = ReadOnlyTable<&'static [u8], &'static [u8]>;
+
 pub struct RedbRead {
     transaction: ReadTransaction,
+    /// The tables opened so far, by position in [`TableId::ALL`].
+    opened: RefCell<[Option<OpenedTable>; TableId::ALL.len()]>,
     touched: RefCell<Touches>,
+}
+
+impl RedbRead {
+    fn with_table<T>(
+        &self,
+        table: TableId,
+        read: impl FnOnce(&OpenedTable) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let index = TableId::ALL
+            .iter()
+            .position(|known| *known == table)
+            .expect("every table is in TableId::ALL");
+        let mut opened = self.opened.borrow_mut();
+        let slot = &mut opened[index];
+        if slot.is_none() {
+            let table = self
+                .transaction
+                .open_table(table.definition())
+                .map_err(StoreError::backend)?;
+            *slot = Some(table);
+        }
+        read(slot.as_ref().expect("opened above"))
+    }
+}
+
+impl RedbWrite {
+    fn with_table<T>(
+        &self,
+        table: TableId,
+        read: impl FnOnce(&redb::Table<'_, &'static [u8], &'static [u8]>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let opened = self
+            .transaction
+            .open_table(table.definition())
+            .map_err(StoreError::backend)?;
+        read(&opened)
+    }
 }
 
 pub struct RedbWrite {
@@ -474,12 +518,10 @@ macro_rules! store_read_for {
         impl StoreRead for $transaction {
             fn get(&self, table: TableId, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
                 touch(&self.touched, table, key);
-                let opened = self
-                    .transaction
-                    .open_table(table.definition())
-                    .map_err(StoreError::backend)?;
-                let value = opened.get(key).map_err(StoreError::backend)?;
-                Ok(value.map(|guard| guard.value().to_vec()))
+                self.with_table(table, |opened| {
+                    let value = opened.get(key).map_err(StoreError::backend)?;
+                    Ok(value.map(|guard| guard.value().to_vec()))
+                })
             }
 
             fn range(
@@ -491,11 +533,9 @@ macro_rules! store_read_for {
             ) -> Result<Vec<Pair>, StoreError> {
                 // A range read of one inode's entries (a directory listing) reads that inode.
                 touch(&self.touched, table, start_key(start));
-                let opened = self
-                    .transaction
-                    .open_table(table.definition())
-                    .map_err(StoreError::backend)?;
-                collect_range(&opened, start, end, limit, true)
+                self.with_table(table, |opened| {
+                    collect_range(opened, start, end, limit, true)
+                })
             }
 
             fn range_keys(
@@ -506,12 +546,10 @@ macro_rules! store_read_for {
                 limit: usize,
             ) -> Result<Vec<Vec<u8>>, StoreError> {
                 touch(&self.touched, table, start_key(start));
-                let opened = self
-                    .transaction
-                    .open_table(table.definition())
-                    .map_err(StoreError::backend)?;
-                let pairs = collect_range(&opened, start, end, limit, false)?;
-                Ok(pairs.into_iter().map(|(key, _)| key).collect())
+                self.with_table(table, |opened| {
+                    let pairs = collect_range(opened, start, end, limit, false)?;
+                    Ok(pairs.into_iter().map(|(key, _)| key).collect())
+                })
             }
         }
     };
