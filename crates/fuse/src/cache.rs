@@ -17,12 +17,13 @@
 //! the claim that a name is missing needs the lease, and it is checked at every use.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::BinaryHeap;
 use std::ffi::OsStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use freeflow_client::{InodeId, Lease, Revocation};
 use fuser::{INodeNo, Notifier};
 

@@ -11,7 +11,6 @@
 //! Inode numbers are Freeflow's inode ids (never reused, so the FUSE generation is 0; the
 //! `generation` of an `Attr` counts changes of the inode and is not a FUSE generation).
 
-use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::future::Future;
 use std::path::Path;
@@ -91,7 +90,7 @@ pub(crate) struct MountState {
     pub directories: OpenDirectories,
     groups: GroupsCache,
     /// Lookup counts of the inodes the kernel holds (its inode cache bounds the table).
-    lookups: Mutex<HashMap<InodeId, u64>>,
+    lookups: Mutex<foldhash::HashMap<InodeId, u64>>,
     runtime: tokio::runtime::Handle,
     in_flight: Arc<Semaphore>,
     /// What the kernel caches under leases, and how to take it back (`cache.rs`).
@@ -117,7 +116,7 @@ impl MountState {
             files: OpenFiles::new(),
             directories: OpenDirectories::new(),
             groups: GroupsCache::new(),
-            lookups: Mutex::new(HashMap::new()),
+            lookups: Mutex::new(foldhash::HashMap::default()),
             runtime,
             in_flight: Arc::new(Semaphore::new(REQUESTS_IN_FLIGHT_MAX)),
             cache: Arc::new(KernelCache::new(options.writeback)),
