@@ -1008,6 +1008,25 @@ impl Client {
         Some((attr, lease))
     }
 
+    /// [`Client::kept_attributes_leased`] of each of `inodes`, with the locks taken once
+    /// (the entries of a listing answered together).
+    pub fn kept_attributes_leased_of(&self, inodes: &[InodeId]) -> Vec<Option<(Attr, Lease)>> {
+        let kept = self.shared.pool.kept_attributes_of(inodes);
+        let epoch = self.shared.pool.lease_epoch();
+        let renewed = *self.shared.renewed();
+        let revoked = self.shared.revoked();
+        let now = tokio::time::Instant::now();
+        inodes
+            .iter()
+            .zip(kept)
+            .map(|(inode, kept)| {
+                let (attr, lease) = kept?;
+                crate::leases::remaining_at(&lease, epoch, &revoked, &renewed, &[*inode], now)?;
+                Some((attr, lease))
+            })
+            .collect()
+    }
+
     /// The kinds of `inodes` from the attributes this client keeps under leases still good
     /// (as [`Client::kept_attributes`]), or None if any is not kept: no request, and no
     /// attributes copied.

@@ -250,7 +250,7 @@ pub(crate) struct Pool {
     /// The post-operation attributes of this client's own mutations, with their lease and
     /// transaction, by inode; checked against revocations when used. (Replies to reads are
     /// not kept: one sent before a mutation may arrive after it, with older attributes.)
-    attributes: Mutex<HashMap<InodeId, (Attr, Lease, u64)>>,
+    attributes: Mutex<KeptAttributes>,
     /// The meta server epoch whose leases are trusted: the new one from the moment a
     /// restart is noticed, before anything is replayed (the kept log moves to it last).
     lease_epoch: AtomicU64,
@@ -260,11 +260,15 @@ pub(crate) struct Pool {
 /// go, then the older half (see [`make_room`]).
 const ATTRIBUTES_KEPT_MAX: usize = 65_536;
 
+/// Post-operation attributes kept, by inode: each with its lease and the transaction that
+/// returned it. Asked for every entry of a listing the mount answers from them.
+type KeptAttributes = foldhash::HashMap<InodeId, (Attr, Lease, u64)>;
+
 /// Room in a full table of kept attributes: first what renewals can no longer keep (past
 /// its lease's span), then, if that freed less than a quarter, every entry older than the
 /// newest half (by transaction: the files of a job long done, or unlinked since, go
 /// before those it is working on).
-fn make_room(kept: &mut HashMap<InodeId, (Attr, Lease, u64)>) {
+fn make_room(kept: &mut KeptAttributes) {
     let now = Instant::now();
     kept.retain(|_, (_, lease, _)| !lease.ended_for_good(now));
     if kept.len() < ATTRIBUTES_KEPT_MAX / 4 * 3 {
@@ -307,12 +311,12 @@ impl Pool {
             last_mutation_txn: AtomicU64::new(0),
             on_new_epoch: Mutex::new(None),
             on_recover: Mutex::new(None),
-            attributes: Mutex::new(HashMap::new()),
+            attributes: Mutex::new(KeptAttributes::default()),
             lease_epoch: AtomicU64::new(0),
         }
     }
 
-    fn attributes(&self) -> MutexGuard<'_, HashMap<InodeId, (Attr, Lease, u64)>> {
+    fn attributes(&self) -> MutexGuard<'_, KeptAttributes> {
         self.attributes.lock().expect("attributes not poisoned")
     }
 
@@ -321,6 +325,18 @@ impl Pool {
         self.attributes()
             .get(&inode)
             .map(|(attr, lease, _)| (attr.clone(), *lease))
+    }
+
+    /// [`Pool::kept_attributes`] of each of `inodes`, under one lock.
+    pub(crate) fn kept_attributes_of(&self, inodes: &[InodeId]) -> Vec<Option<(Attr, Lease)>> {
+        let kept = self.attributes();
+        inodes
+            .iter()
+            .map(|inode| {
+                kept.get(inode)
+                    .map(|(attr, lease, _)| (attr.clone(), *lease))
+            })
+            .collect()
     }
 
     /// The kinds of `inodes` kept, with their leases (to be checked by the caller); None
@@ -1159,7 +1175,7 @@ mod tests {
                 freeflow_types::TimeSpec::default(),
             )
         };
-        let mut kept = HashMap::new();
+        let mut kept = KeptAttributes::default();
         let full = ATTRIBUTES_KEPT_MAX as u64;
         for inode in 1..=full {
             // An eighth of them past their span: not enough room, the older half goes too.

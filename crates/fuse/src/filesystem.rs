@@ -1771,20 +1771,34 @@ impl fuser::Filesystem for FreeflowFs {
             // First what the reply may hold, fetched; then, with revocations held off
             // (see `Admission`), the time-outs and the reply itself.
             let first = offset.saturating_sub(2) as usize;
-            let mut found = Vec::new();
-            for at in first..first + READDIRPLUS_GATHER_MAX {
-                match listing.ensure(&client, at, true).await {
-                    Ok(true) => {}
+            let mut end = first;
+            while end < first + READDIRPLUS_GATHER_MAX {
+                match listing.ensure(&client, end, true).await {
+                    Ok(true) => end += 1,
                     Ok(false) => break,
                     Err(error) => return reply.error(errno(&error)),
                 }
+            }
+            // Entries without attributes (a listing this mount took from what it knows):
+            // those kept under good leases at once, under one lock; the others asked.
+            let without: Vec<InodeId> = listing.entries[first..end]
+                .iter()
+                .filter(|entry| entry.attr.is_none())
+                .map(|entry| entry.inode)
+                .collect();
+            let mut kept = state.client.kept_attributes_leased_of(&without).into_iter();
+            let mut found = Vec::with_capacity(end - first);
+            for at in first..end {
                 let entry = &listing.entries[at];
                 let names_lease = listing.leases[at];
                 let (attr, attr_lease) = match &entry.attr {
                     Some(attr) => (attr.clone(), names_lease),
-                    None => match state.client.getattr_leased(entry.inode).await {
-                        Ok(found) => found,
-                        Err(error) => return reply.error(errno(&error)),
+                    None => match kept.next().flatten() {
+                        Some(kept) => kept,
+                        None => match state.client.getattr_leased(entry.inode).await {
+                            Ok(found) => found,
+                            Err(error) => return reply.error(errno(&error)),
+                        },
                     },
                 };
                 found.push((entry.name.clone(), attr, names_lease, attr_lease));
