@@ -180,6 +180,137 @@ impl MountState {
         admission.attributes(left, inode).unwrap_or(self.attr_ttl)
     }
 
+    /// The entries of `listing` from `first` on that a `READDIRPLUS` reply may hold, with
+    /// their attributes, if all of it is here: fetched (or past the end), and each
+    /// entry's attributes from the listing or kept under a good lease. None when a page
+    /// or attributes must be asked for. Stops early at a page not fetched yet (a short
+    /// reply: the kernel asks again from there).
+    #[allow(clippy::type_complexity)]
+    fn known_entries_plus(
+        &self,
+        listing: &DirectoryListing,
+        first: usize,
+    ) -> Option<Vec<(String, Attr, Lease, Lease)>> {
+        let mut end = first;
+        while end < first + READDIRPLUS_GATHER_MAX {
+            match listing.known(end) {
+                Some(true) => end += 1,
+                Some(false) => break,
+                None if end == first => return None,
+                None => break,
+            }
+        }
+        let without: Vec<InodeId> = listing.entries[first..end]
+            .iter()
+            .filter(|entry| entry.attr.is_none())
+            .map(|entry| entry.inode)
+            .collect();
+        let mut kept = self.client.kept_attributes_leased_of(&without).into_iter();
+        let mut found = Vec::with_capacity(end - first);
+        for at in first..end {
+            let entry = &listing.entries[at];
+            let names_lease = listing.leases[at];
+            let (attr, attr_lease) = match &entry.attr {
+                Some(attr) => (attr.clone(), names_lease),
+                None => kept.next().flatten()?,
+            };
+            found.push((entry.name.clone(), attr, names_lease, attr_lease));
+        }
+        Some(found)
+    }
+
+    /// Answer a `READDIRPLUS` of `listing` at `offset` with `found` (its entries from
+    /// there, with their attributes and leases) and, before them, "." and ".." with the
+    /// directory's attributes (`directory`, from offset 0 or 1): the time-outs are worked
+    /// out with revocations held off (see `Admission`).
+    fn answer_plus(
+        &self,
+        listing: &DirectoryListing,
+        inode: INodeNo,
+        offset: u64,
+        directory: Option<fuser::FileAttr>,
+        found: Vec<(String, Attr, Lease, Lease)>,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        if found.is_empty() && directory.is_none() {
+            // Nothing more: the kernel now holds the whole listing.
+            let _admission = self.listing_read(listing);
+            return reply.ok();
+        }
+        let ttl = self.attr_ttl.min(self.entry_ttl);
+        let mut admission = self.cache.admit();
+        let mut unleased = Vec::new();
+        let mut index = offset;
+        if let Some(attr) = &directory {
+            if index == 0 && reply.add(inode, 1, ".", &ttl, attr, Generation(0)) {
+                return reply.ok();
+            }
+            if index <= 1 && reply.add(inode, 2, "..", &ttl, attr, Generation(0)) {
+                return reply.ok();
+            }
+            index = 2;
+        }
+        // Time-outs asked for each run of entries under one lease at once (the locks
+        // of the lease tables taken once, not per entry).
+        let mut names_left: Option<(Lease, Option<Duration>)> = None;
+        let mut attributes_left = Vec::with_capacity(found.len());
+        let mut start = 0;
+        while start < found.len() {
+            let lease = found[start].3;
+            let run = found[start..]
+                .iter()
+                .take_while(|(_, _, _, attr_lease)| *attr_lease == lease)
+                .count();
+            let inodes: Vec<InodeId> = found[start..start + run]
+                .iter()
+                .map(|(_, attr, _, _)| attr.inode)
+                .collect();
+            attributes_left.extend(self.client.kernel_time_outs(&lease, &inodes));
+            start += run;
+        }
+        let mut taken = Vec::with_capacity(found.len());
+        for ((name, attr, names_lease, _), attr_left) in found.into_iter().zip(attributes_left) {
+            let left = match names_left {
+                Some((lease, left)) if lease == names_lease => left,
+                _ => {
+                    let left = self.client.kernel_time_out(&names_lease, &[inode.0]);
+                    names_left = Some((names_lease, left));
+                    left
+                }
+            };
+            let entry_ttl = admission
+                .entry(left, inode.0, &name, None)
+                .unwrap_or(self.entry_ttl);
+            let attr_ttl = admission
+                .attributes(attr_left, attr.inode)
+                .unwrap_or(self.attr_ttl);
+            let full = reply.add(
+                INodeNo(attr.inode),
+                index + 1,
+                &name,
+                &entry_ttl.min(attr_ttl),
+                &self.kernel_attr(&attr),
+                Generation(0),
+            );
+            if full {
+                break;
+            }
+            taken.push(attr.inode);
+            if attr.kind == FileKind::Regular {
+                admission.held_as(attr.inode, inode.0, &name);
+                if self.writeback && attr_ttl.min(entry_ttl).is_zero() {
+                    unleased.push(name);
+                }
+            }
+            index += 1;
+        }
+        // The kernel counts a lookup for each entry it takes.
+        self.remember_all(&taken);
+        reply.ok();
+        drop(admission);
+        self.evict_names(inode.0, unleased);
+    }
+
     /// Before `listing` asks the meta server for its first page: take the whole listing
     /// from what this mount knows, if it made the directory and still holds the lease on
     /// its names, and keeps the attributes of every entry from its own changes under
@@ -857,6 +988,58 @@ fn negative_attr() -> Attr {
 }
 
 /// Whether open flags give write access (the kernel has checked the caller's right to it).
+/// How far [`fill_names`] got.
+enum Filled {
+    /// The reply holds what it can (full, or the listing ended): send it.
+    Answered,
+    /// Entry `at` must be fetched first.
+    Fetch(usize),
+}
+
+/// Add the names of `listing` to a `READDIR` reply from `index` on (it moves along), while
+/// they are fetched. Reaching the end of the listing at the first entry asked for (the
+/// kernel's last call) notes that the kernel read the whole listing.
+fn fill_names(
+    state: &MountState,
+    listing: &DirectoryListing,
+    inode: INodeNo,
+    offset: u64,
+    index: &mut u64,
+    reply: &mut ReplyDirectory,
+) -> Filled {
+    loop {
+        let full = match *index {
+            0 => reply.add(inode, 1, FileType::Directory, "."),
+            1 => reply.add(inode, 2, FileType::Directory, ".."),
+            _ => {
+                let at = (*index - 2) as usize;
+                match listing.known(at) {
+                    Some(true) => {}
+                    Some(false) => {
+                        if *index == offset {
+                            // Nothing more: the kernel now holds the whole listing.
+                            let _admission = state.listing_read(listing);
+                        }
+                        return Filled::Answered;
+                    }
+                    None => return Filled::Fetch(at),
+                }
+                let entry = &listing.entries[at];
+                reply.add(
+                    INodeNo(entry.inode),
+                    *index + 1,
+                    convert::file_type(entry.kind),
+                    &entry.name,
+                )
+            }
+        };
+        if full {
+            return Filled::Answered;
+        }
+        *index += 1;
+    }
+}
+
 fn writes(flags: i32) -> bool {
     flags & libc::O_ACCMODE != libc::O_RDONLY
 }
@@ -1704,42 +1887,32 @@ impl fuser::Filesystem for FreeflowFs {
         let Some(listing) = self.state.directories.get(handle.0) else {
             return reply.error(bad_handle());
         };
+        // What is fetched already (the last, empty call of every listing; a listing this
+        // mount knows) is answered here, on the session thread, without a task.
+        if let Ok(mut known) = listing.try_lock() {
+            self.state.take_known_listing(&mut known);
+            let first = offset.saturating_sub(2) as usize;
+            if known.known(first).is_some() {
+                let mut index = offset;
+                fill_names(&self.state, &known, inode, offset, &mut index, &mut reply);
+                return reply.ok();
+            }
+        }
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             let mut listing = listing.lock().await;
             state.take_known_listing(&mut listing);
             let mut index = offset;
             loop {
-                let full = match index {
-                    0 => reply.add(inode, 1, FileType::Directory, "."),
-                    1 => reply.add(inode, 2, FileType::Directory, ".."),
-                    _ => {
-                        let at = (index - 2) as usize;
-                        match listing.ensure(&client, at, false).await {
-                            Ok(true) => {}
-                            Ok(false) if index == offset => {
-                                // Nothing more: the kernel now holds the whole listing.
-                                let _admission = state.listing_read(&listing);
-                                return reply.ok();
-                            }
-                            Ok(false) => break,
-                            Err(error) => return reply.error(errno(&error)),
+                match fill_names(&state, &listing, inode, offset, &mut index, &mut reply) {
+                    Filled::Answered => return reply.ok(),
+                    Filled::Fetch(at) => {
+                        if let Err(error) = listing.ensure(&client, at, false).await {
+                            return reply.error(errno(&error));
                         }
-                        let entry = &listing.entries[at];
-                        reply.add(
-                            INodeNo(entry.inode),
-                            index + 1,
-                            convert::file_type(entry.kind),
-                            &entry.name,
-                        )
                     }
-                };
-                if full {
-                    break;
                 }
-                index += 1;
             }
-            reply.ok();
         });
     }
 
@@ -1749,12 +1922,33 @@ impl fuser::Filesystem for FreeflowFs {
         inode: INodeNo,
         handle: FileHandle,
         offset: u64,
-        mut reply: ReplyDirectoryPlus,
+        reply: ReplyDirectoryPlus,
     ) {
         self.settle(&[inode.0]);
         let Some(listing) = self.state.directories.get(handle.0) else {
             return reply.error(bad_handle());
         };
+        // Entries fetched already whose attributes this mount holds (a listing it knows,
+        // the last call of every listing) are answered here, without a task.
+        if let Ok(mut known) = listing.try_lock() {
+            self.state.take_known_listing(&mut known);
+            let directory = if offset < 2 {
+                self.state
+                    .client
+                    .kept_attributes_leased(inode.0)
+                    .map(|(attr, _)| self.state.kernel_attr(&attr))
+            } else {
+                None
+            };
+            if offset >= 2 || directory.is_some() {
+                let first = offset.saturating_sub(2) as usize;
+                if let Some(found) = self.state.known_entries_plus(&known, first) {
+                    return self
+                        .state
+                        .answer_plus(&known, inode, offset, directory, found, reply);
+                }
+            }
+        }
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             let mut listing = listing.lock().await;
@@ -1803,84 +1997,7 @@ impl fuser::Filesystem for FreeflowFs {
                 };
                 found.push((entry.name.clone(), attr, names_lease, attr_lease));
             }
-            if found.is_empty() && directory.is_none() {
-                // Nothing more: the kernel now holds the whole listing.
-                let _admission = state.listing_read(&listing);
-                return reply.ok();
-            }
-            let ttl = state.attr_ttl.min(state.entry_ttl);
-            let mut admission = state.cache.admit();
-            let mut unleased = Vec::new();
-            let mut index = offset;
-            if let Some(attr) = &directory {
-                if index == 0 && reply.add(inode, 1, ".", &ttl, attr, Generation(0)) {
-                    return reply.ok();
-                }
-                if index <= 1 && reply.add(inode, 2, "..", &ttl, attr, Generation(0)) {
-                    return reply.ok();
-                }
-                index = 2;
-            }
-            // Time-outs asked for each run of entries under one lease at once (the locks
-            // of the lease tables taken once, not per entry).
-            let mut names_left: Option<(Lease, Option<Duration>)> = None;
-            let mut attributes_left = Vec::with_capacity(found.len());
-            let mut start = 0;
-            while start < found.len() {
-                let lease = found[start].3;
-                let run = found[start..]
-                    .iter()
-                    .take_while(|(_, _, _, attr_lease)| *attr_lease == lease)
-                    .count();
-                let inodes: Vec<InodeId> = found[start..start + run]
-                    .iter()
-                    .map(|(_, attr, _, _)| attr.inode)
-                    .collect();
-                attributes_left.extend(state.client.kernel_time_outs(&lease, &inodes));
-                start += run;
-            }
-            let mut taken = Vec::with_capacity(found.len());
-            for ((name, attr, names_lease, _), attr_left) in found.into_iter().zip(attributes_left)
-            {
-                let left = match names_left {
-                    Some((lease, left)) if lease == names_lease => left,
-                    _ => {
-                        let left = state.client.kernel_time_out(&names_lease, &[inode.0]);
-                        names_left = Some((names_lease, left));
-                        left
-                    }
-                };
-                let entry_ttl = admission
-                    .entry(left, inode.0, &name, None)
-                    .unwrap_or(state.entry_ttl);
-                let attr_ttl = admission
-                    .attributes(attr_left, attr.inode)
-                    .unwrap_or(state.attr_ttl);
-                let full = reply.add(
-                    INodeNo(attr.inode),
-                    index + 1,
-                    &name,
-                    &entry_ttl.min(attr_ttl),
-                    &state.kernel_attr(&attr),
-                    Generation(0),
-                );
-                if full {
-                    break;
-                }
-                taken.push(attr.inode);
-                if attr.kind == FileKind::Regular {
-                    admission.held_as(attr.inode, inode.0, &name);
-                    if state.writeback && attr_ttl.min(entry_ttl).is_zero() {
-                        unleased.push(name);
-                    }
-                }
-                index += 1;
-            }
-            // The kernel counts a lookup for each entry it takes.
-            state.remember_all(&taken);
-            reply.ok();
-            drop(admission);
-            state.evict_names(inode.0, unleased);
+            state.answer_plus(&listing, inode, offset, directory, found, reply);
         });
     }
 

@@ -380,6 +380,19 @@ impl DirectoryListing {
         Ok(true)
     }
 
+    /// Whether entry `index` exists, if that is known without fetching: Some(true) when
+    /// it was fetched, Some(false) when the listing ends before it, None when the next
+    /// page must be asked for.
+    pub fn known(&self, index: usize) -> Option<bool> {
+        if index < self.entries.len() {
+            Some(true)
+        } else if self.end {
+            Some(false)
+        } else {
+            None
+        }
+    }
+
     /// Nothing was fetched yet.
     pub fn untouched(&self) -> bool {
         self.entries.is_empty() && !self.end
