@@ -934,7 +934,10 @@ async fn close_session(shared: &Shared, session_id: u64, caller: u64) -> Result<
         Ok(closed) => closed,
         Err((error, gone)) => {
             if gone {
+                // The session had ended already (it ran out): the record goes all the
+                // same, durably before the answer, as below.
                 shared.forget_client(caller).await;
+                shared.sync().await?;
             }
             return Err(error);
         }
