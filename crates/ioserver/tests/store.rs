@@ -288,13 +288,29 @@ proptest! {
 /// succeeds only if it is.
 fn first_page_cached(file: &std::fs::File) -> bool {
     use std::os::fd::AsRawFd;
-    let mut byte = 0u8;
-    let vector = libc::iovec {
-        iov_base: (&mut byte as *mut u8).cast(),
-        iov_len: 1,
-    };
-    // SAFETY: one iovec of one byte, on the stack for the whole call.
-    unsafe { libc::preadv2(file.as_raw_fd(), &vector, 1, 0, libc::RWF_NOWAIT) == 1 }
+    // Asked of a mapping with mincore, which reads nothing: a read with RWF_NOWAIT that
+    // misses starts reading the page ahead, and the store's next read could find it.
+    // SAFETY: sysconf reads a constant of the system.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+    // SAFETY: a read-only shared mapping of the first page of a file held open (at least a
+    // page long), never touched, and unmapped before return; mincore writes one byte per
+    // page of the range into `resident`.
+    unsafe {
+        let map = libc::mmap(
+            std::ptr::null_mut(),
+            page,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        );
+        assert_ne!(map, libc::MAP_FAILED, "mmap of the object");
+        let mut resident = 0u8;
+        let asked = libc::mincore(map, page, &mut resident);
+        libc::munmap(map, page);
+        assert_eq!(asked, 0, "mincore");
+        resident & 1 == 1
+    }
 }
 
 /// Small reads whose bytes are all cached are answered without the engine (and counted);
