@@ -200,23 +200,41 @@ impl MountState {
                 None => break,
             }
         }
+        self.entries_with_attributes(listing, first, end)
+            .into_iter()
+            .map(|(name, names_lease, attr)| {
+                attr.map(|(attr, attr_lease)| (name, attr, names_lease, attr_lease))
+            })
+            .collect()
+    }
+
+    /// The fetched entries `first..end` of `listing`, each with the lease of its name and
+    /// its attributes with theirs: from the listing's page, or kept under a good lease
+    /// (taken under one lock); None where they must be asked for.
+    #[allow(clippy::type_complexity)]
+    fn entries_with_attributes(
+        &self,
+        listing: &DirectoryListing,
+        first: usize,
+        end: usize,
+    ) -> Vec<(String, Lease, Option<(Attr, Lease)>)> {
         let without: Vec<InodeId> = listing.entries[first..end]
             .iter()
             .filter(|entry| entry.attr.is_none())
             .map(|entry| entry.inode)
             .collect();
         let mut kept = self.client.kept_attributes_leased_of(&without).into_iter();
-        let mut found = Vec::with_capacity(end - first);
-        for at in first..end {
-            let entry = &listing.entries[at];
-            let names_lease = listing.leases[at];
-            let (attr, attr_lease) = match &entry.attr {
-                Some(attr) => (attr.clone(), names_lease),
-                None => kept.next().flatten()?,
-            };
-            found.push((entry.name.clone(), attr, names_lease, attr_lease));
-        }
-        Some(found)
+        listing.entries[first..end]
+            .iter()
+            .zip(&listing.leases[first..end])
+            .map(|(entry, names_lease)| {
+                let attr = match &entry.attr {
+                    Some(attr) => Some((attr.clone(), *names_lease)),
+                    None => kept.next().flatten(),
+                };
+                (entry.name.clone(), *names_lease, attr)
+            })
+            .collect()
     }
 
     /// Answer a `READDIRPLUS` of `listing` at `offset` with `found` (its entries from
@@ -1974,28 +1992,20 @@ impl fuser::Filesystem for FreeflowFs {
                 }
             }
             // Entries without attributes (a listing this mount took from what it knows):
-            // those kept under good leases at once, under one lock; the others asked.
-            let without: Vec<InodeId> = listing.entries[first..end]
-                .iter()
-                .filter(|entry| entry.attr.is_none())
-                .map(|entry| entry.inode)
-                .collect();
-            let mut kept = state.client.kept_attributes_leased_of(&without).into_iter();
-            let mut found = Vec::with_capacity(end - first);
-            for at in first..end {
-                let entry = &listing.entries[at];
-                let names_lease = listing.leases[at];
-                let (attr, attr_lease) = match &entry.attr {
-                    Some(attr) => (attr.clone(), names_lease),
-                    None => match kept.next().flatten() {
-                        Some(kept) => kept,
-                        None => match state.client.getattr_leased(entry.inode).await {
-                            Ok(found) => found,
-                            Err(error) => return reply.error(errno(&error)),
-                        },
+            // those kept under good leases at once, the others asked.
+            let entries = state.entries_with_attributes(&listing, first, end);
+            let mut found = Vec::with_capacity(entries.len());
+            for ((name, names_lease, attr), entry) in
+                entries.into_iter().zip(&listing.entries[first..end])
+            {
+                let (attr, attr_lease) = match attr {
+                    Some(kept) => kept,
+                    None => match state.client.getattr_leased(entry.inode).await {
+                        Ok(found) => found,
+                        Err(error) => return reply.error(errno(&error)),
                     },
                 };
-                found.push((entry.name.clone(), attr, names_lease, attr_lease));
+                found.push((name, attr, names_lease, attr_lease));
             }
             state.answer_plus(&listing, inode, offset, directory, found, reply);
         });
