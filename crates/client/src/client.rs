@@ -266,6 +266,35 @@ impl Shared {
     }
 }
 
+/// The lease tables read once, as of `now` (see [`Client::lease_view`]).
+struct LeaseView<'a> {
+    epoch: u64,
+    renewed: crate::leases::Renewed,
+    revoked: std::sync::MutexGuard<'a, crate::leases::Revoked>,
+    now: tokio::time::Instant,
+}
+
+impl LeaseView<'_> {
+    /// How long `lease` can still be trusted for `inodes` (see `leases::remaining`).
+    fn remaining(&self, lease: &Lease, inodes: &[InodeId]) -> Option<Duration> {
+        crate::leases::remaining(
+            lease,
+            self.epoch,
+            &self.revoked,
+            &self.renewed,
+            inodes,
+            self.now,
+        )
+    }
+
+    /// What renewals keep `lease` good for past its own end, if they do.
+    fn spans(&self, lease: &Lease) -> Option<Duration> {
+        self.renewed
+            .spans(lease)
+            .map(|until| until.saturating_duration_since(self.now))
+    }
+}
+
 impl Client {
     /// Connect to the meta server and open a session, renewed in the background.
     pub async fn connect(config: ClientConfig) -> Result<Client, ClientError> {
@@ -442,12 +471,20 @@ impl Client {
         *self.shared.recall_handler.lock().expect("not poisoned") = Some(handler);
     }
 
+    /// The lease tables as they are now, read once (the revocations' lock is held while
+    /// the view lives): for answering many leases together.
+    fn lease_view(&self) -> LeaseView<'_> {
+        LeaseView {
+            epoch: self.shared.pool.lease_epoch(),
+            renewed: *self.shared.renewed(),
+            revoked: self.shared.revoked(),
+            now: tokio::time::Instant::now(),
+        }
+    }
+
     /// How long `lease` can still be trusted for what it covers (`inodes`), if at all.
     pub fn lease_remaining(&self, lease: &Lease, inodes: &[InodeId]) -> Option<Duration> {
-        let epoch = self.shared.pool.lease_epoch();
-        let renewed = *self.shared.renewed();
-        let revoked = self.shared.revoked();
-        crate::leases::remaining(lease, epoch, &revoked, &renewed, inodes)
+        self.lease_view().remaining(lease, inodes)
     }
 
     /// How long a cache that is told of revocations and of lapses (the mount's kernel,
@@ -456,35 +493,21 @@ impl Client {
     /// Ask while holding off the handler (the mount's `Admission`), so that a lapse that
     /// comes after the answer takes the reply back.
     pub fn kernel_time_out(&self, lease: &Lease, inodes: &[InodeId]) -> Option<Duration> {
-        let epoch = self.shared.pool.lease_epoch();
-        let renewed = *self.shared.renewed();
-        let left = {
-            let revoked = self.shared.revoked();
-            crate::leases::remaining(lease, epoch, &revoked, &renewed, inodes)?
-        };
-        Some(renewed.spans(lease).map_or(left, |until| {
-            until
-                .saturating_duration_since(tokio::time::Instant::now())
-                .max(left)
-        }))
+        let view = self.lease_view();
+        let left = view.remaining(lease, inodes)?;
+        Some(view.spans(lease).map_or(left, |spans| spans.max(left)))
     }
 
     /// [`Client::kernel_time_out`] of `lease` for each of `inodes` on its own, with the
     /// lease tables' locks taken once (a listing's page answers hundreds of entries under
     /// one lease).
     pub fn kernel_time_outs(&self, lease: &Lease, inodes: &[InodeId]) -> Vec<Option<Duration>> {
-        let epoch = self.shared.pool.lease_epoch();
-        let renewed = *self.shared.renewed();
-        let revoked = self.shared.revoked();
-        let now = tokio::time::Instant::now();
-        let spans = renewed
-            .spans(lease)
-            .map(|until| until.saturating_duration_since(now));
+        let view = self.lease_view();
+        let spans = view.spans(lease);
         inodes
             .iter()
             .map(|inode| {
-                let left =
-                    crate::leases::remaining_at(lease, epoch, &revoked, &renewed, &[*inode], now)?;
+                let left = view.remaining(lease, &[*inode])?;
                 Some(spans.map_or(left, |spans| spans.max(left)))
             })
             .collect()
@@ -1012,16 +1035,13 @@ impl Client {
     /// (the entries of a listing answered together).
     pub fn kept_attributes_leased_of(&self, inodes: &[InodeId]) -> Vec<Option<(Attr, Lease)>> {
         let kept = self.shared.pool.kept_attributes_of(inodes);
-        let epoch = self.shared.pool.lease_epoch();
-        let renewed = *self.shared.renewed();
-        let revoked = self.shared.revoked();
-        let now = tokio::time::Instant::now();
+        let view = self.lease_view();
         inodes
             .iter()
             .zip(kept)
             .map(|(inode, kept)| {
                 let (attr, lease) = kept?;
-                crate::leases::remaining_at(&lease, epoch, &revoked, &renewed, &[*inode], now)?;
+                view.remaining(&lease, &[*inode])?;
                 Some((attr, lease))
             })
             .collect()
@@ -1032,15 +1052,11 @@ impl Client {
     /// attributes copied.
     pub fn kept_kinds(&self, inodes: &[InodeId]) -> Option<Vec<FileKind>> {
         let kept = self.shared.pool.kept_kinds(inodes)?;
-        let epoch = self.shared.pool.lease_epoch();
-        let renewed = *self.shared.renewed();
-        let revoked = self.shared.revoked();
+        let view = self.lease_view();
         inodes
             .iter()
             .zip(kept)
-            .map(|(inode, (kind, lease))| {
-                crate::leases::remaining(&lease, epoch, &revoked, &renewed, &[*inode]).map(|_| kind)
-            })
+            .map(|(inode, (kind, lease))| view.remaining(&lease, &[*inode]).map(|_| kind))
             .collect()
     }
 

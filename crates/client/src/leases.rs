@@ -88,19 +88,8 @@ impl Revoked {
     }
 }
 
-/// How long `lease` can still be trusted for `inodes`, if at all.
+/// How long `lease` can still be trusted for `inodes` at `now`, if at all.
 pub(crate) fn remaining(
-    lease: &Lease,
-    epoch: u64,
-    revoked: &Revoked,
-    renewed: &Renewed,
-    inodes: &[InodeId],
-) -> Option<Duration> {
-    remaining_at(lease, epoch, revoked, renewed, inodes, Instant::now())
-}
-
-/// [`remaining`] as of `now`.
-pub(crate) fn remaining_at(
     lease: &Lease,
     epoch: u64,
     revoked: &Revoked,
@@ -410,33 +399,33 @@ mod tests {
             span_until: None,
         };
         let none = Renewed::default();
-        assert!(remaining(&lease, 3, &revoked, &none, &[7, 8]).is_some());
+        assert!(remaining(&lease, 3, &revoked, &none, &[7, 8], Instant::now()).is_some());
         assert!(
-            remaining(&lease, 4, &revoked, &none, &[7]).is_none(),
+            remaining(&lease, 4, &revoked, &none, &[7], Instant::now()).is_none(),
             "another epoch"
         );
         // A revocation older than the grant does not touch it; a newer one does.
         revoked.note(3, &[revocation(49, 7)]);
-        assert!(remaining(&lease, 3, &revoked, &none, &[7]).is_some());
+        assert!(remaining(&lease, 3, &revoked, &none, &[7], Instant::now()).is_some());
         revoked.note(3, &[revocation(50, 8)]);
-        assert!(remaining(&lease, 3, &revoked, &none, &[7]).is_some());
-        assert!(remaining(&lease, 3, &revoked, &none, &[7, 8]).is_none());
+        assert!(remaining(&lease, 3, &revoked, &none, &[7], Instant::now()).is_some());
+        assert!(remaining(&lease, 3, &revoked, &none, &[7, 8], Instant::now()).is_none());
         let expired = Lease {
             until: Some(Instant::now()),
             ..lease
         };
-        assert!(remaining(&expired, 3, &revoked, &none, &[7]).is_none());
+        assert!(remaining(&expired, 3, &revoked, &none, &[7], Instant::now()).is_none());
         // A new server numbers from 1 again: the old epoch's revocations do not apply.
         let renewed = Lease {
             seq: 10,
             epoch: 4,
             ..lease
         };
-        assert!(remaining(&renewed, 4, &revoked, &none, &[8]).is_some());
+        assert!(remaining(&renewed, 4, &revoked, &none, &[8], Instant::now()).is_some());
         revoked.note(4, &[revocation(10, 8)]);
-        assert!(remaining(&renewed, 4, &revoked, &none, &[8]).is_none());
-        assert!(remaining(&renewed, 4, &revoked, &none, &[7]).is_some());
-        assert!(remaining(&Lease::default(), 0, &revoked, &none, &[]).is_none());
+        assert!(remaining(&renewed, 4, &revoked, &none, &[8], Instant::now()).is_none());
+        assert!(remaining(&renewed, 4, &revoked, &none, &[7], Instant::now()).is_some());
+        assert!(remaining(&Lease::default(), 0, &revoked, &none, &[], Instant::now()).is_none());
     }
 
     #[tokio::test(start_paused = true)]
@@ -459,11 +448,11 @@ mod tests {
         tokio::time::advance(Duration::from_millis(1_000)).await;
         renewed.note(3, Instant::now(), 10_000);
         // Held: kept to the renewal's end (sent now, 90% of 10 s), handed out to its span.
-        let left = remaining(&held, 3, &revoked, &renewed, &[7]).unwrap();
+        let left = remaining(&held, 3, &revoked, &renewed, &[7], Instant::now()).unwrap();
         assert_eq!(left, Duration::from_millis(9_000));
         assert_eq!(renewed.spans(&held), held.span_until);
         // Run out before the run began: not kept.
-        assert!(remaining(&old, 3, &revoked, &renewed, &[7]).is_none());
+        assert!(remaining(&old, 3, &revoked, &renewed, &[7], Instant::now()).is_none());
         assert_eq!(renewed.spans(&old), None);
         // Another epoch's renewal keeps nothing of this one.
         let other = Lease { epoch: 4, ..held };
@@ -474,7 +463,7 @@ mod tests {
             renewed.note(3, Instant::now(), 10_000);
         }
         assert_eq!(Instant::now() - start, Duration::from_millis(81_000));
-        assert!(remaining(&held, 3, &revoked, &renewed, &[7]).is_none());
+        assert!(remaining(&held, 3, &revoked, &renewed, &[7], Instant::now()).is_none());
         // A fresh lease is kept by the same run.
         let fresh = lease(Instant::now());
         assert_eq!(renewed.spans(&fresh), fresh.span_until);
@@ -482,16 +471,16 @@ mod tests {
         // starts a new run that keeps only leases good at its start.
         tokio::time::advance(Duration::from_millis(7_000)).await;
         assert_eq!(renewed.spans(&fresh), None);
-        assert!(remaining(&fresh, 3, &revoked, &renewed, &[7]).is_some());
+        assert!(remaining(&fresh, 3, &revoked, &renewed, &[7], Instant::now()).is_some());
         tokio::time::advance(Duration::from_millis(3_000)).await;
-        assert!(remaining(&fresh, 3, &revoked, &renewed, &[7]).is_none());
+        assert!(remaining(&fresh, 3, &revoked, &renewed, &[7], Instant::now()).is_none());
         renewed.note(3, Instant::now(), 10_000);
-        assert!(remaining(&fresh, 3, &revoked, &renewed, &[7]).is_none());
+        assert!(remaining(&fresh, 3, &revoked, &renewed, &[7], Instant::now()).is_none());
         // A revocation newer than the grant ends it whatever the run.
         let mut revoked = Revoked::default();
         let newest = lease(Instant::now());
-        assert!(remaining(&newest, 3, &revoked, &renewed, &[7]).is_some());
+        assert!(remaining(&newest, 3, &revoked, &renewed, &[7], Instant::now()).is_some());
         revoked.note(3, &[revocation(5, 7)]);
-        assert!(remaining(&newest, 3, &revoked, &renewed, &[7]).is_none());
+        assert!(remaining(&newest, 3, &revoked, &renewed, &[7], Instant::now()).is_none());
     }
 }

@@ -351,8 +351,8 @@ impl MountState {
         let Some(kinds) = self.client.kept_kinds(&inodes) else {
             return;
         };
-        // The attributes themselves are taken as each entry is answered (`readdirplus`
-        // asks `getattr_leased`, which answers from them while they are kept).
+        // The attributes themselves are taken when entries are answered (a `READDIRPLUS`
+        // reply's at once, `entries_with_attributes`), so they are those kept then.
         let entries = names
             .into_iter()
             .zip(kinds)
@@ -484,8 +484,7 @@ impl MountState {
     }
 
     fn remember(&self, inode: InodeId) {
-        let mut lookups = self.lookups.lock().expect("lookups not poisoned");
-        *lookups.entry(inode).or_insert(0) += 1;
+        self.remember_all(&[inode]);
     }
 
     fn remember_all(&self, inodes: &[InodeId]) {
@@ -1005,7 +1004,6 @@ fn negative_attr() -> Attr {
     }
 }
 
-/// Whether open flags give write access (the kernel has checked the caller's right to it).
 /// How far [`fill_names`] got.
 enum Filled {
     /// The reply holds what it can (full, or the listing ended): send it.
@@ -1058,6 +1056,7 @@ fn fill_names(
     }
 }
 
+/// Whether open flags give write access (the kernel has checked the caller's right to it).
 fn writes(flags: i32) -> bool {
     flags & libc::O_ACCMODE != libc::O_RDONLY
 }

@@ -358,9 +358,9 @@ impl DirectoryListing {
         index: usize,
         with_attributes: bool,
     ) -> Result<bool, ClientError> {
-        while index >= self.entries.len() {
-            if self.end {
-                return Ok(false);
+        loop {
+            if let Some(exists) = self.known(index) {
+                return Ok(exists);
             }
             let after = self.entries.last().map(|entry| entry.name.clone());
             let (page, lease) = client
@@ -377,7 +377,6 @@ impl DirectoryListing {
                 .extend(std::iter::repeat_n(lease, page.entries.len()));
             self.entries.extend(page.entries);
         }
-        Ok(true)
     }
 
     /// Whether entry `index` exists, if that is known without fetching: Some(true) when
