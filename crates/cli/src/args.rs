@@ -31,6 +31,11 @@ pub struct MountFlags {
     /// until it is closed (docs/consistency.md, "Writeback mounts"). Not with --no-cache.
     #[arg(long, conflicts_with = "no_cache")]
     pub writeback: bool,
+    /// Read every byte through the I/O servers' replies, never through descriptors of
+    /// objects that servers on this host hand out (local reads; the default where the
+    /// servers are on this host, as `freeflow up` runs them).
+    #[arg(long)]
+    pub no_local_reads: bool,
     /// Kernel channels (threads reading requests).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub threads: u32,

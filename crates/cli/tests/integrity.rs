@@ -1007,7 +1007,12 @@ async fn the_exerciser_finds_nothing_on_mounts_and_on_the_library() {
     if !fuse_available() {
         return;
     }
-    let cluster = Cluster::start(3).await;
+    // On Unix sockets, as `freeflow up` runs: the mounts and the library read locally.
+    let cluster = Cluster::start_with(ClusterOptions {
+        unix_sockets: true,
+        ..ClusterOptions::new(3)
+    })
+    .await;
     let left = Mount::start(&cluster, "left", &[]);
     let right = Mount::start(&cluster, "right", &[]);
     let operations = std::env::var("FREEFLOW_EXERCISE_OPS")
@@ -1279,4 +1284,138 @@ async fn sigint_unmounts_cleanly_without_a_warning() {
     let log = mount.log_text();
     assert!(log.contains("unmounted"), "{log}");
     assert!(!log.contains("WARN"), "{log}");
+}
+
+/// Bytes a client read through descriptors of objects on this host (local reads).
+fn local_read_bytes(client: &freeflow_client::Client) -> f64 {
+    freeflow_metrics::text::Snapshot::parse(&client.metrics().render())
+        .sum("freeflow_client_local_read_bytes_total", &[])
+}
+
+/// A reader on the I/O servers' host reads their objects through descriptors they hand
+/// out (local reads), and sees through them what the served path would: another client's
+/// cut and regrowth as zeros, its writes at once, and, once a server is killed while a
+/// cut is owed to it, neither the bytes the cut removes nor anything else of that server
+/// until it is back and has made the cut. A client told not to read locally never does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_reads_see_cuts_and_writes_and_stop_with_their_server() {
+    const SIZE: usize = 4 << 20;
+    const MIB: usize = 1 << 20;
+    let mut cluster = Cluster::start_with(ClusterOptions {
+        unix_sockets: true,
+        ..ClusterOptions::new(2)
+    })
+    .await;
+    let writer = cluster.client().await;
+    let reader = cluster.client().await;
+    let served = cluster
+        .client_with(|config| config.local_reads = false)
+        .await;
+    let options = ClusterOpen::new().read(true).write(true).create(true);
+    let file = writer.open_path("/local", &options).await.expect("create");
+    file.write_at(0, Bytes::from(vec![b'A'; SIZE]))
+        .await
+        .expect("write");
+    file.close().await.expect("close");
+
+    let handle = reader
+        .open_path("/local", &ClusterOpen::new().read(true))
+        .await
+        .expect("open");
+    let read = handle.read_at(0, SIZE as u64).await.expect("read");
+    assert_bytes_eq(&read, &vec![b'A'; SIZE], "first read");
+    assert!(
+        local_read_bytes(&reader) >= SIZE as f64,
+        "the reader read {} bytes locally",
+        local_read_bytes(&reader)
+    );
+
+    // Another client cuts the file to 1 MiB and grows it back, then writes into it: the
+    // reader's open handle, holding its descriptors, sees zeros past the cut and the write.
+    writer
+        .truncate_path("/local", MIB as u64)
+        .await
+        .expect("cut");
+    writer
+        .truncate_path("/local", SIZE as u64)
+        .await
+        .expect("grow");
+    let mut expected = vec![0u8; SIZE];
+    expected[..MIB].fill(b'A');
+    let read = handle.read_at(0, SIZE as u64).await.expect("read");
+    assert_bytes_eq(&read, &expected, "after another client's cut");
+    let patch = (2 * MIB)..(2 * MIB + 100_000);
+    let file = writer
+        .open_path("/local", &ClusterOpen::new().write(true))
+        .await
+        .expect("open to write");
+    file.write_at(patch.start as u64, Bytes::from(vec![b'C'; patch.len()]))
+        .await
+        .expect("write");
+    file.close().await.expect("close");
+    expected[patch.clone()].fill(b'C');
+    let read = handle.read_at(0, SIZE as u64).await.expect("read");
+    assert_bytes_eq(&read, &expected, "after another client's write");
+
+    let read = served
+        .open_path("/local", &ClusterOpen::new().read(true))
+        .await
+        .expect("open")
+        .read_at(0, SIZE as u64)
+        .await
+        .expect("read");
+    assert_bytes_eq(&read, &expected, "through the served path");
+    assert_eq!(
+        local_read_bytes(&served),
+        0.0,
+        "local reads were turned off"
+    );
+
+    // Server 1 dies; a cut to 0 is owed to it, the file grows again. Nothing of what it
+    // held may be read through the reader's old descriptors now.
+    cluster.kill_io(1);
+    let refused = writer
+        .truncate_path("/local", 0)
+        .await
+        .expect_err("a cut on a down server cannot be made");
+    assert!(refused.to_string().contains("pending"), "{refused}");
+    // The file is open (the reader), so the growth cuts too: the size is set, the cut
+    // on the down server owed.
+    if let Err(error) = writer.truncate_path("/local", SIZE as u64).await {
+        assert!(error.to_string().contains("is set"), "{error}");
+    }
+    let before = local_read_bytes(&reader);
+    match tokio::time::timeout(Duration::from_secs(20), handle.read_at(0, SIZE as u64)).await {
+        Ok(Ok(read)) => {
+            let stale = read.iter().filter(|byte| **byte != 0).count();
+            assert_eq!(stale, 0, "{stale} bytes the cut removed were read");
+        }
+        Ok(Err(error)) => eprintln!("the read failed, as a down server's reads do: {error}"),
+        Err(_) => eprintln!("the read waited for the down server"),
+    }
+    cluster.respawn_io(1).await;
+    let read = handle.read_at(0, SIZE as u64).await.expect("read");
+    assert_bytes_eq(&read, &vec![0u8; SIZE], "after the server made its cut");
+    let file = writer
+        .open_path("/local", &ClusterOpen::new().write(true))
+        .await
+        .expect("open to write");
+    file.write_at(0, Bytes::from(vec![b'D'; SIZE]))
+        .await
+        .expect("write");
+    file.close().await.expect("close");
+    let read = handle.read_at(0, SIZE as u64).await.expect("read");
+    assert_bytes_eq(
+        &read,
+        &vec![b'D'; SIZE],
+        "after a write with the server back",
+    );
+    // At least server 0's half (the other may still be paused after its refusals).
+    assert!(
+        local_read_bytes(&reader) >= before + (SIZE / 2) as f64,
+        "local reads go on: {} bytes before, {} after",
+        before,
+        local_read_bytes(&reader)
+    );
+    handle.close().await.expect("close");
 }

@@ -54,6 +54,8 @@ pub(crate) struct Shared {
     pub dirty: Arc<Semaphore>,
     /// Bytes fetched ahead over the whole client (see `readahead.rs`).
     pub readahead_room: Arc<Semaphore>,
+    /// Descriptors of objects of I/O servers on this host (see `local.rs`).
+    pub(crate) local: crate::local::LocalReads,
     /// Open handles by inode, so a truncate can wait for their writes and reset their
     /// sizes. Bounded by the number of open handles.
     handles: Mutex<HashMap<InodeId, Vec<Weak<HandleShared>>>>,
@@ -333,6 +335,7 @@ impl Client {
         let caller = config.caller.clone();
         let pool = Arc::new(pool);
         let session_epoch = pool.lease_epoch();
+        let local = crate::local::LocalReads::new(config.local_reads);
         let shared = Arc::new(Shared {
             config,
             closer: Arc::new(crate::closer::Closer::new(pool.clone())),
@@ -345,6 +348,7 @@ impl Client {
             closed: AtomicBool::new(false),
             dirty,
             readahead_room: Arc::new(Semaphore::new(crate::readahead::READAHEAD_CLIENT_BYTES_MAX)),
+            local,
             handles: Mutex::new(HashMap::new()),
             renewer: Mutex::new(None),
             reopening: tokio::sync::Mutex::new(()),

@@ -45,6 +45,9 @@ pub struct ClientConfig {
     /// writes parked, at the client before they are sent (`file.rs`, `GATHER_WRITE_MAX`,
     /// `write_in_units`); 0 sends every write at once.
     pub gather_wait_ms: u64,
+    /// Read objects of I/O servers on this host through descriptors they hand out
+    /// (`local.rs`) instead of requests. Default true.
+    pub local_reads: bool,
 }
 
 impl ClientConfig {
@@ -61,6 +64,7 @@ impl ClientConfig {
             size_commit_interval_ms: SIZE_COMMIT_INTERVAL_MS_DEFAULT,
             readahead_bytes: READAHEAD_BYTES_DEFAULT,
             gather_wait_ms: GATHER_WAIT_MS_DEFAULT,
+            local_reads: true,
         }
     }
 
@@ -77,6 +81,7 @@ impl ClientConfig {
             size_commit_interval_ms: _,
             readahead_bytes: _,
             gather_wait_ms,
+            local_reads: _,
         } = self;
         if *gather_wait_ms > GATHER_WAIT_MS_MAX {
             return Err(ClientError::Config(format!(
@@ -121,6 +126,7 @@ impl std::fmt::Debug for ClientConfig {
             .field("size_commit_interval_ms", &self.size_commit_interval_ms)
             .field("gather_wait_ms", &self.gather_wait_ms)
             .field("readahead_bytes", &self.readahead_bytes)
+            .field("local_reads", &self.local_reads)
             .finish_non_exhaustive()
     }
 }

@@ -38,7 +38,7 @@
 //! each server, in parallel), and then commits the size: when it returns, the data and the
 //! size survive a crash of any server.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -199,6 +199,19 @@ pub(crate) struct HandleShared {
     /// once before it answers short (a reader that holds the file open sees others'
     /// appends, as `tail -f` expects).
     changed_elsewhere: AtomicBool,
+    /// What the I/O servers on this host said about this handle's stripes (`local.rs`),
+    /// by stripe index: descriptors kept until the handle goes, and objects found missing.
+    local: Mutex<HashMap<u32, LocalStripe>>,
+    /// Held while asking for a stripe's descriptor.
+    local_opening: tokio::sync::Mutex<()>,
+}
+
+/// A stripe's object as a local-reads socket described it.
+#[derive(Clone)]
+enum LocalStripe {
+    Open(Arc<crate::local::LocalObject>),
+    /// It did not exist: reads go through the RPC path until one returns bytes.
+    Missing,
 }
 
 struct HandleState {
@@ -1400,6 +1413,9 @@ impl HandleShared {
             inode: self.inode,
             stripe_index: request.stripe_index,
         };
+        if let Some(data) = self.read_local(layout, request).await? {
+            return Ok(data);
+        }
         // A request is at most IO_REQUEST_BYTES_MAX, which fits u32.
         let read = ReadObject {
             object,
@@ -1431,7 +1447,113 @@ impl HandleShared {
                 ),
             ));
         }
+        if !payload.is_empty() {
+            // The object exists now: the next read may ask for its descriptor.
+            let mut local = self.local.lock().expect("not poisoned");
+            if matches!(local.get(&request.stripe_index), Some(LocalStripe::Missing)) {
+                local.remove(&request.stripe_index);
+            }
+        }
         Ok(payload)
+    }
+
+    /// Ask the server of stripe `stripe_index` for its object's descriptor, and note the
+    /// answer; None when the read goes through the RPC path.
+    async fn open_local(
+        &self,
+        layout: &Layout,
+        stripe_index: u32,
+    ) -> Option<Arc<crate::local::LocalObject>> {
+        let pool = &self.client.shared.pool;
+        let server_id = layout.servers[stripe_index as usize];
+        let address = match pool.io_address(server_id) {
+            Some(address) => address,
+            None => {
+                // Not learned yet (the RPC path would ask the same).
+                let _ = pool.refresh_servers().await;
+                pool.io_address(server_id)?
+            }
+        };
+        let object_id = ObjectId {
+            inode: self.inode,
+            stripe_index,
+        };
+        let opened = self
+            .client
+            .shared
+            .local
+            .open(server_id, &address, object_id)
+            .await;
+        let mut local = self.local.lock().expect("not poisoned");
+        match opened {
+            crate::local::Opened::Object(object) => {
+                local.insert(stripe_index, LocalStripe::Open(Arc::clone(&object)));
+                Some(object)
+            }
+            crate::local::Opened::Missing => {
+                local.insert(stripe_index, LocalStripe::Missing);
+                None
+            }
+            crate::local::Opened::Unavailable => {
+                local.remove(&stripe_index);
+                None
+            }
+        }
+    }
+
+    /// A piece read from an object of an I/O server on this host through its descriptor
+    /// (`local.rs`); None when it must go through the RPC path: a replicated stripe (a
+    /// copy may lag its chain's head), a server elsewhere or not handing descriptors out,
+    /// a missing object.
+    async fn read_local(
+        &self,
+        layout: &Layout,
+        request: &ObjectRequest,
+    ) -> Result<Option<Bytes>, ClientError> {
+        let shared = &self.client.shared;
+        if !layout.copies.is_empty() || !shared.local.enabled() {
+            return Ok(None);
+        }
+        let stripe_index = request.stripe_index;
+        let known = || {
+            self.local
+                .lock()
+                .expect("not poisoned")
+                .get(&stripe_index)
+                .cloned()
+        };
+        let object = match known() {
+            Some(LocalStripe::Open(object)) if object.usable() => object,
+            Some(LocalStripe::Missing) => return Ok(None),
+            _ => {
+                // One question per stripe however many pieces of a read want it.
+                let _opening = self.local_opening.lock().await;
+                match known() {
+                    Some(LocalStripe::Open(object)) if object.usable() => object,
+                    Some(LocalStripe::Missing) => return Ok(None),
+                    _ => match self.open_local(layout, stripe_index).await {
+                        Some(object) => object,
+                        None => return Ok(None),
+                    },
+                }
+            }
+        };
+        // A request is at most IO_REQUEST_BYTES_MAX, which fits usize.
+        let data = object
+            .read(request.object_offset, request.length as usize)
+            .await
+            .map_err(|error| {
+                ClientError::inode(
+                    self.inode,
+                    ErrorCode::Io,
+                    format!(
+                        "local read of {} bytes at stripe {stripe_index} offset {} failed: {error}",
+                        request.length, request.object_offset
+                    ),
+                )
+            })?;
+        shared.pool.metrics.read_locally(data.len() as u64);
+        Ok(Some(data))
     }
 
     pub(crate) fn inode(&self) -> InodeId {
@@ -1816,6 +1938,8 @@ impl FileHandle {
             closed: AtomicBool::new(false),
             lost: AtomicBool::new(false),
             changed_elsewhere: AtomicBool::new(false),
+            local: Mutex::new(HashMap::new()),
+            local_opening: tokio::sync::Mutex::new(()),
             client: client.clone(),
         });
         client.register_handle(&shared);

@@ -18,6 +18,7 @@ mod delegation;
 mod error;
 mod file;
 mod leases;
+mod local;
 mod locks;
 mod metrics;
 mod path;

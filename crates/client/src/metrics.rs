@@ -29,6 +29,7 @@ struct Inner {
     other: OpMetrics,
     written_bytes: Counter,
     read_bytes: Counter,
+    local_read_bytes: Counter,
     throttled_writers: Gauge,
     throttle_waits: Counter,
     throttle_wait_time: Counter,
@@ -79,6 +80,12 @@ impl ClientMetrics {
             read_bytes: registry.counter(
                 "freeflow_client_read_bytes_total",
                 "Data bytes read from I/O servers.",
+                &[],
+            ),
+            local_read_bytes: registry.counter(
+                "freeflow_client_local_read_bytes_total",
+                "Data bytes read from objects of I/O servers on this host through descriptors \
+                 they handed out (local reads; also counted in freeflow_client_read_bytes_total).",
                 &[],
             ),
             throttled_writers: registry.gauge(
@@ -148,6 +155,11 @@ impl ClientMetrics {
 
     pub(crate) fn read(&self, bytes: u64) {
         self.inner.read_bytes.add(bytes);
+    }
+
+    pub(crate) fn read_locally(&self, bytes: u64) {
+        self.inner.read_bytes.add(bytes);
+        self.inner.local_read_bytes.add(bytes);
     }
 
     /// A write waits for dirty permits until the returned guard is dropped (also when the

@@ -919,6 +919,12 @@ impl Pool {
         }
     }
 
+    /// Where I/O server `server_id` listens, if known.
+    pub(crate) fn io_address(&self, server_id: ServerId) -> Option<String> {
+        self.io_endpoint(server_id)
+            .map(|endpoint| endpoint.address.clone())
+    }
+
     fn io_endpoint(&self, server_id: ServerId) -> Option<std::sync::Arc<Endpoint>> {
         self.io
             .lock()

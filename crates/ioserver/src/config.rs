@@ -122,6 +122,10 @@ pub struct IoConfig {
     /// own task (`preadv2` with `RWF_NOWAIT`), without the disk engine's thread. Default
     /// true (docs/BENCHMARKS.md, "Small reads from the page cache").
     pub cached_reads: bool,
+    /// With `unix_socket`: also hand clients on this host read-only descriptors of objects
+    /// on a local-reads socket beside it (`<unix_socket>.reads`), so they read the bytes
+    /// themselves (`local_reads.rs`). Default true (docs/BENCHMARKS.md, "Local reads").
+    pub local_reads: bool,
 }
 
 impl Default for IoConfig {
@@ -152,6 +156,7 @@ impl Default for IoConfig {
             direct_io: DirectIo::Writes,
             direct_io_min_bytes: 1 << 20,
             cached_reads: true,
+            local_reads: true,
         }
     }
 }
@@ -201,6 +206,7 @@ impl IoConfig {
             direct_io: _,
             direct_io_min_bytes,
             cached_reads: _,
+            local_reads: _,
         } = self;
         check_address("listen_address", listen_address, true)?;
         if let Some(path) = unix_socket {

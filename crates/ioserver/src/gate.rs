@@ -20,6 +20,9 @@ pub struct DataGate {
     server_id: ServerId,
     /// Cuts owed as the last registration reply said; `UNCONFIRMED` before the first.
     owed: AtomicU32,
+    /// Counts the closings of the open gate: whoever handed out an object's descriptor
+    /// (`local_reads.rs`) takes it back then.
+    closings: tokio::sync::watch::Sender<u64>,
 }
 
 impl DataGate {
@@ -28,13 +31,24 @@ impl DataGate {
         DataGate {
             server_id,
             owed: AtomicU32::new(UNCONFIRMED),
+            closings: tokio::sync::watch::Sender::new(0),
         }
     }
 
     /// What a registration reply said.
     pub fn set_owed(&self, cuts_owed: u32) {
-        self.owed
-            .store(cuts_owed.min(UNCONFIRMED - 1), Ordering::Release);
+        let before = self
+            .owed
+            .swap(cuts_owed.min(UNCONFIRMED - 1), Ordering::AcqRel);
+        if before == 0 && cuts_owed != 0 {
+            self.closings.send_modify(|count| *count += 1);
+        }
+    }
+
+    /// Changes each time the gate closes after it was open (a registration reply said
+    /// cuts are owed).
+    pub fn closings(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.closings.subscribe()
     }
 
     pub fn is_open(&self) -> bool {

@@ -19,6 +19,7 @@ pub mod error;
 pub mod fd_cache;
 pub mod gate;
 pub mod identity;
+pub mod local_reads;
 pub mod metrics;
 pub mod register;
 pub mod replication;
@@ -79,6 +80,8 @@ pub struct RunningIo {
     registered: Arc<AtomicBool>,
     gate: Arc<gate::DataGate>,
     serve: JoinHandle<std::io::Result<()>>,
+    /// The local-reads socket's server, when there is one.
+    local_reads: Option<JoinHandle<()>>,
     registration: JoinHandle<()>,
     /// Fetches the service map when a request names a newer one.
     fetcher: JoinHandle<()>,
@@ -206,6 +209,24 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
     metrics::register_resync_gauges(&registry, &resync.progress);
     metrics::register_memory_gauges(&registry, &config);
     metrics::register_replication_gauges(&registry, &replication);
+    let local_reads = match &config.unix_socket {
+        Some(path) if config.local_reads => {
+            let local_path = freeflow_rpc::local::local_reads_path(&path.to_string_lossy());
+            match freeflow_rpc::local::SeqpacketListener::bind(std::path::Path::new(&local_path)) {
+                Ok(listener) => Some(tokio::spawn(local_reads::serve(
+                    listener,
+                    Arc::clone(&store),
+                    Arc::clone(&gate),
+                ))),
+                Err(error) => {
+                    // Clients read through the RPC path instead: slower, not wrong.
+                    tracing::warn!(path = %local_path, %error, "no local reads: cannot listen on the local-reads socket");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
     let serve = tokio::spawn(freeflow_rpc::serve_with_unix(
         listener,
         unix_listener,
@@ -272,6 +293,7 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         registered,
         gate,
         serve,
+        local_reads,
         registration,
         fetcher,
         metrics: registry,
@@ -356,6 +378,9 @@ impl RunningIo {
     /// served by their own tasks until their peers close them.
     pub async fn shutdown(self) {
         self.serve.abort();
+        if let Some(task) = &self.local_reads {
+            task.abort();
+        }
         self.registration.abort();
         self.fetcher.abort();
         if let Some(task) = &self.metrics_task {

@@ -511,6 +511,22 @@ impl ObjectStore {
             .map_err(|error| self.error("read", object, error))
     }
 
+    /// A read-only descriptor of the object for a reader on this host
+    /// (`local_reads.rs`), None when it does not exist. Opened again through the store's
+    /// own descriptor (`/proc/self/fd`), so it is the same file whatever happened to its
+    /// name, and cannot write.
+    pub async fn open_for_reading(&self, object: ObjectId) -> Result<Option<File>, StoreError> {
+        let Some(file) = self.open_existing(object).await? else {
+            return Ok(None);
+        };
+        let own = format!("/proc/self/fd/{}", file.as_raw_fd());
+        std::fs::OpenOptions::new()
+            .read(true)
+            .open(&own)
+            .map(Some)
+            .map_err(|error| self.error("open for reading", object, error))
+    }
+
     /// Cuts the object to `length_bytes` if it is longer; never extends or creates one (a
     /// file's size is the meta server's; past an object's end the file reads zeros).
     /// Returns the space the object holds after the cut.

@@ -465,3 +465,125 @@ async fn a_unix_socket_is_served_and_never_taken_from_a_running_server() {
     assert!(unix.call(&ServerStats {}, Bytes::new()).await.is_ok());
     server.shutdown().await;
 }
+
+/// One question on a local-reads socket: the answer and the descriptor with it.
+async fn ask_local(
+    connection: &freeflow_rpc::local::SeqpacketConn,
+    object: ObjectId,
+) -> (
+    Result<freeflow_proto::io::OpenedForReading, freeflow_proto::WireError>,
+    Option<std::os::fd::OwnedFd>,
+) {
+    let request = freeflow_proto::io::OpenForReading {
+        version: freeflow_proto::PROTOCOL_VERSION,
+        object,
+    };
+    connection
+        .send(&freeflow_proto::encode(&request), None)
+        .await
+        .unwrap();
+    let mut packet = vec![0u8; freeflow_rpc::local::LOCAL_PACKET_BYTES_MAX];
+    let (length, descriptor) = connection.recv(&mut packet).await.unwrap();
+    assert!(length > 0, "the server closed the connection");
+    (
+        freeflow_proto::decode(&packet[..length]).unwrap(),
+        descriptor,
+    )
+}
+
+/// The local-reads socket beside a Unix socket hands out read-only descriptors of
+/// existing objects only while the server serves data, closes every connection when a
+/// heartbeat says a cut is owed, survives malformed packets, and closes with the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_reads_hand_out_descriptors_only_while_data_is_served() {
+    use freeflow_rpc::local::{local_reads_path, SeqpacketConn};
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let meta_address = dead_address().await;
+    let socket = directory.path().join("io.sock");
+    let server = start(
+        IoConfig {
+            unix_socket: Some(socket.clone()),
+            ..config(&directory, EngineKind::Uring, meta_address.clone())
+        },
+        key.clone(),
+    )
+    .await
+    .unwrap();
+    let local_path = std::path::PathBuf::from(local_reads_path(&socket.to_string_lossy()));
+    let object = ObjectId {
+        inode: 9,
+        stripe_index: 1,
+    };
+    let local = SeqpacketConn::connect(&local_path).unwrap();
+    let (answer, descriptor) = ask_local(&local, object).await;
+    assert_eq!(
+        answer.unwrap_err().code,
+        ErrorCode::Busy,
+        "no registration yet"
+    );
+    assert!(descriptor.is_none());
+
+    let (meta, meta_task) = start_fake_meta(&meta_address, &key).await;
+    wait_until("serving data", || server.serves_data()).await;
+    let (answer, descriptor) = ask_local(&local, object).await;
+    assert!(!answer.unwrap().exists, "no object yet");
+    assert!(descriptor.is_none());
+    let connection = Connection::connect(
+        &server.listen_address().to_string(),
+        &key,
+        &ConnectOptions::default(),
+    )
+    .await
+    .unwrap();
+    connection
+        .call(
+            &WriteObject {
+                grant: 0,
+                charged: 0,
+                object,
+                offset: 0,
+                map_version: 0,
+                forward: Vec::new(),
+            },
+            Bytes::from_static(b"local bytes"),
+        )
+        .await
+        .unwrap();
+    let (answer, descriptor) = ask_local(&local, object).await;
+    assert!(answer.unwrap().exists);
+    let file = std::fs::File::from(descriptor.expect("a descriptor"));
+    let mut read = [0u8; 64];
+    let length = std::os::unix::fs::FileExt::read_at(&file, &mut read, 0).unwrap();
+    assert_eq!(&read[..length], b"local bytes");
+    let error = std::os::unix::fs::FileExt::write_at(&file, b"x", 0).unwrap_err();
+    assert_eq!(error.raw_os_error(), Some(libc::EBADF), "read-only");
+
+    // A malformed packet is answered with an error; the connection goes on.
+    let other = SeqpacketConn::connect(&local_path).unwrap();
+    other.send(b"\xff\xff\xff\xff", None).await.unwrap();
+    let mut packet = vec![0u8; freeflow_rpc::local::LOCAL_PACKET_BYTES_MAX];
+    let (length, _) = other.recv(&mut packet).await.unwrap();
+    let answer: Result<freeflow_proto::io::OpenedForReading, freeflow_proto::WireError> =
+        freeflow_proto::decode(&packet[..length]).unwrap();
+    assert_eq!(answer.unwrap_err().code, ErrorCode::Protocol);
+    let (answer, _) = ask_local(&local, object).await;
+    assert!(answer.unwrap().exists);
+
+    // A heartbeat says a cut is owed: every connection closes, and a new one is refused.
+    meta.cuts_owed.store(1, Ordering::SeqCst);
+    tokio::time::timeout(Duration::from_secs(10), local.closed())
+        .await
+        .expect("the server closed the local-reads connection");
+    assert!(local.hung_up());
+    let again = SeqpacketConn::connect(&local_path).unwrap();
+    let (answer, descriptor) = ask_local(&again, object).await;
+    assert_eq!(answer.unwrap_err().code, ErrorCode::Busy);
+    assert!(descriptor.is_none());
+
+    server.shutdown().await;
+    tokio::time::timeout(Duration::from_secs(10), again.closed())
+        .await
+        .expect("the connection closed with the server");
+    meta_task.abort();
+}

@@ -148,3 +148,20 @@ pub struct ObjectListing {
     /// More objects of the shard follow the last one.
     pub more: bool,
 }
+
+/// A packet on an I/O server's local-reads socket (`freeflow_rpc::local`; not an RPC, no
+/// opcode): a client on the server's host asks for a read-only descriptor of an object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenForReading {
+    /// [`crate::PROTOCOL_VERSION`] of the asking client; another is refused.
+    pub version: u8,
+    pub object: ObjectId,
+}
+
+/// The answer to [`OpenForReading`], as `Result<OpenedForReading, WireError>`; when
+/// `exists`, the object's descriptor travels with the packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenedForReading {
+    /// Whether the object exists (a missing one reads as zeros; it may be made later).
+    pub exists: bool,
+}

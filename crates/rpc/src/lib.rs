@@ -12,6 +12,7 @@ mod codec;
 pub mod credit;
 mod error;
 mod key;
+pub mod local;
 mod metrics;
 pub mod net;
 mod server;

@@ -23,6 +23,8 @@ pub struct Options {
     pub cache_leases: bool,
     /// The kernel's writeback cache (`--writeback`).
     pub writeback: bool,
+    /// Local reads from I/O servers on this host (false: `--no-local-reads`).
+    pub local_reads: bool,
     /// Serve the client's metrics on this `host:port` (None: no endpoint).
     pub metrics_address: Option<String>,
 }
@@ -41,6 +43,7 @@ impl Options {
             threads: flags.threads,
             cache_leases: !flags.no_cache,
             writeback: flags.writeback,
+            local_reads: !flags.no_local_reads,
             metrics_address,
         }
     }
@@ -55,6 +58,7 @@ impl Default for Options {
             threads: 4,
             cache_leases: true,
             writeback: false,
+            local_reads: true,
             metrics_address: None,
         }
     }
@@ -113,7 +117,7 @@ pub async fn mount_cluster(
     mountpoint: &Path,
     options: Options,
 ) -> anyhow::Result<Mounted> {
-    let client = connect(cluster_file, options.call_timeout_ms).await?;
+    let client = connect(cluster_file, options.call_timeout_ms, options.local_reads).await?;
     let metrics_listener = match &options.metrics_address {
         Some(address) => match tokio::net::TcpListener::bind(address).await {
             Ok(listener) => Some(listener),
@@ -174,6 +178,7 @@ pub async fn mount_cluster(
 async fn connect(
     cluster_file: &Path,
     call_timeout_ms: u64,
+    local_reads: bool,
 ) -> anyhow::Result<freeflow_client::Client> {
     let file: ClientFile = cluster_file::read(cluster_file)?;
     let key = cluster_file::load_key(cluster_file, &file.key_file)?;
@@ -183,6 +188,7 @@ async fn connect(
     // The kernel reads ahead for the mount (several reads in flight, not in order): the
     // library's own read-ahead would see them as random and only get in the way.
     config.readahead_bytes = 0;
+    config.local_reads = local_reads;
     freeflow_client::Client::connect(config)
         .await
         .with_context(|| {

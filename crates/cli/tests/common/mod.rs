@@ -234,6 +234,9 @@ pub struct ClusterOptions {
     /// Network namespaces: I/O server i runs in the switch's host i (for each host it
     /// has), the rest here on the switch's address, so a test can cut one off.
     pub switch: Option<std::sync::Arc<netswitch::NetSwitch>>,
+    /// I/O servers listen on Unix sockets too and advertise them (as `freeflow up` does),
+    /// so clients here read their objects locally (`local_reads`).
+    pub unix_sockets: bool,
 }
 
 /// Whether this process may mount a tmpfs (root); says why not when it may not.
@@ -266,6 +269,7 @@ impl ClusterOptions {
             replicas: 1,
             io_tmpfs_bytes: None,
             switch: None,
+            unix_sockets: false,
         }
     }
 }
@@ -469,12 +473,33 @@ impl Cluster {
         write_toml(&self.meta_config_path, &file);
     }
 
+    /// The Unix socket of an I/O server with `unix_sockets`.
+    fn unix_socket(&self, server: &IoServer) -> Option<PathBuf> {
+        self.options.unix_sockets.then(|| {
+            self.dir
+                .path()
+                .join(format!("io-{}.sock", server.server_id))
+        })
+    }
+
+    /// The address an I/O server gives the meta server for clients.
+    fn advertised_address(&self, server: &IoServer) -> String {
+        match self.unix_socket(server) {
+            Some(path) => format!("unix:{}", path.display()),
+            None => server.address.clone(),
+        }
+    }
+
     fn write_io_config(&self, index: usize) {
         let server = &self.io[index];
+        let unix_socket = self.unix_socket(server);
         let io = IoConfig {
             server_id: server.server_id,
             listen_address: server.address.clone(),
-            advertise_address: None,
+            advertise_address: unix_socket
+                .as_ref()
+                .map(|path| format!("unix:{}", path.display())),
+            unix_socket,
             data_dir: PathBuf::from(format!("io-{}", server.server_id)),
             meta_address: self.meta_address.clone(),
             engine: self.options.engine,
@@ -668,7 +693,7 @@ impl Cluster {
                     servers.iter().any(|record| {
                         record.server_id == io.server_id
                             && record.up
-                            && record.address == io.address
+                            && record.address == self.advertised_address(io)
                     })
                 });
                 if all_up {

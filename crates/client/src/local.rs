@@ -1,0 +1,290 @@
+//! Local reads: a client on an I/O server's own host reads that server's objects itself,
+//! through read-only descriptors the server hands out on its local-reads socket
+//! (`freeflow_rpc::local`; the server's side and why it stays correct:
+//! `ioserver/src/local_reads.rs`). The bytes come from the page cache the server writes
+//! through, with one copy, instead of a request, a copy into the reply, one across the
+//! socket and one out of it.
+//!
+//! A handle asks for a stripe's descriptor at its first read of the stripe and keeps it
+//! until it closes (`file.rs`), using it only while the connection that brought it is
+//! open: the server closes its connections when it stops serving data, and they close
+//! with its process. Every refusal or failure on the way (no local-reads socket, another
+//! user, the data gate closed, too many descriptors) sends the read through the RPC path,
+//! which is always right; only a failed read of a descriptor is the read's error.
+
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use freeflow_proto::io::{OpenForReading, OpenedForReading};
+use freeflow_proto::WireError;
+use freeflow_rpc::local::{local_reads_path, SeqpacketConn, LOCAL_PACKET_BYTES_MAX};
+use freeflow_types::{ObjectId, ServerId};
+
+/// Most object descriptors one client holds for local reads at once; a handle past it
+/// reads through the RPC path.
+pub const LOCAL_DESCRIPTORS_MAX: usize = 1024;
+
+/// How long a server that could not be reached on its local-reads socket (none there,
+/// another user, a failure) is read only through the RPC path before it is tried again.
+const UNAVAILABLE_PAUSE: Duration = Duration::from_secs(5);
+
+/// How long an answer on the local-reads socket may take before the read goes through
+/// the RPC path (the server answers from its descriptor cache or one `open`).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The client's local-reads connections, one per I/O server on this host.
+pub(crate) struct LocalReads {
+    enabled: bool,
+    servers: Mutex<HashMap<ServerId, Arc<LocalServer>>>,
+    descriptors: Arc<AtomicUsize>,
+}
+
+struct LocalServer {
+    /// The local-reads socket.
+    path: String,
+    state: tokio::sync::Mutex<ServerState>,
+}
+
+#[derive(Default)]
+struct ServerState {
+    connection: Option<Arc<SeqpacketConn>>,
+    unavailable_until: Option<Instant>,
+}
+
+/// What a server said about an object.
+pub(crate) enum Opened {
+    Object(Arc<LocalObject>),
+    /// No such object yet: it reads as zeros, and a write may make it at any time.
+    Missing,
+    /// Not through this server's local-reads socket now: use the RPC path.
+    Unavailable,
+}
+
+impl LocalReads {
+    pub(crate) fn new(enabled: bool) -> LocalReads {
+        LocalReads {
+            enabled,
+            servers: Mutex::new(HashMap::new()),
+            descriptors: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Ask server `server_id`, at RPC address `address`, for a descriptor of `object`.
+    /// Only a server on a Unix socket can be asked.
+    pub(crate) async fn open(
+        &self,
+        server_id: ServerId,
+        address: &str,
+        object: ObjectId,
+    ) -> Opened {
+        let Some(socket) = freeflow_rpc::unix_socket_path(address) else {
+            return Opened::Unavailable;
+        };
+        if !self.enabled || self.descriptors.load(Ordering::Relaxed) >= LOCAL_DESCRIPTORS_MAX {
+            return Opened::Unavailable;
+        }
+        let path = local_reads_path(socket);
+        let server = {
+            let mut servers = self.servers.lock().expect("not poisoned");
+            let entry = servers.entry(server_id).or_insert_with(|| {
+                Arc::new(LocalServer {
+                    path: path.clone(),
+                    state: tokio::sync::Mutex::new(ServerState::default()),
+                })
+            });
+            if entry.path != path {
+                // The server moved: a new socket.
+                *entry = Arc::new(LocalServer {
+                    path,
+                    state: tokio::sync::Mutex::new(ServerState::default()),
+                });
+            }
+            Arc::clone(entry)
+        };
+        let mut state = server.state.lock().await;
+        if state
+            .unavailable_until
+            .is_some_and(|until| Instant::now() < until)
+        {
+            return Opened::Unavailable;
+        }
+        let connection = match &state.connection {
+            Some(connection) if !connection.hung_up() => Arc::clone(connection),
+            _ => match SeqpacketConn::connect(std::path::Path::new(&server.path)) {
+                Ok(connection) => {
+                    let connection = Arc::new(connection);
+                    state.connection = Some(Arc::clone(&connection));
+                    connection
+                }
+                Err(error) => {
+                    tracing::debug!(server_id, path = %server.path, %error, "no local reads from this server for now");
+                    state.connection = None;
+                    state.unavailable_until = Some(Instant::now() + UNAVAILABLE_PAUSE);
+                    return Opened::Unavailable;
+                }
+            },
+        };
+        let failure = match tokio::time::timeout(ANSWER_TIMEOUT, ask(&connection, object)).await {
+            Ok(Ok(Answer::Exists(descriptor))) => {
+                self.descriptors.fetch_add(1, Ordering::Relaxed);
+                return Opened::Object(Arc::new(LocalObject {
+                    file: std::fs::File::from(descriptor),
+                    connection,
+                    descriptors: Arc::clone(&self.descriptors),
+                }));
+            }
+            Ok(Ok(Answer::Missing)) => return Opened::Missing,
+            // Refused (the data gate closed, another version): the RPC path answers
+            // properly, and this connection stays.
+            Ok(Ok(Answer::Refused)) => return Opened::Unavailable,
+            Ok(Err(reason)) => reason,
+            Err(_) => format!("no answer within {ANSWER_TIMEOUT:?}"),
+        };
+        tracing::warn!(server_id, path = %server.path, "local reads from this server stop for now: {failure}");
+        state.connection = None;
+        state.unavailable_until = Some(Instant::now() + UNAVAILABLE_PAUSE);
+        Opened::Unavailable
+    }
+}
+
+/// A server's answer on the local-reads socket.
+enum Answer {
+    Exists(std::os::fd::OwnedFd),
+    Missing,
+    Refused,
+}
+
+/// One question on the local-reads socket; Err when the connection failed or the answer
+/// made no sense.
+async fn ask(connection: &SeqpacketConn, object: ObjectId) -> Result<Answer, String> {
+    let request = OpenForReading {
+        version: freeflow_proto::PROTOCOL_VERSION,
+        object,
+    };
+    connection
+        .send(&freeflow_proto::encode(&request), None)
+        .await
+        .map_err(|error| format!("send failed: {error}"))?;
+    let mut packet = vec![0u8; LOCAL_PACKET_BYTES_MAX];
+    let (length, descriptor) = connection
+        .recv(&mut packet)
+        .await
+        .map_err(|error| format!("receive failed: {error}"))?;
+    if length == 0 {
+        return Err("the server closed the connection".into());
+    }
+    let answer = freeflow_proto::decode::<Result<OpenedForReading, WireError>>(&packet[..length])
+        .map_err(|error| error.message)?;
+    match (answer, descriptor) {
+        (Ok(OpenedForReading { exists: true }), Some(descriptor)) => Ok(Answer::Exists(descriptor)),
+        (Ok(OpenedForReading { exists: false }), None) => Ok(Answer::Missing),
+        (Err(error), None) => {
+            tracing::debug!(?object, %error.message, "local read refused");
+            Ok(Answer::Refused)
+        }
+        (answer, descriptor) => Err(format!(
+            "an answer {answer:?} with {} descriptor",
+            if descriptor.is_some() { "a" } else { "no" }
+        )),
+    }
+}
+
+/// A read-only descriptor of one object, usable while the connection that brought it is
+/// open.
+pub(crate) struct LocalObject {
+    file: std::fs::File,
+    connection: Arc<SeqpacketConn>,
+    descriptors: Arc<AtomicUsize>,
+}
+
+impl Drop for LocalObject {
+    fn drop(&mut self) {
+        self.descriptors.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl LocalObject {
+    /// Whether the server still stands behind the descriptor.
+    pub(crate) fn usable(&self) -> bool {
+        !self.connection.hung_up()
+    }
+
+    /// Up to `length` bytes at `offset`: fewer when the object ends first. From the page
+    /// cache in the caller's task when all is there; otherwise on a blocking thread.
+    pub(crate) async fn read(
+        self: &Arc<Self>,
+        offset: u64,
+        length: usize,
+    ) -> std::io::Result<Bytes> {
+        let mut buffer = Vec::<u8>::with_capacity(length);
+        match pread(&self.file, &mut buffer, offset, length, libc::RWF_NOWAIT) {
+            Ok(done) if done == length => return Ok(Bytes::from(buffer)),
+            // Short (part not cached, or the end of the object), none cached, or no
+            // RWF_NOWAIT here: the rest waits for the disk.
+            Ok(_) => {}
+            Err(error)
+                if matches!(
+                    error.raw_os_error(),
+                    Some(libc::EAGAIN) | Some(libc::EOPNOTSUPP)
+                ) => {}
+            Err(error) => return Err(error),
+        }
+        let object = Arc::clone(self);
+        tokio::task::spawn_blocking(move || {
+            while buffer.len() < length {
+                let at = offset + buffer.len() as u64;
+                let want = length - buffer.len();
+                if pread(&object.file, &mut buffer, at, want, 0)? == 0 {
+                    break;
+                }
+            }
+            Ok(Bytes::from(buffer))
+        })
+        .await
+        .map_err(std::io::Error::other)?
+    }
+}
+
+/// `preadv2` of up to `length` bytes at `offset` appended to `buffer` (which has room:
+/// its capacity is at least its length plus `length`). Interrupted calls are retried.
+fn pread(
+    file: &std::fs::File,
+    buffer: &mut Vec<u8>,
+    offset: u64,
+    length: usize,
+    flags: libc::c_int,
+) -> std::io::Result<usize> {
+    buffer.reserve(length);
+    let position = libc::off_t::try_from(offset).map_err(|_| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "offset beyond off_t")
+    })?;
+    loop {
+        let spare = buffer.spare_capacity_mut();
+        let vector = libc::iovec {
+            iov_base: spare.as_mut_ptr().cast(),
+            iov_len: length.min(spare.len()),
+        };
+        // SAFETY: the iovec covers spare capacity of `buffer`, which outlives the call;
+        // the kernel writes at most `iov_len` bytes into it.
+        let done = unsafe { libc::preadv2(file.as_raw_fd(), &vector, 1, position, flags) };
+        if done < 0 {
+            let error = std::io::Error::last_os_error();
+            if error.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(error);
+        }
+        let done = done as usize;
+        // SAFETY: the kernel initialized `done` bytes after the buffer's length.
+        unsafe { buffer.set_len(buffer.len() + done) };
+        return Ok(done);
+    }
+}

@@ -1,0 +1,158 @@
+//! Local reads: clients on this host are handed read-only descriptors of objects and read
+//! them from the shared page cache themselves (`freeflow_rpc::local` has the socket and
+//! its packets; the client's side is `client/src/local.rs`). A read served this way costs
+//! this server nothing: no request, no copy into a reply, no copy across a socket.
+//!
+//! What keeps such reads as correct as the served ones:
+//! - descriptors are handed out only while the data gate is open (`gate.rs`), and every
+//!   connection is closed when a registration reply says cuts are owed, and with the
+//!   process: a client uses a descriptor only while the connection that brought it is
+//!   open, so it never reads past a cut this server has not made;
+//! - cuts, writes and removals act on the same files, so a descriptor's reader sees them
+//!   as this server's own reads would, through the same page cache;
+//! - only unreplicated stripes are read this way (the client's rule): a copy of a chain
+//!   may lag its head, which only the served path's version checks handle.
+//!
+//! Only peers running as this server's user or as root are answered: they could open the
+//! objects' files anyway.
+
+use std::os::fd::AsFd;
+use std::sync::Arc;
+
+use freeflow_proto::io::{OpenForReading, OpenedForReading};
+use freeflow_proto::{ErrorCode, WireError};
+use freeflow_rpc::local::{SeqpacketConn, SeqpacketListener, LOCAL_PACKET_BYTES_MAX};
+
+use crate::gate::DataGate;
+use crate::store::ObjectStore;
+
+/// Most local-reads connections served at once (one per client process on this host);
+/// further ones are closed at once and those clients read through the RPC path.
+pub const LOCAL_READ_CONNECTIONS_MAX: usize = 256;
+
+/// Serve the local-reads socket until the task is dropped.
+pub async fn serve(listener: SeqpacketListener, store: Arc<ObjectStore>, gate: Arc<DataGate>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(LOCAL_READ_CONNECTIONS_MAX));
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        while connections.try_join_next().is_some() {}
+        let connection = match listener.accept().await {
+            Ok(connection) => connection,
+            Err(error) => {
+                tracing::warn!(%error, "accept on the local-reads socket failed; retrying");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            tracing::warn!(
+                limit = LOCAL_READ_CONNECTIONS_MAX,
+                "closing a local-reads connection: too many"
+            );
+            continue;
+        };
+        let (store, gate) = (Arc::clone(&store), Arc::clone(&gate));
+        connections.spawn(async move {
+            let _slot = slot;
+            if let Err(reason) = serve_connection(&connection, &store, &gate).await {
+                tracing::warn!("closing a local-reads connection: {reason}");
+            }
+        });
+    }
+}
+
+/// Whether a peer running as `peer_uid` may be handed descriptors by a server running as
+/// `own_uid`.
+pub fn peer_may_read(peer_uid: u32, own_uid: u32) -> bool {
+    peer_uid == own_uid || peer_uid == 0
+}
+
+async fn serve_connection(
+    connection: &SeqpacketConn,
+    store: &ObjectStore,
+    gate: &DataGate,
+) -> Result<(), String> {
+    let peer_uid = connection
+        .peer_uid()
+        .map_err(|error| format!("cannot tell its peer's user: {error}"))?;
+    // SAFETY: geteuid cannot fail.
+    let own_uid = unsafe { libc::geteuid() };
+    if !peer_may_read(peer_uid, own_uid) {
+        return Err(format!(
+            "its peer runs as user {peer_uid}, neither this server's user {own_uid} nor root"
+        ));
+    }
+    let mut closings = gate.closings();
+    closings.mark_unchanged();
+    let mut packet = vec![0u8; LOCAL_PACKET_BYTES_MAX];
+    loop {
+        let received = tokio::select! {
+            received = connection.recv(&mut packet) => received,
+            // Cuts are owed: descriptors handed out may show bytes past a cut, so the
+            // client must drop them (it sees this connection close).
+            _ = closings.changed() => return Ok(()),
+        };
+        let (length, descriptor) = received.map_err(|error| format!("receive failed: {error}"))?;
+        if length == 0 {
+            return Ok(());
+        }
+        if descriptor.is_some() {
+            return Err("its peer sent a descriptor".into());
+        }
+        let answer = match freeflow_proto::decode::<OpenForReading>(&packet[..length]) {
+            Ok(request) => open(request, store, gate).await,
+            Err(error) => Err(error),
+        };
+        let sent = match answer {
+            Ok(Some(file)) => {
+                let reply: Result<_, WireError> = Ok(OpenedForReading { exists: true });
+                connection
+                    .send(&freeflow_proto::encode(&reply), Some(file.as_fd()))
+                    .await
+            }
+            Ok(None) => {
+                let reply: Result<_, WireError> = Ok(OpenedForReading { exists: false });
+                connection.send(&freeflow_proto::encode(&reply), None).await
+            }
+            Err(mut error) => {
+                // The answer must fit one packet.
+                error.message.truncate(LOCAL_PACKET_BYTES_MAX / 2);
+                let reply: Result<OpenedForReading, WireError> = Err(error);
+                connection.send(&freeflow_proto::encode(&reply), None).await
+            }
+        };
+        sent.map_err(|error| format!("send failed: {error}"))?;
+    }
+}
+
+async fn open(
+    request: OpenForReading,
+    store: &ObjectStore,
+    gate: &DataGate,
+) -> Result<Option<std::fs::File>, WireError> {
+    if request.version != freeflow_proto::PROTOCOL_VERSION {
+        return Err(WireError::new(
+            ErrorCode::Protocol,
+            format!(
+                "protocol version {} asked, this server speaks {}",
+                request.version,
+                freeflow_proto::PROTOCOL_VERSION
+            ),
+        ));
+    }
+    gate.check()?;
+    Ok(store.open_for_reading(request.object).await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::peer_may_read;
+
+    #[test]
+    fn only_the_servers_own_user_and_root_are_answered() {
+        assert!(peer_may_read(1000, 1000));
+        assert!(peer_may_read(0, 1000));
+        assert!(!peer_may_read(1001, 1000));
+        assert!(!peer_may_read(1001, 0));
+    }
+}
