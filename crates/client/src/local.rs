@@ -24,8 +24,9 @@ use freeflow_proto::WireError;
 use freeflow_rpc::local::{local_reads_path, SeqpacketConn, LOCAL_PACKET_BYTES_MAX};
 use freeflow_types::{ObjectId, ServerId};
 
-/// Most object descriptors one client holds for local reads at once; a handle past it
-/// reads through the RPC path.
+/// Most object descriptors one client holds for local reads at once, and at most a
+/// quarter of its process's descriptor limit (`RLIMIT_NOFILE`), so they never starve its
+/// sockets and files; a handle past it reads through the RPC path.
 pub const LOCAL_DESCRIPTORS_MAX: usize = 1024;
 
 /// How long a server that could not be reached on its local-reads socket (none there,
@@ -41,6 +42,7 @@ pub(crate) struct LocalReads {
     enabled: bool,
     servers: Mutex<HashMap<ServerId, Arc<LocalServer>>>,
     descriptors: Arc<AtomicUsize>,
+    descriptors_max: usize,
 }
 
 struct LocalServer {
@@ -70,6 +72,7 @@ impl LocalReads {
             enabled,
             servers: Mutex::new(HashMap::new()),
             descriptors: Arc::new(AtomicUsize::new(0)),
+            descriptors_max: descriptors_max(),
         }
     }
 
@@ -88,7 +91,7 @@ impl LocalReads {
         let Some(socket) = freeflow_rpc::unix_socket_path(address) else {
             return Opened::Unavailable;
         };
-        if !self.enabled || self.descriptors.load(Ordering::Relaxed) >= LOCAL_DESCRIPTORS_MAX {
+        if !self.enabled || self.descriptors.load(Ordering::Relaxed) >= self.descriptors_max {
             return Opened::Unavailable;
         }
         let path = local_reads_path(socket);
@@ -153,6 +156,21 @@ impl LocalReads {
         state.unavailable_until = Some(Instant::now() + UNAVAILABLE_PAUSE);
         Opened::Unavailable
     }
+}
+
+/// [`LOCAL_DESCRIPTORS_MAX`], or a quarter of this process's descriptor limit if less.
+fn descriptors_max() -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return 0;
+    }
+    usize::try_from(limit.rlim_cur / 4).map_or(LOCAL_DESCRIPTORS_MAX, |quarter| {
+        quarter.min(LOCAL_DESCRIPTORS_MAX)
+    })
 }
 
 /// A server's answer on the local-reads socket.
