@@ -376,20 +376,7 @@ async fn registers_once_the_meta_server_appears_and_serves_data_only_when_no_cut
     // Owed cuts made: data flows.
     meta.cuts_owed.store(0, Ordering::SeqCst);
     wait_until("serving data", || server.serves_data()).await;
-    connection
-        .call(
-            &WriteObject {
-                grant: 0,
-                charged: 0,
-                object,
-                offset: 0,
-                map_version: 0,
-                forward: Vec::new(),
-            },
-            Bytes::from_static(b"after"),
-        )
-        .await
-        .unwrap();
+    write_at_start(&connection, object, b"after").await;
     let (_, data) = connection.call(&read, Bytes::new()).await.unwrap();
     assert_eq!(&data[..], b"after");
 
@@ -466,6 +453,22 @@ async fn a_unix_socket_is_served_and_never_taken_from_a_running_server() {
     server.shutdown().await;
 }
 
+/// Write `data` at the start of `object`, as a client without a grant does.
+async fn write_at_start(connection: &Connection, object: ObjectId, data: &'static [u8]) {
+    let write = WriteObject {
+        grant: 0,
+        charged: 0,
+        object,
+        offset: 0,
+        map_version: 0,
+        forward: Vec::new(),
+    };
+    connection
+        .call(&write, Bytes::from_static(data))
+        .await
+        .unwrap();
+}
+
 /// One question on a local-reads socket: the answer and the descriptor with it.
 async fn ask_local(
     connection: &freeflow_rpc::local::SeqpacketConn,
@@ -536,20 +539,7 @@ async fn local_reads_hand_out_descriptors_only_while_data_is_served() {
     )
     .await
     .unwrap();
-    connection
-        .call(
-            &WriteObject {
-                grant: 0,
-                charged: 0,
-                object,
-                offset: 0,
-                map_version: 0,
-                forward: Vec::new(),
-            },
-            Bytes::from_static(b"local bytes"),
-        )
-        .await
-        .unwrap();
+    write_at_start(&connection, object, b"local bytes").await;
     let (answer, descriptor) = ask_local(&local, object).await;
     assert!(answer.unwrap().exists);
     let file = std::fs::File::from(descriptor.expect("a descriptor"));
