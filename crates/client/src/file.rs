@@ -1532,8 +1532,9 @@ impl HandleShared {
                     Some(LocalStripe::Open(object)) if object.usable() => object,
                     Some(LocalStripe::Missing) => return Ok(None),
                     _ => match self.open_local(layout, stripe_index).await {
-                        Some(object) => object,
-                        None => return Ok(None),
+                        // Checked like a kept one: the gate may have closed since.
+                        Some(object) if object.usable() => object,
+                        _ => return Ok(None),
                     },
                 }
             }
@@ -1812,6 +1813,8 @@ impl HandleShared {
         // and one that takes it after fails. So waiting for all of them ends.
         let sent = self.send_gathered().await;
         let flushed = self.flush_through(u64::MAX, false).await.and(sent);
+        // Local-read descriptors go now, not with the last reference to the handle.
+        self.local.lock().expect("not poisoned").clear();
         let (session_id, handle_id) = (self.session_id, self.handle_id);
         if deferred {
             self.client.unregister_handle(self.inode, self);

@@ -119,23 +119,25 @@ impl LocalReads {
         {
             return Opened::Unavailable;
         }
-        let connection = match &state.connection {
-            Some(connection) if !connection.hung_up() => Arc::clone(connection),
-            _ => match SeqpacketConn::connect(std::path::Path::new(&server.path)) {
-                Ok(connection) => {
-                    let connection = Arc::new(connection);
-                    state.connection = Some(Arc::clone(&connection));
-                    connection
-                }
+        // Taken out while a question is on its way: if this future is dropped before the
+        // answer is read, the connection is not asked again (its next answer would be
+        // this one's).
+        let connection = match state.connection.take() {
+            Some(connection) if !connection.hung_up() => connection,
+            _ => match connect(&server.path) {
+                Ok(connection) => Arc::new(connection),
                 Err(error) => {
                     tracing::debug!(server_id, path = %server.path, %error, "no local reads from this server for now");
-                    state.connection = None;
                     state.unavailable_until = Some(Instant::now() + UNAVAILABLE_PAUSE);
                     return Opened::Unavailable;
                 }
             },
         };
-        let failure = match tokio::time::timeout(ANSWER_TIMEOUT, ask(&connection, object)).await {
+        let answer = tokio::time::timeout(ANSWER_TIMEOUT, ask(&connection, object)).await;
+        if matches!(answer, Ok(Ok(_))) {
+            state.connection = Some(Arc::clone(&connection));
+        }
+        let failure = match answer {
             Ok(Ok(Answer::Exists(descriptor))) => {
                 self.descriptors.fetch_add(1, Ordering::Relaxed);
                 return Opened::Object(Arc::new(LocalObject {
@@ -152,10 +154,27 @@ impl LocalReads {
             Err(_) => format!("no answer within {ANSWER_TIMEOUT:?}"),
         };
         tracing::warn!(server_id, path = %server.path, "local reads from this server stop for now: {failure}");
-        state.connection = None;
         state.unavailable_until = Some(Instant::now() + UNAVAILABLE_PAUSE);
         Opened::Unavailable
     }
+}
+
+/// A connection to the local-reads socket at `path`, if what answers there runs as this
+/// process's user or as root (another user could hand out any bytes as a file's).
+fn connect(path: &str) -> Result<SeqpacketConn, String> {
+    let connection =
+        SeqpacketConn::connect(std::path::Path::new(path)).map_err(|error| error.to_string())?;
+    let peer = connection
+        .peer_uid()
+        .map_err(|error| format!("cannot tell its user: {error}"))?;
+    // SAFETY: geteuid cannot fail.
+    let own = unsafe { libc::geteuid() };
+    if peer != own && peer != 0 {
+        return Err(format!(
+            "it runs as user {peer}, neither this process's user {own} nor root"
+        ));
+    }
+    Ok(connection)
 }
 
 /// [`LOCAL_DESCRIPTORS_MAX`], or a quarter of this process's descriptor limit if less.
@@ -202,8 +221,14 @@ async fn ask(connection: &SeqpacketConn, object: ObjectId) -> Result<Answer, Str
     let answer = freeflow_proto::decode::<Result<OpenedForReading, WireError>>(&packet[..length])
         .map_err(|error| error.message)?;
     match (answer, descriptor) {
-        (Ok(OpenedForReading { exists: true }), Some(descriptor)) => Ok(Answer::Exists(descriptor)),
-        (Ok(OpenedForReading { exists: false }), None) => Ok(Answer::Missing),
+        (Ok(opened), _) if opened.object != object => Err(format!(
+            "an answer about {:?} to a question about {object:?}",
+            opened.object
+        )),
+        (Ok(OpenedForReading { exists: true, .. }), Some(descriptor)) => {
+            Ok(Answer::Exists(descriptor))
+        }
+        (Ok(OpenedForReading { exists: false, .. }), None) => Ok(Answer::Missing),
         (Err(error), None) => {
             tracing::debug!(?object, %error.message, "local read refused");
             Ok(Answer::Refused)
@@ -251,12 +276,12 @@ impl LocalObject {
         match pread(&self.file, &mut buffer, offset, length, libc::RWF_NOWAIT) {
             Ok(done) if done == length => return Ok(Bytes::from(buffer).slice(lead..)),
             // Short (part not cached, or the end of the object), none cached, or no
-            // RWF_NOWAIT here: the rest waits for the disk.
+            // RWF_NOWAIT (or preadv2) here: the rest waits for the disk.
             Ok(_) => {}
             Err(error)
                 if matches!(
                     error.raw_os_error(),
-                    Some(libc::EAGAIN) | Some(libc::EOPNOTSUPP)
+                    Some(libc::EAGAIN) | Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
                 ) => {}
             Err(error) => return Err(error),
         }
@@ -299,7 +324,13 @@ fn pread(
         };
         // SAFETY: the iovec covers spare capacity of `buffer`, which outlives the call;
         // the kernel writes at most `iov_len` bytes into it.
-        let done = unsafe { libc::preadv2(file.as_raw_fd(), &vector, 1, position, flags) };
+        let done = unsafe {
+            if flags == 0 {
+                libc::preadv(file.as_raw_fd(), &vector, 1, position)
+            } else {
+                libc::preadv2(file.as_raw_fd(), &vector, 1, position, flags)
+            }
+        };
         if done < 0 {
             let error = std::io::Error::last_os_error();
             if error.kind() == std::io::ErrorKind::Interrupted {
@@ -311,5 +342,95 @@ fn pread(
         // SAFETY: the kernel initialized `done` bytes after the buffer's length.
         unsafe { buffer.set_len(buffer.len() + done) };
         return Ok(done);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use freeflow_rpc::local::SeqpacketListener;
+    use std::os::fd::AsFd;
+
+    fn object(inode: u64) -> ObjectId {
+        ObjectId {
+            inode,
+            stripe_index: 0,
+        }
+    }
+
+    /// A fake server's answer to the next question on `connection`: about `about`, with
+    /// `file`'s descriptor.
+    async fn answer(connection: &SeqpacketConn, about: ObjectId, file: &std::fs::File) {
+        let mut packet = vec![0u8; LOCAL_PACKET_BYTES_MAX];
+        let (length, _) = connection.recv(&mut packet).await.unwrap();
+        assert!(length > 0);
+        let reply: Result<_, WireError> = Ok(OpenedForReading {
+            object: about,
+            exists: true,
+        });
+        connection
+            .send(&freeflow_proto::encode(&reply), Some(file.as_fd()))
+            .await
+            .unwrap();
+    }
+
+    /// An answer about another object than the one asked about is refused, and a
+    /// question dropped before its answer closes its connection: the next question goes
+    /// on a new one, so it can never take the dropped one's answer.
+    #[tokio::test]
+    async fn an_answer_is_taken_only_for_its_own_question() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("io.sock");
+        let address = format!("unix:{}", socket.display());
+        let listener = SeqpacketListener::bind(std::path::Path::new(&local_reads_path(
+            &socket.to_string_lossy(),
+        )))
+        .unwrap();
+        let file_path = dir.path().join("object");
+        std::fs::write(&file_path, b"bytes").unwrap();
+        let file = std::fs::File::open(&file_path).unwrap();
+        let local = LocalReads::new(true);
+
+        // A question dropped before its answer.
+        let first = {
+            let asking = local.open(1, &address, object(7));
+            let accepted = listener.accept();
+            tokio::pin!(asking);
+            let connection = tokio::select! {
+                connection = accepted => connection.unwrap(),
+                _ = &mut asking => panic!("answered without a server"),
+            };
+            let dropped = tokio::time::timeout(Duration::from_millis(100), &mut asking).await;
+            assert!(dropped.is_err(), "no answer was sent");
+            connection
+        };
+        // The client let go of that connection (closed it): a late answer cannot reach
+        // the next question.
+        tokio::time::timeout(Duration::from_secs(5), first.closed())
+            .await
+            .expect("the dropped question's connection closed");
+        let asking = local.open(1, &address, object(8));
+        let serving = async {
+            let second = listener.accept().await.unwrap();
+            answer(&second, object(8), &file).await;
+            second
+        };
+        let (opened, _second) = tokio::join!(asking, serving);
+        assert!(
+            matches!(opened, Opened::Object(_)),
+            "answered on a new connection"
+        );
+
+        // A server answering about another object is not believed.
+        let local = LocalReads::new(true);
+        let asking = local.open(1, &address, object(9));
+        let serving = async {
+            let connection = listener.accept().await.unwrap();
+            answer(&connection, object(10), &file).await;
+            connection
+        };
+        let (opened, _connection) = tokio::join!(asking, serving);
+        assert!(matches!(opened, Opened::Unavailable));
+        assert_eq!(local.descriptors.load(Ordering::Relaxed), 0);
     }
 }

@@ -378,8 +378,11 @@ impl RunningIo {
     /// served by their own tasks until their peers close them.
     pub async fn shutdown(self) {
         self.serve.abort();
-        if let Some(task) = &self.local_reads {
+        if let Some(task) = self.local_reads {
+            // Awaited: its listener's socket file goes with it, before a new server of
+            // this process may want the path.
             task.abort();
+            let _ = task.await;
         }
         self.registration.abort();
         self.fetcher.abort();
@@ -393,6 +396,9 @@ impl RunningIo {
     /// Runs until the server fails.
     pub async fn wait(self) -> Result<(), IoServerError> {
         let outcome = self.serve.await;
+        if let Some(task) = &self.local_reads {
+            task.abort();
+        }
         self.registration.abort();
         self.fetcher.abort();
         if let Some(task) = &self.metrics_task {

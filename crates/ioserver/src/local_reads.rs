@@ -86,43 +86,70 @@ async fn serve_connection(
     closings.mark_unchanged();
     let mut packet = vec![0u8; LOCAL_PACKET_BYTES_MAX];
     loop {
-        let received = tokio::select! {
-            received = connection.recv(&mut packet) => received,
-            // Cuts are owed: descriptors handed out may show bytes past a cut, so the
-            // client must drop them (it sees this connection close).
+        // The whole exchange races the gate: once cuts are owed, descriptors handed out
+        // may show bytes past a cut, so the client must drop them, and it sees that by
+        // this connection closing, whatever the exchange was doing.
+        let exchanged = tokio::select! {
+            exchanged = exchange(connection, &mut packet, store, gate) => exchanged,
             _ = closings.changed() => return Ok(()),
         };
-        let (length, descriptor) = received.map_err(|error| format!("receive failed: {error}"))?;
-        if length == 0 {
+        if !exchanged? {
             return Ok(());
         }
-        if descriptor.is_some() {
-            return Err("its peer sent a descriptor".into());
-        }
-        let answer = match freeflow_proto::decode::<OpenForReading>(&packet[..length]) {
-            Ok(request) => open(request, store, gate).await,
-            Err(error) => Err(error),
-        };
-        let sent = match answer {
-            Ok(Some(file)) => {
-                let reply: Result<_, WireError> = Ok(OpenedForReading { exists: true });
-                connection
-                    .send(&freeflow_proto::encode(&reply), Some(file.as_fd()))
-                    .await
-            }
-            Ok(None) => {
-                let reply: Result<_, WireError> = Ok(OpenedForReading { exists: false });
-                connection.send(&freeflow_proto::encode(&reply), None).await
-            }
-            Err(mut error) => {
-                // The answer must fit one packet.
-                error.message.truncate(LOCAL_PACKET_BYTES_MAX / 2);
-                let reply: Result<OpenedForReading, WireError> = Err(error);
-                connection.send(&freeflow_proto::encode(&reply), None).await
-            }
-        };
-        sent.map_err(|error| format!("send failed: {error}"))?;
     }
+}
+
+/// One request and its answer; false when the peer closed the connection.
+async fn exchange(
+    connection: &SeqpacketConn,
+    packet: &mut [u8],
+    store: &ObjectStore,
+    gate: &DataGate,
+) -> Result<bool, String> {
+    let (length, descriptor) = connection
+        .recv(packet)
+        .await
+        .map_err(|error| format!("receive failed: {error}"))?;
+    if length == 0 {
+        return Ok(false);
+    }
+    if descriptor.is_some() {
+        return Err("its peer sent a descriptor".into());
+    }
+    let request = freeflow_proto::decode::<OpenForReading>(&packet[..length]);
+    let answer = match request {
+        Ok(request) => open(request, store, gate)
+            .await
+            .map(|file| (request.object, file)),
+        Err(error) => Err(error),
+    };
+    let sent = match answer {
+        Ok((object, file)) => {
+            let reply: Result<_, WireError> = Ok(OpenedForReading {
+                object,
+                exists: file.is_some(),
+            });
+            let descriptor = file.as_ref().map(|file| file.as_fd());
+            connection
+                .send(&freeflow_proto::encode(&reply), descriptor)
+                .await
+        }
+        Err(mut error) => {
+            // The answer must fit one packet.
+            let mut keep = LOCAL_PACKET_BYTES_MAX / 2;
+            while !error
+                .message
+                .is_char_boundary(keep.min(error.message.len()))
+            {
+                keep -= 1;
+            }
+            error.message.truncate(keep);
+            let reply: Result<OpenedForReading, WireError> = Err(error);
+            connection.send(&freeflow_proto::encode(&reply), None).await
+        }
+    };
+    sent.map_err(|error| format!("send failed: {error}"))?;
+    Ok(true)
 }
 
 async fn open(

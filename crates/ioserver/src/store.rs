@@ -520,11 +520,13 @@ impl ObjectStore {
             return Ok(None);
         };
         let own = format!("/proc/self/fd/{}", file.as_raw_fd());
-        std::fs::OpenOptions::new()
-            .read(true)
-            .open(&own)
-            .map(Some)
-            .map_err(|error| self.error("open for reading", object, error))
+        blocking(move || {
+            // Keeps the store's descriptor open until this one is.
+            let _held = file;
+            std::fs::OpenOptions::new().read(true).open(&own).map(Some)
+        })
+        .await
+        .map_err(|error| self.error("open for reading", object, error))
     }
 
     /// Cuts the object to `length_bytes` if it is longer; never extends or creates one (a

@@ -162,6 +162,8 @@ pub struct OpenForReading {
 /// `exists`, the object's descriptor travels with the packet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OpenedForReading {
+    /// The object asked about (a client checks it is the one it asked about).
+    pub object: ObjectId,
     /// Whether the object exists (a missing one reads as zeros; it may be made later).
     pub exists: bool,
 }

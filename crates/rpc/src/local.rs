@@ -16,13 +16,12 @@
 //! gate closes) or when its process ends, and a descriptor is used only while the
 //! connection that brought it is open ([`SeqpacketConn::hung_up`]).
 
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
 use nix::sys::socket::{
-    self, AddressFamily, Backlog, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag,
-    SockType, UnixAddr,
+    self, AddressFamily, Backlog, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr,
 };
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -44,9 +43,16 @@ fn nonblocking_seqpacket() -> std::io::Result<OwnedFd> {
     )?)
 }
 
-/// A listening local-reads socket.
+/// A listening local-reads socket; its file is removed when it is dropped.
 pub struct SeqpacketListener {
     fd: AsyncFd<OwnedFd>,
+    path: std::path::PathBuf,
+}
+
+impl Drop for SeqpacketListener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 impl SeqpacketListener {
@@ -73,6 +79,7 @@ impl SeqpacketListener {
         Ok(SeqpacketListener {
             // SAFETY: the AsyncFd owns the descriptor for as long as it lives.
             fd: unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }?,
+            path: path.to_path_buf(),
         })
     }
 
@@ -96,7 +103,8 @@ impl SeqpacketListener {
     }
 }
 
-/// Whether no server answers a seqpacket connection at `path` (a stale socket file).
+/// Whether no server answers a seqpacket connection at `path` (a stale socket file:
+/// connections are refused; any other failure leaves the file alone).
 fn blocking_probe(path: &Path) -> bool {
     let Ok(fd) = socket::socket(
         AddressFamily::Unix,
@@ -109,7 +117,67 @@ fn blocking_probe(path: &Path) -> bool {
     let Ok(address) = UnixAddr::new(path) else {
         return false;
     };
-    socket::connect(fd.as_raw_fd(), &address).is_err()
+    socket::connect(fd.as_raw_fd(), &address) == Err(nix::errno::Errno::ECONNREFUSED)
+}
+
+/// One `recvmsg` of a packet into `buffer` and the descriptors with it. Every descriptor
+/// that arrived is owned (and closed if not returned); more than one, a packet longer
+/// than `buffer`, or control data cut short are errors.
+fn receive_packet(fd: RawFd, buffer: &mut [u8]) -> std::io::Result<(usize, Option<OwnedFd>)> {
+    // Room for several descriptors: a peer sending too many is found out, and the ones
+    // that fit are closed rather than leaked.
+    let mut control = [0u64; 16];
+    let mut vector = libc::iovec {
+        iov_base: buffer.as_mut_ptr().cast(),
+        iov_len: buffer.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid (no name, no vectors, no control).
+    let mut header: libc::msghdr = unsafe { std::mem::zeroed() };
+    header.msg_iov = &mut vector;
+    header.msg_iovlen = 1;
+    header.msg_control = control.as_mut_ptr().cast();
+    header.msg_controllen = std::mem::size_of_val(&control) as _;
+    // SAFETY: the header points at `vector` (covering `buffer`) and `control`, which
+    // outlive the call.
+    let received = unsafe { libc::recvmsg(fd, &mut header, libc::MSG_CMSG_CLOEXEC) };
+    if received < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut descriptors = Vec::new();
+    // SAFETY: the control messages walked are the ones the kernel wrote, within
+    // `msg_controllen`; each SCM_RIGHTS message's data holds installed descriptors,
+    // which nothing else owns.
+    unsafe {
+        let mut message = libc::CMSG_FIRSTHDR(&header);
+        while !message.is_null() {
+            if (*message).cmsg_level == libc::SOL_SOCKET && (*message).cmsg_type == libc::SCM_RIGHTS
+            {
+                let data = libc::CMSG_DATA(message);
+                let length = (*message).cmsg_len as usize - (data as usize - message as usize);
+                for index in 0..length / std::mem::size_of::<RawFd>() {
+                    let raw = std::ptr::read_unaligned(data.cast::<RawFd>().add(index));
+                    descriptors.push(OwnedFd::from_raw_fd(raw));
+                }
+            }
+            message = libc::CMSG_NXTHDR(&header, message);
+        }
+    }
+    if header.msg_flags & libc::MSG_TRUNC != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a packet longer than {} bytes", buffer.len()),
+        ));
+    }
+    if header.msg_flags & libc::MSG_CTRUNC != 0 || descriptors.len() > 1 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "{} or more descriptors with one packet",
+                descriptors.len().max(2)
+            ),
+        ));
+    }
+    Ok((received as usize, descriptors.pop()))
 }
 
 /// One end of a local-reads connection.
@@ -173,47 +241,12 @@ impl SeqpacketConn {
     pub async fn recv(&self, buffer: &mut [u8]) -> std::io::Result<(usize, Option<OwnedFd>)> {
         loop {
             let mut ready = self.fd.readable().await?;
-            let mut control = nix::cmsg_space!([RawFd; 1]);
-            let mut io = [IoSliceMut::new(buffer)];
-            let received = socket::recvmsg::<()>(
-                self.fd.get_ref().as_raw_fd(),
-                &mut io,
-                Some(&mut control),
-                MsgFlags::MSG_CMSG_CLOEXEC,
-            );
-            let message = match received {
-                Ok(message) => message,
-                Err(nix::errno::Errno::EAGAIN) => {
+            match receive_packet(self.fd.get_ref().as_raw_fd(), buffer) {
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
                     ready.clear_ready();
-                    continue;
                 }
-                Err(error) => return Err(error.into()),
-            };
-            let mut descriptors = Vec::new();
-            // Truncated control data (more descriptors than asked for) is an error:
-            // whatever did arrive is closed by the kernel's truncation.
-            for control in message.cmsgs()? {
-                if let ControlMessageOwned::ScmRights(fds) = control {
-                    for raw in fds {
-                        // SAFETY: the kernel installed this descriptor for us; nothing
-                        // else owns it.
-                        descriptors.push(unsafe { OwnedFd::from_raw_fd(raw) });
-                    }
-                }
+                received => return received,
             }
-            if message.flags.contains(MsgFlags::MSG_TRUNC) {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("a packet longer than {} bytes", buffer.len()),
-                ));
-            }
-            if descriptors.len() > 1 {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("{} descriptors with one packet", descriptors.len()),
-                ));
-            }
-            return Ok((message.bytes, descriptors.pop()));
         }
     }
 
@@ -227,9 +260,11 @@ impl SeqpacketConn {
         };
         // SAFETY: one valid pollfd, no waiting.
         let ready = unsafe { libc::poll(&mut poll, 1, 0) };
-        ready != 0
-            && poll.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL)
-                != 0
+        // A failed poll says nothing good about the connection.
+        ready < 0
+            || ready != 0
+                && poll.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL)
+                    != 0
     }
 
     /// Wait until the peer closes its end (or the connection fails), reading nothing.
@@ -304,15 +339,41 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn more_than_one_descriptor_with_a_packet_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.reads");
+        let listener = SeqpacketListener::bind(&path).unwrap();
+        let client = SeqpacketConn::connect(&path).unwrap();
+        let server = listener.accept().await.unwrap();
+        let file = std::fs::File::open(dir.path()).unwrap();
+        let raw = [file.as_raw_fd(), file.as_raw_fd(), file.as_raw_fd()];
+        socket::sendmsg::<UnixAddr>(
+            client.as_fd().as_raw_fd(),
+            &[IoSlice::new(b"three")],
+            &[ControlMessage::ScmRights(&raw)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        let mut buffer = [0u8; 16];
+        let error = server.recv(&mut buffer).await.unwrap_err();
+        assert_eq!(error.kind(), std::io::ErrorKind::InvalidData, "{error}");
+    }
+
+    #[tokio::test]
     async fn a_stale_socket_file_is_replaced_and_a_live_one_is_not() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.reads");
+        // A socket file nothing listens on (as a killed server leaves).
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert!(path.exists());
         let first = SeqpacketListener::bind(&path).unwrap();
         assert!(
             SeqpacketListener::bind(&path).is_err(),
             "a live socket stays"
         );
         drop(first);
+        assert!(!path.exists(), "a dropped listener removes its file");
         let second = SeqpacketListener::bind(&path).unwrap();
         let _client = SeqpacketConn::connect(&path).unwrap();
         second.accept().await.unwrap();
