@@ -295,16 +295,21 @@ async fn wait_until(what: &str, condition: impl Fn() -> bool) {
     }
 }
 
-/// The `Busy` refusal a data request gets while the gate is closed, with its message.
-async fn refused_busy(connection: &Connection, object: ObjectId) -> String {
-    let write = WriteObject {
+/// A write at the start of `object` by a client without a space grant.
+fn grantless_write(object: ObjectId) -> WriteObject {
+    WriteObject {
         grant: 0,
         charged: 0,
         object,
         offset: 0,
         map_version: 0,
         forward: Vec::new(),
-    };
+    }
+}
+
+/// The `Busy` refusal a data request gets while the gate is closed, with its message.
+async fn refused_busy(connection: &Connection, object: ObjectId) -> String {
+    let write = grantless_write(object);
     match connection.call(&write, Bytes::from_static(b"early")).await {
         Err(RpcError::Remote(error)) if error.code == ErrorCode::Busy => error.message,
         other => panic!("a write before the gate opened was not refused: {other:?}"),
@@ -455,14 +460,7 @@ async fn a_unix_socket_is_served_and_never_taken_from_a_running_server() {
 
 /// Write `data` at the start of `object`, as a client without a grant does.
 async fn write_at_start(connection: &Connection, object: ObjectId, data: &'static [u8]) {
-    let write = WriteObject {
-        grant: 0,
-        charged: 0,
-        object,
-        offset: 0,
-        map_version: 0,
-        forward: Vec::new(),
-    };
+    let write = grantless_write(object);
     connection
         .call(&write, Bytes::from_static(data))
         .await
