@@ -200,7 +200,8 @@ pub(crate) struct HandleShared {
     /// appends, as `tail -f` expects).
     changed_elsewhere: AtomicBool,
     /// What the I/O servers on this host said about this handle's stripes (`local.rs`),
-    /// by stripe index: descriptors kept until the handle goes, and objects found missing.
+    /// by stripe index: descriptors kept until the handle closes, objects found missing,
+    /// servers found elsewhere.
     local: Mutex<HashMap<u32, LocalStripe>>,
     /// Held while asking for a stripe's descriptor.
     local_opening: tokio::sync::Mutex<()>,
@@ -212,6 +213,9 @@ enum LocalStripe {
     Open(Arc<crate::local::LocalObject>),
     /// It did not exist: reads go through the RPC path until one returns bytes.
     Missing,
+    /// Its server is not on this host (not a Unix socket): every read is served, with
+    /// nothing asked or locked on the way.
+    Remote,
 }
 
 struct HandleState {
@@ -1474,6 +1478,11 @@ impl HandleShared {
                 pool.io_address(server_id)?
             }
         };
+        if freeflow_rpc::unix_socket_path(&address).is_none() {
+            let mut local = self.local.lock().expect("not poisoned");
+            local.insert(stripe_index, LocalStripe::Remote);
+            return None;
+        }
         let object_id = ObjectId {
             inode: self.inode,
             stripe_index,
@@ -1524,13 +1533,13 @@ impl HandleShared {
         };
         let object = match known() {
             Some(LocalStripe::Open(object)) if object.usable() => object,
-            Some(LocalStripe::Missing) => return Ok(None),
+            Some(LocalStripe::Missing | LocalStripe::Remote) => return Ok(None),
             _ => {
                 // One question per stripe however many pieces of a read want it.
                 let _opening = self.local_opening.lock().await;
                 match known() {
                     Some(LocalStripe::Open(object)) if object.usable() => object,
-                    Some(LocalStripe::Missing) => return Ok(None),
+                    Some(LocalStripe::Missing | LocalStripe::Remote) => return Ok(None),
                     _ => match self.open_local(layout, stripe_index).await {
                         // Checked like a kept one: the gate may have closed since.
                         Some(object) if object.usable() => object,
