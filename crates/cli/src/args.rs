@@ -36,6 +36,11 @@ pub struct MountFlags {
     /// servers are on this host, as `freeflow up` runs them).
     #[arg(long)]
     pub no_local_reads: bool,
+    /// Send every written byte through the I/O servers' sockets, never through memory
+    /// shared with servers on this host (shared writes; the default where the servers are
+    /// on this host).
+    #[arg(long)]
+    pub no_shared_writes: bool,
     /// Kernel channels (threads reading requests).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub threads: u32,

@@ -311,6 +311,7 @@ impl Client {
             call_timeout_ms: config.call_timeout_ms,
             connect_timeout_ms: config.connect_timeout_ms,
             client_id,
+            shared_payloads: config.shared_writes,
             ..ConnectOptions::default()
         };
         let metrics = Arc::new(freeflow_metrics::Registry::new());

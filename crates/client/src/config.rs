@@ -48,6 +48,9 @@ pub struct ClientConfig {
     /// Read objects of I/O servers on this host through descriptors they hand out
     /// (`local.rs`) instead of requests. Default true.
     pub local_reads: bool,
+    /// Place large write payloads for I/O servers on this host in memory shared with them
+    /// instead of sending them through the socket (`freeflow_rpc::shared`). Default true.
+    pub shared_writes: bool,
 }
 
 impl ClientConfig {
@@ -65,6 +68,7 @@ impl ClientConfig {
             readahead_bytes: READAHEAD_BYTES_DEFAULT,
             gather_wait_ms: GATHER_WAIT_MS_DEFAULT,
             local_reads: true,
+            shared_writes: true,
         }
     }
 
@@ -82,6 +86,7 @@ impl ClientConfig {
             readahead_bytes: _,
             gather_wait_ms,
             local_reads: _,
+            shared_writes: _,
         } = self;
         if *gather_wait_ms > GATHER_WAIT_MS_MAX {
             return Err(ClientError::Config(format!(
@@ -127,6 +132,7 @@ impl std::fmt::Debug for ClientConfig {
             .field("gather_wait_ms", &self.gather_wait_ms)
             .field("readahead_bytes", &self.readahead_bytes)
             .field("local_reads", &self.local_reads)
+            .field("shared_writes", &self.shared_writes)
             .finish_non_exhaustive()
     }
 }

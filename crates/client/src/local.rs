@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use freeflow_proto::io::{OpenForReading, OpenedForReading};
+use freeflow_proto::io::{LocalRequest, OpenForReading, OpenedForReading};
 use freeflow_proto::WireError;
 use freeflow_rpc::local::{local_reads_path, SeqpacketConn, LOCAL_PACKET_BYTES_MAX};
 use freeflow_types::{ObjectId, ServerId};
@@ -202,10 +202,10 @@ enum Answer {
 /// One question on the local-reads socket; Err when the connection failed or the answer
 /// made no sense.
 async fn ask(connection: &SeqpacketConn, object: ObjectId) -> Result<Answer, String> {
-    let request = OpenForReading {
+    let request = LocalRequest::Open(OpenForReading {
         version: freeflow_proto::PROTOCOL_VERSION,
         object,
-    };
+    });
     connection
         .send(&freeflow_proto::encode(&request), None)
         .await

@@ -171,7 +171,7 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         Some(address) => Some(bind_metrics(address).await?),
         None => None,
     };
-    let options = ServerOptions {
+    let mut options = ServerOptions {
         metrics: Some(ServerMetrics::new(&registry, freeflow_proto::io::OPCODES)),
         window_bytes: config.window_bytes,
         payload_bytes_in_flight_max: config.payload_budget(),
@@ -213,11 +213,17 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         Some(path) if config.local_reads => {
             let local_path = freeflow_rpc::local::local_reads_path(&path.to_string_lossy());
             match freeflow_rpc::local::SeqpacketListener::bind(std::path::Path::new(&local_path)) {
-                Ok(listener) => Some(tokio::spawn(local_reads::serve(
-                    listener,
-                    Arc::clone(&store),
-                    Arc::clone(&gate),
-                ))),
+                Ok(listener) => {
+                    // Clients on this host share regions for their write payloads there.
+                    let regions = Arc::new(freeflow_rpc::shared::SharedRegions::default());
+                    options.shared_regions = Some(Arc::clone(&regions));
+                    Some(tokio::spawn(local_reads::serve(
+                        listener,
+                        Arc::clone(&store),
+                        Arc::clone(&gate),
+                        regions,
+                    )))
+                }
                 Err(error) => {
                     // Clients read through the RPC path instead: slower, not wrong.
                     tracing::warn!(path = %local_path, %error, "no local reads: cannot listen on the local-reads socket");

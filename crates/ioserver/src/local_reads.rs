@@ -15,13 +15,18 @@
 //!
 //! Only peers running as this server's user or as root are answered: they could open the
 //! objects' files anyway.
+//!
+//! The same socket takes the regions such clients share for their write payloads
+//! (`freeflow_rpc::shared`): a connection that shares one carries nothing else, and the
+//! region is forgotten when the client closes it.
 
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
-use freeflow_proto::io::{OpenForReading, OpenedForReading};
+use freeflow_proto::io::{LocalRequest, OpenForReading, OpenedForReading, RegionShared};
 use freeflow_proto::{ErrorCode, WireError};
 use freeflow_rpc::local::{SeqpacketConn, SeqpacketListener, LOCAL_PACKET_BYTES_MAX};
+use freeflow_rpc::shared::{MappedRegion, SharedRegions};
 
 use crate::gate::DataGate;
 use crate::store::ObjectStore;
@@ -31,7 +36,12 @@ use crate::store::ObjectStore;
 pub const LOCAL_READ_CONNECTIONS_MAX: usize = 256;
 
 /// Serve the local-reads socket until the task is dropped.
-pub async fn serve(listener: SeqpacketListener, store: Arc<ObjectStore>, gate: Arc<DataGate>) {
+pub async fn serve(
+    listener: SeqpacketListener,
+    store: Arc<ObjectStore>,
+    gate: Arc<DataGate>,
+    regions: Arc<SharedRegions>,
+) {
     let slots = Arc::new(tokio::sync::Semaphore::new(LOCAL_READ_CONNECTIONS_MAX));
     let mut connections = tokio::task::JoinSet::new();
     loop {
@@ -51,10 +61,10 @@ pub async fn serve(listener: SeqpacketListener, store: Arc<ObjectStore>, gate: A
             );
             continue;
         };
-        let (store, gate) = (Arc::clone(&store), Arc::clone(&gate));
+        let (store, gate, regions) = (Arc::clone(&store), Arc::clone(&gate), regions.clone());
         connections.spawn(async move {
             let _slot = slot;
-            if let Err(reason) = serve_connection(&connection, &store, &gate).await {
+            if let Err(reason) = serve_connection(&connection, &store, &gate, &regions).await {
                 tracing::warn!("closing a local-reads connection: {reason}");
             }
         });
@@ -71,6 +81,7 @@ async fn serve_connection(
     connection: &SeqpacketConn,
     store: &ObjectStore,
     gate: &DataGate,
+    regions: &SharedRegions,
 ) -> Result<(), String> {
     let peer_uid = connection
         .peer_uid()
@@ -90,33 +101,75 @@ async fn serve_connection(
         // may show bytes past a cut, so the client must drop them, and it sees that by
         // this connection closing, whatever the exchange was doing.
         let exchanged = tokio::select! {
-            exchanged = exchange(connection, &mut packet, store, gate) => exchanged,
+            exchanged = exchange(connection, &mut packet, store, gate, regions) => exchanged,
             _ = closings.changed() => return Ok(()),
         };
-        if !exchanged? {
-            return Ok(());
+        match exchanged? {
+            Exchanged::Answered => {}
+            Exchanged::Closed => return Ok(()),
+            Exchanged::Shared(name) => {
+                // Payloads may name the region until the client closes this connection
+                // (gate changes do not matter: every write checks the gate itself).
+                connection.closed().await;
+                regions.remove(name);
+                return Ok(());
+            }
         }
     }
 }
 
-/// One request and its answer; false when the peer closed the connection.
+/// How one exchange ended.
+enum Exchanged {
+    /// A descriptor (or a refusal) was sent; the next request may come.
+    Answered,
+    /// The peer closed the connection.
+    Closed,
+    /// A region was shared under this name: the connection now only keeps it.
+    Shared(u64),
+}
+
+/// One request and its answer.
 async fn exchange(
     connection: &SeqpacketConn,
     packet: &mut [u8],
     store: &ObjectStore,
     gate: &DataGate,
-) -> Result<bool, String> {
+    regions: &SharedRegions,
+) -> Result<Exchanged, String> {
     let (length, descriptor) = connection
         .recv(packet)
         .await
         .map_err(|error| format!("receive failed: {error}"))?;
     if length == 0 {
-        return Ok(false);
+        return Ok(Exchanged::Closed);
     }
+    let request = match freeflow_proto::decode::<LocalRequest>(&packet[..length]) {
+        Ok(LocalRequest::ShareRegion(share)) => {
+            let Some(descriptor) = descriptor else {
+                return Err("a region shared without its descriptor".into());
+            };
+            let answer = share_region(share.version, &descriptor, regions);
+            let name = answer.as_ref().ok().map(|shared| shared.region);
+            let sent = connection
+                .send(&freeflow_proto::encode(&answer), None)
+                .await;
+            if let Err(error) = sent {
+                if let Some(name) = name {
+                    regions.remove(name);
+                }
+                return Err(format!("send failed: {error}"));
+            }
+            return match name {
+                Some(name) => Ok(Exchanged::Shared(name)),
+                None => Ok(Exchanged::Answered),
+            };
+        }
+        Ok(LocalRequest::Open(request)) => Ok(request),
+        Err(error) => Err(error),
+    };
     if descriptor.is_some() {
         return Err("its peer sent a descriptor".into());
     }
-    let request = freeflow_proto::decode::<OpenForReading>(&packet[..length]);
     let answer = match request {
         Ok(request) => open(request, store, gate)
             .await
@@ -149,7 +202,39 @@ async fn exchange(
         }
     };
     sent.map_err(|error| format!("send failed: {error}"))?;
-    Ok(true)
+    Ok(Exchanged::Answered)
+}
+
+/// Map and register a region a client shared for its write payloads.
+fn share_region(
+    version: u8,
+    descriptor: &std::os::fd::OwnedFd,
+    regions: &SharedRegions,
+) -> Result<RegionShared, WireError> {
+    check_version(version)?;
+    let refused = |reason: String| {
+        WireError::new(
+            ErrorCode::InvalidArgument,
+            format!("region not shared: {reason}"),
+        )
+    };
+    let mapped = MappedRegion::map(descriptor).map_err(refused)?;
+    let region = regions.insert(mapped).map_err(refused)?;
+    Ok(RegionShared { region })
+}
+
+fn check_version(version: u8) -> Result<(), WireError> {
+    if version != freeflow_proto::PROTOCOL_VERSION {
+        return Err(WireError::new(
+            ErrorCode::Protocol,
+            format!(
+                "protocol version {} asked, this server speaks {}",
+                version,
+                freeflow_proto::PROTOCOL_VERSION
+            ),
+        ));
+    }
+    Ok(())
 }
 
 async fn open(
@@ -157,16 +242,7 @@ async fn open(
     store: &ObjectStore,
     gate: &DataGate,
 ) -> Result<Option<std::fs::File>, WireError> {
-    if request.version != freeflow_proto::PROTOCOL_VERSION {
-        return Err(WireError::new(
-            ErrorCode::Protocol,
-            format!(
-                "protocol version {} asked, this server speaks {}",
-                request.version,
-                freeflow_proto::PROTOCOL_VERSION
-            ),
-        ));
-    }
+    check_version(request.version)?;
     gate.check()?;
     Ok(store.open_for_reading(request.object).await?)
 }

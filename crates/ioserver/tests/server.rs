@@ -475,10 +475,10 @@ async fn ask_local(
     Result<freeflow_proto::io::OpenedForReading, freeflow_proto::WireError>,
     Option<std::os::fd::OwnedFd>,
 ) {
-    let request = freeflow_proto::io::OpenForReading {
+    let request = freeflow_proto::io::LocalRequest::Open(freeflow_proto::io::OpenForReading {
         version: freeflow_proto::PROTOCOL_VERSION,
         object,
-    };
+    });
     connection
         .send(&freeflow_proto::encode(&request), None)
         .await
@@ -573,5 +573,115 @@ async fn local_reads_hand_out_descriptors_only_while_data_is_served() {
     tokio::time::timeout(Duration::from_secs(10), again.closed())
         .await
         .expect("the connection closed with the server");
+    meta_task.abort();
+}
+
+/// A client on the server's host that asks for it shares a region of memory over the
+/// local socket and places large write payloads there: more at once than the region has
+/// places, of a whole place and below the smallest shared, all land as written and read
+/// back through the server; every place is free again once its reply came. A client that
+/// does not ask, or that connects over TCP, sends through its socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_write_payloads_land_as_written() {
+    use freeflow_rpc::shared::{REGION_SLOTS, REGION_SLOT_BYTES, SHARED_PAYLOAD_MIN};
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let meta_address = dead_address().await;
+    let socket = directory.path().join("io.sock");
+    let server = start(
+        IoConfig {
+            unix_socket: Some(socket.clone()),
+            ..config(&directory, EngineKind::Uring, meta_address.clone())
+        },
+        key.clone(),
+    )
+    .await
+    .unwrap();
+    let (_meta, meta_task) = start_fake_meta(&meta_address, &key).await;
+    wait_until("serving data", || server.serves_data()).await;
+    let sharing = ConnectOptions {
+        shared_payloads: true,
+        ..ConnectOptions::default()
+    };
+    let unix_address = format!("unix:{}", socket.display());
+    let shared = Connection::connect(&unix_address, &key, &sharing)
+        .await
+        .unwrap();
+    assert!(shared.shares_payloads());
+    assert_eq!(shared.shared_places_free(), Some(REGION_SLOTS));
+    let plain = Connection::connect(&unix_address, &key, &ConnectOptions::default())
+        .await
+        .unwrap();
+    assert!(!plain.shares_payloads());
+    let tcp = Connection::connect(&server.listen_address().to_string(), &key, &sharing)
+        .await
+        .unwrap();
+    assert!(!tcp.shares_payloads());
+
+    let object = ObjectId {
+        inode: 21,
+        stripe_index: 0,
+    };
+    // Twice as many payloads at once as there are places, each its own bytes.
+    let piece = 64 << 10;
+    let pieces = 2 * REGION_SLOTS;
+    let bytes_of = |index: usize, length: usize| -> Bytes {
+        (0..length)
+            .map(|at| (at * 7 + index * 13) as u8)
+            .collect::<Vec<u8>>()
+            .into()
+    };
+    let mut writes = tokio::task::JoinSet::new();
+    for index in 0..pieces {
+        let write = WriteObject {
+            offset: (index * piece) as u64,
+            ..grantless_write(object)
+        };
+        let (shared, payload) = (shared.clone(), bytes_of(index, piece));
+        writes.spawn(async move { shared.call(&write, payload).await.unwrap() });
+    }
+    while let Some(written) = writes.join_next().await {
+        written.unwrap();
+    }
+    // A payload of a whole place, and one too short to share.
+    let whole_at = (pieces * piece) as u64;
+    let whole = bytes_of(pieces, REGION_SLOT_BYTES);
+    let write = WriteObject {
+        offset: whole_at,
+        ..grantless_write(object)
+    };
+    shared.call(&write, whole.clone()).await.unwrap();
+    let short_at = whole_at + REGION_SLOT_BYTES as u64;
+    let short = bytes_of(pieces + 1, SHARED_PAYLOAD_MIN - 1);
+    let write = WriteObject {
+        offset: short_at,
+        ..grantless_write(object)
+    };
+    shared.call(&write, short.clone()).await.unwrap();
+    assert_eq!(
+        shared.shared_places_free(),
+        Some(REGION_SLOTS),
+        "every place is free again after its reply"
+    );
+
+    let read = async |offset: u64, length: usize| -> Bytes {
+        let request = ReadObject {
+            object,
+            offset,
+            length: length as u32,
+            map_version: 0,
+        };
+        plain.call(&request, Bytes::new()).await.unwrap().1
+    };
+    for index in 0..pieces {
+        let got = read((index * piece) as u64, piece).await;
+        assert!(
+            got == bytes_of(index, piece),
+            "piece {index} landed as written"
+        );
+    }
+    assert!(read(whole_at, whole.len()).await == whole);
+    assert!(read(short_at, short.len()).await == short);
+    server.shutdown().await;
     meta_task.abort();
 }

@@ -41,6 +41,16 @@ pub const FLAG_REPLAY: u8 = 0x04;
 /// an unasked ping reply carries a change between replies (docs/protocol.md, "Credits").
 pub const FLAG_CREDIT: u8 = 0x08;
 
+/// On a request over a Unix socket: the payload is not on the wire but in a region of
+/// memory the client shared with the server (`freeflow_proto::io::ShareRegion`).
+/// `payload_length` still gives the payload's length (credits and budgets count it as any
+/// payload); the wire carries, in its place, [`SHARED_PAYLOAD_REF_BYTES`]: the region's
+/// name and the payload's offset in it, two little-endian u64s.
+pub const FLAG_SHARED_PAYLOAD: u8 = 0x10;
+
+/// Bytes on the wire in place of a shared payload.
+pub const SHARED_PAYLOAD_REF_BYTES: usize = 16;
+
 /// Opcodes of the connection handshake, handled by the RPC layer itself.
 pub const OPCODE_HELLO: u16 = 1;
 pub const OPCODE_AUTHENTICATE: u16 = 2;

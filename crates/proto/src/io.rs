@@ -149,8 +149,17 @@ pub struct ObjectListing {
     pub more: bool,
 }
 
-/// A packet on an I/O server's local-reads socket (`freeflow_rpc::local`; not an RPC, no
-/// opcode): a client on the server's host asks for a read-only descriptor of an object.
+/// A packet a client sends on an I/O server's local socket (`freeflow_rpc::local`; not an
+/// RPC, no opcode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LocalRequest {
+    /// Asks for a read-only descriptor of an object (local reads).
+    Open(OpenForReading),
+    /// Shares a region of memory for write payloads (`ShareRegion`).
+    ShareRegion(ShareRegion),
+}
+
+/// A client on the server's host asks for a read-only descriptor of an object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OpenForReading {
     /// [`crate::PROTOCOL_VERSION`] of the asking client; another is refused.
@@ -166,4 +175,22 @@ pub struct OpenedForReading {
     pub object: ObjectId,
     /// Whether the object exists (a missing one reads as zeros; it may be made later).
     pub exists: bool,
+}
+
+/// A client on the server's host shares a sealed memory file (its descriptor travels with
+/// the packet) that the payloads of its writes on one RPC connection are then placed in
+/// (`freeflow_proto::frame::FLAG_SHARED_PAYLOAD`). The region stays registered until the
+/// client closes the local connection it came on; that connection carries nothing else.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShareRegion {
+    /// [`crate::PROTOCOL_VERSION`] of the asking client; another is refused.
+    pub version: u8,
+}
+
+/// The answer to [`ShareRegion`], as `Result<RegionShared, WireError>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionShared {
+    /// The name frames give the region: chosen at random by the server, known only to it
+    /// and the client that shared the region.
+    pub region: u64,
 }

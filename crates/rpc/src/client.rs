@@ -25,9 +25,10 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::codec::{
     payload_checksum_for, read_frame, read_frame_covering, write_frame, write_frame_with,
-    FrameExtras, RawFrame,
+    write_shared_frame, FrameExtras, RawFrame, SharedRef,
 };
 use crate::credit::Window;
+use crate::shared::{WriteRegion, REGION_SLOTS};
 use crate::transport::{Network, ReadHalf, Transport, WriteHalf};
 use crate::{ClusterKey, RpcError};
 
@@ -47,6 +48,11 @@ pub struct ConnectOptions {
     /// cut off or hung without closing its socket well before a call times out. 0: never;
     /// below [`LIVENESS_TIMEOUT_MS_MIN`], that.
     pub liveness_timeout_ms: u64,
+    /// On a Unix-socket connection to a server with a local socket (an I/O server on this
+    /// host), share a region of memory with it and place large write payloads there
+    /// instead of sending them through the socket (`crate::shared`). If the server does
+    /// not take the region, payloads go through the socket as usual.
+    pub shared_payloads: bool,
 }
 
 impl Default for ConnectOptions {
@@ -58,6 +64,7 @@ impl Default for ConnectOptions {
             send_queue_max: 1024,
             client_id: 0,
             liveness_timeout_ms: LIVENESS_TIMEOUT_MS_DEFAULT,
+            shared_payloads: false,
         }
     }
 }
@@ -112,6 +119,9 @@ struct Outgoing {
     request_id: u64,
     header: Vec<u8>,
     payload: Bytes,
+    /// A payload placed in a shared region instead (`payload` is then empty): its length
+    /// and where it is.
+    shared: Option<(u32, SharedRef)>,
 }
 
 struct Inner {
@@ -122,6 +132,8 @@ struct Inner {
     next_request_id: AtomicU64,
     payload_length_max: u32,
     call_timeout_ms: u64,
+    /// The region large write payloads are placed in, if one is shared with the server.
+    region: Option<Arc<WriteRegion>>,
 }
 
 /// How long the member that led last is asked alone before the others are asked too.
@@ -373,6 +385,10 @@ impl Connection {
                 Duration::from_millis(options.liveness_timeout_ms.max(LIVENESS_TIMEOUT_MS_MIN)),
             ));
         }
+        let region = match crate::transport::unix_socket_path(address) {
+            Some(path) if options.shared_payloads => share_region(path, timeout).await,
+            _ => None,
+        };
         Ok(Connection {
             inner: Arc::new(Inner {
                 shared,
@@ -382,6 +398,7 @@ impl Connection {
                 next_request_id: AtomicU64::new(1),
                 payload_length_max: hello.payload_length_max,
                 call_timeout_ms: options.call_timeout_ms,
+                region,
             }),
         })
     }
@@ -406,6 +423,20 @@ impl Connection {
     /// Payload bytes this connection may have in flight now, as its server last granted.
     pub fn window_bytes(&self) -> u32 {
         self.inner.shared.window.size()
+    }
+
+    /// Whether large write payloads go through a region of memory shared with the server
+    /// (`ConnectOptions::shared_payloads`) rather than through the socket.
+    pub fn shares_payloads(&self) -> bool {
+        self.inner.region.is_some()
+    }
+
+    /// Places of the shared region free for a payload now (None: no region).
+    pub fn shared_places_free(&self) -> Option<usize> {
+        self.inner
+            .region
+            .as_ref()
+            .map(|region| region.free_places())
     }
 
     /// The largest payload the server accepts in one request.
@@ -510,6 +541,7 @@ impl Connection {
                 request_id: 0,
                 header: Vec::new(),
                 payload: Bytes::new(),
+                shared: None,
             });
         };
         let window = &inner.shared.window;
@@ -543,12 +575,32 @@ impl Connection {
             shared: &inner.shared,
             request_id,
         };
+        // A large payload for a server on this host goes through the region shared with
+        // it, if it has a free place; its place is freed once the reply came.
+        let mut placed = inner
+            .region
+            .as_ref()
+            .and_then(|region| region.place(&payload));
+        let (payload, shared) = match &placed {
+            Some(placed) => (
+                Bytes::new(),
+                Some((
+                    payload.len() as u32,
+                    SharedRef {
+                        region: placed.region_name(),
+                        offset: placed.offset(),
+                    },
+                )),
+            ),
+            None => (payload, None),
+        };
         let outgoing = Outgoing {
             opcode,
             flags,
             request_id,
             header,
             payload,
+            shared,
         };
         match tokio::time::timeout_at(deadline, inner.sender.send(outgoing)).await {
             Ok(Ok(())) => {}
@@ -563,6 +615,9 @@ impl Connection {
             Ok(Err(_)) => return Err(RpcError::Disconnected { address: address() }),
             Err(_) => return Err(timed_out()),
         };
+        if let Some(placed) = &mut placed {
+            placed.answered();
+        }
         if frame.fixed.opcode != opcode {
             inner.shared.close();
             return Err(RpcError::Protocol {
@@ -571,6 +626,28 @@ impl Connection {
             });
         }
         Ok(frame)
+    }
+}
+
+/// Share a region for write payloads with the server whose RPC socket is at `socket`, if
+/// it has a local socket that takes one; payloads go through the RPC socket otherwise.
+async fn share_region(socket: &str, timeout: Duration) -> Option<Arc<WriteRegion>> {
+    let local = crate::local::local_reads_path(socket);
+    let shared = tokio::time::timeout(
+        timeout,
+        WriteRegion::share(std::path::Path::new(&local), REGION_SLOTS),
+    )
+    .await;
+    match shared {
+        Ok(Ok(region)) => Some(region),
+        Ok(Err(reason)) => {
+            tracing::debug!(%local, %reason, "no shared region: write payloads go through the socket");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(%local, "no shared region in time: write payloads go through the socket");
+            None
+        }
     }
 }
 
@@ -669,6 +746,18 @@ async fn writer_loop(
         payload_checksum,
     };
     let write_one = async |writer: &mut BufWriter<WriteHalf>, outgoing: Outgoing| {
+        if let Some((length, at)) = outgoing.shared {
+            return write_shared_frame(
+                writer,
+                outgoing.flags,
+                outgoing.opcode,
+                outgoing.request_id,
+                &outgoing.header,
+                length,
+                at,
+            )
+            .await;
+        }
         write_frame_with(
             writer,
             extras,
@@ -770,6 +859,7 @@ async fn liveness_loop(shared: Arc<Shared>, sender: mpsc::WeakSender<Outgoing>, 
                 request_id: 0,
                 header: Vec::new(),
                 payload: Bytes::new(),
+                shared: None,
             };
             // A full queue means calls are being written: no ping needed.
             let _ = sender.try_send(ping);

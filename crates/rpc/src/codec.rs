@@ -4,7 +4,9 @@
 //! buffer, so an I/O server can hand it to the disk with O_DIRECT as it came off the wire.
 
 use bytes::{Bytes, BytesMut};
-use freeflow_proto::frame::{FrameError, FrameHeader, FIXED_HEADER_BYTES};
+use freeflow_proto::frame::{
+    FrameError, FrameHeader, FIXED_HEADER_BYTES, FLAG_SHARED_PAYLOAD, SHARED_PAYLOAD_REF_BYTES,
+};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Payloads of at least this many bytes are read so that they start on a page boundary.
@@ -322,6 +324,91 @@ pub async fn write_frame_with<W: AsyncWrite + Unpin + ?Sized>(
     writer.write_all(payload).await
 }
 
+/// Where a shared payload is (`FLAG_SHARED_PAYLOAD`, `crate::shared`): the region's name
+/// and the payload's offset in it. The payload's length is the frame's `payload_length`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedRef {
+    pub region: u64,
+    pub offset: u64,
+}
+
+impl SharedRef {
+    fn encode(&self) -> [u8; SHARED_PAYLOAD_REF_BYTES] {
+        let mut bytes = [0u8; SHARED_PAYLOAD_REF_BYTES];
+        bytes[..8].copy_from_slice(&self.region.to_le_bytes());
+        bytes[8..].copy_from_slice(&self.offset.to_le_bytes());
+        bytes
+    }
+}
+
+/// Write a request whose payload of `length` bytes is in a shared region: the reference
+/// goes where the payload would, and the checksum covers it (never the payload).
+#[allow(clippy::too_many_arguments)]
+pub async fn write_shared_frame<W: AsyncWrite + Unpin + ?Sized>(
+    writer: &mut W,
+    flags: u8,
+    opcode: u16,
+    request_id: u64,
+    header: &[u8],
+    length: u32,
+    at: SharedRef,
+) -> std::io::Result<()> {
+    let header_length = u32::try_from(header.len())
+        .map_err(|_| std::io::Error::other("frame header section too long"))?;
+    let reference = at.encode();
+    let mut fixed = FrameHeader {
+        flags: (flags | FLAG_SHARED_PAYLOAD) & !freeflow_proto::frame::FLAG_CREDIT,
+        opcode,
+        request_id,
+        header_length,
+        payload_length: length,
+        checksum: 0,
+        credit: 0,
+    };
+    fixed.checksum = checksum(&fixed.encode(), header, Some(&reference));
+    writer.write_all(&fixed.encode()).await?;
+    writer.write_all(header).await?;
+    writer.write_all(&reference).await
+}
+
+/// Read the rest of a frame whose fixed header has `FLAG_SHARED_PAYLOAD`: its header
+/// section (returned with an empty payload) and where its payload is.
+pub async fn read_shared_frame_body<R: AsyncRead + Unpin + ?Sized>(
+    reader: &mut R,
+    fixed: FixedHeader,
+) -> Result<(RawFrame, SharedRef), FrameReadError> {
+    let header_length = fixed.header.header_length as usize;
+    let total = header_length + SHARED_PAYLOAD_REF_BYTES;
+    let mut body = BytesMut::with_capacity(total);
+    read_exactly(reader, &mut body, total).await?;
+    let actual = checksum(
+        &fixed.bytes,
+        &body[..header_length],
+        Some(&body[header_length..]),
+    );
+    if actual != fixed.header.checksum {
+        return Err(FrameError::BadChecksum {
+            expected: fixed.header.checksum,
+            actual,
+        }
+        .into());
+    }
+    let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8 bytes"));
+    let at = SharedRef {
+        region: u64_at(header_length),
+        offset: u64_at(header_length + 8),
+    };
+    let header = body.split_to(header_length).freeze();
+    Ok((
+        RawFrame {
+            fixed: fixed.header,
+            header,
+            payload: Bytes::new(),
+        },
+        at,
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -439,5 +526,46 @@ mod tests {
                 Err(FrameReadError::Truncated)
             ));
         }
+    }
+
+    /// A shared frame carries its reference where the payload would be, the length in
+    /// its fixed header, and a checksum that catches a changed reference.
+    #[tokio::test]
+    async fn a_shared_frame_carries_its_reference_and_the_checksum_covers_it() {
+        let at = SharedRef {
+            region: 0x1234_5678_9abc_def0,
+            offset: 3 << 20,
+        };
+        let mut wire = Vec::new();
+        write_shared_frame(&mut wire, 0, 200, 9, b"head", 1 << 20, at)
+            .await
+            .unwrap();
+        assert_eq!(
+            wire.len(),
+            FIXED_HEADER_BYTES + 4 + SHARED_PAYLOAD_REF_BYTES
+        );
+        let limits = FrameLimits {
+            header_length_max: 1 << 10,
+            payload_length_max: 8 << 20,
+            header_timeout: None,
+            payload_checksum: false,
+        };
+        let mut reader = wire.as_slice();
+        let fixed = read_fixed_header(&mut reader, &limits).await.unwrap();
+        assert_ne!(fixed.header.flags & FLAG_SHARED_PAYLOAD, 0);
+        assert_eq!(fixed.header.payload_length, 1 << 20);
+        let (frame, read_at) = read_shared_frame_body(&mut reader, fixed).await.unwrap();
+        assert_eq!(read_at, at);
+        assert_eq!(&frame.header[..], b"head");
+        assert!(frame.payload.is_empty());
+        assert!(reader.is_empty());
+        let mut flipped = wire.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        let mut reader = flipped.as_slice();
+        let fixed = read_fixed_header(&mut reader, &limits).await.unwrap();
+        assert!(matches!(
+            read_shared_frame_body(&mut reader, fixed).await,
+            Err(FrameReadError::Invalid(FrameError::BadChecksum { .. }))
+        ));
     }
 }

@@ -16,6 +16,7 @@ pub mod local;
 mod metrics;
 pub mod net;
 mod server;
+pub mod shared;
 mod transport;
 
 pub use client::{
@@ -23,7 +24,8 @@ pub use client::{
 };
 pub use codec::{
     payload_checksum_for, read_fixed_header, read_frame, read_frame_body, read_frame_covering,
-    write_frame, write_frame_with, FixedHeader, FrameExtras, FrameLimits, FrameReadError, RawFrame,
+    read_shared_frame_body, write_frame, write_frame_with, write_shared_frame, FixedHeader,
+    FrameExtras, FrameLimits, FrameReadError, RawFrame, SharedRef,
 };
 pub use error::RpcError;
 pub use key::{ClusterKey, KeyError};

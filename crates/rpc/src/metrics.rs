@@ -64,6 +64,7 @@ struct Inner {
     windows_revoked: Counter,
     window_bytes_granted: Gauge,
     connections_without_window: Gauge,
+    shared_payload_bytes: Counter,
 }
 
 /// The RPC server's metrics in one registry. Cheap to clone.
@@ -153,6 +154,11 @@ impl ServerMetrics {
                 "Connections whose window is 0 now (waiting for credit).",
                 &[],
             ),
+            shared_payload_bytes: registry.counter(
+                "freeflow_rpc_shared_payload_bytes_total",
+                "Request payload bytes taken from regions clients on this host shared (not sent through the socket).",
+                &[],
+            ),
         };
         ServerMetrics {
             inner: Arc::new(inner),
@@ -182,6 +188,10 @@ impl ServerMetrics {
             reply_bytes: 0,
             started: Instant::now(),
         }
+    }
+
+    pub(crate) fn shared_payload(&self, bytes: u64) {
+        self.inner.shared_payload_bytes.add(bytes);
     }
 
     pub(crate) fn connection_opened(&self) {

@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use freeflow_proto::frame::{
-    FLAG_REPLY, OPCODE_AUTHENTICATE, OPCODE_HELLO, OPCODE_PING, PAYLOAD_LENGTH_MAX_DEFAULT,
+    FLAG_REPLY, FLAG_SHARED_PAYLOAD, OPCODE_AUTHENTICATE, OPCODE_HELLO, OPCODE_PING,
+    PAYLOAD_LENGTH_MAX_DEFAULT,
 };
 use freeflow_proto::handshake::{Authenticate, Hello, ServerProof};
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
@@ -23,12 +24,13 @@ use tokio::net::UnixListener;
 use tokio::sync::{mpsc, Notify, Semaphore};
 
 use crate::codec::{
-    read_fixed_header, read_frame_body, write_frame, write_frame_with, FrameExtras, FrameLimits,
-    FrameReadError,
+    read_fixed_header, read_frame_body, read_shared_frame_body, write_frame, write_frame_with,
+    FrameExtras, FrameLimits, FrameReadError,
 };
 use crate::credit::{Credit, CreditBook, Window};
 use crate::metrics::ServerMetrics;
 use crate::net::Accept;
+use crate::shared::SharedRegions;
 use crate::transport::{ReadHalf, WriteHalf};
 use crate::ClusterKey;
 
@@ -141,6 +143,9 @@ pub struct ServerOptions {
     pub metrics: Option<ServerMetrics>,
     /// Sent in the hello: the server's boot epoch (0: none).
     pub epoch: u64,
+    /// Regions clients on this host shared for their write payloads (`crate::shared`);
+    /// None: a frame with a shared payload closes its connection.
+    pub shared_regions: Option<Arc<SharedRegions>>,
 }
 
 impl ServerOptions {
@@ -157,6 +162,7 @@ impl ServerOptions {
             frame_timeout_ms: 30_000,
             metrics: None,
             epoch: 0,
+            shared_regions: None,
         }
     }
 }
@@ -489,17 +495,46 @@ async fn run_connection<S: Service>(
             break take_reason();
         };
         // Once a frame has begun, all of it must come within the frame timeout.
-        let frame =
-            match tokio::time::timeout(frame_timeout, read_frame_body(&mut reader, fixed)).await {
-                Ok(Ok(frame)) => frame,
-                Ok(Err(error)) => break Some(error.to_string()),
-                Err(_) => {
-                    break Some(format!(
-                        "frame not completed within {} ms",
-                        options.frame_timeout_ms
-                    ))
-                }
+        let shared_payload = header.flags & FLAG_SHARED_PAYLOAD != 0;
+        let body = async {
+            if !shared_payload {
+                return read_frame_body(&mut reader, fixed)
+                    .await
+                    .map_err(|error| error.to_string());
+            }
+            // Only a Unix-socket peer on this host can have shared a region.
+            let regions = match &options.shared_regions {
+                Some(regions) if !payload_checksum => regions,
+                _ => return Err("a shared payload where none can be".to_string()),
             };
+            let (mut frame, at) = read_shared_frame_body(&mut reader, fixed)
+                .await
+                .map_err(|error| error.to_string())?;
+            frame.payload = regions
+                .payload(at.region, at.offset, header.payload_length)
+                .ok_or_else(|| {
+                    format!(
+                        "a shared payload of {} bytes at {} of a region not shared or not that long",
+                        header.payload_length, at.offset
+                    )
+                })?;
+            Ok(frame)
+        };
+        let frame = match tokio::time::timeout(frame_timeout, body).await {
+            Ok(Ok(frame)) => {
+                if let (true, Some(metrics)) = (shared_payload, &metrics) {
+                    metrics.shared_payload(u64::from(header.payload_length));
+                }
+                frame
+            }
+            Ok(Err(reason)) => break Some(reason),
+            Err(_) => {
+                break Some(format!(
+                    "frame not completed within {} ms",
+                    options.frame_timeout_ms
+                ))
+            }
+        };
         // Room for what the reply brings back (reads), from the window and the budget.
         let reply_bytes = service
             .reply_bytes(header.opcode, &frame.header)

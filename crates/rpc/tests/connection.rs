@@ -1077,3 +1077,104 @@ async fn the_leader_is_found_past_a_hung_member_and_a_follower() {
         .expect_err("no member takes our key");
     assert!(matches!(error, RpcError::Refused { .. }), "{error}");
 }
+
+/// A sealed memory file of `length` bytes holding `bytes` at `at`.
+fn sealed_region(length: usize, at: u64, bytes: &[u8]) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    // SAFETY: a valid name and documented flags.
+    let raw = unsafe {
+        libc::memfd_create(
+            c"test-region".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    assert!(raw >= 0);
+    // SAFETY: a descriptor just made, owned by nothing else.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+    let file = std::fs::File::from(fd.try_clone().unwrap());
+    file.set_len(length as u64).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, bytes, at).unwrap();
+    // SAFETY: a plain call on our descriptor.
+    assert_eq!(
+        unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) },
+        0
+    );
+    fd
+}
+
+/// A request whose payload is in a shared region is served with the region's bytes (the
+/// payload's length counted as any payload's); a reference to a region the server does
+/// not know, one past the region's end, and one over TCP close the connection, and the
+/// server goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_payloads_come_from_their_region_and_bad_references_close_the_connection() {
+    use freeflow_rpc::shared::{MappedRegion, SharedRegions};
+    let key = ClusterKey::generate().unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let socket = directory.path().join("server.sock");
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let tcp_address = tcp.local_addr().unwrap().to_string();
+    let unix = tokio::net::UnixListener::bind(&socket).unwrap();
+    let regions = Arc::new(SharedRegions::default());
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
+    let region_bytes = 1 << 20;
+    let fd = sealed_region(region_bytes, 4096, &payload);
+    let name = regions.insert(MappedRegion::map(&fd).unwrap()).unwrap();
+    let options = ServerOptions {
+        shared_regions: Some(regions.clone()),
+        ..ServerOptions::new("shared")
+    };
+    tokio::spawn(serve_with_unix(
+        tcp,
+        Some(unix),
+        key.clone(),
+        options,
+        Arc::new(Echo),
+    ));
+    let request = freeflow_proto::encode(&write_request(1, 0));
+    let send = async |stream: &mut dyn AsyncWriteRead, region: u64, offset: u64, length: u32| {
+        let at = freeflow_rpc::SharedRef { region, offset };
+        freeflow_rpc::write_shared_frame(stream, 0, WriteObject::OPCODE, 7, &request, length, at)
+            .await
+            .unwrap();
+    };
+    let mut stream = authenticated_on(true, &socket, &tcp_address, &key).await;
+    send(&mut *stream, name, 4096, payload.len() as u32).await;
+    let reply = loop {
+        let frame = freeflow_rpc::read_frame_covering(&mut stream, 1 << 20, false)
+            .await
+            .unwrap();
+        if frame.fixed.request_id == 7 {
+            break frame;
+        }
+    };
+    assert_eq!(&reply.payload[..], &payload[..], "the region's bytes");
+
+    for (region, offset, length) in [
+        (name ^ 1, 4096, 1000),
+        (name, region_bytes as u64 - 100, 1000),
+        (name, u64::MAX - 10, 1000),
+    ] {
+        let mut stream = authenticated_on(true, &socket, &tcp_address, &key).await;
+        send(&mut *stream, region, offset, length).await;
+        assert_closed_by_server(stream).await;
+    }
+    let mut stream = authenticated_on(false, &socket, &tcp_address, &key).await;
+    send(&mut *stream, name, 4096, 1000).await;
+    assert_closed_by_server(stream).await;
+
+    // Forgotten, the region is refused too; the server still serves.
+    regions.remove(name);
+    let mut stream = authenticated_on(true, &socket, &tcp_address, &key).await;
+    send(&mut *stream, name, 4096, 1000).await;
+    assert_closed_by_server(stream).await;
+    let unix_address = format!("unix:{}", socket.display());
+    let connection = Connection::connect(&unix_address, &key, &ConnectOptions::default())
+        .await
+        .unwrap();
+    let (_, echoed) = connection
+        .call(&write_request(1, 0), Bytes::from_static(b"still here"))
+        .await
+        .unwrap();
+    assert_eq!(&echoed[..], b"still here");
+}

@@ -25,6 +25,8 @@ pub struct Options {
     pub writeback: bool,
     /// Local reads from I/O servers on this host (false: `--no-local-reads`).
     pub local_reads: bool,
+    /// Shared writes to I/O servers on this host (false: `--no-shared-writes`).
+    pub shared_writes: bool,
     /// Serve the client's metrics on this `host:port` (None: no endpoint).
     pub metrics_address: Option<String>,
 }
@@ -44,6 +46,7 @@ impl Options {
             cache_leases: !flags.no_cache,
             writeback: flags.writeback,
             local_reads: !flags.no_local_reads,
+            shared_writes: !flags.no_shared_writes,
             metrics_address,
         }
     }
@@ -59,6 +62,7 @@ impl Default for Options {
             cache_leases: true,
             writeback: false,
             local_reads: true,
+            shared_writes: true,
             metrics_address: None,
         }
     }
@@ -117,7 +121,7 @@ pub async fn mount_cluster(
     mountpoint: &Path,
     options: Options,
 ) -> anyhow::Result<Mounted> {
-    let client = connect(cluster_file, options.call_timeout_ms, options.local_reads).await?;
+    let client = connect(cluster_file, &options).await?;
     let metrics_listener = match &options.metrics_address {
         Some(address) => match tokio::net::TcpListener::bind(address).await {
             Ok(listener) => Some(listener),
@@ -177,18 +181,18 @@ pub async fn mount_cluster(
 /// file's and `call_timeout_ms`).
 async fn connect(
     cluster_file: &Path,
-    call_timeout_ms: u64,
-    local_reads: bool,
+    options: &Options,
 ) -> anyhow::Result<freeflow_client::Client> {
     let file: ClientFile = cluster_file::read(cluster_file)?;
     let key = cluster_file::load_key(cluster_file, &file.key_file)?;
     let mut config = freeflow_client::ClientConfig::new(file.meta_address.clone(), key);
-    config.call_timeout_ms = file.call_timeout_ms.min(call_timeout_ms);
+    config.call_timeout_ms = file.call_timeout_ms.min(options.call_timeout_ms);
     config.client_name = format!("freeflow-mount-{}", std::process::id());
     // The kernel reads ahead for the mount (several reads in flight, not in order): the
     // library's own read-ahead would see them as random and only get in the way.
     config.readahead_bytes = 0;
-    config.local_reads = local_reads;
+    config.local_reads = options.local_reads;
+    config.shared_writes = options.shared_writes;
     freeflow_client::Client::connect(config)
         .await
         .with_context(|| {
