@@ -888,3 +888,58 @@ async fn git_tar_rsync_sqlite_and_fio_direct_io_work_on_the_mount() {
         eprintln!("fio missing: its part is skipped");
     }
 }
+
+/// A write-only open goes past the kernel's page cache (`FOPEN_DIRECT_IO`): a reader on
+/// the same mount that holds the file's pages reads what it wrote at once, both in the
+/// middle of the file and past its old end; an open for reading and writing reads its own
+/// writes; and a program writing through a write-only open sees the size it made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_here_see_writes_through_write_only_opens_at_once() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(2).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let path = mount.path("pages");
+    fs::write(&path, vec![b'a'; 16 << 10]).expect("write version 1");
+    let reader = File::open(&path).expect("open for reading");
+    let mut held = vec![0u8; 16 << 10];
+    reader
+        .read_exact_at(&mut held, 0)
+        .expect("read into the page cache");
+    assert!(held.iter().all(|&byte| byte == b'a'));
+
+    let writer = OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open write-only");
+    writer
+        .write_all_at(&[b'b'; 8 << 10], 4 << 10)
+        .expect("write the middle pages");
+    writer
+        .write_all_at(&[b'c'; 4 << 10], 16 << 10)
+        .expect("write past the end");
+    assert_eq!(writer.metadata().expect("fstat").len(), 20 << 10);
+    let mut seen = vec![0u8; 20 << 10];
+    reader.read_exact_at(&mut seen, 0).expect("read again");
+    let mut expected = vec![b'a'; 4 << 10];
+    expected.extend_from_slice(&[b'b'; 8 << 10]);
+    expected.extend_from_slice(&[b'a'; 4 << 10]);
+    expected.extend_from_slice(&[b'c'; 4 << 10]);
+    assert_bytes_eq(&seen, &expected, "a reader holding the pages");
+    drop(writer);
+
+    let both = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .expect("open for reading and writing");
+    both.write_all_at(b"own", 100).expect("write");
+    let mut own = [0u8; 3];
+    both.read_exact_at(&mut own, 100).expect("read back");
+    assert_eq!(&own, b"own");
+    drop(both);
+    expected[100..103].copy_from_slice(b"own");
+    reader.read_exact_at(&mut seen, 0).expect("read after both");
+    assert_bytes_eq(&seen, &expected, "after the read-write open");
+}

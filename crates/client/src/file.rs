@@ -292,6 +292,25 @@ struct ParkedPiece {
     since: Instant,
 }
 
+/// Whether `start..end` makes whole a stripe unit of `unit` bytes with the `parked`
+/// pieces of that unit (it lies inside the unit and overlaps none of them).
+fn completes_unit(parked: &BTreeMap<u64, ParkedPiece>, start: u64, end: u64, unit: u64) -> bool {
+    let unit_start = start - start % unit;
+    let unit_end = unit_start + unit;
+    if end <= start || end > unit_end || parked.is_empty() {
+        return false;
+    }
+    let mut covered = end - start;
+    for (offset, piece) in parked.range(unit_start..unit_end) {
+        let piece_end = *offset + piece.data.len() as u64;
+        if *offset < end && piece_end > start {
+            return false;
+        }
+        covered += piece.data.len() as u64;
+    }
+    covered == unit
+}
+
 /// Small adjacent writes gathered into one request.
 struct Gathered {
     offset: u64,
@@ -630,6 +649,12 @@ impl HandleShared {
         drop(unsent);
         shared.commit_if_due();
         Ok(())
+    }
+
+    /// Whether a write of `offset..end` makes a parked piece's stripe unit whole.
+    fn completes_parked(&self, offset: u64, end: u64) -> Result<bool, ClientError> {
+        let unit = u64::from(self.data_layout()?.stripe_unit_bytes);
+        Ok(completes_unit(&self.lock().parked, offset, end, unit))
     }
 
     /// Whether a write of `length` bytes at `offset` may be made: Some(its end), None when
@@ -2155,7 +2180,12 @@ impl FileHandle {
                 return Ok(());
             }
             let gathering = shared.client.shared.config.gather_wait_ms > 0;
-            if gathering && data.len() >= GATHER_WRITE_MAX {
+            // A small write that makes a parked piece's stripe unit whole goes with it (the
+            // kernel's direct writes from a buffer not aligned to a page end each stripe unit
+            // with such a write: the pages it could pin fell short by the misalignment).
+            if gathering
+                && (data.len() >= GATHER_WRITE_MAX || shared.completes_parked(offset, end)?)
+            {
                 return shared.write_in_units(turn, offset, data).await;
             }
             let (sent, _turn) = shared.send_gathered_ordered(turn).await;
@@ -2552,5 +2582,54 @@ impl std::fmt::Debug for FileHandle {
             .field("handle_id", &self.shared.handle_id)
             .field("access", &self.shared.access)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parked(pieces: &[(u64, usize)]) -> BTreeMap<u64, ParkedPiece> {
+        pieces
+            .iter()
+            .map(|&(offset, length)| {
+                let piece = ParkedPiece {
+                    data: Bytes::from(vec![0u8; length]),
+                    held: length,
+                    since: Instant::now(),
+                };
+                (offset, piece)
+            })
+            .collect()
+    }
+
+    /// The short write a direct write from an unaligned buffer ends each unit with makes
+    /// the unit whole with its parked piece; a write that leaves a gap, crosses the unit's
+    /// end, overlaps a piece or finds nothing parked does not.
+    #[test]
+    fn a_short_write_completes_the_unit_its_parked_piece_began() {
+        let unit = 1 << 20;
+        let head = parked(&[(3 * unit, unit as usize - 16)]);
+        assert!(completes_unit(&head, 4 * unit - 16, 4 * unit, unit));
+        assert!(
+            !completes_unit(&head, 4 * unit - 8, 4 * unit, unit),
+            "a gap"
+        );
+        assert!(
+            !completes_unit(&head, 4 * unit - 16, 4 * unit + 8, unit),
+            "past the unit"
+        );
+        assert!(
+            !completes_unit(&head, 4 * unit - 20, 4 * unit - 4, unit),
+            "overlaps"
+        );
+        assert!(!completes_unit(&BTreeMap::new(), 3 * unit, 4 * unit, unit));
+        // Pieces on both sides of the hole.
+        let both = parked(&[(0, 100), (200, unit as usize - 200)]);
+        assert!(completes_unit(&both, 100, 200, unit));
+        assert!(!completes_unit(&both, 100, 150, unit));
+        // A piece of another unit does not count.
+        let other = parked(&[(unit, unit as usize - 16)]);
+        assert!(!completes_unit(&other, unit - 16, unit, unit));
     }
 }

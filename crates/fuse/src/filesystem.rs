@@ -659,7 +659,7 @@ impl FreeflowFs {
         parent: InodeId,
         name: &str,
         mode: u32,
-        writes: bool,
+        flags: i32,
         reply: ReplyCreate,
     ) -> Option<ReplyCreate> {
         let state = &self.state;
@@ -701,7 +701,7 @@ impl FreeflowFs {
         let (entry_ttl, attr_ttl) =
             state.entry_time_outs(&mut admission, &lease, parent, name, Some(inode));
         admission.held_as(inode, parent, name);
-        if writes {
+        if writes(flags) {
             state
                 .files
                 .created_for_writing(inode, || state.shadows.begin(inode, 0));
@@ -711,7 +711,7 @@ impl FreeflowFs {
             &file_attr(&attr, 0),
             Generation(0),
             FileHandle(inode),
-            FopenFlags::empty(),
+            open_reply_flags(state.writeback, flags),
         );
         drop(admission);
         let (creator, state, name) = (self.caller(request), self.state.clone(), name.to_owned());
@@ -1059,6 +1059,20 @@ fn fill_names(
 /// Whether open flags give write access (the kernel has checked the caller's right to it).
 fn writes(flags: i32) -> bool {
     flags & libc::O_ACCMODE != libc::O_RDONLY
+}
+
+/// What an open of a regular file with `flags` is answered with. Without the writeback
+/// cache, an open for writing only goes past the kernel's page cache (`FOPEN_DIRECT_IO`):
+/// its writes were sent through at once anyway (write-through), the copy into the page
+/// cache bought nothing (every open drops the file's pages, and such an open can neither
+/// read nor map the file), and the kernel then hands the writer's own pages to the mount.
+/// With the writeback cache the kernel's pages are what gathers small writes.
+fn open_reply_flags(writeback: bool, flags: i32) -> FopenFlags {
+    if !writeback && flags & libc::O_ACCMODE == libc::O_WRONLY {
+        FopenFlags::FOPEN_DIRECT_IO
+    } else {
+        FopenFlags::empty()
+    }
 }
 
 /// An error for a file handle the mount does not know.
@@ -1508,6 +1522,7 @@ impl fuser::Filesystem for FreeflowFs {
         let truncate = flags.0 & libc::O_TRUNC != 0;
         let (client, state) = (self.caller(request), self.state.clone());
         let truncating = truncate.then(|| self.state.begin_truncation(inode.0));
+        let writeback = self.state.writeback;
         self.spawn(async move {
             let _truncating = truncating;
             let handle = match state.files.acquire(&state.client, inode.0).await {
@@ -1538,7 +1553,10 @@ impl fuser::Filesystem for FreeflowFs {
             }
             // No FOPEN_KEEP_CACHE: the kernel drops the file's pages at every open, which
             // the writeback mount's shadows count on (`shadow.rs`).
-            reply.opened(FileHandle(handle.inode()), FopenFlags::empty());
+            reply.opened(
+                FileHandle(handle.inode()),
+                open_reply_flags(writeback, flags.0),
+            );
         });
     }
 
@@ -2168,8 +2186,7 @@ impl fuser::Filesystem for FreeflowFs {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
         };
-        let Some(reply) = self.create_ahead(request, parent.0, &name, mode, writes(flags), reply)
-        else {
+        let Some(reply) = self.create_ahead(request, parent.0, &name, mode, flags, reply) else {
             return;
         };
         self.settle(&[parent.0]);
@@ -2209,7 +2226,7 @@ impl fuser::Filesystem for FreeflowFs {
                         &state.kernel_attr(&attr),
                         Generation(0),
                         FileHandle(attr.inode),
-                        FopenFlags::empty(),
+                        open_reply_flags(state.writeback, flags),
                     );
                     drop(admission);
                     let ttl = attr_ttl.min(entry_ttl);
