@@ -586,7 +586,19 @@ async fn shared_write_payloads_land_as_written() {
     use freeflow_rpc::shared::{REGION_SLOTS, REGION_SLOT_BYTES, SHARED_PAYLOAD_MIN};
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
-    let meta_address = dead_address().await;
+    // The fake meta server is up first, on a port of its own: an address found free and
+    // bound later could be one another test here counts on nobody answering at.
+    let meta_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let meta_address = meta_listener.local_addr().unwrap().to_string();
+    let meta_task = tokio::spawn(freeflow_rpc::serve(
+        meta_listener,
+        key.clone(),
+        freeflow_rpc::ServerOptions::new("meta"),
+        Arc::new(FakeMeta {
+            registrations: Mutex::new(Vec::new()),
+            cuts_owed: AtomicU32::new(0),
+        }),
+    ));
     let socket = directory.path().join("io.sock");
     let server = start(
         IoConfig {
@@ -597,7 +609,6 @@ async fn shared_write_payloads_land_as_written() {
     )
     .await
     .unwrap();
-    let (_meta, meta_task) = start_fake_meta(&meta_address, &key).await;
     wait_until("serving data", || server.serves_data()).await;
     let sharing = ConnectOptions {
         shared_payloads: true,
