@@ -124,7 +124,9 @@ pub struct IoConfig {
     pub cached_reads: bool,
     /// With `unix_socket`: also hand clients on this host read-only descriptors of objects
     /// on a local-reads socket beside it (`<unix_socket>.reads`), so they read the bytes
-    /// themselves (`local_reads.rs`). Default true (docs/BENCHMARKS.md, "Local reads").
+    /// themselves (`local_reads.rs`), and take the memory regions they share for their
+    /// write payloads on the same socket (shared writes, `freeflow_rpc::shared`). Default
+    /// true (docs/BENCHMARKS.md, "Local reads" and "Writes from the servers' host").
     pub local_reads: bool,
 }
 
