@@ -674,6 +674,15 @@ impl KernelCache {
         self.enabled.load(Ordering::Acquire)
     }
 
+    /// Have the kernel drop its pages of `inode` in `offset..offset + length` (and its
+    /// attributes); returns once it did. Nothing without a notifier.
+    pub fn drop_pages(&self, inode: InodeId, offset: u64, length: u64) {
+        if let Some(notifier) = self.notifier() {
+            // ENOENT: the kernel holds nothing of the file.
+            let _ = notifier.inval_inode(INodeNo(inode), offset as i64, length as i64);
+        }
+    }
+
     pub fn set_notifier(&self, notifier: Notifier) {
         *self.notifier.lock().expect("notifier not poisoned") = Some(notifier);
         self.enabled.store(true, Ordering::Release);

@@ -706,6 +706,9 @@ impl FreeflowFs {
                 .files
                 .created_for_writing(inode, || state.shadows.begin(inode, 0));
         }
+        if reads(flags) {
+            state.files.opened_for_reading(inode);
+        }
         reply.created(
             &attr_ttl.min(entry_ttl),
             &file_attr(&attr, 0),
@@ -1059,6 +1062,11 @@ fn fill_names(
 /// Whether open flags give write access (the kernel has checked the caller's right to it).
 fn writes(flags: i32) -> bool {
     flags & libc::O_ACCMODE != libc::O_RDONLY
+}
+
+/// Whether open flags give read access (the kernel may then keep pages of the file).
+fn reads(flags: i32) -> bool {
+    flags & libc::O_ACCMODE != libc::O_WRONLY
 }
 
 /// What an open of a regular file with `flags` is answered with. Without the writeback
@@ -1551,6 +1559,9 @@ impl fuser::Filesystem for FreeflowFs {
                     .opened_for_writing(inode.0, || state.shadows.begin(inode.0, handle.size()))
                     .await;
             }
+            if reads(flags.0) {
+                state.files.opened_for_reading(inode.0);
+            }
             // No FOPEN_KEEP_CACHE: the kernel drops the file's pages at every open, which
             // the writeback mount's shadows count on (`shadow.rs`).
             reply.opened(
@@ -1610,7 +1621,7 @@ impl fuser::Filesystem for FreeflowFs {
         offset: u64,
         data: &[u8],
         write_flags: WriteFlags,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
@@ -1624,6 +1635,13 @@ impl fuser::Filesystem for FreeflowFs {
         // the owner could not chmod the file itself.
         let kill_privileges = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
         let direct = !write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
+        // A write through an open answered past the page cache (`open_reply_flags`): the
+        // kernel dropped its pages of the range before sending it, but a read by another
+        // descriptor here may have brought the old bytes back before the write reached
+        // the handle. While the file is open for reading here they are dropped again once
+        // it has (reads reaching the handle after that are ordered after the write).
+        let past_cache =
+            open_reply_flags(self.state.writeback, flags.0) == FopenFlags::FOPEN_DIRECT_IO;
         if self.state.writeback {
             if direct {
                 self.state
@@ -1647,6 +1665,14 @@ impl fuser::Filesystem for FreeflowFs {
                     if direct {
                         let end = offset + data.len() as u64;
                         self.state.shadows.grown(inode.0, end);
+                    }
+                    if past_cache && self.state.files.is_read(inode.0) {
+                        let (state, length) = (self.state.clone(), data.len() as u64);
+                        self.spawn(async move {
+                            state.cache.drop_pages(inode.0, offset, length);
+                            reply.written(length as u32)
+                        });
+                        return;
                     }
                     return reply.written(data.len() as u32);
                 }
@@ -1679,6 +1705,9 @@ impl fuser::Filesystem for FreeflowFs {
                     if direct {
                         let end = offset + u64::from(length);
                         state.shadows.grown(inode.0, end);
+                    }
+                    if past_cache && state.files.is_read(inode.0) {
+                        state.cache.drop_pages(inode.0, offset, u64::from(length));
                     }
                     reply.written(length)
                 }
@@ -1752,6 +1781,9 @@ impl fuser::Filesystem for FreeflowFs {
             state
                 .files
                 .closed_for_writing(inode.0, || state.shadows.end(inode.0));
+        }
+        if reads(flags.0) {
+            self.state.files.closed_for_reading(inode.0);
         }
         let state = self.state.clone();
         self.spawn(async move {
@@ -2204,6 +2236,9 @@ impl fuser::Filesystem for FreeflowFs {
                                 state.shadows.begin(attr.inode, attr.size_bytes)
                             })
                             .await;
+                    }
+                    if reads(flags) {
+                        state.files.opened_for_reading(attr.inode);
                     }
                     state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
                     state.remember(attr.inode);

@@ -77,6 +77,8 @@ impl Drop for Preparing<'_> {
 pub struct OpenFiles {
     files: Mutex<HashMap<InodeId, OpenFile>>,
     writers: Mutex<Writers>,
+    /// Kernel opens with read access, by inode (one entry per inode open so).
+    readers: Mutex<HashMap<InodeId, u32>>,
     /// Wakes write opens that wait for a growth to end.
     growth_ended: tokio::sync::Notify,
 }
@@ -86,8 +88,39 @@ impl OpenFiles {
         OpenFiles {
             files: Mutex::new(HashMap::new()),
             writers: Mutex::new(Writers::default()),
+            readers: Mutex::new(HashMap::new()),
             growth_ended: tokio::sync::Notify::new(),
         }
+    }
+
+    /// The kernel is being told it opened `inode` with read access (called before the
+    /// reply, so counted before it can read).
+    pub fn opened_for_reading(&self, inode: InodeId) {
+        *self
+            .readers
+            .lock()
+            .expect("readers not poisoned")
+            .entry(inode)
+            .or_insert(0) += 1;
+    }
+
+    /// The kernel released an open of `inode` with read access.
+    pub fn closed_for_reading(&self, inode: InodeId) {
+        let mut readers = self.readers.lock().expect("readers not poisoned");
+        if let Some(count) = readers.get_mut(&inode) {
+            *count -= 1;
+            if *count == 0 {
+                readers.remove(&inode);
+            }
+        }
+    }
+
+    /// Whether the kernel has `inode` open with read access here (it may hold pages of it).
+    pub fn is_read(&self, inode: InodeId) -> bool {
+        self.readers
+            .lock()
+            .expect("readers not poisoned")
+            .contains_key(&inode)
     }
 
     fn writers(&self) -> std::sync::MutexGuard<'_, Writers> {

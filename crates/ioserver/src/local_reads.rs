@@ -107,11 +107,11 @@ async fn serve_connection(
         match exchanged? {
             Exchanged::Answered => {}
             Exchanged::Closed => return Ok(()),
-            Exchanged::Shared(name) => {
+            Exchanged::Shared(registered) => {
                 // Payloads may name the region until the client closes this connection
                 // (gate changes do not matter: every write checks the gate itself).
                 connection.closed().await;
-                regions.remove(name);
+                drop(registered);
                 return Ok(());
             }
         }
@@ -119,23 +119,36 @@ async fn serve_connection(
 }
 
 /// How one exchange ended.
-enum Exchanged {
+enum Exchanged<'a> {
     /// A descriptor (or a refusal) was sent; the next request may come.
     Answered,
     /// The peer closed the connection.
     Closed,
-    /// A region was shared under this name: the connection now only keeps it.
-    Shared(u64),
+    /// A region was shared: the connection now only keeps it.
+    Shared(Registered<'a>),
+}
+
+/// A region registered for a connection: forgotten when this goes, however the
+/// connection's task ends (an exchange dropped half way by a gate change included).
+struct Registered<'a> {
+    regions: &'a SharedRegions,
+    name: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        self.regions.remove(self.name);
+    }
 }
 
 /// One request and its answer.
-async fn exchange(
+async fn exchange<'a>(
     connection: &SeqpacketConn,
     packet: &mut [u8],
     store: &ObjectStore,
     gate: &DataGate,
-    regions: &SharedRegions,
-) -> Result<Exchanged, String> {
+    regions: &'a SharedRegions,
+) -> Result<Exchanged<'a>, String> {
     let (length, descriptor) = connection
         .recv(packet)
         .await
@@ -149,20 +162,15 @@ async fn exchange(
                 return Err("a region shared without its descriptor".into());
             };
             let answer = share_region(share.version, &descriptor, regions);
-            let name = answer.as_ref().ok().map(|shared| shared.region);
-            let sent = connection
+            let registered = answer.as_ref().ok().map(|shared| Registered {
+                regions,
+                name: shared.region,
+            });
+            connection
                 .send(&freeflow_proto::encode(&answer), None)
-                .await;
-            if let Err(error) = sent {
-                if let Some(name) = name {
-                    regions.remove(name);
-                }
-                return Err(format!("send failed: {error}"));
-            }
-            return match name {
-                Some(name) => Ok(Exchanged::Shared(name)),
-                None => Ok(Exchanged::Answered),
-            };
+                .await
+                .map_err(|error| format!("send failed: {error}"))?;
+            return Ok(registered.map_or(Exchanged::Answered, Exchanged::Shared));
         }
         Ok(LocalRequest::Open(request)) => Ok(request),
         Err(error) => Err(error),

@@ -115,6 +115,8 @@ impl Service for IoService {
         let store = &*self.store;
         let gate = &*self.gate;
         let replication = &*self.replication;
+        // A payload in a region a client on this host shared (`freeflow_rpc::shared`).
+        let shared_payload = frame.flags & freeflow_proto::frame::FLAG_SHARED_PAYLOAD != 0;
         match frame.opcode {
             WriteObject::OPCODE => {
                 handle(frame, |request: WriteObject, payload| async move {
@@ -138,6 +140,15 @@ impl Service for IoService {
                         };
                     }
                     let end = request.offset.saturating_add(payload.len() as u64);
+                    // Passed on, the bytes may still be on their way to the next member
+                    // after this request failed and the client took their place back (a
+                    // member put out, a timeout), and every member must write the same
+                    // bytes whatever the client does to its region meanwhile: copied.
+                    let payload = if shared_payload {
+                        Bytes::copy_from_slice(&payload)
+                    } else {
+                        payload
+                    };
                     let local = payload.clone();
                     let space = replication
                         .apply_and_pass_on(

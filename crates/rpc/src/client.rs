@@ -28,7 +28,7 @@ use crate::codec::{
     write_shared_frame, FrameExtras, RawFrame, SharedRef,
 };
 use crate::credit::Window;
-use crate::shared::{WriteRegion, REGION_SLOTS};
+use crate::shared::{SharedPayload, WriteRegion, REGION_SLOTS};
 use crate::transport::{Network, ReadHalf, Transport, WriteHalf};
 use crate::{ClusterKey, RpcError};
 
@@ -602,10 +602,22 @@ impl Connection {
             payload,
             shared,
         };
+        // A frame never queued never reached the server: its place is free again.
+        let unsent = |placed: &mut Option<SharedPayload>| {
+            if let Some(placed) = placed {
+                placed.answered();
+            }
+        };
         match tokio::time::timeout_at(deadline, inner.sender.send(outgoing)).await {
             Ok(Ok(())) => {}
-            Ok(Err(_)) => return Err(RpcError::Disconnected { address: address() }),
-            Err(_) => return Err(timed_out()),
+            Ok(Err(_)) => {
+                unsent(&mut placed);
+                return Err(RpcError::Disconnected { address: address() });
+            }
+            Err(_) => {
+                unsent(&mut placed);
+                return Err(timed_out());
+            }
         }
         if self.is_closed() {
             return Err(RpcError::Disconnected { address: address() });

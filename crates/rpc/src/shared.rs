@@ -14,8 +14,9 @@
 //! the payload's length as before.
 //!
 //! What keeps it safe:
-//! - the server maps only a memory file sealed against shrinking, so no client can make
-//!   its pages vanish under the server's reads (SIGBUS); it maps it read-only;
+//! - the server maps only an ordinary memory file (tmpfs) sealed against shrinking, so no
+//!   client can make its pages vanish under the server's reads (SIGBUS); it maps it
+//!   read-only;
 //! - a region is known by a random 64-bit name only its client and the server hold, and
 //!   is registered only by a peer the local socket accepts (the server's own user or
 //!   root); a frame naming another region, or bytes outside it, closes the connection;
@@ -25,7 +26,8 @@
 //!   server may still read it.
 //!
 //! A client may change the bytes of a request it has in flight: it only changes what it
-//! writes itself, as it could by sending other bytes.
+//! writes itself, as it could by sending other bytes. (The I/O server copies a replicated
+//! write's bytes before it writes and passes them on, so the copies of a stripe agree.)
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
@@ -58,8 +60,10 @@ pub struct MappedRegion {
     length: usize,
 }
 
-// SAFETY: the mapping is read-only here and lives until the last `Arc` is dropped; what
-// another process does to the pages changes the bytes seen, never their validity.
+// SAFETY: the mapping is read-only here and lives until the last `Arc` is dropped. Its
+// bytes can change under a reader (the client process writes them): the slices handed out
+// are formally shared memory another process mutates, which the server only copies out
+// (to the disk, a socket, a checksum) and never interprets.
 unsafe impl Send for MappedRegion {}
 // SAFETY: as above; nothing here mutates through the pointer.
 unsafe impl Sync for MappedRegion {}
@@ -79,6 +83,20 @@ impl MappedRegion {
         }
         if seals & libc::F_SEAL_SHRINK == 0 {
             return Err("the memory file is not sealed against shrinking".into());
+        }
+        // Ordinary shared memory only: a huge-page file can lose a page to a punched hole
+        // and fault it back with none free (SIGBUS in this process).
+        // SAFETY: statfs is plain data; fstatfs fills it or fails.
+        let mut statfs: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid descriptor and a pointer to a statfs of our own.
+        if unsafe { libc::fstatfs(raw, &mut statfs) } != 0 {
+            return Err(format!("fstatfs: {}", std::io::Error::last_os_error()));
+        }
+        if statfs.f_type != libc::TMPFS_MAGIC {
+            return Err(format!(
+                "not an ordinary memory file (file system type {:#x})",
+                statfs.f_type
+            ));
         }
         let file = std::fs::File::from(fd.try_clone().map_err(|error| error.to_string())?);
         let length = file.metadata().map_err(|error| error.to_string())?.len();
