@@ -242,6 +242,7 @@ async fn a_data_dir_of_another_server_is_refused() {
 }
 
 /// A meta server that records registrations and answers them with `cuts_owed`.
+#[derive(Default)]
 struct FakeMeta {
     registrations: Mutex<Vec<RegisterServer>>,
     cuts_owed: AtomicU32,
@@ -273,10 +274,7 @@ async fn start_fake_meta(
     address: &str,
     key: &ClusterKey,
 ) -> (Arc<FakeMeta>, tokio::task::JoinHandle<std::io::Result<()>>) {
-    let meta = Arc::new(FakeMeta {
-        registrations: Mutex::new(Vec::new()),
-        cuts_owed: AtomicU32::new(0),
-    });
+    let meta = Arc::new(FakeMeta::default());
     let listener = tokio::net::TcpListener::bind(address).await.unwrap();
     let task = tokio::spawn(freeflow_rpc::serve(
         listener,
@@ -467,6 +465,26 @@ async fn write_at_start(connection: &Connection, object: ObjectId, data: &'stati
         .unwrap();
 }
 
+/// An I/O server (io_uring engine) that also listens on a Unix socket in `directory`: the
+/// socket's path and the server.
+async fn start_on_unix_socket(
+    directory: &tempfile::TempDir,
+    key: &ClusterKey,
+    meta_address: &str,
+) -> (std::path::PathBuf, freeflow_ioserver::RunningIo) {
+    let socket = directory.path().join("io.sock");
+    let server = start(
+        IoConfig {
+            unix_socket: Some(socket.clone()),
+            ..config(directory, EngineKind::Uring, meta_address.to_owned())
+        },
+        key.clone(),
+    )
+    .await
+    .unwrap();
+    (socket, server)
+}
+
 /// One question on a local-reads socket: the answer and the descriptor with it.
 async fn ask_local(
     connection: &freeflow_rpc::local::SeqpacketConn,
@@ -501,16 +519,7 @@ async fn local_reads_hand_out_descriptors_only_while_data_is_served() {
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
     let meta_address = dead_address().await;
-    let socket = directory.path().join("io.sock");
-    let server = start(
-        IoConfig {
-            unix_socket: Some(socket.clone()),
-            ..config(&directory, EngineKind::Uring, meta_address.clone())
-        },
-        key.clone(),
-    )
-    .await
-    .unwrap();
+    let (socket, server) = start_on_unix_socket(&directory, &key, &meta_address).await;
     let local_path = std::path::PathBuf::from(local_reads_path(&socket.to_string_lossy()));
     let object = ObjectId {
         inode: 9,
@@ -594,21 +603,9 @@ async fn shared_write_payloads_land_as_written() {
         meta_listener,
         key.clone(),
         freeflow_rpc::ServerOptions::new("meta"),
-        Arc::new(FakeMeta {
-            registrations: Mutex::new(Vec::new()),
-            cuts_owed: AtomicU32::new(0),
-        }),
+        Arc::new(FakeMeta::default()),
     ));
-    let socket = directory.path().join("io.sock");
-    let server = start(
-        IoConfig {
-            unix_socket: Some(socket.clone()),
-            ..config(&directory, EngineKind::Uring, meta_address.clone())
-        },
-        key.clone(),
-    )
-    .await
-    .unwrap();
+    let (socket, server) = start_on_unix_socket(&directory, &key, &meta_address).await;
     wait_until("serving data", || server.serves_data()).await;
     let sharing = ConnectOptions {
         shared_payloads: true,
