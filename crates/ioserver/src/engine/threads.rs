@@ -96,6 +96,7 @@ fn worker_loop(receiver: &Mutex<mpsc::Receiver<Job>>, completions: &AtomicU64) {
             receiver.blocking_recv()
         };
         let Some(job) = job else { return };
+        // Counted before the answer goes: whoever has the answer sees the count.
         match job {
             Job::Write {
                 file,
@@ -103,7 +104,9 @@ fn worker_loop(receiver: &Mutex<mpsc::Receiver<Job>>, completions: &AtomicU64) {
                 data,
                 reply,
             } => {
-                let _ = reply.send(file.write_all_at(&data, offset));
+                let written = file.write_all_at(&data, offset);
+                completions.fetch_add(1, Ordering::Relaxed);
+                let _ = reply.send(written);
             }
             Job::Read {
                 file,
@@ -111,13 +114,16 @@ fn worker_loop(receiver: &Mutex<mpsc::Receiver<Job>>, completions: &AtomicU64) {
                 length_bytes,
                 reply,
             } => {
-                let _ = reply.send(read_up_to(&file, offset, length_bytes));
+                let read = read_up_to(&file, offset, length_bytes);
+                completions.fetch_add(1, Ordering::Relaxed);
+                let _ = reply.send(read);
             }
             Job::Sync { file, reply } => {
-                let _ = reply.send(file.sync_data());
+                let synced = file.sync_data();
+                completions.fetch_add(1, Ordering::Relaxed);
+                let _ = reply.send(synced);
             }
         }
-        completions.fetch_add(1, Ordering::Relaxed);
     }
 }
 
