@@ -33,19 +33,21 @@ fn config(directory: &tempfile::TempDir, engine: EngineKind, meta_address: Strin
     }
 }
 
-/// An address nothing listens on.
-async fn dead_address() -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap().to_string();
-    drop(listener);
-    address
+/// An address nothing answers at (connections are refused) until [`start_fake_meta`]
+/// listens there: the port stays bound by the returned socket, so no other test running
+/// at the same time can be handed it.
+fn dead_address() -> (String, tokio::net::TcpSocket) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let address = socket.local_addr().unwrap().to_string();
+    (address, socket)
 }
 
 async fn requests_over_rpc(engine: EngineKind) {
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
-    let meta_address = dead_address().await;
-    let (meta, meta_task) = start_fake_meta(&meta_address, &key).await;
+    let (meta_address, reserved) = dead_address();
+    let (meta, meta_task) = start_fake_meta(reserved, &key).await;
     let server = start(config(&directory, engine, meta_address), key.clone())
         .await
         .unwrap();
@@ -220,7 +222,8 @@ async fn requests_over_rpc_with_threads() {
 async fn a_data_dir_of_another_server_is_refused() {
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
-    let mut config = config(&directory, EngineKind::Threads, dead_address().await);
+    let (dead, _reserved) = dead_address();
+    let mut config = config(&directory, EngineKind::Threads, dead);
     start(config.clone(), key.clone())
         .await
         .unwrap()
@@ -270,12 +273,13 @@ impl Service for FakeMeta {
     }
 }
 
+/// A fake meta server listening on the socket [`dead_address`] reserved.
 async fn start_fake_meta(
-    address: &str,
+    reserved: tokio::net::TcpSocket,
     key: &ClusterKey,
 ) -> (Arc<FakeMeta>, tokio::task::JoinHandle<std::io::Result<()>>) {
     let meta = Arc::new(FakeMeta::default());
-    let listener = tokio::net::TcpListener::bind(address).await.unwrap();
+    let listener = reserved.listen(128).unwrap();
     let task = tokio::spawn(freeflow_rpc::serve(
         listener,
         key.clone(),
@@ -318,7 +322,7 @@ async fn refused_busy(connection: &Connection, object: ObjectId) -> String {
 async fn registers_once_the_meta_server_appears_and_serves_data_only_when_no_cut_is_owed() {
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
-    let meta_address = dead_address().await;
+    let (meta_address, reserved) = dead_address();
     let server = start(
         config(&directory, EngineKind::Uring, meta_address.clone()),
         key.clone(),
@@ -369,7 +373,7 @@ async fn registers_once_the_meta_server_appears_and_serves_data_only_when_no_cut
         .unwrap();
 
     // It appears, but says two cuts are still owed here.
-    let (meta, meta_task) = start_fake_meta(&meta_address, &key).await;
+    let (meta, meta_task) = start_fake_meta(reserved, &key).await;
     meta.cuts_owed.store(2, Ordering::SeqCst);
     wait_until("registered", || server.is_registered()).await;
     let refusal = refused_busy(&connection, object).await;
@@ -411,7 +415,8 @@ async fn a_unix_socket_is_served_and_never_taken_from_a_running_server() {
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
     let socket = directory.path().join("io.sock");
-    let mut config = config(&directory, EngineKind::Threads, dead_address().await);
+    let (dead, _reserved) = dead_address();
+    let mut config = config(&directory, EngineKind::Threads, dead);
     config.unix_socket = Some(socket.clone());
     config.advertise_address = Some(format!("unix:{}", socket.display()));
     let server = start(config.clone(), key.clone()).await.unwrap();
@@ -518,7 +523,7 @@ async fn local_reads_hand_out_descriptors_only_while_data_is_served() {
     use freeflow_rpc::local::{local_reads_path, SeqpacketConn};
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
-    let meta_address = dead_address().await;
+    let (meta_address, reserved) = dead_address();
     let (socket, server) = start_on_unix_socket(&directory, &key, &meta_address).await;
     let local_path = std::path::PathBuf::from(local_reads_path(&socket.to_string_lossy()));
     let object = ObjectId {
@@ -534,7 +539,7 @@ async fn local_reads_hand_out_descriptors_only_while_data_is_served() {
     );
     assert!(descriptor.is_none());
 
-    let (meta, meta_task) = start_fake_meta(&meta_address, &key).await;
+    let (meta, meta_task) = start_fake_meta(reserved, &key).await;
     wait_until("serving data", || server.serves_data()).await;
     let (answer, descriptor) = ask_local(&local, object).await;
     assert!(!answer.unwrap().exists, "no object yet");
