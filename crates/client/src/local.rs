@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use freeflow_proto::io::{LocalRequest, OpenForReading, OpenedForReading};
 use freeflow_proto::WireError;
-use freeflow_rpc::local::{local_reads_path, SeqpacketConn, LOCAL_PACKET_BYTES_MAX};
+use freeflow_rpc::local::{local_reads_path, SeqpacketConn};
 use freeflow_types::{ObjectId, ServerId};
 
 /// Most object descriptors one client holds for local reads at once, and at most a
@@ -206,19 +206,10 @@ async fn ask(connection: &SeqpacketConn, object: ObjectId) -> Result<Answer, Str
         version: freeflow_proto::PROTOCOL_VERSION,
         object,
     });
-    connection
-        .send(&freeflow_proto::encode(&request), None)
-        .await
-        .map_err(|error| format!("send failed: {error}"))?;
-    let mut packet = vec![0u8; LOCAL_PACKET_BYTES_MAX];
-    let (length, descriptor) = connection
-        .recv(&mut packet)
-        .await
-        .map_err(|error| format!("receive failed: {error}"))?;
-    if length == 0 {
-        return Err("the server closed the connection".into());
-    }
-    let answer = freeflow_proto::decode::<Result<OpenedForReading, WireError>>(&packet[..length])
+    let (packet, descriptor) = connection
+        .ask(&freeflow_proto::encode(&request), None)
+        .await?;
+    let answer = freeflow_proto::decode::<Result<OpenedForReading, WireError>>(&packet)
         .map_err(|error| error.message)?;
     match (answer, descriptor) {
         (Ok(opened), _) if opened.object != object => Err(format!(
@@ -361,7 +352,7 @@ mod tests {
     /// A fake server's answer to the next question on `connection`: about `about`, with
     /// `file`'s descriptor.
     async fn answer(connection: &SeqpacketConn, about: ObjectId, file: &std::fs::File) {
-        let mut packet = vec![0u8; LOCAL_PACKET_BYTES_MAX];
+        let mut packet = vec![0u8; freeflow_rpc::local::LOCAL_PACKET_BYTES_MAX];
         let (length, _) = connection.recv(&mut packet).await.unwrap();
         assert!(length > 0);
         let reply: Result<_, WireError> = Ok(OpenedForReading {

@@ -250,6 +250,29 @@ impl SeqpacketConn {
         }
     }
 
+    /// Send one request (with `descriptor` attached when given) and receive its answer:
+    /// the answer's bytes and the descriptor that came with it. Err says what failed, the
+    /// peer closing the connection included.
+    pub async fn ask(
+        &self,
+        request: &[u8],
+        descriptor: Option<BorrowedFd<'_>>,
+    ) -> Result<(Vec<u8>, Option<OwnedFd>), String> {
+        self.send(request, descriptor)
+            .await
+            .map_err(|error| format!("send failed: {error}"))?;
+        let mut packet = vec![0u8; LOCAL_PACKET_BYTES_MAX];
+        let (length, descriptor) = self
+            .recv(&mut packet)
+            .await
+            .map_err(|error| format!("receive failed: {error}"))?;
+        if length == 0 {
+            return Err("the server closed the connection".into());
+        }
+        packet.truncate(length);
+        Ok((packet, descriptor))
+    }
+
     /// Whether the peer closed its end (or the connection failed): a question to the
     /// kernel that never waits.
     pub fn hung_up(&self) -> bool {

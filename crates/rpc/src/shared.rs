@@ -39,7 +39,7 @@ use bytes::Bytes;
 use freeflow_proto::io::{LocalRequest, RegionShared, ShareRegion};
 use freeflow_proto::WireError;
 
-use crate::local::{SeqpacketConn, LOCAL_PACKET_BYTES_MAX};
+use crate::local::SeqpacketConn;
 
 /// Payloads at least this long are shared; shorter ones cost little to copy over the socket.
 pub const SHARED_PAYLOAD_MIN: usize = 32 << 10;
@@ -247,29 +247,21 @@ impl WriteRegion {
     /// at `local_path`. Must be called inside a Tokio runtime.
     pub async fn share(local_path: &Path, slots: usize) -> Result<Arc<WriteRegion>, String> {
         let length = slots.max(1) * REGION_SLOT_BYTES;
-        let file = sealed_memory_file(length).map_err(|error| format!("memory file: {error}"))?;
+        // Connected first: a server without a local socket (a meta server) costs no file.
         let connection = SeqpacketConn::connect(local_path)
             .map_err(|error| format!("connect to {}: {error}", local_path.display()))?;
+        let file = sealed_memory_file(length).map_err(|error| format!("memory file: {error}"))?;
         let request = LocalRequest::ShareRegion(ShareRegion {
             version: freeflow_proto::PROTOCOL_VERSION,
         });
-        connection
-            .send(&freeflow_proto::encode(&request), Some(file.as_fd()))
-            .await
-            .map_err(|error| format!("send: {error}"))?;
-        let mut packet = vec![0u8; LOCAL_PACKET_BYTES_MAX];
-        let (received, descriptor) = connection
-            .recv(&mut packet)
-            .await
-            .map_err(|error| format!("receive: {error}"))?;
-        if received == 0 {
-            return Err("the server closed the connection".into());
-        }
+        let (packet, descriptor) = connection
+            .ask(&freeflow_proto::encode(&request), Some(file.as_fd()))
+            .await?;
         if descriptor.is_some() {
             return Err("the server sent a descriptor".into());
         }
         let answer: Result<RegionShared, WireError> =
-            freeflow_proto::decode(&packet[..received]).map_err(|error| error.message)?;
+            freeflow_proto::decode(&packet).map_err(|error| error.message)?;
         let shared = answer.map_err(|error| error.message)?;
         // SAFETY: a fresh shared read-write mapping of the whole file, which is sealed
         // against shrinking.
