@@ -671,6 +671,71 @@ async fn read_ahead_serves_sequential_readers_and_never_hides_a_change() {
     file.close().await.expect("close");
 }
 
+/// The kernel sends a mount the reads of its read-ahead window together (four of 1 MiB for
+/// its default 4 MiB window), and they reach the handle in any order: they are still read
+/// ahead, every unit is fetched once (the first read alone is not sequential and fetches its
+/// own), and each read gets its own bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_ahead_serves_a_window_of_reads_arriving_out_of_order() {
+    const UNIT: u64 = 1 << 20;
+    const UNITS: u64 = 32;
+    const WINDOW: u64 = 4;
+    let cluster = Cluster::start_with(ClusterOptions {
+        metrics: true,
+        stripe_unit_bytes: UNIT as u32,
+        ..ClusterOptions::new(4)
+    })
+    .await;
+    let writer = cluster.client().await;
+    let mut random = Xorshift::new(11);
+    let original = random.bytes((UNITS * UNIT) as usize);
+    let file = writer
+        .open_path(
+            "/window",
+            &ClusterOpen::new().read(true).write(true).create(true),
+        )
+        .await
+        .expect("create");
+    file.write_at(0, Bytes::from(original.clone()))
+        .await
+        .expect("write");
+    file.close().await.expect("close");
+
+    let reader = cluster.client().await;
+    let file = Arc::new(
+        reader
+            .open_path("/window", &ClusterOpen::new().read(true))
+            .await
+            .expect("open"),
+    );
+    let before = io_reads(&cluster).await;
+    for window in 0..UNITS / WINDOW {
+        let mut order: Vec<u64> = (0..WINDOW).collect();
+        for at in (1..order.len()).rev() {
+            order.swap(at, random.below(at as u64 + 1) as usize);
+        }
+        let reads = order.iter().map(|index| {
+            let (file, offset) = (file.clone(), (window * WINDOW + index) * UNIT);
+            async move { (offset, file.read_at(offset, UNIT).await.expect("read")) }
+        });
+        for (offset, data) in futures::future::join_all(reads).await {
+            let at = offset as usize;
+            assert_bytes_eq(
+                &data,
+                &original[at..at + UNIT as usize],
+                &format!("read at {offset}"),
+            );
+        }
+    }
+    let requests = io_reads(&cluster).await - before;
+    assert!(
+        requests <= (UNITS + 1) as f64,
+        "{requests} requests for {UNITS} units read once each"
+    );
+    let file = Arc::into_inner(file).expect("no read holds the handle");
+    file.close().await.expect("close");
+}
+
 /// POSIX judges a size change through a descriptor by the descriptor: a user who creates a
 /// file with mode 0 may still truncate it through the descriptor the create gave.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -57,7 +57,7 @@ use futures::StreamExt;
 use tokio::sync::{watch, OwnedSemaphorePermit};
 
 use crate::plan::{plan_requests, ObjectRequest};
-use crate::readahead::{Fetch, Piece, ReadAhead, Segments};
+use crate::readahead::{Fetched, Piece, ReadAhead, Segments};
 use crate::{Client, ClientError};
 
 /// Largest single `read_at`, after clamping to the file size: the bound on the buffer one
@@ -1656,10 +1656,9 @@ impl HandleShared {
         Ok(segments)
     }
 
-    /// A read with read-ahead (see `readahead.rs`): the pieces covering the range, taken
-    /// from what was fetched ahead or fetched now, and, for a sequential reader, the next
-    /// `readahead_bytes` fetched ahead. The caller waited for this handle's writes to the
-    /// range.
+    /// A read with read-ahead (see `readahead.rs`): the pieces covering the range, fetched
+    /// ahead or started now, and, for a sequential reader, the next `readahead_bytes`
+    /// fetched ahead. The caller waited for this handle's writes to the range.
     async fn read_ahead(
         self: &Arc<Self>,
         layout: &Layout,
@@ -1669,12 +1668,11 @@ impl HandleShared {
         let piece_bytes = readahead_piece_bytes(layout);
         let end = offset + length;
         let (first, last) = (offset / piece_bytes, (end - 1) / piece_bytes);
-        let taken = {
+        let sequential = {
             let mut state = self.lock();
-            // Sequential: this read starts where the last one ended (the first read of a
-            // handle never is, so a file read once at its start costs no read-ahead).
-            let sequential = state.readahead.next == offset;
-            state.readahead.next = end;
+            // The first read of a handle never is sequential, so a file read once at its
+            // start costs no read-ahead.
+            let sequential = state.readahead.follows(offset, end);
             // Reads longer than a piece are fetched as they are (all their requests at
             // once already), without read-ahead.
             if !sequential
@@ -1683,108 +1681,59 @@ impl HandleShared {
                 || length > piece_bytes
             {
                 state.readahead.clear();
-                None
+                false
             } else {
-                let before: Vec<u64> = state
-                    .readahead
-                    .pieces
-                    .range(..first)
-                    .map(|(index, _)| *index)
-                    .collect();
-                for index in before {
-                    state.readahead.pieces.remove(&index);
-                }
-                let needed: Vec<(u64, Option<Piece>)> = (first..=last)
-                    .map(|index| (index, state.readahead.pieces.remove(&index)))
-                    .collect();
-                // What is fetched now past this read's range is kept only if no change
-                // of this handle is under way (the read waited only for its own range).
-                let quiet = !state.changing_data();
-                Some((needed, state.readahead.generation, quiet))
+                state.readahead.drop_behind(offset, piece_bytes);
+                true
             }
         };
-        let Some((needed, generation, quiet)) = taken else {
+        if !sequential {
             return self.fetch(layout, offset, length).await;
-        };
-        let size = self.local_size();
-        // The next pieces start on their way before this read waits for its own; what it
-        // needs and was not fetched ahead is fetched now, whole pieces (the rest of the
-        // last one serves the next read).
-        self.fetch_ahead(layout, last + 1, end);
-        let mut datas = Vec::with_capacity(needed.len());
-        for (index, piece) in needed {
-            let start = index * piece_bytes;
-            let piece_end = (start + piece_bytes).min(size.max(end));
-            let (data, permit) = match piece {
-                Some(Piece::Fetched(data, permit)) => (data, Some(permit)),
-                Some(Piece::Fetching(fetch, permit)) => match fetch.wait().await {
-                    Some(fetched) => (fetched, Some(permit)),
-                    // Stopped by a change meanwhile, or failed: fetch it again.
-                    None => (
-                        self.fetch_segments(layout, start, piece_end.saturating_sub(start))
-                            .await?,
-                        None,
-                    ),
-                },
-                None => (
-                    self.fetch_segments(layout, start, piece_end.saturating_sub(start))
-                        .await?,
-                    None,
-                ),
-            };
-            datas.push((start, data, permit));
         }
-        // The range from the pieces; anything they do not cover (the file grew meanwhile)
-        // is read directly.
-        let covered = datas
-            .iter()
-            .map(|(start, data, _)| start + data.len() as u64)
-            .max()
-            .unwrap_or(0);
-        let mut result = if covered >= end && datas.len() == 1 {
-            // Within one piece: a view of the reply holding it, or a copy of its bytes
-            // if it spans several.
-            Some(datas[0].1.range(offset, end))
-        } else if covered >= end {
-            let mut buffer = BytesMut::with_capacity(length as usize);
-            for (_, data, _) in &datas {
-                data.copy_into(offset, end, &mut buffer);
-            }
-            Some(buffer.freeze())
-        } else {
-            None
-        };
-        if result
-            .as_ref()
-            .is_some_and(|bytes| bytes.len() as u64 != length)
-        {
-            result = None;
-        }
-        // The last piece is kept for the next read if nothing changed meanwhile.
-        if let Some((start, data, permit)) = datas.pop() {
-            if quiet && start + data.len() as u64 > end {
-                let permit = match permit {
-                    Some(permit) => Some(permit),
-                    None => self
-                        .client
-                        .shared
-                        .readahead_room
-                        .clone()
-                        .try_acquire_many_owned(data.len() as u32)
-                        .ok(),
-                };
-                let mut state = self.lock();
-                if let (Some(permit), true) = (permit, state.readahead.generation == generation) {
+        // This read's pieces and the next ones start on their way (those not already),
+        // before this read waits for its own; none while a change of this handle is under
+        // way (the read waited only for its own range) or past the client's room.
+        self.fetch_ahead(layout, first, end);
+        let needed: Option<Vec<Fetched>> = {
+            let state = self.lock();
+            (first..=last)
+                .map(|index| {
                     state
                         .readahead
                         .pieces
-                        .insert(start / piece_bytes, Piece::Fetched(data, permit));
-                }
+                        .get(&index)
+                        .map(|piece| piece.fetched.clone())
+                })
+                .collect()
+        };
+        let Some(needed) = needed else {
+            return self.fetch(layout, offset, length).await;
+        };
+        let mut datas = Vec::with_capacity(needed.len());
+        for fetched in needed {
+            match fetched.await {
+                Some(data) => datas.push(data),
+                // Stopped by a change meanwhile, or failed: read the range itself.
+                None => return self.fetch(layout, offset, length).await,
             }
         }
-        match result {
-            Some(bytes) => Ok(bytes),
-            None => self.fetch(layout, offset, length).await,
+        // The range from the pieces: a view of the reply holding it when one does, else a
+        // copy of its bytes. Pieces do not overlap, so they cover the range exactly when
+        // as many bytes came out as the read asked for; what they do not cover (the file
+        // grew since they were fetched) is read directly.
+        let result = if let [data] = &datas[..] {
+            data.range(offset, end)
+        } else {
+            let mut buffer = BytesMut::with_capacity(length as usize);
+            for data in &datas {
+                data.copy_into(offset, end, &mut buffer);
+            }
+            buffer.freeze()
+        };
+        if result.len() as u64 == length {
+            Ok(result)
+        } else {
+            self.fetch(layout, offset, length).await
         }
     }
 
@@ -1821,7 +1770,7 @@ impl HandleShared {
                     tokio::spawn(
                         async move { shared.fetch_segments(&layout, start, length).await },
                     );
-                vacant.insert(Piece::Fetching(Fetch(task), permit));
+                vacant.insert(Piece::new(task, permit));
             }
             index += 1;
         }

@@ -1,14 +1,16 @@
 //! Read-ahead for sequential readers of a handle (`ClientConfig::readahead_bytes`).
 //!
-//! A read that starts where the handle's last read ended is sequential: the handle then
-//! fetches the next `readahead_bytes` of the file ahead of the reader, in pieces of one
-//! stripe row (so every server of the layout reads at once), each on a task of its own. A
-//! later read takes the pieces it covers (waiting for those still on their way) and keeps
-//! the rest; any other read drops them all.
+//! A read that starts near where the handle's reads have reached (within
+//! [`SEQUENTIAL_SLACK`]: the kernel sends a mount several reads of its read-ahead window at
+//! once, and they reach the handle in any order) is sequential: the handle then fetches the
+//! next `readahead_bytes` of the file ahead of the reader, in pieces of one stripe row (so
+//! every server of the layout reads at once), each on a task of its own. A piece stays until
+//! the reads have gone [`SEQUENTIAL_SLACK`] past it, and any number of reads share it (each
+//! waits for it while it is on its way); any other read drops them all.
 //!
 //! What was fetched must never be read in place of what this handle wrote: every change
 //! made through the handle (a write, a truncation, fallocate, a copy into it) and every
-//! recall of the file by another client's truncation drops the pieces, and nothing is
+//! recall of the file by another client's change drops the pieces, and nothing is
 //! fetched ahead while a write of the handle is gathered, parked or in flight. Other clients'
 //! writes are seen at the next open, as without read-ahead (close-to-open).
 //!
@@ -18,18 +20,54 @@
 use std::collections::BTreeMap;
 
 use bytes::{Bytes, BytesMut};
+use futures::future::{BoxFuture, FutureExt, Shared};
 use tokio::sync::OwnedSemaphorePermit;
-use tokio::task::JoinHandle;
+use tokio::task::{AbortHandle, JoinHandle};
 
 use crate::error::ClientError;
 
 /// Most bytes fetched ahead over all handles of a client.
 pub const READAHEAD_CLIENT_BYTES_MAX: usize = 256 << 20;
 
-/// A piece fetched ahead, by its index (file offset / piece size).
-pub(crate) enum Piece {
-    Fetching(Fetch, OwnedSemaphorePermit),
-    Fetched(Segments, OwnedSemaphorePermit),
+/// How far from where a handle's reads have reached a read may start and still count as
+/// sequential, behind or ahead: twice the largest read-ahead window the mount asks the
+/// kernel for (`MAX_READAHEAD_BYTES` there is 1 MiB; the kernel's own default is 4 MiB).
+pub const SEQUENTIAL_SLACK: u64 = 8 << 20;
+
+/// A piece's bytes once fetched (None: the fetch failed or was stopped; fetch the range
+/// again), for any number of reads at once.
+pub(crate) type Fetched = Shared<BoxFuture<'static, Option<Segments>>>;
+
+/// A piece fetched ahead or on its way, by its index (file offset / piece size). Dropping
+/// it stops its fetch and gives its room back; reads waiting for it then get None.
+pub(crate) struct Piece {
+    pub fetched: Fetched,
+    task: AbortHandle,
+    _room: OwnedSemaphorePermit,
+}
+
+impl Piece {
+    /// A piece whose bytes `task` fetches, holding `room` in the client's bound.
+    pub fn new(
+        task: JoinHandle<Result<Segments, ClientError>>,
+        room: OwnedSemaphorePermit,
+    ) -> Piece {
+        let abort = task.abort_handle();
+        let fetched = async move { task.await.ok().and_then(Result::ok) }
+            .boxed()
+            .shared();
+        Piece {
+            fetched,
+            task: abort,
+            _room: room,
+        }
+    }
+}
+
+impl Drop for Piece {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// A file range as the servers' replies gave it: one part per request, in file order,
@@ -59,6 +97,7 @@ impl Segments {
             .map_or(or, |(start, bytes)| start + bytes.len() as u64)
     }
 
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.parts.iter().map(|(_, bytes)| bytes.len()).sum()
     }
@@ -93,29 +132,10 @@ impl Segments {
     }
 }
 
-/// A fetch on its task, stopped when dropped (a cancelled read, a cleared read-ahead):
-/// nothing keeps fetching once its room in the bound is given back.
-pub(crate) struct Fetch(pub JoinHandle<Result<Segments, ClientError>>);
-
-impl Fetch {
-    /// Its result; None if the task was stopped or failed (fetch the range again).
-    pub async fn wait(mut self) -> Option<Segments> {
-        match (&mut self.0).await {
-            Ok(Ok(bytes)) => Some(bytes),
-            _ => None,
-        }
-    }
-}
-
-impl Drop for Fetch {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// The read-ahead state of one handle.
 pub(crate) struct ReadAhead {
-    /// Where the next read must start to be sequential.
+    /// Where the handle's reads have reached (the furthest end of a sequential read):
+    /// a read starting within `SEQUENTIAL_SLACK` of it is sequential.
     pub next: u64,
     /// Pieces fetched or on their way, by index.
     pub pieces: BTreeMap<u64, Piece>,
@@ -144,6 +164,19 @@ impl Default for ReadAhead {
 }
 
 impl ReadAhead {
+    /// Whether a read of `[offset, end)` is sequential, noting how far the reads reached.
+    pub fn follows(&mut self, offset: u64, end: u64) -> bool {
+        let sequential = self.next != u64::MAX && offset.abs_diff(self.next) <= SEQUENTIAL_SLACK;
+        self.next = if sequential { self.next.max(end) } else { end };
+        sequential
+    }
+
+    /// Drop the pieces that end `SEQUENTIAL_SLACK` or more before `offset`.
+    pub fn drop_behind(&mut self, offset: u64, piece_bytes: u64) {
+        let keep_from = offset.saturating_sub(SEQUENTIAL_SLACK) / piece_bytes;
+        self.pieces = self.pieces.split_off(&keep_from);
+    }
+
     /// Forget every piece (stopping those on their way).
     pub fn clear(&mut self) {
         self.generation += 1;

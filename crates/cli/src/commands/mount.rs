@@ -27,6 +27,8 @@ pub struct Options {
     pub local_reads: bool,
     /// Shared writes to I/O servers on this host (false: `--no-shared-writes`).
     pub shared_writes: bool,
+    /// The library's read-ahead per handle, in bytes (`--readahead-mib`).
+    pub readahead_bytes: u64,
     /// Serve the client's metrics on this `host:port` (None: no endpoint).
     pub metrics_address: Option<String>,
 }
@@ -47,6 +49,7 @@ impl Options {
             writeback: flags.writeback,
             local_reads: !flags.no_local_reads,
             shared_writes: !flags.no_shared_writes,
+            readahead_bytes: flags.readahead_mib << 20,
             metrics_address,
         }
     }
@@ -63,6 +66,7 @@ impl Default for Options {
             writeback: false,
             local_reads: true,
             shared_writes: true,
+            readahead_bytes: freeflow_client::READAHEAD_BYTES_DEFAULT,
             metrics_address: None,
         }
     }
@@ -188,9 +192,10 @@ async fn connect(
     let mut config = freeflow_client::ClientConfig::new(file.meta_address.clone(), key);
     config.call_timeout_ms = file.call_timeout_ms.min(options.call_timeout_ms);
     config.client_name = format!("freeflow-mount-{}", std::process::id());
-    // The kernel reads ahead for the mount (several reads in flight, not in order): the
-    // library's own read-ahead would see them as random and only get in the way.
-    config.readahead_bytes = 0;
+    // The kernel reads ahead for the mount too, but one window at a time (it sends the
+    // next window's reads once the reader has taken the last one's pages): the library
+    // fetches further ahead, from every server at once, so the disks never wait for it.
+    config.readahead_bytes = options.readahead_bytes;
     config.local_reads = options.local_reads;
     config.shared_writes = options.shared_writes;
     freeflow_client::Client::connect(config)
