@@ -66,7 +66,7 @@ impl Default for Options {
             writeback: false,
             local_reads: true,
             shared_writes: true,
-            readahead_bytes: freeflow_client::READAHEAD_BYTES_DEFAULT,
+            readahead_bytes: 0,
             metrics_address: None,
         }
     }
@@ -192,9 +192,8 @@ async fn connect(
     let mut config = freeflow_client::ClientConfig::new(file.meta_address.clone(), key);
     config.call_timeout_ms = file.call_timeout_ms.min(options.call_timeout_ms);
     config.client_name = format!("freeflow-mount-{}", std::process::id());
-    // The kernel reads ahead for the mount too, but one window at a time (it sends the
-    // next window's reads once the reader has taken the last one's pages): the library
-    // fetches further ahead, from every server at once, so the disks never wait for it.
+    // The kernel reads ahead for the mount (a window's reads at once, in any order); the
+    // library's read-ahead beyond it only with `--readahead-mib`.
     config.readahead_bytes = options.readahead_bytes;
     config.local_reads = options.local_reads;
     config.shared_writes = options.shared_writes;
