@@ -522,6 +522,73 @@ async fn two_mounts_see_each_other_at_once() {
     );
 }
 
+/// A mount that reads ahead with the library too (`--readahead-mib`) serves a sequential
+/// reader the file's bytes, and never what it fetched ahead in place of a change: its own
+/// write through another descriptor, read next through the reader's, and another mount's
+/// write and close, read after the reader's next open (close-to-open), are both seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mount_reading_ahead_never_serves_what_a_change_replaced() {
+    if !fuse_available() {
+        return;
+    }
+    const SIZE: usize = 24 << 20;
+    let cluster = Cluster::start(3).await;
+    let ahead = Mount::start(&cluster, "ahead", &["--readahead-mib", "16"]);
+    let other = Mount::start(&cluster, "other", &[]);
+    let mut random = Xorshift::new(23);
+    let mut current = random.bytes(SIZE);
+    fs::write(other.path("file"), &current).expect("write on the other mount");
+
+    // Read sequentially to 4 MiB: what lies past it is fetched ahead by then.
+    let reader = File::open(ahead.path("file")).expect("open to read");
+    let mut head = vec![0u8; 4 << 20];
+    reader.read_exact_at(&mut head, 0).expect("read the head");
+    assert_bytes_eq(&head, &current[..4 << 20], "the first 4 MiB");
+    // A write through another descriptor of this mount, into what was fetched ahead.
+    let patch = random.bytes(100_000);
+    let at = (9 << 20) + 5;
+    let writer = OpenOptions::new()
+        .write(true)
+        .open(ahead.path("file"))
+        .expect("open to write");
+    writer.write_all_at(&patch, at as u64).expect("patch");
+    drop(writer);
+    current[at..at + patch.len()].copy_from_slice(&patch);
+    let mut rest = vec![0u8; SIZE - (4 << 20)];
+    reader
+        .read_exact_at(&mut rest, 4 << 20)
+        .expect("read the rest");
+    assert_bytes_eq(
+        &rest,
+        &current[4 << 20..],
+        "the rest, after this mount's patch",
+    );
+    drop(reader);
+
+    // Read sequentially again (fetching ahead), while the other mount rewrites the middle
+    // and closes: the next open here reads the new bytes.
+    let reader = File::open(ahead.path("file")).expect("open again");
+    reader
+        .read_exact_at(&mut head, 0)
+        .expect("read the head again");
+    let rewrite = random.bytes(8 << 20);
+    let other_writer = OpenOptions::new()
+        .write(true)
+        .open(other.path("file"))
+        .expect("open on the other mount");
+    other_writer
+        .write_all_at(&rewrite, 6 << 20)
+        .expect("rewrite on the other mount");
+    drop(other_writer);
+    current[6 << 20..14 << 20].copy_from_slice(&rewrite);
+    drop(reader);
+    assert_bytes_eq(
+        &fs::read(ahead.path("file")).expect("read after the other mount's close"),
+        &current,
+        "the whole file after the other mount's rewrite",
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dd_streams_and_concurrent_half_writers() {
     if !fuse_available() {
