@@ -1618,16 +1618,8 @@ impl HandleShared {
 
     /// Read `length` bytes at `offset` from the servers, every request at once; holes and
     /// short objects read as zeros (the caller clamped the range to the size).
-    async fn fetch(&self, layout: &Layout, offset: u64, length: u64) -> Result<Bytes, ClientError> {
-        // `length` ≤ READ_LENGTH_MAX, so it fits usize.
-        Ok(self
-            .fetch_segments(layout, offset, length)
-            .await?
-            .range(offset, offset + length))
-    }
-
-    /// As `fetch`, the replies kept apart (see `Segments`): the read-ahead's pieces, which
-    /// a reader takes views of.
+    /// Read `[offset, offset + length)` from the servers (all requests at once), kept as
+    /// their replies (see `Segments`): a reader takes views of them.
     async fn fetch_segments(
         &self,
         layout: &Layout,
@@ -1664,7 +1656,7 @@ impl HandleShared {
         layout: &Layout,
         offset: u64,
         length: u64,
-    ) -> Result<Bytes, ClientError> {
+    ) -> Result<Segments, ClientError> {
         let piece_bytes = readahead_piece_bytes(layout);
         let end = offset + length;
         let (first, last) = (offset / piece_bytes, (end - 1) / piece_bytes);
@@ -1688,7 +1680,7 @@ impl HandleShared {
             }
         };
         if !sequential {
-            return self.fetch(layout, offset, length).await;
+            return self.fetch_segments(layout, offset, length).await;
         }
         // This read's pieces and the next ones start on their way (those not already),
         // before this read waits for its own; none while a change of this handle is under
@@ -1707,33 +1699,27 @@ impl HandleShared {
                 .collect()
         };
         let Some(needed) = needed else {
-            return self.fetch(layout, offset, length).await;
+            return self.fetch_segments(layout, offset, length).await;
         };
         let mut datas = Vec::with_capacity(needed.len());
         for fetched in needed {
             match fetched.await {
                 Some(data) => datas.push(data),
                 // Stopped by a change meanwhile, or failed: read the range itself.
-                None => return self.fetch(layout, offset, length).await,
+                None => return self.fetch_segments(layout, offset, length).await,
             }
         }
-        // The range from the pieces: a view of the reply holding it when one does, else a
-        // copy of its bytes. Pieces do not overlap, so they cover the range exactly when
-        // as many bytes came out as the read asked for; what they do not cover (the file
-        // grew since they were fetched) is read directly.
-        let result = if let [data] = &datas[..] {
-            data.range(offset, end)
+        // The range as views of the pieces' replies (no copy); what they do not cover (the
+        // file grew since they were fetched) is read directly.
+        let mut range = Segments::default();
+        let mut contiguous = true;
+        for data in &datas {
+            contiguous = contiguous && data.views_into(offset, end, &mut range);
+        }
+        if contiguous && range.len() as u64 == length {
+            Ok(range)
         } else {
-            let mut buffer = BytesMut::with_capacity(length as usize);
-            for data in &datas {
-                data.copy_into(offset, end, &mut buffer);
-            }
-            buffer.freeze()
-        };
-        if result.len() as u64 == length {
-            Ok(result)
-        } else {
-            self.fetch(layout, offset, length).await
+            self.fetch_segments(layout, offset, length).await
         }
     }
 
@@ -2055,6 +2041,19 @@ impl FileHandle {
     /// read as zeros. Sees every write made through this handle before the call (it waits
     /// for those still in flight that overlap the range).
     pub async fn read_at(&self, offset: u64, length: u64) -> Result<Bytes, ClientError> {
+        let segments = self.read_segments(offset, length).await?;
+        Ok(segments.range(offset, offset + segments.len() as u64))
+    }
+
+    /// As [`FileHandle::read_at`], the bytes as the servers' replies hold them, in file
+    /// order, never copied together (a reader that writes them on, such as `freeflow cp`,
+    /// saves a copy of every byte).
+    pub async fn read_parts_at(&self, offset: u64, length: u64) -> Result<Vec<Bytes>, ClientError> {
+        Ok(self.read_segments(offset, length).await?.into_parts())
+    }
+
+    /// The bytes of a read, as replies (see `Segments`): empty at or past the end.
+    async fn read_segments(&self, offset: u64, length: u64) -> Result<Segments, ClientError> {
         let shared = &self.shared;
         shared.check_open()?;
         if !shared.access.read {
@@ -2072,7 +2071,7 @@ impl FileHandle {
             size = self.learn_growth().await?;
         }
         if length == 0 || offset >= size {
-            return Ok(Bytes::new());
+            return Ok(Segments::default());
         }
         let length = length.min(size - offset);
         if length > READ_LENGTH_MAX {
@@ -2095,7 +2094,7 @@ impl FileHandle {
         if shared.client.shared.config.readahead_bytes > 0 {
             return shared.read_ahead(layout, offset, length).await;
         }
-        shared.fetch(layout, offset, length).await
+        shared.fetch_segments(layout, offset, length).await
     }
 
     /// Write `data` at `offset`. Returns once every request is in flight, gathered or

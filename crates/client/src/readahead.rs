@@ -97,7 +97,6 @@ impl Segments {
             .map_or(or, |(start, bytes)| start + bytes.len() as u64)
     }
 
-    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.parts.iter().map(|(_, bytes)| bytes.len()).sum()
     }
@@ -117,6 +116,30 @@ impl Segments {
         let mut buffer = BytesMut::with_capacity(to.saturating_sub(from) as usize);
         self.copy_into(from, to, &mut buffer);
         buffer.freeze()
+    }
+
+    /// Append views of the bytes of `[from, to)` these parts hold to `into` (no copy).
+    /// False, and nothing appended, where they would not continue `into`'s parts (a gap).
+    pub fn views_into(&self, from: u64, to: u64, into: &mut Segments) -> bool {
+        for (start, bytes) in &self.parts {
+            let end = start + bytes.len() as u64;
+            if *start < to && end > from {
+                let at = from.max(*start);
+                if !into.parts.is_empty() && into.end(at) != at {
+                    return false;
+                }
+                into.push(
+                    at,
+                    bytes.slice((at - start) as usize..(to.min(end) - start) as usize),
+                );
+            }
+        }
+        true
+    }
+
+    /// The parts' bytes, in file order.
+    pub fn into_parts(self) -> Vec<Bytes> {
+        self.parts.into_iter().map(|(_, bytes)| bytes).collect()
     }
 
     /// Copy the bytes of `[from, to)` these parts hold onto `buffer`.
@@ -205,6 +228,21 @@ mod tests {
         let across = segments.range(1090, 1120);
         let expected: Vec<u8> = (90u8..120).collect();
         assert_eq!(&across[..], &expected[..]);
+        // Views of a range across parts: the parts' own memory, in order, nothing copied.
+        let mut views = Segments::default();
+        assert!(segments.views_into(1090, 1120, &mut views));
+        let parts = views.clone().into_parts();
+        assert_eq!(parts.len(), 2);
+        assert_eq!(&parts[0][..], &first[90..]);
+        assert_eq!(parts[0].as_ptr(), first[90..].as_ptr());
+        assert_eq!(&parts[1][..], &second[..20]);
+        assert_eq!(parts[1].as_ptr(), second.as_ptr());
+        // Views continuing them from another piece are taken; a gap is refused.
+        let mut next = Segments::default();
+        next.push(1200, Bytes::from_static(b"abcdef"));
+        assert!(next.views_into(1120, 1203, &mut Segments::default()));
+        assert!(!next.views_into(1200, 1203, &mut views));
+        assert_eq!(views.len(), 30);
         let mut buffer = BytesMut::new();
         segments.copy_into(1195, 1300, &mut buffer);
         segments.copy_into(900, 1003, &mut buffer);

@@ -225,7 +225,8 @@ async fn out_of_cluster(
     let file =
         std::fs::File::create(&to).with_context(|| format!("cannot create {}", to.display()))?;
     let bar = progress(size, quiet);
-    let (sender, receiver) = std::sync::mpsc::sync_channel::<Bytes>(CHUNKS_IN_FLIGHT);
+    // A chunk goes as the servers' replies (no copy of it in one buffer first).
+    let (sender, receiver) = std::sync::mpsc::sync_channel::<Vec<Bytes>>(CHUNKS_IN_FLIGHT);
     let target_name = to.display().to_string();
     let writer = std::thread::spawn(move || write_chunks(file, receiver, sync));
 
@@ -233,13 +234,13 @@ async fn out_of_cluster(
     let offsets = (0..size.div_ceil(chunk_bytes)).map(|index| index * chunk_bytes);
     let mut reads = futures::stream::iter(offsets.map(|offset| {
         let handle = handle.clone();
-        async move { (offset, handle.read_at(offset, chunk_bytes).await) }
+        async move { (offset, handle.read_parts_at(offset, chunk_bytes).await) }
     }))
     .buffered(CHUNKS_IN_FLIGHT);
     let mut copied = 0u64;
     while let Some((offset, data)) = reads.next().await {
         let data = data.with_context(|| format!("cannot read ff:{from} at offset {offset}"))?;
-        copied += data.len() as u64;
+        copied += data.iter().map(|part| part.len() as u64).sum::<u64>();
         if sender.send(data).is_err() {
             break;
         }
@@ -263,11 +264,13 @@ async fn out_of_cluster(
 
 fn write_chunks(
     mut file: std::fs::File,
-    receiver: std::sync::mpsc::Receiver<Bytes>,
+    receiver: std::sync::mpsc::Receiver<Vec<Bytes>>,
     sync: bool,
 ) -> std::io::Result<()> {
     for chunk in receiver {
-        file.write_all(&chunk)?;
+        for part in chunk {
+            file.write_all(&part)?;
+        }
     }
     if sync {
         file.sync_all()?;
