@@ -172,21 +172,24 @@ pub async fn cat(cluster: Option<PathBuf>, path: &str) -> anyhow::Result<()> {
         let chunk_bytes = 4u64 << 20;
         let mut offset = 0u64;
         let mut out = std::io::stdout().lock();
-        loop {
-            let data = file
-                .read_at(offset, chunk_bytes)
+        'chunks: loop {
+            // The servers' replies as they are: no copy of the chunk in one buffer first.
+            let parts = file
+                .read_parts_at(offset, chunk_bytes)
                 .await
                 .with_context(|| format!("cannot read ff:{path} at offset {offset}"))?;
-            if data.is_empty() {
+            if parts.is_empty() {
                 break;
             }
-            offset += data.len() as u64;
-            if let Err(error) = out.write_all(&data) {
-                // A closed pipe (`| head`) ends the copy quietly, as cat does.
-                if error.kind() == std::io::ErrorKind::BrokenPipe {
-                    break;
+            for part in parts {
+                offset += part.len() as u64;
+                if let Err(error) = out.write_all(&part) {
+                    // A closed pipe (`| head`) ends the copy quietly, as cat does.
+                    if error.kind() == std::io::ErrorKind::BrokenPipe {
+                        break 'chunks;
+                    }
+                    return Err(error.into());
                 }
-                return Err(error.into());
             }
         }
         out.flush().ok();
