@@ -702,14 +702,27 @@ impl File {
             let mut state = self.state.lock().await;
             let handle = state.handle.clone().ok_or(None)?;
             let wanted = (span.length as u64).min(READ_LENGTH_MAX);
-            let data = handle.read_at(state.position, wanted).await.map_err(Some)?;
-            // SAFETY: `view` holds the caller's buffer exported (it cannot be resized or
-            // freed) until after this returns; `data` is at most `span.length` bytes.
-            let length = data.len().min(span.length);
-            if length > 0 {
-                unsafe {
-                    std::ptr::copy_nonoverlapping(data.as_ptr(), span.address as *mut u8, length);
+            // The servers' replies as they are, each copied once into the caller's buffer.
+            let parts = handle
+                .read_parts_at(state.position, wanted)
+                .await
+                .map_err(Some)?;
+            let mut length = 0usize;
+            for part in parts {
+                let take = part.len().min(span.length - length);
+                if take > 0 {
+                    // SAFETY: `view` holds the caller's buffer exported (it cannot be
+                    // resized or freed) until after this returns, and `length + take` is at
+                    // most `span.length`.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            part.as_ptr(),
+                            (span.address as *mut u8).add(length),
+                            take,
+                        );
+                    }
                 }
+                length += take;
             }
             state.position += length as u64;
             Ok::<usize, Option<ClientError>>(length)
@@ -732,11 +745,15 @@ impl File {
             let mut gathered: Vec<Bytes> = Vec::new();
             while wanted > 0 {
                 let asked = wanted.min(READ_LENGTH_MAX);
-                let piece = handle.read_at(state.position, asked).await.map_err(Some)?;
-                let got = piece.len() as u64;
+                // The servers' replies, copied once into the result below.
+                let parts = handle
+                    .read_parts_at(state.position, asked)
+                    .await
+                    .map_err(Some)?;
+                let got: u64 = parts.iter().map(|part| part.len() as u64).sum();
                 state.position += got;
                 wanted -= got;
-                gathered.push(piece);
+                gathered.extend(parts);
                 // Shorter than asked only at the end of the file.
                 if got < asked {
                     break;
@@ -748,7 +765,15 @@ impl File {
         if let [single] = data.as_slice() {
             return Ok(PyBytes::new(py, single));
         }
-        Ok(PyBytes::new(py, &data.concat()))
+        let total = data.iter().map(Bytes::len).sum();
+        PyBytes::new_with(py, total, |buffer| {
+            let mut at = 0;
+            for part in &data {
+                buffer[at..at + part.len()].copy_from_slice(part);
+                at += part.len();
+            }
+            Ok(())
+        })
     }
 
     /// Everything from the position to the end of the file.
