@@ -311,6 +311,20 @@ fn up_then_the_tools_then_sigint_then_up_again() {
     ]);
     let back = std::fs::read(&copied).expect("read the copy");
     common::assert_bytes_eq(&back, &original, "cp into the cluster and back");
+    // And within the cluster (each chunk's replies written on as they are).
+    ok(&["--cluster", cluster, "cp", "-q", "ff:/f", "ff:/f-copy"]);
+    let copied_within = scratch.path().join("copied-within.bin");
+    ok(&[
+        "--cluster",
+        cluster,
+        "cp",
+        "-q",
+        "ff:/f-copy",
+        copied_within.to_str().unwrap(),
+    ]);
+    let back = std::fs::read(&copied_within).expect("read the copy made within the cluster");
+    common::assert_bytes_eq(&back, &original, "cp within the cluster");
+    ok(&["--cluster", cluster, "rm", "ff:/f-copy"]);
 
     // stripe get: every one of the 4 servers holds a stripe.
     let stripes = ok(&["--cluster", cluster, "stripe", "get", "ff:/f"]);

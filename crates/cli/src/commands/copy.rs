@@ -312,19 +312,22 @@ async fn within_cluster(
     let bar = progress(size, quiet);
     let mut offset = 0u64;
     while offset < size {
-        let data = source
-            .read_at(offset, chunk_bytes)
+        // The servers' replies go on as they are (no copy of the chunk in one buffer).
+        let parts = source
+            .read_parts_at(offset, chunk_bytes)
             .await
             .with_context(|| format!("cannot read ff:{from} at offset {offset}"))?;
-        if data.is_empty() {
+        if parts.is_empty() {
             break;
         }
-        let length = data.len() as u64;
-        target
-            .write_at(offset, data)
-            .await
-            .with_context(|| format!("cannot write ff:{to} at offset {offset}"))?;
-        offset += length;
+        for part in parts {
+            let length = part.len() as u64;
+            target
+                .write_at(offset, part)
+                .await
+                .with_context(|| format!("cannot write ff:{to} at offset {offset}"))?;
+            offset += length;
+        }
         bar.set_position(offset);
     }
     finish_target(target, &to, sync).await?;
