@@ -1664,7 +1664,7 @@ impl HandleShared {
             let mut state = self.lock();
             // The first read of a handle never is sequential, so a file read once at its
             // start costs no read-ahead.
-            let sequential = state.readahead.follows(offset, end);
+            let sequential = state.readahead.follows(offset, end, first);
             // Reads longer than a piece are fetched as they are (all their requests at
             // once already), without read-ahead.
             if !sequential
@@ -1686,7 +1686,7 @@ impl HandleShared {
         // before this read waits for its own; none while a change of this handle is under
         // way (the read waited only for its own range) or past the client's room.
         self.fetch_ahead(layout, first, end);
-        let needed: Option<Vec<Fetched>> = {
+        let needed: Option<Vec<(u64, Fetched)>> = {
             let state = self.lock();
             (first..=last)
                 .map(|index| {
@@ -1694,7 +1694,7 @@ impl HandleShared {
                         .readahead
                         .pieces
                         .get(&index)
-                        .map(|piece| piece.fetched.clone())
+                        .map(|piece| (index, piece.fetched.clone()))
                 })
                 .collect()
         };
@@ -1702,11 +1702,15 @@ impl HandleShared {
             return self.fetch_segments(layout, offset, length).await;
         };
         let mut datas = Vec::with_capacity(needed.len());
-        for fetched in needed {
-            match fetched.await {
+        for (_, fetched) in &needed {
+            match fetched.clone().await {
                 Some(data) => datas.push(data),
-                // Stopped by a change meanwhile, or failed: read the range itself.
-                None => return self.fetch_segments(layout, offset, length).await,
+                // Stopped by a change meanwhile, or failed: read the range itself (a
+                // failed piece goes, so the next read fetches it again).
+                None => {
+                    self.forget_pieces(&needed);
+                    return self.fetch_segments(layout, offset, length).await;
+                }
             }
         }
         // The range as views of the pieces' replies (no copy); what they do not cover (the
@@ -1719,7 +1723,24 @@ impl HandleShared {
         if contiguous && range.len() as u64 == length {
             Ok(range)
         } else {
+            // Fetched before the file grew past them: they go, and are fetched again.
+            self.forget_pieces(&needed);
             self.fetch_segments(layout, offset, length).await
+        }
+    }
+
+    /// Drop those of `pieces` still in the read-ahead (not replaced meanwhile).
+    fn forget_pieces(&self, pieces: &[(u64, Fetched)]) {
+        let mut state = self.lock();
+        for (index, fetched) in pieces {
+            if state
+                .readahead
+                .pieces
+                .get(index)
+                .is_some_and(|piece| piece.fetched.ptr_eq(fetched))
+            {
+                state.readahead.pieces.remove(index);
+            }
         }
     }
 

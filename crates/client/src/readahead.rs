@@ -162,8 +162,6 @@ pub(crate) struct ReadAhead {
     pub next: u64,
     /// Pieces fetched or on their way, by index.
     pub pieces: BTreeMap<u64, Piece>,
-    /// Bumped at each `clear`: a piece a read took before it is not put back after.
-    pub generation: u64,
     /// Another client is changing the file (its truncation recalled this handle): nothing
     /// is fetched ahead until the handle learns the new size (`refresh`), or what is
     /// fetched between the recall and the change would be served after it.
@@ -179,7 +177,6 @@ impl Default for ReadAhead {
             // No read yet: the first read is not sequential.
             next: u64::MAX,
             pieces: BTreeMap::new(),
-            generation: 0,
             suspended: false,
             changing: 0,
         }
@@ -187,9 +184,21 @@ impl Default for ReadAhead {
 }
 
 impl ReadAhead {
-    /// Whether a read of `[offset, end)` is sequential, noting how far the reads reached.
-    pub fn follows(&mut self, offset: u64, end: u64) -> bool {
-        let sequential = self.next != u64::MAX && offset.abs_diff(self.next) <= SEQUENTIAL_SLACK;
+    /// Whether a read of `[offset, end)`, whose first piece is `first`, is sequential,
+    /// noting how far the reads reached: it takes the reads further (starting at most
+    /// `SEQUENTIAL_SLACK` past where they reached), or it starts at most that far behind
+    /// and its first piece is fetched ahead already (a read of the kernel's window that
+    /// arrived after a later one). A reader going backwards, or jumping about behind
+    /// where its reads reached, is not sequential.
+    pub fn follows(&mut self, offset: u64, end: u64, first: u64) -> bool {
+        let forward = self.next != u64::MAX
+            && end > self.next
+            && offset <= self.next.saturating_add(SEQUENTIAL_SLACK);
+        let late = self.next != u64::MAX
+            && offset <= self.next
+            && self.next - offset <= SEQUENTIAL_SLACK
+            && self.pieces.contains_key(&first);
+        let sequential = forward || late;
         self.next = if sequential { self.next.max(end) } else { end };
         sequential
     }
@@ -202,7 +211,6 @@ impl ReadAhead {
 
     /// Forget every piece (stopping those on their way).
     pub fn clear(&mut self) {
-        self.generation += 1;
         // Fetches on their way stop as they are dropped.
         self.pieces.clear();
     }
