@@ -1,8 +1,9 @@
 //! Read-ahead for sequential readers of a handle (`ClientConfig::readahead_bytes`).
 //!
-//! A read that starts near where the handle's reads have reached (within
-//! [`SEQUENTIAL_SLACK`]: the kernel sends a mount several reads of its read-ahead window at
-//! once, and they reach the handle in any order) is sequential: the handle then fetches the
+//! A read that takes the handle's reads further (starting at most [`SEQUENTIAL_SLACK`] past
+//! where they reached), or starts at most that far behind in a piece already fetched ahead
+//! (the kernel sends a mount several reads of its read-ahead window at once, and they reach
+//! the handle in any order), is sequential: the handle then fetches the
 //! next `readahead_bytes` of the file ahead of the reader, in pieces of one stripe row (so
 //! every server of the layout reads at once), each on a task of its own. A piece stays until
 //! the reads have gone [`SEQUENTIAL_SLACK`] past it, and any number of reads share it (each
