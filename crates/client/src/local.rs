@@ -259,13 +259,14 @@ impl LocalObject {
         length: usize,
     ) -> std::io::Result<Bytes> {
         // The bytes land on a page boundary, as the page cache holds them (the kernel's
-        // copy into a buffer a few bytes off one was measured slower here).
-        let mut buffer = Vec::<u8>::with_capacity(length + PAGE_BYTES - 1);
+        // copy into a buffer a few bytes off one was measured slower here), in a buffer
+        // used before where there is one (see `SpareBuffers`).
+        let mut buffer = spare_buffer(length + PAGE_BYTES - 1);
         let lead = (PAGE_BYTES - buffer.as_ptr() as usize % PAGE_BYTES) % PAGE_BYTES;
         buffer.resize(lead, 0);
         let wanted = lead + length;
         match pread(&self.file, &mut buffer, offset, length, libc::RWF_NOWAIT) {
-            Ok(done) if done == length => return Ok(Bytes::from(buffer).slice(lead..)),
+            Ok(done) if done == length => return Ok(ReadBuffer::bytes(buffer, lead)),
             // Short (part not cached, or the end of the object), none cached, or no
             // RWF_NOWAIT (or preadv2) here: the rest waits for the disk.
             Ok(_) => {}
@@ -284,10 +285,65 @@ impl LocalObject {
                     break;
                 }
             }
-            Ok(Bytes::from(buffer).slice(lead..))
+            Ok(ReadBuffer::bytes(buffer, lead))
         })
         .await
         .map_err(std::io::Error::other)?
+    }
+}
+
+/// Read buffers given back by the bytes they held, for the next local reads: a fresh
+/// buffer costs the kernel a page fault and the zeroing of every page the read lands on,
+/// which measured as much as the copy itself (`freeflow cp` out, docs/BENCHMARKS.md).
+/// Bounded by [`SPARE_BUFFER_BYTES`] over the process.
+static SPARE_BUFFERS: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+
+/// Most bytes of capacity kept in [`SPARE_BUFFERS`].
+const SPARE_BUFFER_BYTES: usize = 32 << 20;
+
+/// A buffer with room for `capacity` bytes: a spare one if one is large enough.
+fn spare_buffer(capacity: usize) -> Vec<u8> {
+    let mut spare = SPARE_BUFFERS.lock().expect("not poisoned");
+    match spare
+        .iter()
+        .position(|buffer| buffer.capacity() >= capacity)
+    {
+        Some(at) => spare.swap_remove(at),
+        None => {
+            drop(spare);
+            Vec::with_capacity(capacity)
+        }
+    }
+}
+
+/// The bytes of a local read (`lead` bytes into `buffer`); the buffer becomes a spare
+/// once the last view of them goes.
+struct ReadBuffer {
+    buffer: Vec<u8>,
+    lead: usize,
+}
+
+impl ReadBuffer {
+    fn bytes(buffer: Vec<u8>, lead: usize) -> Bytes {
+        Bytes::from_owner(ReadBuffer { buffer, lead })
+    }
+}
+
+impl AsRef<[u8]> for ReadBuffer {
+    fn as_ref(&self) -> &[u8] {
+        &self.buffer[self.lead..]
+    }
+}
+
+impl Drop for ReadBuffer {
+    fn drop(&mut self) {
+        let mut buffer = std::mem::take(&mut self.buffer);
+        buffer.clear();
+        let mut spare = SPARE_BUFFERS.lock().expect("not poisoned");
+        let kept: usize = spare.iter().map(Vec::capacity).sum();
+        if kept + buffer.capacity() <= SPARE_BUFFER_BYTES {
+            spare.push(buffer);
+        }
     }
 }
 
@@ -363,6 +419,42 @@ mod tests {
             .send(&freeflow_proto::encode(&reply), Some(file.as_fd()))
             .await
             .unwrap();
+    }
+
+    /// A read's buffer is used again once the last view of its bytes goes, empty, and the
+    /// spares stay within their bound. (Capacities of 3 MiB: no other test here reads
+    /// that much, so none takes these.)
+    #[test]
+    fn a_read_buffer_comes_back_once_its_bytes_go_and_spares_are_bounded() {
+        const CAPACITY: usize = (3 << 20) + 1;
+        let mut buffer = spare_buffer(CAPACITY);
+        buffer.extend_from_slice(&[7u8; 100]);
+        let address = buffer.as_ptr();
+        let bytes = ReadBuffer::bytes(buffer, 10);
+        assert_eq!(&bytes[..], &[7u8; 90][..]);
+        let view = bytes.slice(5..20);
+        drop(bytes);
+        // A view still holds the buffer.
+        let other = spare_buffer(CAPACITY);
+        assert_ne!(other.as_ptr(), address);
+        drop(other);
+        drop(view);
+        let again = spare_buffer(CAPACITY);
+        assert_eq!(again.as_ptr(), address, "the buffer came back");
+        assert!(again.is_empty(), "a spare comes back empty");
+        drop(again);
+
+        let many: Vec<Bytes> = (0..16)
+            .map(|_| ReadBuffer::bytes(spare_buffer(CAPACITY), 0))
+            .collect();
+        drop(many);
+        let kept: usize = SPARE_BUFFERS
+            .lock()
+            .unwrap()
+            .iter()
+            .map(Vec::capacity)
+            .sum();
+        assert!(kept <= SPARE_BUFFER_BYTES, "{kept} bytes of spares");
     }
 
     /// An answer about another object than the one asked about is refused, and a
