@@ -1616,10 +1616,9 @@ impl HandleShared {
         self.access.write
     }
 
-    /// Read `length` bytes at `offset` from the servers, every request at once; holes and
-    /// short objects read as zeros (the caller clamped the range to the size).
-    /// Read `[offset, offset + length)` from the servers (all requests at once), kept as
-    /// their replies (see `Segments`): a reader takes views of them.
+    /// Read `[offset, offset + length)` from the servers, every request at once, kept as
+    /// their replies (see `Segments`: a reader takes views of them); holes and short
+    /// objects read as zeros (the caller clamped the range to the size).
     async fn fetch_segments(
         &self,
         layout: &Layout,

@@ -260,7 +260,7 @@ impl LocalObject {
     ) -> std::io::Result<Bytes> {
         // The bytes land on a page boundary, as the page cache holds them (the kernel's
         // copy into a buffer a few bytes off one was measured slower here), in a buffer
-        // used before where there is one (see `SpareBuffers`).
+        // used before where there is one (see `SPARE_BUFFERS`).
         let mut buffer = spare_buffer(length + PAGE_BYTES - 1);
         let lead = (PAGE_BYTES - buffer.as_ptr() as usize % PAGE_BYTES) % PAGE_BYTES;
         buffer.resize(lead, 0);

@@ -31,8 +31,8 @@ use crate::error::ClientError;
 pub const READAHEAD_CLIENT_BYTES_MAX: usize = 256 << 20;
 
 /// How far from where a handle's reads have reached a read may start and still count as
-/// sequential, behind or ahead: twice the largest read-ahead window the mount asks the
-/// kernel for (`MAX_READAHEAD_BYTES` there is 1 MiB; the kernel's own default is 4 MiB).
+/// sequential (see `ReadAhead::follows`): twice the kernel's read-ahead window on a mount
+/// (the mount raises its bdi to `BDI_READAHEAD_KIB`, 4 MiB).
 pub const SEQUENTIAL_SLACK: u64 = 8 << 20;
 
 /// A piece's bytes once fetched (None: the fetch failed or was stopped; fetch the range
@@ -158,8 +158,8 @@ impl Segments {
 
 /// The read-ahead state of one handle.
 pub(crate) struct ReadAhead {
-    /// Where the handle's reads have reached (the furthest end of a sequential read):
-    /// a read starting within `SEQUENTIAL_SLACK` of it is sequential.
+    /// Where the handle's reads have reached (the furthest end of a sequential read, or
+    /// the end of the last other one); `follows` judges a read by it.
     pub next: u64,
     /// Pieces fetched or on their way, by index.
     pub pieces: BTreeMap<u64, Piece>,
