@@ -850,7 +850,7 @@ impl FreeflowFs {
         &self,
         handle: Arc<freeflow_client::FileHandle>,
         offset: u64,
-        data: &[u8],
+        data: Bytes,
         spans: &[std::ops::Range<usize>],
         kill_privileges: bool,
         reply: ReplyWrite,
@@ -860,12 +860,7 @@ impl FreeflowFs {
         };
         let pieces: Vec<(u64, Bytes)> = spans
             .iter()
-            .map(|span| {
-                (
-                    offset + span.start as u64,
-                    Bytes::copy_from_slice(&data[span.clone()]),
-                )
-            })
+            .map(|span| (offset + span.start as u64, data.slice(span.clone())))
             .collect();
         let privileged_client = kill_privileges.then(|| {
             self.state
@@ -1642,18 +1637,24 @@ impl fuser::Filesystem for FreeflowFs {
         // it has (reads reaching the handle after that are ordered after the write).
         let past_cache =
             open_reply_flags(self.state.writeback, flags.0) == FopenFlags::FOPEN_DIRECT_IO;
+        // The request buffer is reused for the next request: the data is copied out of it
+        // once, here or below.
+        let mut copied = None;
         if self.state.writeback {
             if direct {
                 self.state
                     .shadows
                     .written_directly(inode.0, offset, data.len() as u64);
             } else {
-                // Pages from the kernel's cache: only what changed here goes (`shadow.rs`).
-                let spans = self.state.shadows.write_back(inode.0, offset, data);
+                // Pages from the kernel's cache: only what changed here goes, and the
+                // shadows keep views of the copy that is sent (`shadow.rs`).
+                let bytes = Bytes::copy_from_slice(data);
+                let spans = self.state.shadows.write_back(inode.0, offset, &bytes);
                 let whole = spans.len() == 1 && spans[0] == (0..data.len());
                 if !whole {
-                    return self.write_spans(handle, offset, data, &spans, kill_privileges, reply);
+                    return self.write_spans(handle, offset, bytes, &spans, kill_privileges, reply);
                 }
+                copied = Some(bytes);
             }
         }
         if !kill_privileges {
@@ -1688,8 +1689,7 @@ impl fuser::Filesystem for FreeflowFs {
                 .client
                 .with_caller(freeflow_client::Caller::root())
         });
-        // The request buffer is reused for the next request: the data is copied once here.
-        let data = Bytes::copy_from_slice(data);
+        let data = copied.unwrap_or_else(|| Bytes::copy_from_slice(data));
         let Ok(length) = u32::try_from(data.len()) else {
             return reply.error(Errno::EINVAL);
         };

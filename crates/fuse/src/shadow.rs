@@ -34,8 +34,15 @@
 //! holds there: truncations, direct writes, `fallocate`, `copy_file_range` and failed
 //! writes drop the copies they make untrue, and a read that began before one of them is
 //! not copied). Only reads into the kernel's pages are copied (not direct reads), and only
-//! whole pages (or the page the file ends in). [`SHADOW_PAGES_MAX`] bounds the copies;
-//! past it the oldest go, and their pages are sent whole if written back (as without
+//! whole pages (or the page the file ends in).
+//!
+//! A write-back's copy is a view of the buffer the write-back came in, not a copy of its
+//! bytes (a page of its own only where that buffer ends inside the page): the bytes are
+//! copied once out of the kernel's request buffer, and that one buffer is what is sent and
+//! what is kept. A read's pages are copied together into one buffer (its answer may be a
+//! view of a larger buffer, which a view kept here would hold uncounted). A buffer stays in memory whole while any page
+//! is a view of it, so the bound, [`SHADOW_BYTES_MAX`], counts the buffers' bytes; past
+//! it the oldest copies go, and their pages are sent whole if written back (as without
 //! shadows). Where the kernel's pages are not [`PAGE_BYTES`] long nothing is copied.
 
 // A Vec of one range here is one span of bytes, not the numbers in it.
@@ -45,13 +52,19 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Mutex;
 
+use bytes::Bytes;
 use freeflow_types::InodeId;
 
 /// The kernel's page size here (x86-64, arm64 with 4 KiB pages).
 pub const PAGE_BYTES: u64 = 4096;
 
-/// Most pages copied over all files (64 MiB); past it the oldest copies go.
-pub const SHADOW_PAGES_MAX: usize = 16_384;
+/// Most bytes the copies keep in memory over all files (64 MiB, counting whole the
+/// buffers they are views of); past it the oldest copies go.
+pub const SHADOW_BYTES_MAX: usize = 64 << 20;
+
+/// The order of copies is rid of stale entries once they pass twice this many or twice
+/// the pages held.
+const SHADOW_ORDER_MIN: usize = 16_384;
 
 /// Changed bytes closer than this are sent as one span: bytes equal by chance inside what a
 /// program wrote do not cut it into pieces (a neighbour's record is longer).
@@ -64,55 +77,134 @@ const PAGE_SPANS_MAX: usize = 8;
 struct FileShadow {
     /// The most this host knows the file holds (see the module doc).
     extent: u64,
-    /// Page index → when it was copied (a number of `Table::copied`) and the page's bytes
-    /// as the kernel holds them (zeros past the file's end).
-    pages: BTreeMap<u64, (u64, Box<[u8]>)>,
+    /// Page index → the page's copy as the kernel holds it (zeros past the file's end).
+    pages: BTreeMap<u64, Page>,
     /// Moves at each change of the file here that is not a write-back (truncation, direct
     /// write, failed write): a read answered from before it is not copied.
     epoch: u64,
 }
 
+/// One page's copy: a view of the buffer a write-back or a read came in (not a copy of
+/// its bytes), or a page of its own where that buffer ends inside the page.
+struct Page {
+    /// When it was kept (a number of `Table::copied`).
+    number: u64,
+    /// The buffer its bytes are a view of (a number of `Table::buffers`).
+    buffer: u64,
+    /// [`PAGE_BYTES`] long.
+    bytes: Bytes,
+}
+
+/// A buffer that pages are views of: kept whole in memory while any of them is.
+struct Buffer {
+    length: usize,
+    pages: usize,
+}
+
 #[derive(Default)]
 struct Table {
     files: HashMap<InodeId, FileShadow>,
+    /// Pages held, over all files.
     pages: usize,
     /// Copies made so far: numbers each one.
     copied: u64,
+    /// Buffers numbered so far.
+    numbered: u64,
+    /// The buffers the held pages are views of, by number.
+    buffers: HashMap<u64, Buffer>,
+    /// Their bytes: what the copies keep in memory, at most [`SHADOW_BYTES_MAX`] (and one
+    /// buffer) past each change.
+    held_bytes: usize,
     /// Pages in the order they were copied, by number (an entry whose page was copied again
     /// or dropped since is stale and skipped): the oldest go first past
-    /// [`SHADOW_PAGES_MAX`].
+    /// [`SHADOW_BYTES_MAX`].
     order: VecDeque<(InodeId, u64, u64)>,
 }
 
 impl Table {
-    /// Keep `bytes` (zeros past them) as the copy of page `index` of `inode`.
-    fn keep(&mut self, inode: InodeId, index: u64, bytes: &[u8]) {
-        let Some(file) = self.files.get_mut(&inode) else {
+    /// Number a buffer of `length` bytes that pages will be views of.
+    fn buffer(&mut self, length: usize) -> u64 {
+        self.numbered += 1;
+        self.buffers
+            .insert(self.numbered, Buffer { length, pages: 0 });
+        self.numbered
+    }
+
+    /// A buffer numbered by [`Table::buffer`] is done with: if no page is a view of it,
+    /// it goes.
+    fn buffer_done(&mut self, buffer: u64) {
+        if self
+            .buffers
+            .get(&buffer)
+            .is_some_and(|held| held.pages == 0)
+        {
+            self.buffers.remove(&buffer);
+        }
+    }
+
+    /// Keep `bytes` (zeros past them) as the copy of page `index` of `inode`: a view of
+    /// `bytes` (of buffer `buffer`) when it is a whole page, else a page of its own.
+    fn keep(&mut self, inode: InodeId, index: u64, bytes: Bytes, buffer: u64) {
+        if !self.files.contains_key(&inode) {
+            return;
+        }
+        let (bytes, buffer) = if bytes.len() == PAGE_BYTES as usize {
+            (bytes, buffer)
+        } else {
+            let mut page = vec![0u8; PAGE_BYTES as usize];
+            page[..bytes.len()].copy_from_slice(&bytes);
+            let own = self.buffer(PAGE_BYTES as usize);
+            (Bytes::from(page), own)
+        };
+        self.copied += 1;
+        let number = self.copied;
+        let page = Page {
+            number,
+            buffer,
+            bytes,
+        };
+        self.hold(buffer);
+        let replaced = self
+            .files
+            .get_mut(&inode)
+            .and_then(|file| file.pages.insert(index, page));
+        match replaced {
+            Some(old) => self.release(old.buffer),
+            None => self.pages += 1,
+        }
+        self.order.push_back((inode, index, number));
+        self.evict();
+    }
+
+    /// A page now views `buffer`.
+    fn hold(&mut self, buffer: u64) {
+        let Some(held) = self.buffers.get_mut(&buffer) else {
             return;
         };
-        match file.pages.get_mut(&index) {
-            Some((_, page)) => {
-                page[..bytes.len()].copy_from_slice(bytes);
-                page[bytes.len()..].fill(0);
-            }
-            None => {
-                // At the bound, the oldest copy's memory takes the new one.
-                let reused = (self.pages >= SHADOW_PAGES_MAX).then(|| self.oldest());
-                let mut page = reused
-                    .flatten()
-                    .unwrap_or_else(|| vec![0u8; PAGE_BYTES as usize].into_boxed_slice());
-                page[..bytes.len()].copy_from_slice(bytes);
-                page[bytes.len()..].fill(0);
-                self.copied += 1;
-                let number = self.copied;
-                if let Some(file) = self.files.get_mut(&inode) {
-                    file.pages.insert(index, (number, page));
-                    self.pages += 1;
-                    self.order.push_back((inode, index, number));
-                }
-                self.evict();
-            }
+        held.pages += 1;
+        if held.pages == 1 {
+            self.held_bytes += held.length;
         }
+    }
+
+    /// A page viewing `buffer` went: the buffer goes with its last page.
+    fn release(&mut self, buffer: u64) {
+        let Some(held) = self.buffers.get_mut(&buffer) else {
+            return;
+        };
+        held.pages -= 1;
+        if held.pages == 0 {
+            self.held_bytes -= held.length;
+            self.buffers.remove(&buffer);
+        }
+    }
+
+    /// Take page `index` of `inode` out of the table.
+    fn remove(&mut self, inode: InodeId, index: u64) -> Option<Page> {
+        let page = self.files.get_mut(&inode)?.pages.remove(&index)?;
+        self.pages -= 1;
+        self.release(page.buffer);
+        Some(page)
     }
 
     /// Whether the order's entry stands for a copy still held.
@@ -120,29 +212,25 @@ impl Table {
         self.files
             .get(&inode)
             .and_then(|file| file.pages.get(&index))
-            .is_some_and(|(held, _)| *held == number)
+            .is_some_and(|page| page.number == number)
     }
 
-    /// Take the oldest copy out of the table.
-    fn oldest(&mut self) -> Option<Box<[u8]>> {
+    /// Drop the oldest copy; false if there is none.
+    fn drop_oldest(&mut self) -> bool {
         while let Some((inode, index, number)) = self.order.pop_front() {
-            if !self.live(inode, index, number) {
-                continue;
+            if self.live(inode, index, number) {
+                return self.remove(inode, index).is_some();
             }
-            let file = self.files.get_mut(&inode)?;
-            let (_, page) = file.pages.remove(&index)?;
-            self.pages -= 1;
-            return Some(page);
         }
-        None
+        false
     }
 
-    /// Drop the oldest copies past the bound (their pages go whole if written back), and
-    /// the order's stale entries when they outnumber the live ones (each copy has one
-    /// live entry, so the order stays within twice the bound).
+    /// Drop the oldest copies while their buffers hold more than the bound (their pages go
+    /// whole if written back), and the order's stale entries when they outnumber the live
+    /// ones (each copy has one live entry, so the order stays within twice the pages).
     fn evict(&mut self) {
-        while self.pages > SHADOW_PAGES_MAX && self.oldest().is_some() {}
-        if self.order.len() > 2 * SHADOW_PAGES_MAX.max(self.pages) {
+        while self.held_bytes > SHADOW_BYTES_MAX && self.drop_oldest() {}
+        if self.order.len() > 2 * SHADOW_ORDER_MIN.max(self.pages) {
             let order = std::mem::take(&mut self.order);
             self.order = order
                 .into_iter()
@@ -159,8 +247,7 @@ impl Table {
         file.epoch += 1;
         let gone: Vec<u64> = file.pages.range(indexes).map(|(&index, _)| index).collect();
         for index in gone {
-            file.pages.remove(&index);
-            self.pages -= 1;
+            self.remove(inode, index);
         }
     }
 }
@@ -240,8 +327,12 @@ impl Shadows {
         let Some(mut table) = self.table() else {
             return;
         };
-        if let Some(file) = table.files.remove(&inode) {
-            table.pages -= file.pages.len();
+        if let Some(file) = table.files.get(&inode) {
+            let indexes: Vec<u64> = file.pages.keys().copied().collect();
+            for index in indexes {
+                table.remove(inode, index);
+            }
+            table.files.remove(&inode);
         }
         table.evict();
     }
@@ -263,6 +354,10 @@ impl Shadows {
             return;
         }
         let ended = (data.len() as u64) < size;
+        // Copied: a reply's bytes may be a view of a larger buffer (a local read's), which
+        // a view kept here would hold in memory uncounted.
+        let data = Bytes::copy_from_slice(data);
+        let buffer = table.buffer(data.len());
         let mut at = 0u64;
         while at < size {
             if at + PAGE_BYTES > size && !ended {
@@ -270,15 +365,21 @@ impl Shadows {
             }
             let from = (at as usize).min(data.len());
             let to = ((at + PAGE_BYTES) as usize).min(data.len());
-            table.keep(inode, (offset + at) / PAGE_BYTES, &data[from..to]);
+            table.keep(
+                inode,
+                (offset + at) / PAGE_BYTES,
+                data.slice(from..to),
+                buffer,
+            );
             at += PAGE_BYTES;
         }
+        table.buffer_done(buffer);
     }
 
     /// The kernel writes back `data` at `offset` (pages from its cache): the spans to send,
     /// as offsets into `data`, in order. The shadows take the new bytes and `extent` grows
-    /// to the write's end. A file not followed is sent whole.
-    pub fn write_back(&self, inode: InodeId, offset: u64, data: &[u8]) -> Vec<Range<usize>> {
+    /// to the write's end (as views of `data`). A file not followed is sent whole.
+    pub fn write_back(&self, inode: InodeId, offset: u64, data: &Bytes) -> Vec<Range<usize>> {
         let whole = vec![0..data.len()];
         if data.is_empty() || !offset.is_multiple_of(PAGE_BYTES) {
             return whole;
@@ -290,6 +391,7 @@ impl Shadows {
             return whole;
         };
         let extent = file.extent;
+        let buffer = table.buffer(data.len());
         let mut spans: Vec<Range<usize>> = Vec::new();
         let mut add = |span: Range<usize>| match spans.last_mut() {
             Some(previous) if previous.end == span.start => previous.end = span.end,
@@ -301,9 +403,9 @@ impl Shadows {
             let bytes = &data[at..end];
             let index = (offset + at as u64) / PAGE_BYTES;
             let file = table.files.get(&inode).expect("followed above");
-            let runs = match file.pages.get(&index) {
-                Some((_, shadow)) if *bytes == shadow[..bytes.len()] => Vec::new(),
-                Some((_, shadow)) => changed_runs(bytes, &shadow[..bytes.len()]),
+            let runs = match file.pages.get(&index).map(|page| &page.bytes) {
+                Some(shadow) if *bytes == shadow[..bytes.len()] => Vec::new(),
+                Some(shadow) => changed_runs(bytes, &shadow[..bytes.len()]),
                 // The first page of a write-back begun past the end this host knows: the
                 // zeros it begins with are the kernel's filling before what was written
                 // here (a page of zeros alone was written, and goes whole).
@@ -318,9 +420,10 @@ impl Shadows {
             for run in runs {
                 add(at + run.start..at + run.end);
             }
-            table.keep(inode, index, bytes);
+            table.keep(inode, index, data.slice(at..end), buffer);
             at = end;
         }
+        table.buffer_done(buffer);
         // A write past what is known to be held ends the file: its last byte goes, so the
         // size grows as the kernel says.
         let write_end = offset + data.len() as u64;
@@ -360,12 +463,16 @@ impl Shadows {
         let Some(file) = table.files.get_mut(&inode) else {
             return;
         };
+        file.extent = size;
+        // The rest of the page the end falls in is zeros now: the page is kept again, cut
+        // there (a page of its own; the view it was may be shared).
+        let index = size / PAGE_BYTES;
         if !size.is_multiple_of(PAGE_BYTES) {
-            if let Some((_, page)) = file.pages.get_mut(&(size / PAGE_BYTES)) {
-                page[(size % PAGE_BYTES) as usize..].fill(0);
+            if let Some(page) = file.pages.get(&index) {
+                let kept = page.bytes.slice(..(size % PAGE_BYTES) as usize);
+                table.keep(inode, index, kept, 0);
             }
         }
-        file.extent = size;
     }
 
     /// Pages copied now, over all files.
@@ -422,6 +529,14 @@ mod tests {
 
     const PAGE: usize = PAGE_BYTES as usize;
 
+    /// Pages of their own the bound holds.
+    const PAGES_MAX: usize = SHADOW_BYTES_MAX / PAGE;
+
+    /// A buffer of `bytes`, as a write-back or a read comes.
+    fn b(bytes: &[u8]) -> Bytes {
+        Bytes::copy_from_slice(bytes)
+    }
+
     #[test]
     fn a_page_read_then_changed_in_part_sends_only_the_changed_span() {
         let shadows = Shadows::new(true);
@@ -432,7 +547,7 @@ mod tests {
         page[10..20].fill(b'n');
         page[PAGE + 100] = b'n';
         assert_eq!(
-            shadows.write_back(7, 0, &page[..PAGE]),
+            shadows.write_back(7, 0, &b(&page[..PAGE])),
             vec![10..20],
             "inside the file: the changed span alone"
         );
@@ -440,23 +555,26 @@ mod tests {
         shadows.begin(7, 3 * PAGE_BYTES);
         shadows.read(7, shadows.reading(7), 0, 2 * PAGE_BYTES, &old);
         assert_eq!(
-            shadows.write_back(7, 0, &page),
+            shadows.write_back(7, 0, &b(&page)),
             vec![10..20, PAGE + 100..PAGE + 101],
             "one span per changed page"
         );
         // Written back again unchanged: nothing goes.
-        assert_eq!(shadows.write_back(7, 0, &page), Vec::<Range<usize>>::new());
+        assert_eq!(
+            shadows.write_back(7, 0, &b(&page)),
+            Vec::<Range<usize>>::new()
+        );
         // Past the end: the last page goes to the write's end, for the size.
         let mut longer = page.clone();
         longer.resize(3 * PAGE + 10, b'o');
         assert_eq!(
-            shadows.write_back(7, 0, &longer),
+            shadows.write_back(7, 0, &b(&longer)),
             vec![2 * PAGE..3 * PAGE + 10],
             "a page not read inside the file goes whole, the rest to the write's end"
         );
         // Changed again: compared with what was written back, not with what was read.
         page[30] = b'm';
-        assert_eq!(shadows.write_back(7, 0, &page), vec![30..31]);
+        assert_eq!(shadows.write_back(7, 0, &b(&page)), vec![30..31]);
     }
 
     #[test]
@@ -466,32 +584,32 @@ mod tests {
         shadows.begin(3, 0);
         let mut page = vec![0u8; 2000];
         page[1000..].fill(b'a');
-        assert_eq!(shadows.write_back(3, 0, &page), vec![1000..2000]);
+        assert_eq!(shadows.write_back(3, 0, &b(&page)), vec![1000..2000]);
         // Then this host writes [3000, 3100) in the same page: [2000, 3000) is the
         // kernel's zeros, the page compares with what went out.
         let mut page = page.clone();
         page.resize(3100, 0);
         page[3000..].fill(b'b');
-        assert_eq!(shadows.write_back(3, 0, &page), vec![3000..3100]);
+        assert_eq!(shadows.write_back(3, 0, &b(&page)), vec![3000..3100]);
         // Below what the file held when opened, a page not read is sent whole.
         let shadows = Shadows::new(true);
         shadows.begin(4, 10 * PAGE_BYTES);
         let zeros = vec![0u8; PAGE];
         assert_eq!(
-            shadows.write_back(4, PAGE_BYTES, &zeros),
+            shadows.write_back(4, PAGE_BYTES, &b(&zeros)),
             vec![0..PAGE],
             "zeros written over old bytes are sent"
         );
         // Past it, a page of zeros alone is sent whole too (written, not filled).
         assert_eq!(
-            shadows.write_back(4, 20 * PAGE_BYTES, &zeros),
+            shadows.write_back(4, 20 * PAGE_BYTES, &b(&zeros)),
             vec![0..PAGE]
         );
         // A long write-back goes as one span, and each of its pages is copied.
         let shadows = Shadows::new(true);
         shadows.begin(8, 0);
         let data = vec![b'd'; 5 * PAGE + 7];
-        assert_eq!(shadows.write_back(8, 0, &data), vec![0..data.len()]);
+        assert_eq!(shadows.write_back(8, 0, &b(&data)), vec![0..data.len()]);
         assert_eq!(shadows.pages(), 6);
         // Written a second time, the page compares with its copy: records of two hosts
         // taking turns inside it each keep their own bytes.
@@ -499,14 +617,17 @@ mod tests {
         shadows.begin(10, 0);
         let mut page = vec![0u8; 1000];
         page.fill(b'a');
-        assert_eq!(shadows.write_back(10, 0, &page), vec![0..1000]);
+        assert_eq!(shadows.write_back(10, 0, &b(&page)), vec![0..1000]);
         page.resize(3000, 0);
         page[2000..].fill(b'a');
-        assert_eq!(shadows.write_back(10, 0, &page), vec![2000..3000]);
+        assert_eq!(shadows.write_back(10, 0, &b(&page)), vec![2000..3000]);
         // Zeros inside written data go with it.
         let mut page = vec![b'a'; PAGE];
         page[100..1000].fill(0);
-        assert_eq!(shadows.write_back(10, 4 * PAGE_BYTES, &page), vec![0..PAGE]);
+        assert_eq!(
+            shadows.write_back(10, 4 * PAGE_BYTES, &b(&page)),
+            vec![0..PAGE]
+        );
     }
 
     #[test]
@@ -519,7 +640,7 @@ mod tests {
         // A failed write-back: the copies may claim what never landed.
         shadows.failed(11);
         assert_eq!(shadows.pages(), 0);
-        assert_eq!(shadows.write_back(11, 0, &old[..PAGE]), vec![0..PAGE]);
+        assert_eq!(shadows.write_back(11, 0, &b(&old[..PAGE])), vec![0..PAGE]);
         // A read that began before a truncation answers with what the cut removed.
         let start = shadows.reading(11);
         shadows.truncated(11, 0);
@@ -543,17 +664,65 @@ mod tests {
         let shadows = Shadows::new(true);
         shadows.begin(14, 0);
         let page = vec![b'p'; PAGE];
-        for _ in 0..5 * SHADOW_PAGES_MAX {
-            shadows.write_back(14, 0, &page);
+        for _ in 0..5 * SHADOW_ORDER_MIN {
+            shadows.write_back(14, 0, &b(&page));
             shadows.truncated(14, 0);
         }
         let table = shadows.table().unwrap();
         assert!(
-            table.order.len() <= 2 * SHADOW_PAGES_MAX + 1,
+            table.order.len() <= 2 * SHADOW_ORDER_MIN + 1,
             "{} entries",
             table.order.len()
         );
         assert_eq!(table.pages, 0);
+    }
+
+    #[test]
+    fn copies_are_views_of_what_is_sent_and_the_bound_counts_whole_buffers() {
+        let shadows = Shadows::new(true);
+        shadows.begin(15, 0);
+        const MIB: usize = 1 << 20;
+        let first = b(&vec![b'a'; MIB]);
+        assert_eq!(shadows.write_back(15, 0, &first), vec![0..MIB]);
+        {
+            let table = shadows.table().unwrap();
+            let page = &table.files[&15].pages[&3].bytes;
+            assert_eq!(
+                page.as_ptr(),
+                first[3 * PAGE..].as_ptr(),
+                "a view of the buffer, not a copy"
+            );
+            assert_eq!(table.held_bytes, MIB);
+        }
+        // Each round writes back a MiB and then all of it but its first page again: the
+        // first buffer stays whole for one page, so each round holds about 2 MiB for 257
+        // pages. Counting pages alone would let 64 rounds (128 MiB) stay.
+        for round in 1..100u64 {
+            let at = round * MIB as u64;
+            let data = b(&vec![round as u8; MIB]);
+            shadows.write_back(15, at, &data);
+            let rest = b(&vec![round as u8 ^ 0xff; MIB - PAGE]);
+            shadows.write_back(15, at + PAGE_BYTES, &rest);
+            let table = shadows.table().unwrap();
+            assert!(
+                table.held_bytes <= SHADOW_BYTES_MAX,
+                "round {round}: {} bytes held",
+                table.held_bytes
+            );
+            let viewed: usize = table.buffers.values().map(|held| held.length).sum();
+            assert_eq!(viewed, table.held_bytes, "round {round}");
+        }
+        // The newest copies compare, the oldest went: sent whole.
+        let mut page = vec![99u8 ^ 0xff; PAGE];
+        page[7] = 0;
+        let last = 99 * MIB as u64 + PAGE_BYTES;
+        assert_eq!(shadows.write_back(15, last, &b(&page)), vec![7..8]);
+        assert_eq!(shadows.write_back(15, PAGE_BYTES, &b(&page)), vec![0..PAGE]);
+        // Everything goes at the last close, buffers too.
+        shadows.end(15);
+        let table = shadows.table().unwrap();
+        assert_eq!((table.pages, table.held_bytes), (0, 0));
+        assert!(table.buffers.is_empty());
     }
 
     /// Byte by byte: what `changed_runs` must find.
@@ -632,7 +801,7 @@ mod tests {
         shadows.written_directly(5, PAGE_BYTES + 5, 10);
         assert_eq!(shadows.pages(), 3);
         assert_eq!(
-            shadows.write_back(5, PAGE_BYTES, &vec![b'o'; PAGE]),
+            shadows.write_back(5, PAGE_BYTES, &b(&vec![b'o'; PAGE])),
             vec![0..PAGE]
         );
         // Cut to 100 bytes: pages past it go, the rest of page 0 is zeros.
@@ -640,32 +809,38 @@ mod tests {
         assert_eq!(shadows.pages(), 1);
         let mut page = vec![b'o'; 100];
         page.resize(200, b'x');
-        assert_eq!(shadows.write_back(5, 0, &page), vec![100..200]);
+        assert_eq!(shadows.write_back(5, 0, &b(&page)), vec![100..200]);
         // Not followed: sent whole.
-        assert_eq!(shadows.write_back(6, 0, &page), vec![0..200]);
+        assert_eq!(shadows.write_back(6, 0, &b(&page)), vec![0..200]);
         shadows.end(5);
         assert_eq!(shadows.pages(), 0);
         // Past the bound the oldest copies go: their pages go whole if written back.
         let shadows = Shadows::new(true);
         shadows.begin(9, u64::MAX / 2);
         let data = vec![b'o'; PAGE];
-        for index in 0..=SHADOW_PAGES_MAX as u64 {
-            shadows.read(9, shadows.reading(9), index * PAGE_BYTES, PAGE_BYTES, &data);
+        for index in 0..=PAGES_MAX as u64 {
+            shadows.read(
+                9,
+                shadows.reading(9),
+                index * PAGE_BYTES,
+                PAGE_BYTES,
+                &b(&data),
+            );
         }
-        assert_eq!(shadows.pages(), SHADOW_PAGES_MAX);
+        assert_eq!(shadows.pages(), PAGES_MAX);
         let mut changed = data.clone();
         changed[0] = b'n';
         assert_eq!(
-            shadows.write_back(9, 0, &changed),
+            shadows.write_back(9, 0, &b(&changed)),
             vec![0..PAGE],
             "the oldest"
         );
-        let last = SHADOW_PAGES_MAX as u64 * PAGE_BYTES;
+        let last = PAGES_MAX as u64 * PAGE_BYTES;
         assert_eq!(
-            shadows.write_back(9, last, &changed),
+            shadows.write_back(9, last, &b(&changed)),
             vec![0..1],
             "the newest"
         );
-        assert_eq!(shadows.pages(), SHADOW_PAGES_MAX);
+        assert_eq!(shadows.pages(), PAGES_MAX);
     }
 }
