@@ -2117,6 +2117,34 @@ impl FileHandle {
         shared.fetch_segments(layout, offset, length).await
     }
 
+    /// Grow the file to at least `end` bytes without writing a byte there: a writeback
+    /// mount's write-back that ends past what its host knows the file holds, but whose last
+    /// bytes are the kernel's filling, not the host's own (`fuse/src/shadow.rs`; writing
+    /// them would put zeros over another client's bytes). The size is committed like a
+    /// write's end (a maximum at the meta server) at the next flush, fsync or close, and
+    /// reads here see it at once. Called once the write-back's own bytes are acknowledged.
+    pub fn extend_to(&self, end: u64) -> Result<(), ClientError> {
+        let shared = &self.shared;
+        shared.check_open()?;
+        if !shared.access.write {
+            return Err(ClientError::inode(
+                shared.inode,
+                ErrorCode::BadHandle,
+                "the handle is not open for writing",
+            ));
+        }
+        {
+            let mut state = shared.lock();
+            state.known_size = state.known_size.max(end);
+            state.written_end = state.written_end.max(end);
+            state.acknowledged_end = state.acknowledged_end.max(end);
+            // A change like a write: the next flush commits the size.
+            state.writes_started += 1;
+        }
+        shared.notify();
+        Ok(())
+    }
+
     /// Write `data` at `offset`. Returns once every request is in flight, gathered or
     /// parked (see the module doc); a failure is
     /// reported by the next write, flush, fsync or close.

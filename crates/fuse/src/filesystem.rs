@@ -641,6 +641,13 @@ pub(crate) struct FreeflowFs {
     state: Arc<MountState>,
 }
 
+/// What of a write-back goes (`Shadows::write_back`): the spans of it to send, and the size
+/// the file grows to without a byte there.
+struct Spans {
+    spans: Vec<std::ops::Range<usize>>,
+    grow: Option<u64>,
+}
+
 impl FreeflowFs {
     pub fn new(state: Arc<MountState>) -> FreeflowFs {
         FreeflowFs { state }
@@ -844,21 +851,23 @@ impl FreeflowFs {
         });
     }
 
-    /// A write-back of `data` at `offset` of which only `spans` (offsets into `data`)
-    /// changed here (`shadow.rs`): those go, and the kernel is told all was written.
+    /// A write-back of `data` at `offset` of which only `sent.spans` (offsets into `data`)
+    /// changed here (`shadow.rs`): those go, the file grows to `sent.grow` once they are
+    /// acknowledged, and the kernel is told all was written.
     fn write_spans(
         &self,
         handle: Arc<freeflow_client::FileHandle>,
         offset: u64,
         data: Bytes,
-        spans: &[std::ops::Range<usize>],
+        sent: Spans,
         kill_privileges: bool,
         reply: ReplyWrite,
     ) {
         let Ok(length) = u32::try_from(data.len()) else {
             return reply.error(Errno::EINVAL);
         };
-        let pieces: Vec<(u64, Bytes)> = spans
+        let pieces: Vec<(u64, Bytes)> = sent
+            .spans
             .iter()
             .map(|span| (offset + span.start as u64, data.slice(span.clone())))
             .collect();
@@ -879,7 +888,11 @@ impl FreeflowFs {
                 .into_iter()
                 .map(|(at, piece)| handle.write_at(at, piece));
             let results = futures::future::join_all(writes).await;
-            match results.into_iter().find_map(Result::err) {
+            let mut error = results.into_iter().find_map(Result::err);
+            if let (None, Some(end)) = (&error, sent.grow) {
+                error = handle.extend_to(end).err();
+            }
+            match error {
                 None => reply.written(length),
                 Some(error) => {
                     state.shadows.failed(handle.inode());
@@ -1649,10 +1662,11 @@ impl fuser::Filesystem for FreeflowFs {
                 // Pages from the kernel's cache: only what changed here goes, and the
                 // shadows keep views of the copy that is sent (`shadow.rs`).
                 let bytes = Bytes::copy_from_slice(data);
-                let spans = self.state.shadows.write_back(inode.0, offset, &bytes);
+                let (spans, grow) = self.state.shadows.write_back(inode.0, offset, &bytes);
                 let whole = spans.len() == 1 && spans[0] == (0..data.len());
                 if !whole {
-                    return self.write_spans(handle, offset, bytes, &spans, kill_privileges, reply);
+                    let sent = Spans { spans, grow };
+                    return self.write_spans(handle, offset, bytes, sent, kill_privileges, reply);
                 }
                 copied = Some(bytes);
             }

@@ -66,6 +66,9 @@ pub const SHADOW_BYTES_MAX: usize = 64 << 20;
 /// the pages held.
 const SHADOW_ORDER_MIN: usize = 16_384;
 
+/// A page of zeros, what a page begun past the end is compared with.
+static ZEROS: [u8; PAGE_BYTES as usize] = [0; PAGE_BYTES as usize];
+
 /// Changed bytes closer than this are sent as one span: bytes equal by chance inside what a
 /// program wrote do not cut it into pieces (a neighbour's record is longer).
 const CHANGED_GAP_MIN: usize = 16;
@@ -377,10 +380,19 @@ impl Shadows {
     }
 
     /// The kernel writes back `data` at `offset` (pages from its cache): the spans to send,
-    /// as offsets into `data`, in order. The shadows take the new bytes and `extent` grows
-    /// to the write's end (as views of `data`). A file not followed is sent whole.
-    pub fn write_back(&self, inode: InodeId, offset: u64, data: &Bytes) -> Vec<Range<usize>> {
-        let whole = vec![0..data.len()];
+    /// as offsets into `data`, in order, and the size the file must grow to without a byte
+    /// sent there (the write-back's end, when it goes past what this host knows the file
+    /// holds and its last bytes are not sent: they are the kernel's filling or what the
+    /// copy says is there, and another host may have written there since). The shadows
+    /// take the new bytes (as views of `data`) and `extent` grows to the write's end. A
+    /// file not followed is sent whole.
+    pub fn write_back(
+        &self,
+        inode: InodeId,
+        offset: u64,
+        data: &Bytes,
+    ) -> (Vec<Range<usize>>, Option<u64>) {
+        let whole = (vec![0..data.len()], None);
         if data.is_empty() || !offset.is_multiple_of(PAGE_BYTES) {
             return whole;
         }
@@ -406,13 +418,17 @@ impl Shadows {
             let runs = match file.pages.get(&index).map(|page| &page.bytes) {
                 Some(shadow) if *bytes == shadow[..bytes.len()] => Vec::new(),
                 Some(shadow) => changed_runs(bytes, &shadow[..bytes.len()]),
-                // The first page of a write-back begun past the end this host knows: the
-                // zeros it begins with are the kernel's filling before what was written
-                // here (a page of zeros alone was written, and goes whole).
-                None if at == 0 && offset >= extent => {
-                    match bytes.iter().position(|&byte| byte != 0) {
-                        Some(first) => vec![first..bytes.len()],
-                        None => vec![0..bytes.len()],
+                // A page begun past the end this host knows: its zeros are the kernel's
+                // filling around what was written here (the room of other hosts' records)
+                // or zeros a program here wrote where the cluster holds nothing of this
+                // host's, which read as zeros unsent; only the runs of other bytes go (a
+                // page of zeros alone was written, and goes whole).
+                None if offset + at as u64 >= extent => {
+                    let runs = changed_runs(bytes, &ZEROS[..bytes.len()]);
+                    if runs.is_empty() {
+                        vec![0..bytes.len()]
+                    } else {
+                        runs
                     }
                 }
                 None => vec![0..bytes.len()],
@@ -424,16 +440,16 @@ impl Shadows {
             at = end;
         }
         table.buffer_done(buffer);
-        // A write past what is known to be held ends the file: its last byte goes, so the
-        // size grows as the kernel says.
+        // A write past what is known to be held ends the file there, as the kernel says;
+        // where its last bytes are not sent, the size grows without them (sending the last
+        // byte would write the kernel's zero over another host's byte).
         let write_end = offset + data.len() as u64;
-        if write_end > extent && spans.last().is_none_or(|span| span.end < data.len()) {
-            spans.push(data.len() - 1..data.len());
-        }
+        let grow = (write_end > extent && spans.last().is_none_or(|span| span.end < data.len()))
+            .then_some(write_end);
         if let Some(file) = table.files.get_mut(&inode) {
             file.extent = file.extent.max(write_end);
         }
-        spans
+        (spans, grow)
     }
 
     /// This host changes `length` bytes at `offset` past the kernel's pages (a direct
@@ -532,6 +548,13 @@ mod tests {
     /// Pages of their own the bound holds.
     const PAGES_MAX: usize = SHADOW_BYTES_MAX / PAGE;
 
+    impl Shadows {
+        /// The spans of a write-back alone.
+        fn spans(&self, inode: InodeId, offset: u64, data: &Bytes) -> Vec<Range<usize>> {
+            self.write_back(inode, offset, data).0
+        }
+    }
+
     /// A buffer of `bytes`, as a write-back or a read comes.
     fn b(bytes: &[u8]) -> Bytes {
         Bytes::copy_from_slice(bytes)
@@ -547,7 +570,7 @@ mod tests {
         page[10..20].fill(b'n');
         page[PAGE + 100] = b'n';
         assert_eq!(
-            shadows.write_back(7, 0, &b(&page[..PAGE])),
+            shadows.spans(7, 0, &b(&page[..PAGE])),
             vec![10..20],
             "inside the file: the changed span alone"
         );
@@ -555,26 +578,23 @@ mod tests {
         shadows.begin(7, 3 * PAGE_BYTES);
         shadows.read(7, shadows.reading(7), 0, 2 * PAGE_BYTES, &old);
         assert_eq!(
-            shadows.write_back(7, 0, &b(&page)),
+            shadows.spans(7, 0, &b(&page)),
             vec![10..20, PAGE + 100..PAGE + 101],
             "one span per changed page"
         );
         // Written back again unchanged: nothing goes.
-        assert_eq!(
-            shadows.write_back(7, 0, &b(&page)),
-            Vec::<Range<usize>>::new()
-        );
+        assert_eq!(shadows.spans(7, 0, &b(&page)), Vec::<Range<usize>>::new());
         // Past the end: the last page goes to the write's end, for the size.
         let mut longer = page.clone();
         longer.resize(3 * PAGE + 10, b'o');
         assert_eq!(
-            shadows.write_back(7, 0, &b(&longer)),
+            shadows.spans(7, 0, &b(&longer)),
             vec![2 * PAGE..3 * PAGE + 10],
             "a page not read inside the file goes whole, the rest to the write's end"
         );
         // Changed again: compared with what was written back, not with what was read.
         page[30] = b'm';
-        assert_eq!(shadows.write_back(7, 0, &b(&page)), vec![30..31]);
+        assert_eq!(shadows.spans(7, 0, &b(&page)), vec![30..31]);
     }
 
     #[test]
@@ -584,32 +604,29 @@ mod tests {
         shadows.begin(3, 0);
         let mut page = vec![0u8; 2000];
         page[1000..].fill(b'a');
-        assert_eq!(shadows.write_back(3, 0, &b(&page)), vec![1000..2000]);
+        assert_eq!(shadows.spans(3, 0, &b(&page)), vec![1000..2000]);
         // Then this host writes [3000, 3100) in the same page: [2000, 3000) is the
         // kernel's zeros, the page compares with what went out.
         let mut page = page.clone();
         page.resize(3100, 0);
         page[3000..].fill(b'b');
-        assert_eq!(shadows.write_back(3, 0, &b(&page)), vec![3000..3100]);
+        assert_eq!(shadows.spans(3, 0, &b(&page)), vec![3000..3100]);
         // Below what the file held when opened, a page not read is sent whole.
         let shadows = Shadows::new(true);
         shadows.begin(4, 10 * PAGE_BYTES);
         let zeros = vec![0u8; PAGE];
         assert_eq!(
-            shadows.write_back(4, PAGE_BYTES, &b(&zeros)),
+            shadows.spans(4, PAGE_BYTES, &b(&zeros)),
             vec![0..PAGE],
             "zeros written over old bytes are sent"
         );
         // Past it, a page of zeros alone is sent whole too (written, not filled).
-        assert_eq!(
-            shadows.write_back(4, 20 * PAGE_BYTES, &b(&zeros)),
-            vec![0..PAGE]
-        );
+        assert_eq!(shadows.spans(4, 20 * PAGE_BYTES, &b(&zeros)), vec![0..PAGE]);
         // A long write-back goes as one span, and each of its pages is copied.
         let shadows = Shadows::new(true);
         shadows.begin(8, 0);
         let data = vec![b'd'; 5 * PAGE + 7];
-        assert_eq!(shadows.write_back(8, 0, &b(&data)), vec![0..data.len()]);
+        assert_eq!(shadows.spans(8, 0, &b(&data)), vec![0..data.len()]);
         assert_eq!(shadows.pages(), 6);
         // Written a second time, the page compares with its copy: records of two hosts
         // taking turns inside it each keep their own bytes.
@@ -617,16 +634,74 @@ mod tests {
         shadows.begin(10, 0);
         let mut page = vec![0u8; 1000];
         page.fill(b'a');
-        assert_eq!(shadows.write_back(10, 0, &b(&page)), vec![0..1000]);
+        assert_eq!(shadows.spans(10, 0, &b(&page)), vec![0..1000]);
         page.resize(3000, 0);
         page[2000..].fill(b'a');
-        assert_eq!(shadows.write_back(10, 0, &b(&page)), vec![2000..3000]);
-        // Zeros inside written data go with it.
+        assert_eq!(shadows.spans(10, 0, &b(&page)), vec![2000..3000]);
+        // Past the end this host knows, zeros go unsent wherever they are in a page (the
+        // cluster holds nothing of this host's there, so they read as zeros anyway).
         let mut page = vec![b'a'; PAGE];
         page[100..1000].fill(0);
         assert_eq!(
-            shadows.write_back(10, 4 * PAGE_BYTES, &b(&page)),
-            vec![0..PAGE]
+            shadows.spans(10, 4 * PAGE_BYTES, &b(&page)),
+            vec![0..100, 1000..PAGE]
+        );
+        // So in every page of a long write-back begun past the end, not only its first:
+        // this host's records with the room of another host's between them.
+        let shadows = Shadows::new(true);
+        shadows.begin(16, 0);
+        let mut pages = vec![0u8; 3 * PAGE];
+        for record in [
+            0..1000,
+            2000..3000,
+            4000..5000,
+            6000..7000,
+            8000..9000,
+            10_000..11_000,
+        ] {
+            pages[record].fill(b'r');
+        }
+        assert_eq!(
+            shadows.spans(16, 0, &b(&pages)),
+            vec![
+                0..1000,
+                2000..3000,
+                4000..5000,
+                6000..7000,
+                8000..9000,
+                10_000..11_000
+            ],
+            "the zeros between the records stay unsent in the second and third pages too"
+        );
+    }
+
+    #[test]
+    fn a_write_back_past_the_end_grows_the_file_without_sending_its_last_zeros() {
+        let shadows = Shadows::new(true);
+        shadows.begin(20, 0);
+        let mut page = vec![b'a'; 1000];
+        assert_eq!(shadows.write_back(20, 0, &b(&page)), (vec![0..1000], None));
+        // This kernel has since learned the file is longer (another host wrote past it) and
+        // writes the page back whole, with bytes of its own at 1000 and its zeros past
+        // them, where the other host's bytes may be: they are not sent, the size grows.
+        page.resize(PAGE, 0);
+        page[1000..1500].fill(b'b');
+        assert_eq!(
+            shadows.write_back(20, 0, &b(&page)),
+            (vec![1000..1500], Some(PAGE_BYTES)),
+            "the zeros at the end stay unsent"
+        );
+        // Nothing past what it knows now: no growth asked.
+        page[2000] = b'c';
+        assert_eq!(
+            shadows.write_back(20, 0, &b(&page)),
+            (vec![2000..2001], None)
+        );
+        // A write-back whose last byte is sent needs none either.
+        let tail = vec![b'd'; 10];
+        assert_eq!(
+            shadows.write_back(20, 2 * PAGE_BYTES, &b(&tail)),
+            (vec![0..10], None)
         );
     }
 
@@ -640,7 +715,7 @@ mod tests {
         // A failed write-back: the copies may claim what never landed.
         shadows.failed(11);
         assert_eq!(shadows.pages(), 0);
-        assert_eq!(shadows.write_back(11, 0, &b(&old[..PAGE])), vec![0..PAGE]);
+        assert_eq!(shadows.spans(11, 0, &b(&old[..PAGE])), vec![0..PAGE]);
         // A read that began before a truncation answers with what the cut removed.
         let start = shadows.reading(11);
         shadows.truncated(11, 0);
@@ -665,7 +740,7 @@ mod tests {
         shadows.begin(14, 0);
         let page = vec![b'p'; PAGE];
         for _ in 0..5 * SHADOW_ORDER_MIN {
-            shadows.write_back(14, 0, &b(&page));
+            shadows.spans(14, 0, &b(&page));
             shadows.truncated(14, 0);
         }
         let table = shadows.table().unwrap();
@@ -683,7 +758,7 @@ mod tests {
         shadows.begin(15, 0);
         const MIB: usize = 1 << 20;
         let first = b(&vec![b'a'; MIB]);
-        assert_eq!(shadows.write_back(15, 0, &first), vec![0..MIB]);
+        assert_eq!(shadows.spans(15, 0, &first), vec![0..MIB]);
         {
             let table = shadows.table().unwrap();
             let page = &table.files[&15].pages[&3].bytes;
@@ -700,9 +775,9 @@ mod tests {
         for round in 1..100u64 {
             let at = round * MIB as u64;
             let data = b(&vec![round as u8; MIB]);
-            shadows.write_back(15, at, &data);
+            shadows.spans(15, at, &data);
             let rest = b(&vec![round as u8 ^ 0xff; MIB - PAGE]);
-            shadows.write_back(15, at + PAGE_BYTES, &rest);
+            shadows.spans(15, at + PAGE_BYTES, &rest);
             let table = shadows.table().unwrap();
             assert!(
                 table.held_bytes <= SHADOW_BYTES_MAX,
@@ -716,8 +791,8 @@ mod tests {
         let mut page = vec![99u8 ^ 0xff; PAGE];
         page[7] = 0;
         let last = 99 * MIB as u64 + PAGE_BYTES;
-        assert_eq!(shadows.write_back(15, last, &b(&page)), vec![7..8]);
-        assert_eq!(shadows.write_back(15, PAGE_BYTES, &b(&page)), vec![0..PAGE]);
+        assert_eq!(shadows.spans(15, last, &b(&page)), vec![7..8]);
+        assert_eq!(shadows.spans(15, PAGE_BYTES, &b(&page)), vec![0..PAGE]);
         // Everything goes at the last close, buffers too.
         shadows.end(15);
         let table = shadows.table().unwrap();
@@ -801,7 +876,7 @@ mod tests {
         shadows.written_directly(5, PAGE_BYTES + 5, 10);
         assert_eq!(shadows.pages(), 3);
         assert_eq!(
-            shadows.write_back(5, PAGE_BYTES, &b(&vec![b'o'; PAGE])),
+            shadows.spans(5, PAGE_BYTES, &b(&vec![b'o'; PAGE])),
             vec![0..PAGE]
         );
         // Cut to 100 bytes: pages past it go, the rest of page 0 is zeros.
@@ -809,9 +884,9 @@ mod tests {
         assert_eq!(shadows.pages(), 1);
         let mut page = vec![b'o'; 100];
         page.resize(200, b'x');
-        assert_eq!(shadows.write_back(5, 0, &b(&page)), vec![100..200]);
+        assert_eq!(shadows.spans(5, 0, &b(&page)), vec![100..200]);
         // Not followed: sent whole.
-        assert_eq!(shadows.write_back(6, 0, &b(&page)), vec![0..200]);
+        assert_eq!(shadows.spans(6, 0, &b(&page)), vec![0..200]);
         shadows.end(5);
         assert_eq!(shadows.pages(), 0);
         // Past the bound the oldest copies go: their pages go whole if written back.
@@ -831,13 +906,13 @@ mod tests {
         let mut changed = data.clone();
         changed[0] = b'n';
         assert_eq!(
-            shadows.write_back(9, 0, &b(&changed)),
+            shadows.spans(9, 0, &b(&changed)),
             vec![0..PAGE],
             "the oldest"
         );
         let last = PAGES_MAX as u64 * PAGE_BYTES;
         assert_eq!(
-            shadows.write_back(9, last, &b(&changed)),
+            shadows.spans(9, last, &b(&changed)),
             vec![0..1],
             "the newest"
         );
