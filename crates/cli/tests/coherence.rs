@@ -972,6 +972,63 @@ async fn a_reader_holding_a_file_open_on_a_writeback_mount_sees_another_mounts_a
     assert_eq!(String::from_utf8_lossy(&after), line);
 }
 
+/// A file held open for writing on a writeback mount while another mount appends to it and
+/// closes: the kernel keeps this host's size while the write open is here, and shows the
+/// other mount's growth once it closes (`after_last_write_close`): by path, to a reader
+/// that still holds it, and to an open after the close. Without it the older size stayed
+/// while the lease was renewed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writeback_mounts_last_write_close_shows_growth_made_elsewhere_meanwhile() {
+    if !fuse_available() {
+        return;
+    }
+    let cluster = coherence_cluster(1_000).await;
+    let here = Mount::start(&cluster, "a", &["--writeback"]);
+    let elsewhere = Mount::start(&cluster, "b", &["--writeback"]);
+    for (round, keep_reader) in [(0, false), (1, true)] {
+        let name = format!("grown{round}");
+        let mut writer = File::create(here.path(&name)).unwrap();
+        writer.write_all(&[b'h'; 1000]).unwrap();
+        writer.sync_all().unwrap();
+        let reader = keep_reader.then(|| File::open(here.path(&name)).unwrap());
+        // The other mount appends and closes while this one holds the file open for
+        // writing.
+        append(&elsewhere.path(&name), &"e".repeat(5000));
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(
+            writer.metadata().unwrap().len(),
+            1000,
+            "round {round}: the kernel keeps this host's size while it writes here"
+        );
+        drop(writer);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut size = 0;
+        while Instant::now() < deadline {
+            size = fs::metadata(here.path(&name)).unwrap().len();
+            if size == 6000 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(
+            size, 6000,
+            "round {round}: the growth shows after the last write close"
+        );
+        let mut expected = vec![b'h'; 1000];
+        expected.extend_from_slice(&[b'e'; 5000]);
+        assert_eq!(
+            fs::read(here.path(&name)).unwrap(),
+            expected,
+            "round {round}"
+        );
+        if let Some(mut reader) = reader {
+            let mut held = Vec::new();
+            reader.read_to_end(&mut held).unwrap();
+            assert_eq!(held, expected, "round {round}: through the descriptor held");
+        }
+    }
+}
+
 /// A writeback mount's kernel writes a file's change time inside each unlink of it; the
 /// mount answers that from what it keeps while the unlink, answered ahead, is on its way
 /// (`times_of_unlinked`). The link counts the kernel then holds are right, through a

@@ -647,6 +647,11 @@ impl KernelCache {
             .collect()
     }
 
+    /// The names the kernel holds the regular file `inode` under (writeback mounts).
+    pub fn held_names(&self, inode: InodeId) -> Vec<(InodeId, String)> {
+        self.index().held.get(&inode).cloned().unwrap_or_default()
+    }
+
     /// Make the kernel drop `name` of `parent`, so that the regular file behind it is
     /// evicted once nothing uses it (a writeback mount handed it out without a lease on
     /// its attributes: the size the kernel took with it must not outlive this access).

@@ -100,6 +100,10 @@ pub(crate) struct MountState {
     /// Writeback mounts: the pages of files open for writing as the kernel got them, so
     /// that a page written back carries only what changed here (`shadow.rs`).
     pub shadows: Shadows,
+    /// Writeback mounts: files open for writing here that another client grew meanwhile
+    /// (`follow_growth` leaves the kernel's size alone while a write open is here); their
+    /// last write close here shows the kernel the new size.
+    grown_elsewhere: Mutex<std::collections::HashSet<InodeId>>,
 }
 
 impl MountState {
@@ -122,6 +126,7 @@ impl MountState {
             cache: Arc::new(KernelCache::new(options.writeback)),
             writeback: options.writeback,
             shadows: Shadows::new(options.writeback),
+            grown_elsewhere: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -383,6 +388,42 @@ impl MountState {
         admission
     }
 
+    /// The last write open of `inode` here closed: if another client grew the file
+    /// meanwhile, the kernel still has this host's size of it. Raise it if the file is
+    /// still open here (for reading), or have the kernel drop the file, so that the next
+    /// open takes the size afresh.
+    fn after_last_write_close(self: &Arc<Self>, inode: InodeId) {
+        let grown = self
+            .grown_elsewhere
+            .lock()
+            .expect("not poisoned")
+            .remove(&inode);
+        if !grown {
+            return;
+        }
+        let state = self.clone();
+        self.runtime.spawn(async move {
+            if state.files.get(inode).is_some() {
+                state.follow_growth(inode).await;
+            } else {
+                state.evict_held(inode).await;
+            }
+        });
+    }
+
+    /// Have the kernel drop the regular file `inode` under every name it holds it as (once
+    /// nothing uses it), so that its next lookup takes the size afresh.
+    async fn evict_held(&self, inode: InodeId) {
+        let (cache, names) = (self.cache.clone(), self.cache.held_names(inode));
+        // The kernel may hold a directory's lock for a request of this mount.
+        let _ = tokio::task::spawn_blocking(move || {
+            for (parent, name) in names {
+                cache.evict_name(parent, &name);
+            }
+        })
+        .await;
+    }
+
     /// A regular file the kernel holds open here on a writeback mount, whose attribute
     /// lease ran out or was revoked (the kernel keeps its own size of it and ignores the
     /// meta server's): take a lease on its attributes again, so that the next change
@@ -411,13 +452,30 @@ impl MountState {
             self.attribute_time_out(&mut admission, &lease, inode);
         }
         let known = from.told.unwrap_or(0);
-        if attr.kind != FileKind::Regular
-            || attr.size_bytes <= known
-            || self.files.is_written(inode)
-        {
+        if attr.kind != FileKind::Regular || attr.size_bytes <= known {
             return;
         }
+        if self.files.is_written(inode) {
+            // Shown at the last write close here (`after_last_write_close`).
+            self.grown_elsewhere
+                .lock()
+                .expect("not poisoned")
+                .insert(inode);
+            if self.files.is_written(inode) {
+                return;
+            }
+            // Closed meanwhile: shown here and now.
+            self.grown_elsewhere
+                .lock()
+                .expect("not poisoned")
+                .remove(&inode);
+        }
         let Some((handle, reads)) = self.files.get_for_reading(inode) else {
+            // Closed here since the sweep found it open: the kernel still has the size it
+            // had then.
+            if self.files.get(inode).is_none() {
+                self.evict_held(inode).await;
+            }
             return;
         };
         let size = match handle.learn_growth().await {
@@ -1792,9 +1850,14 @@ impl fuser::Filesystem for FreeflowFs {
     ) {
         if writes(flags.0) {
             let state = &self.state;
-            state
-                .files
-                .closed_for_writing(inode.0, || state.shadows.end(inode.0));
+            let mut last = false;
+            state.files.closed_for_writing(inode.0, || {
+                state.shadows.end(inode.0);
+                last = true;
+            });
+            if last {
+                state.after_last_write_close(inode.0);
+            }
         }
         if reads(flags.0) {
             self.state.files.closed_for_reading(inode.0);
