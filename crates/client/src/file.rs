@@ -227,6 +227,10 @@ struct HandleState {
     written_end: u64,
     /// Highest end of any write acknowledged by its server.
     acknowledged_end: u64,
+    /// A growth without bytes (`FileHandle::extend_to`) waiting for the writes started
+    /// before it: (the last of them, the end), joined to `acknowledged_end` once they are
+    /// all acknowledged.
+    pending_extension: Option<(u64, u64)>,
     /// Count of `write_at` calls (the last write's sequence number), and its value when a
     /// commit last covered all of them.
     writes_started: u64,
@@ -489,6 +493,12 @@ impl HandleState {
     /// Register a commit of the acknowledged size (the caller checked no truncation is
     /// pending).
     fn start_commit(&mut self, covers_writes: u64, durable: bool) -> CommitTicket {
+        if let Some((through, end)) = self.pending_extension {
+            if self.writes_done_through(through) {
+                self.acknowledged_end = self.acknowledged_end.max(end);
+                self.pending_extension = None;
+            }
+        }
         self.commits_running += 1;
         CommitTicket {
             size_bytes: self.acknowledged_end,
@@ -571,6 +581,9 @@ impl Truncation {
                 state.known_size = size;
                 state.written_end = state.written_end.min(size);
                 state.acknowledged_end = state.acknowledged_end.min(size);
+                state.pending_extension = state
+                    .pending_extension
+                    .map(|(through, end)| (through, end.min(size)));
                 // Reports from before the cut are stale; the meta server has the cut's own.
                 state.stripe_space.clear();
                 state.attr = attr.clone();
@@ -1905,6 +1918,7 @@ impl FileHandle {
                 attr,
                 written_end: 0,
                 acknowledged_end: 0,
+                pending_extension: None,
                 writes_started: 0,
                 writes_committed: 0,
                 last_commit: Instant::now(),
@@ -2121,8 +2135,9 @@ impl FileHandle {
     /// mount's write-back that ends past what its host knows the file holds, but whose last
     /// bytes are the kernel's filling, not the host's own (`fuse/src/shadow.rs`; writing
     /// them would put zeros over another client's bytes). The size is committed like a
-    /// write's end (a maximum at the meta server) at the next flush, fsync or close, and
-    /// reads here see it at once. Called once the write-back's own bytes are acknowledged.
+    /// write's end (a maximum at the meta server) by the first commit after every write
+    /// started before this call is acknowledged (readers elsewhere never see a size
+    /// covering bytes still on their way); reads here see it at once.
     pub fn extend_to(&self, end: u64) -> Result<(), ClientError> {
         let shared = &self.shared;
         shared.check_open()?;
@@ -2137,9 +2152,13 @@ impl FileHandle {
             let mut state = shared.lock();
             state.known_size = state.known_size.max(end);
             state.written_end = state.written_end.max(end);
-            state.acknowledged_end = state.acknowledged_end.max(end);
             // A change like a write: the next flush commits the size.
             state.writes_started += 1;
+            let through = state.writes_started;
+            let end = state
+                .pending_extension
+                .map_or(end, |(_, pending)| pending.max(end));
+            state.pending_extension = Some((through, end));
         }
         shared.notify();
         Ok(())

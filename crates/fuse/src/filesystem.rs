@@ -390,7 +390,7 @@ impl MountState {
 
     /// The last write open of `inode` here closed: if another client grew the file
     /// meanwhile, the kernel still has this host's size of it. Raise it if the file is
-    /// still open here (for reading), or have the kernel drop the file, so that the next
+    /// still open here for reading, or have the kernel drop the file, so that the next
     /// open takes the size afresh.
     fn after_last_write_close(self: &Arc<Self>, inode: InodeId) {
         let grown = self
@@ -403,7 +403,7 @@ impl MountState {
         }
         let state = self.clone();
         self.runtime.spawn(async move {
-            if state.files.get(inode).is_some() {
+            if state.files.is_read(inode) {
                 state.follow_growth(inode).await;
             } else {
                 state.evict_held(inode).await;
@@ -456,7 +456,12 @@ impl MountState {
             return;
         }
         if self.files.is_written(inode) {
-            // Shown at the last write close here (`after_last_write_close`).
+            // Grown by another client, past what this host's handle knows (its own writes
+            // included): shown at the last write close here (`after_last_write_close`).
+            let own = self.files.get(inode).map_or(0, |handle| handle.size());
+            if attr.size_bytes <= own {
+                return;
+            }
             self.grown_elsewhere
                 .lock()
                 .expect("not poisoned")
@@ -473,7 +478,7 @@ impl MountState {
         let Some((handle, reads)) = self.files.get_for_reading(inode) else {
             // Closed here since the sweep found it open: the kernel still has the size it
             // had then.
-            if self.files.get(inode).is_none() {
+            if !self.files.is_read(inode) && !self.files.is_written(inode) {
                 self.evict_held(inode).await;
             }
             return;
@@ -911,7 +916,8 @@ impl FreeflowFs {
 
     /// A write-back of `data` at `offset` of which only `sent.spans` (offsets into `data`)
     /// changed here (`shadow.rs`): those go, the file grows to `sent.grow` once they are
-    /// acknowledged, and the kernel is told all was written.
+    /// on their way (`FileHandle::extend_to` commits it after them), and the kernel is
+    /// told all was written.
     fn write_spans(
         &self,
         handle: Arc<freeflow_client::FileHandle>,
@@ -1855,11 +1861,13 @@ impl fuser::Filesystem for FreeflowFs {
                 state.shadows.end(inode.0);
                 last = true;
             });
+            if reads(flags.0) {
+                state.files.closed_for_reading(inode.0);
+            }
             if last {
                 state.after_last_write_close(inode.0);
             }
-        }
-        if reads(flags.0) {
+        } else if reads(flags.0) {
             self.state.files.closed_for_reading(inode.0);
         }
         let state = self.state.clone();

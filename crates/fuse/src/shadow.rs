@@ -14,17 +14,16 @@
 //!
 //! A page the kernel did not read has no shadow: it was written whole, or begun past what
 //! the kernel knew as the end of the file, where it fills the rest with zeros. Such a page
-//! goes whole, but for the first page of a write-back that starts past `extent`, the most
-//! this host knows the file holds (the size at the first write open, grown by this host's
-//! writes, set by its truncations): the zeros it begins with are taken for the kernel's
-//! filling before what was written here (the room of another host's record, in an N-to-1
-//! file; zeros a program wrote there are not sent either, so another host's bytes under
-//! them stay),
-//! and are not sent; a page of zeros alone was written and goes whole. A write-back that
-//! goes past `extent` sends its last byte, so the file's size grows as the kernel says.
-//! Records of several hosts taking turns inside a page are kept apart from the second
-//! write-back of the page on (it has a shadow then); the first one of a page the kernel
-//! began past the end carries its zeros between this host's records.
+//! goes whole, but for a page that begins past `extent`, the most this host knows the file
+//! holds (the size at the first write open, grown by this host's writes, set by its
+//! truncations): its zeros are taken for the kernel's filling around what was written here
+//! (the room of other hosts' records, in an N-to-1 file) and only its runs of other bytes
+//! are sent (the cluster holds nothing of this host's there, so zeros a program wrote read
+//! as zeros unsent, and another host's bytes under them stay); a page of zeros alone was
+//! written and goes whole. A write-back that goes past `extent` ends the file where the
+//! kernel says: if its last bytes are not sent, the file grows to its end without them
+//! (`FileHandle::extend_to`) rather than by a byte written over another host's. A page
+//! that begins below `extent` and was not read still goes whole.
 //!
 //! The kernel drops a file's pages at every open (no `FOPEN_KEEP_CACHE`), so copies start
 //! at the first write open and go at the last close (the kernel writes back before a
@@ -286,17 +285,18 @@ impl Shadows {
     }
 
     /// The kernel opens `inode` for writing: its pages are dropped at this open, and the
-    /// cluster holds `size` bytes of it. A file followed already keeps its copies.
+    /// cluster holds `size` bytes of it. A file followed already keeps its copies and its
+    /// `extent` (a later open's size may include other hosts' growth, which this host's
+    /// kernel has not seen: its pages there are its own filling).
     pub fn begin(&self, inode: InodeId, size: u64) {
         let Some(mut table) = self.table() else {
             return;
         };
-        let file = table.files.entry(inode).or_insert(FileShadow {
+        table.files.entry(inode).or_insert(FileShadow {
             extent: size,
             pages: BTreeMap::new(),
             epoch: 0,
         });
-        file.extent = file.extent.max(size);
     }
 
     /// A read of `inode` begins (see [`Shadows::read`]).
@@ -696,6 +696,15 @@ mod tests {
         assert_eq!(
             shadows.write_back(20, 0, &b(&page)),
             (vec![2000..2001], None)
+        );
+        // A second write open here, after another host grew the file, does not move the
+        // end this host knows: this kernel's pages past it are still its own filling.
+        shadows.begin(20, 40 * PAGE_BYTES);
+        let mut far = vec![0u8; PAGE];
+        far[100..200].fill(b'f');
+        assert_eq!(
+            shadows.write_back(20, 8 * PAGE_BYTES, &b(&far)),
+            (vec![100..200], Some(9 * PAGE_BYTES))
         );
         // A write-back whose last byte is sent needs none either.
         let tail = vec![b'd'; 10];
