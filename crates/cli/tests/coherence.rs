@@ -70,15 +70,20 @@ fn append(path: &Path, text: &str) {
 
 /// Wait (5 s at most) until `fstat` of the held `file` gives `expected` bytes.
 fn wait_for_size(file: &File, expected: u64, what: &str) {
+    wait_until_size(|| file.metadata().unwrap().len(), expected, what);
+}
+
+/// Wait (5 s at most) until `size()` gives `expected` bytes.
+fn wait_until_size(size: impl Fn() -> u64, expected: u64, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let size = file.metadata().unwrap().len();
+        let size = size();
         if size == expected {
             return;
         }
         assert!(
             Instant::now() < deadline,
-            "{what}: fstat of the held file stays at {size}, {expected} written"
+            "{what}: the size stays at {size}, {expected} written"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -1001,18 +1006,11 @@ async fn a_writeback_mounts_last_write_close_shows_growth_made_elsewhere_meanwhi
             "round {round}: the kernel keeps this host's size while it writes here"
         );
         drop(writer);
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let mut size = 0;
-        while Instant::now() < deadline {
-            size = fs::metadata(here.path(&name)).unwrap().len();
-            if size == 6000 {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        assert_eq!(
-            size, 6000,
-            "round {round}: the growth shows after the last write close"
+        // Without the mend the older size stayed while the lease was renewed (60 s).
+        wait_until_size(
+            || fs::metadata(here.path(&name)).unwrap().len(),
+            6000,
+            &format!("round {round}: stat by path after the last write close"),
         );
         let mut expected = vec![b'h'; 1000];
         expected.extend_from_slice(&[b'e'; 5000]);

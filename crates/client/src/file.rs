@@ -2141,13 +2141,7 @@ impl FileHandle {
     pub fn extend_to(&self, end: u64) -> Result<(), ClientError> {
         let shared = &self.shared;
         shared.check_open()?;
-        if !shared.access.write {
-            return Err(ClientError::inode(
-                shared.inode,
-                ErrorCode::BadHandle,
-                "the handle is not open for writing",
-            ));
-        }
+        shared.require_write()?;
         {
             let mut state = shared.lock();
             state.known_size = state.known_size.max(end);

@@ -652,6 +652,13 @@ impl KernelCache {
         self.index().held.get(&inode).cloned().unwrap_or_default()
     }
 
+    /// [`KernelCache::evict_name`] for each of `names` (parent, name).
+    pub fn evict_names(&self, names: &[(InodeId, String)]) {
+        for (parent, name) in names {
+            self.evict_name(*parent, name);
+        }
+    }
+
     /// Make the kernel drop `name` of `parent`, so that the regular file behind it is
     /// evicted once nothing uses it (a writeback mount handed it out without a lease on
     /// its attributes: the size the kernel took with it must not outlive this access).

@@ -143,15 +143,23 @@ impl MountState {
     /// Have the kernel drop `names` of `parent`, on one blocking task nobody waits for
     /// (the kernel may hold the directory's lock for a request of this mount).
     fn evict_names(&self, parent: InodeId, names: Vec<String>) {
+        self.evict_off_runtime(names.into_iter().map(|name| (parent, name)).collect());
+    }
+
+    /// Have the kernel drop the regular file `inode` under every name it holds it as (once
+    /// nothing uses it), so that its next lookup takes the size afresh.
+    fn evict_held(&self, inode: InodeId) {
+        self.evict_off_runtime(self.cache.held_names(inode));
+    }
+
+    /// Have the kernel drop `names` (parent, name), on one blocking task nobody waits for.
+    fn evict_off_runtime(&self, names: Vec<(InodeId, String)>) {
         if names.is_empty() {
             return;
         }
         let cache = self.cache.clone();
-        self.runtime.spawn_blocking(move || {
-            for name in names {
-                cache.evict_name(parent, &name);
-            }
-        });
+        self.runtime
+            .spawn_blocking(move || cache.evict_names(&names));
     }
 
     /// Time-outs (entry, attributes) for `name` in `parent` (and `child`'s attributes)
@@ -401,27 +409,12 @@ impl MountState {
         if !grown {
             return;
         }
+        if !self.files.is_read(inode) {
+            return self.evict_held(inode);
+        }
         let state = self.clone();
-        self.runtime.spawn(async move {
-            if state.files.is_read(inode) {
-                state.follow_growth(inode).await;
-            } else {
-                state.evict_held(inode).await;
-            }
-        });
-    }
-
-    /// Have the kernel drop the regular file `inode` under every name it holds it as (once
-    /// nothing uses it), so that its next lookup takes the size afresh.
-    async fn evict_held(&self, inode: InodeId) {
-        let (cache, names) = (self.cache.clone(), self.cache.held_names(inode));
-        // The kernel may hold a directory's lock for a request of this mount.
-        let _ = tokio::task::spawn_blocking(move || {
-            for (parent, name) in names {
-                cache.evict_name(parent, &name);
-            }
-        })
-        .await;
+        self.runtime
+            .spawn(async move { state.follow_growth(inode).await });
     }
 
     /// A regular file the kernel holds open here on a writeback mount, whose attribute
@@ -479,7 +472,7 @@ impl MountState {
             // Closed here since the sweep found it open: the kernel still has the size it
             // had then.
             if !self.files.is_read(inode) && !self.files.is_written(inode) {
-                self.evict_held(inode).await;
+                self.evict_held(inode);
             }
             return;
         };

@@ -434,12 +434,7 @@ async fn evict_lapsing_files(state: std::sync::Weak<MountState>) {
         drop(state);
         // The kernel may hold a directory's lock for a request of this mount: off the
         // runtime, and not waited for by anything else.
-        let _ = tokio::task::spawn_blocking(move || {
-            for (parent, name) in names {
-                cache.evict_name(parent, &name);
-            }
-        })
-        .await;
+        let _ = tokio::task::spawn_blocking(move || cache.evict_names(&names)).await;
     }
 }
 
