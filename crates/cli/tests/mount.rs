@@ -11,6 +11,7 @@ mod common;
 use std::ffi::CString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -1009,4 +1010,109 @@ async fn readers_here_see_writes_through_write_only_opens_at_once() {
     expected[100..103].copy_from_slice(b"own");
     reader.read_exact_at(&mut seen, 0).expect("read after both");
     assert_bytes_eq(&seen, &expected, "after the read-write open");
+}
+
+/// Readers holding a file's pages while write-only opens write into them: each such write
+/// has the kernel drop the pages it covers, and the kernel waits for every page under a
+/// read to be answered first. The mount once did that wait on a thread of its runtime,
+/// which the read's answer could be queued behind: the mount hung within seconds (a
+/// `freeflow up` mount in two of two tries). The run must end, and the file then holds
+/// exactly what was written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_through_write_only_opens_under_busy_readers_never_hang_the_mount() {
+    const SIZE: usize = 4 << 20;
+    const RUN: Duration = Duration::from_secs(5);
+    const DEADLINE: Duration = Duration::from_secs(90);
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(2).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let path = mount.path("busy");
+    let model = Xorshift::new(21).bytes(SIZE);
+    fs::write(&path, &model).expect("write the file");
+
+    /// Reports a thread's end, however it ends.
+    struct Finished(std::sync::mpsc::Sender<()>);
+    impl Drop for Finished {
+        fn drop(&mut self) {
+            let _ = self.0.send(());
+        }
+    }
+    let stop = Instant::now() + RUN;
+    let (done, finished) = std::sync::mpsc::channel();
+    let mut threads = Vec::new();
+    for reader in 0..4u64 {
+        let (path, done) = (path.clone(), done.clone());
+        threads.push(std::thread::spawn(move || {
+            let _done = Finished(done);
+            let file = File::open(&path).expect("open for reading");
+            let mut random = Xorshift::new(100 + reader);
+            let mut buffer = vec![0u8; 64 << 10];
+            let mut reads = 0u64;
+            while Instant::now() < stop {
+                let page = random.below((SIZE as u64 - (64 << 10)) / 4096);
+                file.read_exact_at(&mut buffer, page * 4096).expect("read");
+                reads += 1;
+                if random.below(100) == 0 {
+                    // Drop the pages now and then: the next reads fetch them again.
+                    // SAFETY: a valid descriptor; the call touches no memory of ours.
+                    unsafe {
+                        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED)
+                    };
+                }
+            }
+            (reads, Vec::new())
+        }));
+    }
+    for writer in 0..2u64 {
+        let (path, done) = (path.clone(), done.clone());
+        let mut half = model[writer as usize * SIZE / 2..(writer as usize + 1) * SIZE / 2].to_vec();
+        threads.push(std::thread::spawn(move || {
+            let _done = Finished(done);
+            let file = OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .expect("open write-only");
+            let mut random = Xorshift::new(200 + writer);
+            let base = writer * SIZE as u64 / 2;
+            let mut writes = 0u64;
+            while Instant::now() < stop {
+                let length = 1 + random.below(8192) as usize;
+                let at = random.below((half.len() - length) as u64) as usize;
+                let bytes = random.bytes(length);
+                file.write_all_at(&bytes, base + at as u64).expect("write");
+                half[at..at + length].copy_from_slice(&bytes);
+                writes += 1;
+            }
+            (writes, half)
+        }));
+    }
+    drop(done);
+    let deadline = Instant::now() + DEADLINE;
+    for _ in 0..threads.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if finished.recv_timeout(left).is_err() {
+            // Free the threads stuck in the kernel before failing (they get ENOTCONN).
+            let device = fs::metadata(&mount.mountpoint)
+                .expect("stat the mount")
+                .dev();
+            let connection = libc::minor(device);
+            let _ = fs::write(format!("/sys/fs/fuse/connections/{connection}/abort"), "1");
+            panic!("readers and write-only writers of one file did not finish in {DEADLINE:?}: the mount hung");
+        }
+    }
+    let mut expected = Vec::with_capacity(SIZE);
+    let mut counts = Vec::new();
+    for thread in threads {
+        let (count, half) = thread.join().expect("thread");
+        counts.push(count);
+        expected.extend_from_slice(&half);
+    }
+    assert!(
+        counts.iter().all(|&count| count > 0),
+        "every thread did some I/O: {counts:?}"
+    );
+    let seen = fs::read(&path).expect("read back");
+    assert_bytes_eq(&seen, &expected, "the file after the run");
 }

@@ -687,7 +687,8 @@ impl KernelCache {
     }
 
     /// Have the kernel drop its pages of `inode` in `offset..offset + length` (and its
-    /// attributes); returns once it did. Nothing without a notifier.
+    /// attributes); returns once it did. Nothing without a notifier. Blocks until every
+    /// page in the range is unlocked: not on a thread that answers this mount's reads.
     pub fn drop_pages(&self, inode: InodeId, offset: u64, length: u64) {
         if let Some(notifier) = self.notifier() {
             // ENOENT: the kernel holds nothing of the file.

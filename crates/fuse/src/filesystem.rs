@@ -162,6 +162,16 @@ impl MountState {
             .spawn_blocking(move || cache.evict_names(&names));
     }
 
+    /// Have the kernel drop its pages of `inode` in `offset..offset + length`, on a
+    /// blocking thread, and wait for it. Never on a runtime worker: the kernel locks each
+    /// page to drop it, and a page under a read of this mount stays locked until that
+    /// read is answered, by a task that may be queued on the very worker that waits
+    /// (tokio's next-task slot is not stolen), so the mount would hang.
+    async fn drop_pages(&self, inode: InodeId, offset: u64, length: u64) {
+        let cache = self.cache.clone();
+        let _ = tokio::task::spawn_blocking(move || cache.drop_pages(inode, offset, length)).await;
+    }
+
     /// Time-outs (entry, attributes) for `name` in `parent` (and `child`'s attributes)
     /// answered with `lease`: what is left of the lease (its whole span while this client
     /// renews its leases: a lapse takes everything back, see the client's `leases.rs`), or
@@ -1741,7 +1751,7 @@ impl fuser::Filesystem for FreeflowFs {
                     if past_cache && self.state.files.is_read(inode.0) {
                         let (state, length) = (self.state.clone(), data.len() as u64);
                         self.spawn(async move {
-                            state.cache.drop_pages(inode.0, offset, length);
+                            state.drop_pages(inode.0, offset, length).await;
                             reply.written(length as u32)
                         });
                         return;
@@ -1778,7 +1788,7 @@ impl fuser::Filesystem for FreeflowFs {
                         state.shadows.grown(inode.0, end);
                     }
                     if past_cache && state.files.is_read(inode.0) {
-                        state.cache.drop_pages(inode.0, offset, u64::from(length));
+                        state.drop_pages(inode.0, offset, u64::from(length)).await;
                     }
                     reply.written(length)
                 }
