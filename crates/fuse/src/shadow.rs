@@ -14,16 +14,20 @@
 //!
 //! A page the kernel did not read has no shadow: it was written whole, or begun past what
 //! the kernel knew as the end of the file, where it fills the rest with zeros. Such a page
-//! goes whole, but for a page that begins past `extent`, the most this host knows the file
-//! holds (the size at the first write open, grown by this host's writes, set by its
-//! truncations): its zeros are taken for the kernel's filling around what was written here
+//! goes whole, but for a page outside what this host knows the file holds (`known`: the
+//! size at the first write open or at its last truncation, and every range this host
+//! wrote since): its zeros are taken for the kernel's filling around what was written here
 //! (the room of other hosts' records, in an N-to-1 file) and only its runs of other bytes
 //! are sent (the cluster holds nothing of this host's there, so zeros a program wrote read
 //! as zeros unsent, and another host's bytes under them stay); a page of zeros alone was
-//! written and goes whole. A write-back that goes past `extent` ends the file where the
-//! kernel says: if its last bytes are not sent, the file grows to its end without them
+//! written and goes whole. Ranges, not a high-water mark: the kernel's write-backs reach
+//! the mount out of order (one per session thread), and a page begun past the end whose
+//! write-back comes after a later range's is still known as filling. A write-back that
+//! goes past `extent` (the most this host knows the file holds: the size at the first
+//! write open, grown by this host's writes, set by its truncations) ends the file where
+//! the kernel says: if its last bytes are not sent, the file grows to its end without them
 //! (`FileHandle::extend_to`) rather than by a byte written over another host's. A page
-//! that begins below `extent` and was not read still goes whole.
+//! this host knows of and that was not read still goes whole.
 //!
 //! The kernel drops a file's pages at every open (no `FOPEN_KEEP_CACHE`), so copies start
 //! at the first write open and go at the last close (the kernel writes back before a
@@ -79,11 +83,76 @@ const PAGE_SPANS_MAX: usize = 8;
 struct FileShadow {
     /// The most this host knows the file holds (see the module doc).
     extent: u64,
+    /// Where this host knows what the file holds (see the module doc).
+    known: Known,
     /// Page index → the page's copy as the kernel holds it (zeros past the file's end).
     pages: BTreeMap<u64, Page>,
     /// Moves at each change of the file here that is not a write-back (truncation, direct
     /// write, failed write): a read answered from before it is not copied.
     epoch: u64,
+}
+
+/// Most ranges written here that a file's [`Known`] keeps apart; past it they are taken
+/// as one, from the start of the file to the end of the last (a page below that end
+/// without a copy then goes whole, as with a high-water mark).
+const KNOWN_RANGES_MAX: usize = 4096;
+
+/// Where this host knows what a file holds: below `below` (its size at the first write
+/// open or its last truncation here) and in each range this host wrote since.
+#[derive(Default)]
+struct Known {
+    below: u64,
+    /// Start → end of the ranges written here, apart (neither overlapping nor touching).
+    ranges: BTreeMap<u64, u64>,
+}
+
+impl Known {
+    fn new(below: u64) -> Known {
+        Known {
+            below,
+            ranges: BTreeMap::new(),
+        }
+    }
+
+    /// This host wrote `start..end`.
+    fn add(&mut self, mut start: u64, mut end: u64) {
+        if end <= start || end <= self.below {
+            return;
+        }
+        start = start.max(self.below);
+        // Take in every range that overlaps or touches `start..end`.
+        let first = self
+            .ranges
+            .range(..=start)
+            .next_back()
+            .filter(|(_, &previous_end)| previous_end >= start)
+            .map_or(start, |(&previous_start, _)| previous_start);
+        let joined: Vec<(u64, u64)> = self
+            .ranges
+            .range(first..=end)
+            .map(|(&from, &to)| (from, to))
+            .collect();
+        for (from, to) in joined {
+            self.ranges.remove(&from);
+            start = start.min(from);
+            end = end.max(to);
+        }
+        self.ranges.insert(start, end);
+        if self.ranges.len() > KNOWN_RANGES_MAX {
+            let last = self.ranges.values().copied().max().unwrap_or(end);
+            *self = Known::new(last);
+        }
+    }
+
+    /// Whether this host knows what the file holds anywhere in `start..end`.
+    fn covers_any(&self, start: u64, end: u64) -> bool {
+        start < self.below
+            || self
+                .ranges
+                .range(..end)
+                .next_back()
+                .is_some_and(|(_, &range_end)| range_end > start)
+    }
 }
 
 /// One page's copy: a view of the buffer a write-back or a read came in (not a copy of
@@ -294,6 +363,7 @@ impl Shadows {
         };
         table.files.entry(inode).or_insert(FileShadow {
             extent: size,
+            known: Known::new(size),
             pages: BTreeMap::new(),
             epoch: 0,
         });
@@ -403,6 +473,15 @@ impl Shadows {
             return whole;
         };
         let extent = file.extent;
+        // Pages of it outside what this host knows the file holds, decided before the
+        // write-back counts as known.
+        let unknown_pages: Vec<bool> = (0..data.len() as u64)
+            .step_by(PAGE_BYTES as usize)
+            .map(|at| {
+                let page_end = (at + PAGE_BYTES).min(data.len() as u64);
+                !file.known.covers_any(offset + at, offset + page_end)
+            })
+            .collect();
         let buffer = table.buffer(data.len());
         let mut spans: Vec<Range<usize>> = Vec::new();
         let mut add = |span: Range<usize>| match spans.last_mut() {
@@ -423,7 +502,7 @@ impl Shadows {
                 // or zeros a program here wrote where the cluster holds nothing of this
                 // host's, which read as zeros unsent; only the runs of other bytes go (a
                 // page of zeros alone was written, and goes whole).
-                None if offset + at as u64 >= extent => {
+                None if unknown_pages[at / PAGE_BYTES as usize] => {
                     let runs = changed_runs(bytes, &ZEROS[..bytes.len()]);
                     if runs.is_empty() {
                         vec![0..bytes.len()]
@@ -448,6 +527,7 @@ impl Shadows {
             .then_some(write_end);
         if let Some(file) = table.files.get_mut(&inode) {
             file.extent = file.extent.max(write_end);
+            file.known.add(offset, write_end);
         }
         (spans, grow)
     }
@@ -467,6 +547,11 @@ impl Shadows {
             inode,
             offset / PAGE_BYTES..=(offset + length - 1) / PAGE_BYTES,
         );
+        // Known from here, whether or not the change lands whole: a page of it written
+        // whole later goes whole, zeros too.
+        if let Some(file) = table.files.get_mut(&inode) {
+            file.known.add(offset, offset + length);
+        }
     }
 
     /// This host cut `inode` to `size`: the kernel dropped its pages past it and zeroed the
@@ -480,6 +565,7 @@ impl Shadows {
             return;
         };
         file.extent = size;
+        file.known = Known::new(size);
         // The rest of the page the end falls in is zeros now: the page is kept again, cut
         // there (a page of its own; the view it was may be shared).
         let index = size / PAGE_BYTES;
@@ -712,6 +798,88 @@ mod tests {
             shadows.write_back(20, 2 * PAGE_BYTES, &b(&tail)),
             (vec![0..10], None)
         );
+    }
+
+    #[test]
+    fn write_backs_out_of_order_still_leave_the_kernels_zeros_unsent() {
+        // An empty file; this host writes a record in page 0 and one in page 2, the
+        // rest is the kernel's filling (other hosts' records go there). The session
+        // threads hand the later page over first.
+        let shadows = Shadows::new(true);
+        shadows.begin(30, 0);
+        let mut later = vec![0u8; PAGE];
+        later[100..200].fill(b'l');
+        assert_eq!(
+            shadows.write_back(30, 2 * PAGE_BYTES, &b(&later)),
+            (vec![100..200], Some(3 * PAGE_BYTES))
+        );
+        // Page 0, begun past the end this host knew, comes second: its zeros stay unsent
+        // (with a high-water mark it went whole, zeros over the other hosts' records).
+        let mut earlier = vec![0u8; PAGE];
+        earlier[..100].fill(b'e');
+        assert_eq!(
+            shadows.write_back(30, 0, &b(&earlier)),
+            (vec![0..100], None)
+        );
+        // Page 1 too, though both neighbours are known now.
+        let mut middle = vec![0u8; PAGE];
+        middle[4000..].fill(b'm');
+        assert_eq!(shadows.spans(30, PAGE_BYTES, &b(&middle)), vec![4000..PAGE]);
+        // What this host wrote directly is known: a page of it written whole later goes
+        // whole, zeros too.
+        shadows.written_directly(30, 5 * PAGE_BYTES, PAGE_BYTES);
+        let mut rewritten = vec![0u8; PAGE];
+        rewritten[..10].fill(b'r');
+        assert_eq!(
+            shadows.spans(30, 5 * PAGE_BYTES, &b(&rewritten)),
+            vec![0..PAGE]
+        );
+        // A truncation resets it: below the cut is known, past it nothing is.
+        shadows.truncated(30, 4 * PAGE_BYTES);
+        assert_eq!(
+            shadows.spans(30, 5 * PAGE_BYTES, &b(&rewritten)),
+            vec![0..10]
+        );
+        assert_eq!(
+            shadows.spans(30, 3 * PAGE_BYTES, &b(&rewritten)),
+            vec![0..PAGE]
+        );
+    }
+
+    #[test]
+    fn known_ranges_join_and_are_bounded() {
+        let mut known = Known::new(100);
+        known.add(50, 120);
+        assert_eq!(
+            known.ranges.into_iter().collect::<Vec<_>>(),
+            vec![(100, 120)]
+        );
+        let mut known = Known::new(0);
+        known.add(10, 20);
+        known.add(30, 40);
+        known.add(60, 70);
+        assert!(!known.covers_any(20, 30) && !known.covers_any(40, 60));
+        assert!(known.covers_any(19, 21) && known.covers_any(0, 11) && known.covers_any(65, 66));
+        // Touching ranges join; one that spans several takes them in.
+        known.add(20, 30);
+        known.add(35, 65);
+        assert_eq!(
+            known
+                .ranges
+                .iter()
+                .map(|(&a, &b)| (a, b))
+                .collect::<Vec<_>>(),
+            vec![(10, 70)]
+        );
+        assert!(!known.covers_any(0, 10) && !known.covers_any(70, 80));
+        // Past the bound they are taken as one from the start of the file.
+        let mut known = Known::new(0);
+        for range in 0..=KNOWN_RANGES_MAX as u64 {
+            known.add(range * 10, range * 10 + 5);
+        }
+        assert!(known.ranges.is_empty());
+        assert!(known.covers_any(6, 7));
+        assert!(!known.covers_any(KNOWN_RANGES_MAX as u64 * 10 + 5, u64::MAX));
     }
 
     #[test]
