@@ -947,6 +947,8 @@ impl FreeflowFs {
         self.spawn(async move {
             if let Some(client) = privileged_client {
                 if let Err(error) = kill_set_id_bits(&client, handle.inode()).await {
+                    // The copies took bytes that were not sent.
+                    state.shadows.failed(handle.inode());
                     return reply.error(errno(&error));
                 }
             }
@@ -1778,6 +1780,8 @@ impl fuser::Filesystem for FreeflowFs {
         self.spawn(async move {
             if let Some(client) = privileged_client {
                 if let Err(error) = kill_set_id_bits(&client, inode.0).await {
+                    // The copies took bytes that were not sent.
+                    state.shadows.failed(inode.0);
                     return reply.error(errno(&error));
                 }
             }
