@@ -142,6 +142,10 @@ impl std::fmt::Debug for Client {
 /// Times an open reopens a session the meta server does not know before it gives up.
 const SESSION_REOPENS_MAX: u32 = 5;
 
+/// Longest [`Client::shutdown`] waits for the meta server to take back the session's
+/// space grants and close it (longer than a replicated meta server's failover).
+pub const SHUTDOWN_WAIT_MS: u64 = 5_000;
+
 fn is_session_unknown(error: &ClientError) -> bool {
     matches!(
         error,
@@ -518,7 +522,8 @@ impl Client {
             .collect()
     }
 
-    /// Close the session at the meta server (best effort) and stop renewing it.
+    /// Close the session at the meta server (best effort, at most [`SHUTDOWN_WAIT_MS`])
+    /// and stop renewing it.
     ///
     /// Call it before the program ends. A client that is only dropped closes its session
     /// on a background task, which does not run if the process exits first; the session
@@ -536,17 +541,26 @@ impl Client {
             }
         }
         self.shared.closed.store(true, Ordering::Release);
-        self.shared.space.give_back(&self.shared.pool).await;
         let session_id = self.session_id();
-        if let Err(error) = self
-            .shared
-            .pool
-            .meta_call(&CloseSession { session_id }, || {
-                format!("session {session_id}")
-            })
-            .await
-        {
-            tracing::debug!(%error, "closing the session failed");
+        let close = async {
+            self.shared.space.give_back(&self.shared.pool).await;
+            self.shared
+                .pool
+                .meta_call(&CloseSession { session_id }, || {
+                    format!("session {session_id}")
+                })
+                .await
+        };
+        // Bounded: a program ending while its meta server is gone should not wait the
+        // call time-out; the session, its grants and its leases then end when its lease
+        // runs out at the server.
+        match tokio::time::timeout(Duration::from_millis(SHUTDOWN_WAIT_MS), close).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => tracing::debug!(%error, "closing the session failed"),
+            Err(_) => tracing::info!(
+                session_id,
+                "the meta server did not answer the session's close within {SHUTDOWN_WAIT_MS} ms; it ends when its lease runs out"
+            ),
         }
     }
 
