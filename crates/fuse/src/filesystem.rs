@@ -459,9 +459,14 @@ impl MountState {
             return;
         }
         if self.files.is_written(inode) {
-            // Grown by another client, past what this host's handle knows (its own writes
-            // included): shown at the last write close here (`after_last_write_close`).
-            let own = self.files.get(inode).map_or(0, |handle| handle.size());
+            // Grown by another client past the size this host's kernel keeps (its size at
+            // the first write open, grown by this host's writes; not the handle's, which
+            // learns other clients' growth from the meta server): shown at the last write
+            // close here (`after_last_write_close`).
+            let own = self
+                .shadows
+                .extent(inode)
+                .unwrap_or_else(|| self.files.get(inode).map_or(0, |handle| handle.size()));
             if attr.size_bytes <= own {
                 return;
             }
@@ -705,6 +710,23 @@ impl MountState {
 /// The `fuser` file system: a thin shell that hands each request to a task.
 pub(crate) struct FreeflowFs {
     state: Arc<MountState>,
+}
+
+/// Longest a lookup on a writeback mount waits for a release of the same file to be
+/// answered (a release takes milliseconds; bounded, as both hold a place among the
+/// requests in flight).
+const RELEASE_WAIT_MS: u64 = 2_000;
+
+/// Marks a release answered when dropped, after its reply (see `release`).
+struct ReleaseAnswered<'a> {
+    files: &'a OpenFiles,
+    inode: InodeId,
+}
+
+impl Drop for ReleaseAnswered<'_> {
+    fn drop(&mut self) {
+        self.files.release_answered(self.inode);
+    }
 }
 
 /// What of a write-back goes (`Shadows::write_back`): the spans of it to send, and the size
@@ -1230,7 +1252,20 @@ impl fuser::Filesystem for FreeflowFs {
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             match client.lookup_entry(parent.0, &name).await {
-                Ok((Some(attr), lease)) => state.reply_entry(reply, parent.0, &name, &attr, &lease),
+                Ok((Some(attr), lease)) => {
+                    // A writeback mount's kernel still holds a regular file whose release
+                    // is not answered, with its own size: the reply would hand that inode
+                    // out again (it ignores the size in it), and a program opening the file
+                    // after another client grew and closed it would read it short. Once
+                    // the release is answered the kernel lets go of it (its names were
+                    // dropped at the revocation) and takes this reply's size.
+                    if state.writeback && attr.kind == FileKind::Regular {
+                        let wait = Duration::from_millis(RELEASE_WAIT_MS);
+                        let _ =
+                            tokio::time::timeout(wait, state.files.wait_released(attr.inode)).await;
+                    }
+                    state.reply_entry(reply, parent.0, &name, &attr, &lease)
+                }
                 Ok((None, lease)) => state.reply_missing(reply, parent.0, &name, &lease),
                 Err(error) => reply.error(errno(&error)),
             }
@@ -1861,6 +1896,15 @@ impl fuser::Filesystem for FreeflowFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        // Until the answer, the kernel holds the inode with the size it keeps of it on a
+        // writeback mount: a lookup meanwhile would hand that inode out again, whatever
+        // size another client has given the file since (see `lookup`). Noted first, before
+        // anything slow here: a lookup read after this release may be answered on another
+        // thread meanwhile.
+        let tracked = self.state.writeback;
+        if tracked {
+            self.state.files.release_began(inode.0);
+        }
         if writes(flags.0) {
             let state = &self.state;
             let mut last = false;
@@ -1879,6 +1923,10 @@ impl fuser::Filesystem for FreeflowFs {
         }
         let state = self.state.clone();
         self.spawn(async move {
+            let _answered = tracked.then(|| ReleaseAnswered {
+                files: &state.files,
+                inode: inode.0,
+            });
             // A file created ahead of the meta server is released once it is there.
             state.client.settle_ahead(&[inode.0]).await;
             // The last close of a file that held `flock` locks: they go with it.

@@ -81,6 +81,11 @@ pub struct OpenFiles {
     readers: Mutex<HashMap<InodeId, u32>>,
     /// Wakes write opens that wait for a growth to end.
     growth_ended: tokio::sync::Notify,
+    /// Releases of regular files received from the kernel and not answered yet, by inode:
+    /// until answered, the kernel holds the inode (and the size it keeps of it).
+    releasing: Mutex<HashMap<InodeId, u32>>,
+    /// Wakes lookups that wait for a release to be answered.
+    release_answered: tokio::sync::Notify,
 }
 
 impl OpenFiles {
@@ -90,6 +95,51 @@ impl OpenFiles {
             writers: Mutex::new(Writers::default()),
             readers: Mutex::new(HashMap::new()),
             growth_ended: tokio::sync::Notify::new(),
+            releasing: Mutex::new(HashMap::new()),
+            release_answered: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// The kernel sent a release of `inode`; [`OpenFiles::release_answered`] once it is
+    /// answered.
+    pub fn release_began(&self, inode: InodeId) {
+        *self
+            .releasing
+            .lock()
+            .expect("releasing not poisoned")
+            .entry(inode)
+            .or_insert(0) += 1;
+    }
+
+    /// A release of `inode` was answered: the kernel let go of the inode for it.
+    pub fn release_answered(&self, inode: InodeId) {
+        {
+            let mut releasing = self.releasing.lock().expect("releasing not poisoned");
+            if let Some(count) = releasing.get_mut(&inode) {
+                *count -= 1;
+                if *count == 0 {
+                    releasing.remove(&inode);
+                }
+            }
+        }
+        self.release_answered.notify_waiters();
+    }
+
+    /// Wait until every release of `inode` received so far is answered.
+    pub async fn wait_released(&self, inode: InodeId) {
+        loop {
+            let answered = self.release_answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            if !self
+                .releasing
+                .lock()
+                .expect("releasing not poisoned")
+                .contains_key(&inode)
+            {
+                return;
+            }
+            answered.await;
         }
     }
 
@@ -523,5 +573,40 @@ impl OpenDirectories {
                 open.by_inode.remove(&inode);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_lookup_waits_for_every_release_of_its_file_received_before_it() {
+        let files = Arc::new(OpenFiles::new());
+        // Nothing being released: no wait.
+        files.wait_released(5).await;
+        files.release_began(5);
+        files.release_began(5);
+        files.release_began(6);
+        let waiter = tokio::spawn({
+            let files = files.clone();
+            async move { files.wait_released(5).await }
+        });
+        tokio::task::yield_now().await;
+        files.release_answered(5);
+        files.release_answered(6);
+        tokio::task::yield_now().await;
+        assert!(
+            !waiter.is_finished(),
+            "one release of the file is still unanswered"
+        );
+        files.release_answered(5);
+        tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
+            .await
+            .expect("woken once the last release is answered")
+            .expect("waiter");
+        // An answer for a file with no release outstanding changes nothing.
+        files.release_answered(7);
+        files.wait_released(7).await;
     }
 }

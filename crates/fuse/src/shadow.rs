@@ -395,6 +395,12 @@ impl Shadows {
         }
     }
 
+    /// The most this host knows `inode` holds while the kernel has it open for writing
+    /// here (the size the kernel keeps of it, once its writes went back), if followed.
+    pub fn extent(&self, inode: InodeId) -> Option<u64> {
+        self.table()?.files.get(&inode).map(|file| file.extent)
+    }
+
     /// The last write open of `inode` here was released: its dirty pages went out before.
     pub fn end(&self, inode: InodeId) {
         let Some(mut table) = self.table() else {
