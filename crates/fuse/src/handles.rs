@@ -103,25 +103,18 @@ impl OpenFiles {
     /// The kernel sent a release of `inode`; [`OpenFiles::release_answered`] once it is
     /// answered.
     pub fn release_began(&self, inode: InodeId) {
-        *self
-            .releasing
-            .lock()
-            .expect("releasing not poisoned")
-            .entry(inode)
-            .or_insert(0) += 1;
+        count_up(
+            &mut self.releasing.lock().expect("releasing not poisoned"),
+            inode,
+        );
     }
 
     /// A release of `inode` was answered: the kernel let go of the inode for it.
     pub fn release_answered(&self, inode: InodeId) {
-        {
-            let mut releasing = self.releasing.lock().expect("releasing not poisoned");
-            if let Some(count) = releasing.get_mut(&inode) {
-                *count -= 1;
-                if *count == 0 {
-                    releasing.remove(&inode);
-                }
-            }
-        }
+        count_down(
+            &mut self.releasing.lock().expect("releasing not poisoned"),
+            inode,
+        );
         self.release_answered.notify_waiters();
     }
 
@@ -146,23 +139,18 @@ impl OpenFiles {
     /// The kernel is being told it opened `inode` with read access (called before the
     /// reply, so counted before it can read).
     pub fn opened_for_reading(&self, inode: InodeId) {
-        *self
-            .readers
-            .lock()
-            .expect("readers not poisoned")
-            .entry(inode)
-            .or_insert(0) += 1;
+        count_up(
+            &mut self.readers.lock().expect("readers not poisoned"),
+            inode,
+        );
     }
 
     /// The kernel released an open of `inode` with read access.
     pub fn closed_for_reading(&self, inode: InodeId) {
-        let mut readers = self.readers.lock().expect("readers not poisoned");
-        if let Some(count) = readers.get_mut(&inode) {
-            *count -= 1;
-            if *count == 0 {
-                readers.remove(&inode);
-            }
-        }
+        count_down(
+            &mut self.readers.lock().expect("readers not poisoned"),
+            inode,
+        );
     }
 
     /// Whether the kernel has `inode` open with read access here (it may hold pages of it).
@@ -410,6 +398,21 @@ impl OpenFiles {
     pub fn drain(&self) -> Vec<Arc<FileHandle>> {
         let mut files = self.files.lock().expect("open files not poisoned");
         files.drain().map(|(_, file)| file.handle).collect()
+    }
+}
+
+/// One more of `inode` in `counts`.
+fn count_up(counts: &mut HashMap<InodeId, u32>, inode: InodeId) {
+    *counts.entry(inode).or_insert(0) += 1;
+}
+
+/// One fewer of `inode` in `counts` (none left: no entry).
+fn count_down(counts: &mut HashMap<InodeId, u32>, inode: InodeId) {
+    if let Some(count) = counts.get_mut(&inode) {
+        *count -= 1;
+        if *count == 0 {
+            counts.remove(&inode);
+        }
     }
 }
 
