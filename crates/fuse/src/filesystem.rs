@@ -717,15 +717,16 @@ pub(crate) struct FreeflowFs {
 /// requests in flight).
 const RELEASE_WAIT_MS: u64 = 2_000;
 
-/// Marks a release answered when dropped, after its reply (see `release`).
-struct ReleaseAnswered<'a> {
-    files: &'a OpenFiles,
+/// Marks a release answered when dropped: after its reply, or with its task if that never
+/// runs (see `release`).
+struct ReleaseAnswered {
+    state: Arc<MountState>,
     inode: InodeId,
 }
 
-impl Drop for ReleaseAnswered<'_> {
+impl Drop for ReleaseAnswered {
     fn drop(&mut self) {
-        self.files.release_answered(self.inode);
+        self.state.files.release_answered(self.inode);
     }
 }
 
@@ -1901,10 +1902,13 @@ impl fuser::Filesystem for FreeflowFs {
         // size another client has given the file since (see `lookup`). Noted first, before
         // anything slow here: a lookup read after this release may be answered on another
         // thread meanwhile.
-        let tracked = self.state.writeback;
-        if tracked {
+        let answered = self.state.writeback.then(|| {
             self.state.files.release_began(inode.0);
-        }
+            ReleaseAnswered {
+                state: self.state.clone(),
+                inode: inode.0,
+            }
+        });
         if writes(flags.0) {
             let state = &self.state;
             let mut last = false;
@@ -1923,10 +1927,8 @@ impl fuser::Filesystem for FreeflowFs {
         }
         let state = self.state.clone();
         self.spawn(async move {
-            let _answered = tracked.then(|| ReleaseAnswered {
-                files: &state.files,
-                inode: inode.0,
-            });
+            // Dropped at the end, once the reply is written.
+            let _answered = answered;
             // A file created ahead of the meta server is released once it is there.
             state.client.settle_ahead(&[inode.0]).await;
             // The last close of a file that held `flock` locks: they go with it.

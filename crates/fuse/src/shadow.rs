@@ -139,7 +139,8 @@ impl Known {
         }
         self.ranges.insert(start, end);
         if self.ranges.len() > KNOWN_RANGES_MAX {
-            let last = self.ranges.values().copied().max().unwrap_or(end);
+            // Apart and in order: the last range ends last.
+            let last = self.ranges.last_key_value().map_or(end, |(_, &last)| last);
             *self = Known::new(last);
         }
     }
@@ -479,15 +480,6 @@ impl Shadows {
             return whole;
         };
         let extent = file.extent;
-        // Pages of it outside what this host knows the file holds, decided before the
-        // write-back counts as known.
-        let unknown_pages: Vec<bool> = (0..data.len() as u64)
-            .step_by(PAGE_BYTES as usize)
-            .map(|at| {
-                let page_end = (at + PAGE_BYTES).min(data.len() as u64);
-                !file.known.covers_any(offset + at, offset + page_end)
-            })
-            .collect();
         let buffer = table.buffer(data.len());
         let mut spans: Vec<Range<usize>> = Vec::new();
         let mut add = |span: Range<usize>| match spans.last_mut() {
@@ -503,12 +495,16 @@ impl Shadows {
             let runs = match file.pages.get(&index).map(|page| &page.bytes) {
                 Some(shadow) if *bytes == shadow[..bytes.len()] => Vec::new(),
                 Some(shadow) => changed_runs(bytes, &shadow[..bytes.len()]),
-                // A page begun past the end this host knows: its zeros are the kernel's
+                // A page outside what this host knows the file holds (this write-back
+                // counts as known only after the loop): its zeros are the kernel's
                 // filling around what was written here (the room of other hosts' records)
                 // or zeros a program here wrote where the cluster holds nothing of this
                 // host's, which read as zeros unsent; only the runs of other bytes go (a
                 // page of zeros alone was written, and goes whole).
-                None if unknown_pages[at / PAGE_BYTES as usize] => {
+                None if !file
+                    .known
+                    .covers_any(offset + at as u64, offset + end as u64) =>
+                {
                     let runs = changed_runs(bytes, &ZEROS[..bytes.len()]);
                     if runs.is_empty() {
                         vec![0..bytes.len()]
