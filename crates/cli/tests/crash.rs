@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{assert_bytes_eq, poll_until, Cluster, Xorshift};
+use common::{assert_bytes_eq, poll_until, Cluster, ClusterOptions, Xorshift};
 use freeflow_client::{
     Client, ClientConfig, ErrorCode, FileKind, OpenOptions, RenameMode, ROOT_INODE,
 };
@@ -407,7 +407,14 @@ async fn killing_the_meta_server_keeps_every_returned_operation() {
 /// fails at once. A client shutting down waits for it too, and replays what it kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_made_while_the_meta_server_is_down_waits_for_its_return() {
-    let mut cluster = Cluster::start(1).await;
+    // No commit on a timer within the test's time: the change made before the second
+    // crash must still be held by the client when the server dies (CI, stop 37: with the
+    // 500 ms default, a stalled test thread saw it durable already).
+    let mut cluster = Cluster::start_with(ClusterOptions {
+        meta_commit_interval_ms: 60_000,
+        ..ClusterOptions::new(1)
+    })
+    .await;
     let client = cluster
         .client_with(|config| config.call_timeout_ms = 30_000)
         .await;
