@@ -12,7 +12,7 @@ mod common;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -1074,7 +1074,9 @@ async fn unlinks_on_a_writeback_mount_leave_the_link_counts_right() {
 /// Two writeback mounts writing different bytes of one page: the kernel writes back whole
 /// pages, and a page one host read before the other wrote into it, or began past what it
 /// knew as the end of the file (filling the rest with zeros), carried the old bytes or the
-/// zeros over the other's. Only the bytes changed on each host go (`fuse/src/shadow.rs`).
+/// zeros over the other's. Only the bytes changed on each host go (`fuse/src/shadow.rs`),
+/// and what a host knows the file holds starts from the size its kernel keeps, which can
+/// be below the size at the open (`fuse/src/held.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writeback_mounts_writing_neighbouring_bytes_of_one_page_keep_both() {
     if !fuse_available() {
@@ -1126,6 +1128,30 @@ async fn writeback_mounts_writing_neighbouring_bytes_of_one_page_keep_both() {
         &read_all(&plain.path("n-to-1")),
         &expected,
         "records of two hosts",
+    );
+
+    // A's kernel holds the inode of an empty file (an `O_PATH` descriptor: no open at the
+    // mount, so nothing raises its size) while B writes two pages; A opens it by path
+    // again (the kernel keeps its size, 0, whatever the lookup says, and the meta server
+    // gives the open 8,192 bytes) and writes a few bytes into the first page, which its
+    // kernel begins past its own end, unread, filled with zeros.
+    File::create(plain.path("held")).unwrap();
+    let held = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH)
+        .open(a.path("held"))
+        .unwrap();
+    fs::write(b.path("held"), vec![b'B'; 8192]).unwrap();
+    let on_a = open_rw(&a.path("held"));
+    on_a.write_all_at(b"aaaa", 100).unwrap();
+    drop(on_a);
+    drop(held);
+    let mut expected = vec![b'B'; 8192];
+    expected[100..104].copy_from_slice(b"aaaa");
+    assert_bytes_eq(
+        &read_all(&plain.path("held")),
+        &expected,
+        "a page begun past the end the kernel keeps, below the size at the open",
     );
 
     // One host alone: zeros written over bytes, and over a page it read, still land.

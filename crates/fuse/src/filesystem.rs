@@ -34,6 +34,7 @@ use crate::cache::{Admission, KernelCache};
 use crate::caller::GroupsCache;
 use crate::convert::{self, errno, file_attr, STATFS_BLOCK_BYTES};
 use crate::handles::{DirectoryListing, OpenDirectories, OpenFiles};
+use crate::held::KernelInodes;
 use crate::session::{MountOptions, REQUESTS_IN_FLIGHT_MAX};
 use crate::shadow::Shadows;
 
@@ -89,8 +90,8 @@ pub(crate) struct MountState {
     pub files: OpenFiles,
     pub directories: OpenDirectories,
     groups: GroupsCache,
-    /// Lookup counts of the inodes the kernel holds (its inode cache bounds the table).
-    lookups: Mutex<foldhash::HashMap<InodeId, u64>>,
+    /// The inodes the kernel holds and the sizes it keeps of them (`held.rs`).
+    pub held: KernelInodes,
     runtime: tokio::runtime::Handle,
     in_flight: Arc<Semaphore>,
     /// What the kernel caches under leases, and how to take it back (`cache.rs`).
@@ -104,6 +105,11 @@ pub(crate) struct MountState {
     /// (`follow_growth` leaves the kernel's size alone while a write open is here); their
     /// last write close here shows the kernel the new size.
     grown_elsewhere: Mutex<std::collections::HashSet<InodeId>>,
+}
+
+/// The size an entry reply gives the kernel, if it is a regular file's.
+fn regular_size(attr: &fuser::FileAttr) -> Option<u64> {
+    (attr.kind == fuser::FileType::RegularFile).then_some(attr.size)
 }
 
 impl MountState {
@@ -120,7 +126,7 @@ impl MountState {
             files: OpenFiles::new(),
             directories: OpenDirectories::new(),
             groups: GroupsCache::new(),
-            lookups: Mutex::new(foldhash::HashMap::default()),
+            held: KernelInodes::new(options.writeback),
             runtime,
             in_flight: Arc::new(Semaphore::new(REQUESTS_IN_FLIGHT_MAX)),
             cache: Arc::new(KernelCache::new(options.writeback)),
@@ -325,18 +331,19 @@ impl MountState {
             let attr_ttl = admission
                 .attributes(attr_left, attr.inode)
                 .unwrap_or(self.attr_ttl);
+            let kernel_attr = self.kernel_attr(&attr);
             let full = reply.add(
                 INodeNo(attr.inode),
                 index + 1,
                 &name,
                 &entry_ttl.min(attr_ttl),
-                &self.kernel_attr(&attr),
+                &kernel_attr,
                 Generation(0),
             );
             if full {
                 break;
             }
-            taken.push(attr.inode);
+            taken.push((attr.inode, regular_size(&kernel_attr)));
             if attr.kind == FileKind::Regular {
                 admission.held_as(attr.inode, inode.0, &name);
                 if self.writeback && attr_ttl.min(entry_ttl).is_zero() {
@@ -346,7 +353,7 @@ impl MountState {
             index += 1;
         }
         // The kernel counts a lookup for each entry it takes.
-        self.remember_all(&taken);
+        self.held.remember(&taken);
         reply.ok();
         drop(admission);
         self.evict_names(inode.0, unleased);
@@ -522,6 +529,9 @@ impl MountState {
             let shown = (!state.cache.is_truncating(inode)
                 && state.cache.raise_size(inode, size, last))
             .then_some(size);
+            if let Some(size) = shown {
+                state.held.size_is(inode, size);
+            }
             state.files.end_growth(inode, shown);
         });
         let _ = raised.await;
@@ -554,28 +564,18 @@ impl MountState {
         }
     }
 
-    fn remember(&self, inode: InodeId) {
-        self.remember_all(&[inode]);
-    }
-
-    fn remember_all(&self, inodes: &[InodeId]) {
-        let mut lookups = self.lookups.lock().expect("lookups not poisoned");
-        for inode in inodes {
-            *lookups.entry(*inode).or_insert(0) += 1;
-        }
+    /// The kernel takes a reference to `inode` from an entry reply that gives it `size`
+    /// (a regular file's).
+    fn remember(&self, inode: InodeId, size: Option<u64>) {
+        self.held.remember(&[(inode, size)]);
     }
 
     fn forget(&self, inode: InodeId, count: u64) {
         // The cache index before the lookup counts, as where a reply counts a lookup under
         // an admission (readdirplus, creates answered ahead): one order, no deadlock.
         let mut admission = self.cache.admit();
-        let mut lookups = self.lookups.lock().expect("lookups not poisoned");
-        if let Some(known) = lookups.get_mut(&inode) {
-            *known = known.saturating_sub(count);
-            if *known == 0 {
-                lookups.remove(&inode);
-                admission.forgotten(inode);
-            }
+        if self.held.forget(inode, count) {
+            admission.forgotten(inode);
         }
     }
 
@@ -589,19 +589,15 @@ impl MountState {
         attr: &Attr,
         lease: &Lease,
     ) {
-        self.remember(attr.inode);
+        let kernel_attr = self.kernel_attr(attr);
+        self.remember(attr.inode, regular_size(&kernel_attr));
         let mut admission = self.cache.admit();
         let (entry_ttl, attr_ttl) =
             self.entry_time_outs(&mut admission, lease, parent, name, Some(attr.inode));
         if attr.kind == FileKind::Regular {
             admission.held_as(attr.inode, parent, name);
         }
-        reply.entry_with_ttls(
-            &attr_ttl,
-            &entry_ttl,
-            &self.kernel_attr(attr),
-            Generation(0),
-        );
+        reply.entry_with_ttls(&attr_ttl, &entry_ttl, &kernel_attr, Generation(0));
         drop(admission);
         self.evict_unleased(attr.kind, parent, name, attr_ttl);
     }
@@ -793,7 +789,7 @@ impl FreeflowFs {
         admission.listing_added(parent, name, Some(inode), None, |lease| {
             client.lease_remaining(lease, &[parent])
         });
-        state.remember(inode);
+        state.remember(inode, Some(0));
         let (entry_ttl, attr_ttl) =
             state.entry_time_outs(&mut admission, &lease, parent, name, Some(inode));
         admission.held_as(inode, parent, name);
@@ -1393,6 +1389,7 @@ impl fuser::Filesystem for FreeflowFs {
                 Ok((attr, lease)) => {
                     if let Some(size) = size {
                         state.shadows.truncated(inode.0, size);
+                        state.held.size_is(inode.0, size);
                     }
                     state.reply_attr(reply, &attr, &lease)
                 }
@@ -1640,6 +1637,8 @@ impl fuser::Filesystem for FreeflowFs {
 
     fn open(&self, request: &Request, inode: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         self.settle(&[inode.0]);
+        // The kernel holds the inode now, with the size the reply that made it gave.
+        self.state.held.opened(inode.0);
         let truncate = flags.0 & libc::O_TRUNC != 0;
         let (client, state) = (self.caller(request), self.state.clone());
         let truncating = truncate.then(|| self.state.begin_truncation(inode.0));
@@ -1664,12 +1663,16 @@ impl fuser::Filesystem for FreeflowFs {
                     return reply.error(errno(&error));
                 }
                 state.shadows.truncated(inode.0, 0);
+                state.held.size_is(inode.0, 0);
             }
             if writes(flags.0) {
                 // The size read under the count (after any growth under way ended).
                 state
                     .files
-                    .opened_for_writing(inode.0, || state.shadows.begin(inode.0, handle.size()))
+                    .opened_for_writing(inode.0, || {
+                        let from = state.held.writing_from(inode.0, handle.size());
+                        state.shadows.begin(inode.0, from)
+                    })
                     .await;
             }
             if reads(flags.0) {
@@ -1913,6 +1916,11 @@ impl fuser::Filesystem for FreeflowFs {
             let state = &self.state;
             let mut last = false;
             state.files.closed_for_writing(inode.0, || {
+                // The kernel's writes went back before this release: it keeps the size
+                // they left.
+                if let Some(extent) = state.shadows.extent(inode.0) {
+                    state.held.size_is(inode.0, extent);
+                }
                 state.shadows.end(inode.0);
                 last = true;
             });
@@ -2375,7 +2383,8 @@ impl fuser::Filesystem for FreeflowFs {
                         state
                             .files
                             .opened_for_writing(attr.inode, || {
-                                state.shadows.begin(attr.inode, attr.size_bytes)
+                                let from = state.held.writing_from(attr.inode, attr.size_bytes);
+                                state.shadows.begin(attr.inode, from)
                             })
                             .await;
                     }
@@ -2383,7 +2392,8 @@ impl fuser::Filesystem for FreeflowFs {
                         state.files.opened_for_reading(attr.inode);
                     }
                     state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
-                    state.remember(attr.inode);
+                    let kernel_attr = state.kernel_attr(&attr);
+                    state.remember(attr.inode, regular_size(&kernel_attr));
                     // One time-out covers both the entry and the attributes here: under a
                     // lease, what is left of it; without, the shorter of the two, so the
                     // new name is revalidated like any other (with the attribute
@@ -2400,7 +2410,7 @@ impl fuser::Filesystem for FreeflowFs {
                     admission.held_as(attr.inode, parent.0, &name);
                     reply.created(
                         &attr_ttl.min(entry_ttl),
-                        &state.kernel_attr(&attr),
+                        &kernel_attr,
                         Generation(0),
                         FileHandle(attr.inode),
                         open_reply_flags(state.writeback, flags),
@@ -2590,6 +2600,7 @@ async fn create_and_open(
                     return Err(error);
                 }
                 state.shadows.truncated(attr.inode, 0);
+                state.held.size_is(attr.inode, 0);
             }
             Ok((handle.attr(), Lease::default()))
         }

@@ -26,6 +26,7 @@ mod caller;
 mod convert;
 mod filesystem;
 mod handles;
+mod held;
 mod session;
 mod shadow;
 
