@@ -594,25 +594,37 @@ fn changed_runs(bytes: &[u8], old: &[u8]) -> Vec<Range<usize>> {
     const WORD: usize = 8;
     let old = &old[..bytes.len()];
     let mut runs: Vec<Range<usize>> = Vec::new();
-    // Word by word (a page is compared in a few hundred steps), then each run's ends to
-    // the byte.
-    let mut i = 0;
-    while i < bytes.len() {
-        let step = WORD.min(bytes.len() - i);
-        if bytes[i..i + step] == old[i..i + step] {
-            i += step;
+    // The whole page first, in one compare (a page written back unchanged, zeros over
+    // the kernel's filling); then word by word, each word compared in a register (a call
+    // of `memcmp` per word cost more than the rest of a write-back's work here), and each
+    // run's ends to the byte.
+    if bytes == old {
+        return runs;
+    }
+    let words = bytes.len().div_ceil(WORD);
+    let same = |k: usize| {
+        let (from, to) = (k * WORD, ((k + 1) * WORD).min(bytes.len()));
+        match (bytes[from..to].try_into(), old[from..to].try_into()) {
+            (Ok(new), Ok(was)) => u64::from_ne_bytes(new) == u64::from_ne_bytes(was),
+            _ => bytes[from..to] == old[from..to],
+        }
+    };
+    let mut k = 0;
+    while k < words {
+        if same(k) {
+            k += 1;
             continue;
         }
-        let start = i + (0..step).find(|&k| bytes[i + k] != old[i + k]).unwrap_or(0);
-        let mut end = i + step;
-        while end < bytes.len() {
-            let step = WORD.min(bytes.len() - end);
-            if bytes[end..end + step] == old[end..end + step] {
-                break;
-            }
-            end += step;
+        let at = k * WORD;
+        let start = (at..bytes.len())
+            .find(|&i| bytes[i] != old[i])
+            .expect("a word that differs has a byte that does");
+        let mut last = k + 1;
+        while last < words && !same(last) {
+            last += 1;
         }
-        i = end;
+        k = last;
+        let mut end = (last * WORD).min(bytes.len());
         // Back to the last changed byte of the run's last word.
         while end > start + 1 && bytes[end - 1] == old[end - 1] {
             end -= 1;
