@@ -727,7 +727,8 @@ async fn a_mount_without_servers_fails_in_bounded_time_and_recovers() {
 
     // With its servers gone, SIGTERM still unmounts at once and the process ends within
     // the session close's bound (`SHUTDOWN_WAIT_MS`, 5 s), not the call time-out (this
-    // harness's clusters, 10 s): it took 10-20 s.
+    // harness's clusters, 10 s): it took 10-20 s. The bound leaves a slow machine 4 s
+    // for the unmount and the exit, and still tells the two apart.
     cluster.kill_meta();
     cluster.kill_io(0);
     let started = Instant::now();
@@ -735,7 +736,7 @@ async fn a_mount_without_servers_fails_in_bounded_time_and_recovers() {
     assert!(!is_mounted(&again.mountpoint), "unmounted at SIGTERM");
     eprintln!("the mount ended {:?} after SIGTERM", started.elapsed());
     assert!(
-        started.elapsed() < Duration::from_secs(8),
+        started.elapsed() < Duration::from_secs(9),
         "the mount took {:?} to end with its servers gone",
         started.elapsed()
     );
