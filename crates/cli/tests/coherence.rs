@@ -12,6 +12,7 @@ mod common;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -1152,6 +1153,35 @@ async fn writeback_mounts_writing_neighbouring_bytes_of_one_page_keep_both() {
         &read_all(&plain.path("held")),
         &expected,
         "a page begun past the end the kernel keeps, below the size at the open",
+    );
+
+    // The same, with an open between that writes nothing but allocates without changing
+    // the size (`FALLOC_FL_KEEP_SIZE`): the kernel's size is still 0 at the open after.
+    File::create(plain.path("held-kept")).unwrap();
+    let held = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH)
+        .open(a.path("held-kept"))
+        .unwrap();
+    fs::write(b.path("held-kept"), vec![b'B'; 8192]).unwrap();
+    let on_a = open_rw(&a.path("held-kept"));
+    // SAFETY: a valid descriptor; fallocate reads no memory of ours.
+    let allocated = unsafe { libc::fallocate(on_a.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, 1) };
+    assert_eq!(
+        allocated,
+        0,
+        "fallocate: {}",
+        std::io::Error::last_os_error()
+    );
+    drop(on_a);
+    let on_a = open_rw(&a.path("held-kept"));
+    on_a.write_all_at(b"aaaa", 100).unwrap();
+    drop(on_a);
+    drop(held);
+    assert_bytes_eq(
+        &read_all(&plain.path("held-kept")),
+        &expected,
+        "a page begun past the end the kernel keeps, after an allocation keeping the size",
     );
 
     // One host alone: zeros written over bytes, and over a page it read, still land.

@@ -1280,6 +1280,8 @@ impl fuser::Filesystem for FreeflowFs {
         _handle: Option<FileHandle>,
         reply: ReplyAttr,
     ) {
+        // The kernel holds the inode it asks about (`held.rs`).
+        self.state.held.opened(inode.0);
         // A directory with creates answered ahead on their way (the kernel asks for it at
         // every create there, to check the creator's search permission): answered from the
         // attributes kept under the lease, with the times of a change now, and not cached,
@@ -1331,6 +1333,7 @@ impl fuser::Filesystem for FreeflowFs {
         // (no "now" flag then). It checked the caller's right to either (default
         // permissions) before sending, so they are set as root: a writer who is not the
         // owner may set the times to now, which the meta server could not tell apart.
+        self.state.held.opened(inode.0);
         let kernel_times = change_time.is_some()
             && mode.is_none()
             && user_id.is_none()
@@ -1389,7 +1392,8 @@ impl fuser::Filesystem for FreeflowFs {
                 Ok((attr, lease)) => {
                     if let Some(size) = size {
                         state.shadows.truncated(inode.0, size);
-                        state.held.size_is(inode.0, size);
+                        // The kernel takes the size of the reply.
+                        state.held.size_is(inode.0, state.kernel_attr(&attr).size);
                     }
                     state.reply_attr(reply, &attr, &lease)
                 }
@@ -1616,6 +1620,8 @@ impl fuser::Filesystem for FreeflowFs {
         reply: ReplyEntry,
     ) {
         self.settle(&[inode.0, new_parent.0]);
+        // The kernel holds the inode it links: the reply does not make it.
+        self.state.held.opened(inode.0);
         let name = match convert::name(new_name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -1762,6 +1768,11 @@ impl fuser::Filesystem for FreeflowFs {
         // once, here or below.
         let mut copied = None;
         if self.state.writeback {
+            let end = offset + data.len() as u64;
+            if !direct {
+                // A write-back never passes the size the kernel keeps.
+                self.state.held.grown_to(inode.0, end);
+            }
             if direct {
                 self.state
                     .shadows
@@ -1788,6 +1799,7 @@ impl fuser::Filesystem for FreeflowFs {
                     if direct {
                         let end = offset + data.len() as u64;
                         self.state.shadows.grown(inode.0, end);
+                        self.state.held.grown_to(inode.0, end);
                     }
                     if past_cache && self.state.files.is_read(inode.0) {
                         let (state, length) = (self.state.clone(), data.len() as u64);
@@ -1829,6 +1841,7 @@ impl fuser::Filesystem for FreeflowFs {
                     if direct {
                         let end = offset + u64::from(length);
                         state.shadows.grown(inode.0, end);
+                        state.held.grown_to(inode.0, end);
                     }
                     if past_cache && state.files.is_read(inode.0) {
                         state.drop_pages(inode.0, offset, u64::from(length)).await;
@@ -1916,11 +1929,6 @@ impl fuser::Filesystem for FreeflowFs {
             let state = &self.state;
             let mut last = false;
             state.files.closed_for_writing(inode.0, || {
-                // The kernel's writes went back before this release: it keeps the size
-                // they left.
-                if let Some(extent) = state.shadows.extent(inode.0) {
-                    state.held.size_is(inode.0, extent);
-                }
                 state.shadows.end(inode.0);
                 last = true;
             });
@@ -2379,6 +2387,10 @@ impl fuser::Filesystem for FreeflowFs {
             match create_and_open(&state, &client, parent.0, &name, mode, exclusive, truncate).await
             {
                 Ok((attr, lease)) => {
+                    // Counted first: the shadows start from the size this reply gives if
+                    // it makes the kernel's inode.
+                    let kernel_attr = state.kernel_attr(&attr);
+                    state.remember(attr.inode, regular_size(&kernel_attr));
                     if writes(flags) {
                         state
                             .files
@@ -2392,8 +2404,6 @@ impl fuser::Filesystem for FreeflowFs {
                         state.files.opened_for_reading(attr.inode);
                     }
                     state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
-                    let kernel_attr = state.kernel_attr(&attr);
-                    state.remember(attr.inode, regular_size(&kernel_attr));
                     // One time-out covers both the entry and the attributes here: under a
                     // lease, what is left of it; without, the shorter of the two, so the
                     // new name is revalidated like any other (with the attribute
@@ -2467,7 +2477,12 @@ impl fuser::Filesystem for FreeflowFs {
         self.spawn(async move {
             match handle.allocate(offset, length, how).await {
                 Ok(()) => {
-                    state.shadows.grown(inode.0, handle.size());
+                    // The kernel raises its size to the end unless told to keep it (and
+                    // the handle's size may hold other hosts' growth, which it has not).
+                    if mode & libc::FALLOC_FL_KEEP_SIZE == 0 {
+                        state.shadows.grown(inode.0, offset + length);
+                        state.held.grown_to(inode.0, offset + length);
+                    }
                     reply.ok()
                 }
                 Err(error) => reply.error(errno(&error)),
@@ -2511,7 +2526,11 @@ impl fuser::Filesystem for FreeflowFs {
             {
                 // At most `length`, which fits u32.
                 Ok(copied) => {
-                    state.shadows.grown(target_inode.0, target.size());
+                    // The kernel raises its size to the copy's end (the handle's size may
+                    // hold other hosts' growth, which it has not).
+                    let end = target_offset + copied;
+                    state.shadows.grown(target_inode.0, end);
+                    state.held.grown_to(target_inode.0, end);
                     reply.written(copied as u32)
                 }
                 Err(error) => reply.error(errno(&error)),

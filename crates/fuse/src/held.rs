@@ -4,9 +4,11 @@
 //!
 //! Under the writeback cache the kernel takes a regular file's size from the mount only
 //! when it makes the inode, from the entry reply that makes it (a lookup, a create, a
-//! `READDIRPLUS` entry, a link, while it held none of the inode); replies for an inode it
-//! holds leave its size alone. After that only its own writes, its truncations and this
-//! mount's `raise_size` change it. So at a write open the meta server may give the file
+//! `READDIRPLUS` entry, while it held none of the inode); replies for an inode it holds
+//! leave its size alone. After that only its writes (write-backs, direct writes,
+//! `fallocate` without `KEEP_SIZE`, `copy_file_range`: each raises it to its end), its
+//! truncations (to the size the reply gives) and this mount's `raise_size` change it, and
+//! the mount follows each of them here. So at a write open the meta server may give the file
 //! more bytes than the kernel knows of (another client grew it between the lookup and the
 //! open, or while the kernel held it open for reading and before its size was raised):
 //! the kernel's pages past its own end are then pages it begins without reading, filled
@@ -16,9 +18,10 @@
 //! Which of several replies made the inode is not known here: the kernel makes it in the
 //! thread that asked, after the reply woke it, so of two lookups answered while it held
 //! none of the inode either may make it. Until the kernel names the inode in a request
-//! of its own (an open: it holds it then), the smallest size replied is taken; a size
-//! too small only leaves zeros unsent where the cluster held none of this host's bytes,
-//! one too large sends the kernel's filling over other hosts' bytes.
+//! of its own (an open, a getattr, a setattr, a link: it holds it then), the smallest
+//! size replied is taken. A size too large sends the kernel's filling over other hosts'
+//! bytes; one too small leaves the zeros of a page written whole, unread, between the two
+//! sizes unsent (over bytes the cluster held there, if any).
 //!
 //! The table is bounded by the kernel's inode cache: an inode leaves at its last
 //! `FORGET`. One race is not followed: a reply that counts a lookup for an inode the
@@ -109,7 +112,18 @@ impl KernelInodes {
         }
     }
 
-    /// The kernel opens `inode`: it holds the inode, made by a reply counted already.
+    /// The kernel's writes or allocations raised its size of `inode` to at least `end`.
+    pub fn grown_to(&self, inode: InodeId, end: u64) {
+        if let Some(held) = self.table().get_mut(&inode) {
+            held.settled = true;
+            if let Some(size) = held.size.as_mut() {
+                *size = (*size).max(end);
+            }
+        }
+    }
+
+    /// The kernel names `inode` in a request (an open, a getattr...): it holds the inode,
+    /// made by a reply counted already.
     pub fn opened(&self, inode: InodeId) {
         if let Some(held) = self.table().get_mut(&inode) {
             held.settled = true;
@@ -163,6 +177,10 @@ mod tests {
         assert_eq!(held.size(3), Some(0));
         held.size_is(3, 70_000);
         assert_eq!(held.writing_from(3, 80_000), 70_000);
+        // Writes raise it, never lower it.
+        held.grown_to(3, 90_000);
+        held.grown_to(3, 10);
+        assert_eq!(held.size(3), Some(90_000));
         // A directory keeps no size until told one; an inode not held is not added.
         assert_eq!(held.size(4), None);
         held.size_is(5, 10);

@@ -399,7 +399,8 @@ impl Shadows {
     }
 
     /// The most this host knows `inode` holds while the kernel has it open for writing
-    /// here (the size the kernel keeps of it, once its writes went back), if followed.
+    /// here (no more than the size the kernel keeps of it, once its writes went back),
+    /// if followed.
     pub fn extent(&self, inode: InodeId) -> Option<u64> {
         self.table()?.files.get(&inode).map(|file| file.extent)
     }
