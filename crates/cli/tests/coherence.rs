@@ -1135,54 +1135,38 @@ async fn writeback_mounts_writing_neighbouring_bytes_of_one_page_keep_both() {
     // mount, so nothing raises its size) while B writes two pages; A opens it by path
     // again (the kernel keeps its size, 0, whatever the lookup says, and the meta server
     // gives the open 8,192 bytes) and writes a few bytes into the first page, which its
-    // kernel begins past its own end, unread, filled with zeros.
-    File::create(plain.path("held")).unwrap();
-    let held = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_PATH)
-        .open(a.path("held"))
-        .unwrap();
-    fs::write(b.path("held"), vec![b'B'; 8192]).unwrap();
-    let on_a = open_rw(&a.path("held"));
-    on_a.write_all_at(b"aaaa", 100).unwrap();
-    drop(on_a);
-    drop(held);
+    // kernel begins past its own end, unread, filled with zeros. Once straight away, once
+    // after an open that only allocates without changing the size (`FALLOC_FL_KEEP_SIZE`).
     let mut expected = vec![b'B'; 8192];
     expected[100..104].copy_from_slice(b"aaaa");
-    assert_bytes_eq(
-        &read_all(&plain.path("held")),
-        &expected,
-        "a page begun past the end the kernel keeps, below the size at the open",
-    );
-
-    // The same, with an open between that writes nothing but allocates without changing
-    // the size (`FALLOC_FL_KEEP_SIZE`): the kernel's size is still 0 at the open after.
-    File::create(plain.path("held-kept")).unwrap();
-    let held = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_PATH)
-        .open(a.path("held-kept"))
-        .unwrap();
-    fs::write(b.path("held-kept"), vec![b'B'; 8192]).unwrap();
-    let on_a = open_rw(&a.path("held-kept"));
-    // SAFETY: a valid descriptor; fallocate reads no memory of ours.
-    let allocated = unsafe { libc::fallocate(on_a.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, 1) };
-    assert_eq!(
-        allocated,
-        0,
-        "fallocate: {}",
-        std::io::Error::last_os_error()
-    );
-    drop(on_a);
-    let on_a = open_rw(&a.path("held-kept"));
-    on_a.write_all_at(b"aaaa", 100).unwrap();
-    drop(on_a);
-    drop(held);
-    assert_bytes_eq(
-        &read_all(&plain.path("held-kept")),
-        &expected,
-        "a page begun past the end the kernel keeps, after an allocation keeping the size",
-    );
+    for (name, allocate_first) in [("held", false), ("held-kept", true)] {
+        File::create(plain.path(name)).unwrap();
+        let held = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH)
+            .open(a.path(name))
+            .unwrap();
+        fs::write(b.path(name), vec![b'B'; 8192]).unwrap();
+        if allocate_first {
+            let on_a = open_rw(&a.path(name));
+            // SAFETY: a valid descriptor; fallocate reads no memory of ours.
+            let allocated =
+                unsafe { libc::fallocate(on_a.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, 1) };
+            let error = std::io::Error::last_os_error();
+            assert_eq!(allocated, 0, "fallocate: {error}");
+        }
+        let on_a = open_rw(&a.path(name));
+        on_a.write_all_at(b"aaaa", 100).unwrap();
+        drop(on_a);
+        drop(held);
+        assert_bytes_eq(
+            &read_all(&plain.path(name)),
+            &expected,
+            &format!(
+                "{name}: a page begun past the end the kernel keeps, below the size at the open"
+            ),
+        );
+    }
 
     // One host alone: zeros written over bytes, and over a page it read, still land.
     fs::write(plain.path("zeros"), vec![b'x'; 3 * 4096]).unwrap();
