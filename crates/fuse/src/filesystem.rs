@@ -564,6 +564,14 @@ impl MountState {
         }
     }
 
+    /// A change by this host past the kernel's pages (a direct write, `fallocate` without
+    /// `KEEP_SIZE`, `copy_file_range`) ended at `end`, and the kernel raises its size to
+    /// it: both the shadows and the size the kernel keeps follow.
+    fn grown_here(&self, inode: InodeId, end: u64) {
+        self.shadows.grown(inode, end);
+        self.held.grown_to(inode, end);
+    }
+
     /// The kernel takes a reference to `inode` from an entry reply that gives it `size`
     /// (a regular file's).
     fn remember(&self, inode: InodeId, size: Option<u64>) {
@@ -1798,8 +1806,7 @@ impl fuser::Filesystem for FreeflowFs {
                 Ok(true) => {
                     if direct {
                         let end = offset + data.len() as u64;
-                        self.state.shadows.grown(inode.0, end);
-                        self.state.held.grown_to(inode.0, end);
+                        self.state.grown_here(inode.0, end);
                     }
                     if past_cache && self.state.files.is_read(inode.0) {
                         let (state, length) = (self.state.clone(), data.len() as u64);
@@ -1840,8 +1847,7 @@ impl fuser::Filesystem for FreeflowFs {
                 Ok(()) => {
                     if direct {
                         let end = offset + u64::from(length);
-                        state.shadows.grown(inode.0, end);
-                        state.held.grown_to(inode.0, end);
+                        state.grown_here(inode.0, end);
                     }
                     if past_cache && state.files.is_read(inode.0) {
                         state.drop_pages(inode.0, offset, u64::from(length)).await;
@@ -2480,8 +2486,7 @@ impl fuser::Filesystem for FreeflowFs {
                     // The kernel raises its size to the end unless told to keep it (and
                     // the handle's size may hold other hosts' growth, which it has not).
                     if mode & libc::FALLOC_FL_KEEP_SIZE == 0 {
-                        state.shadows.grown(inode.0, offset + length);
-                        state.held.grown_to(inode.0, offset + length);
+                        state.grown_here(inode.0, offset + length);
                     }
                     reply.ok()
                 }
@@ -2529,8 +2534,7 @@ impl fuser::Filesystem for FreeflowFs {
                     // The kernel raises its size to the copy's end (the handle's size may
                     // hold other hosts' growth, which it has not).
                     let end = target_offset + copied;
-                    state.shadows.grown(target_inode.0, end);
-                    state.held.grown_to(target_inode.0, end);
+                    state.grown_here(target_inode.0, end);
                     reply.written(copied as u32)
                 }
                 Err(error) => reply.error(errno(&error)),

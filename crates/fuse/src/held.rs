@@ -96,12 +96,13 @@ impl KernelInodes {
     }
 
     /// The size the kernel keeps of `inode` (writeback mounts), if it holds it.
+    #[cfg(test)]
     pub fn size(&self, inode: InodeId) -> Option<u64> {
         self.table().get(&inode).and_then(|held| held.size)
     }
 
-    /// The kernel keeps `size` for `inode` now (it truncated the file, its writes went
-    /// back, the mount raised it), if it holds the inode.
+    /// The kernel keeps `size` for `inode` now (it truncated the file, or the mount raised
+    /// its size), if it holds the inode.
     pub fn size_is(&self, inode: InodeId, size: u64) {
         if !self.writeback {
             return;
@@ -114,6 +115,9 @@ impl KernelInodes {
 
     /// The kernel's writes or allocations raised its size of `inode` to at least `end`.
     pub fn grown_to(&self, inode: InodeId, end: u64) {
+        if !self.writeback {
+            return;
+        }
         if let Some(held) = self.table().get_mut(&inode) {
             held.settled = true;
             if let Some(size) = held.size.as_mut() {
@@ -125,6 +129,9 @@ impl KernelInodes {
     /// The kernel names `inode` in a request (an open, a getattr...): it holds the inode,
     /// made by a reply counted already.
     pub fn opened(&self, inode: InodeId) {
+        if !self.writeback {
+            return;
+        }
         if let Some(held) = self.table().get_mut(&inode) {
             held.settled = true;
         }
@@ -133,8 +140,12 @@ impl KernelInodes {
     /// Where a file's shadows start at its first write open, when the meta server gives
     /// it `size` bytes: no further than the size the kernel keeps.
     pub fn writing_from(&self, inode: InodeId, size: u64) -> u64 {
-        self.opened(inode);
-        self.size(inode).map_or(size, |kept| kept.min(size))
+        let mut table = self.table();
+        let Some(held) = table.get_mut(&inode) else {
+            return size;
+        };
+        held.settled = true;
+        held.size.map_or(size, |kept| kept.min(size))
     }
 }
 

@@ -17,7 +17,8 @@
 //! goes whole, but for a page outside what this host knows the file holds (`known`: the
 //! size at the first write open or at its last truncation, and every range this host
 //! wrote since; at the open, the smaller of the meta server's size and the size the
-//! kernel keeps, `held.rs`, since the kernel begins pages past its own end unread): its zeros are taken for the kernel's filling around what was written here
+//! kernel keeps, `held.rs`, since the kernel begins pages past its own end unread): its
+//! zeros are taken for the kernel's filling around what was written here
 //! (the room of other hosts' records, in an N-to-1 file) and only its runs of other bytes
 //! are sent (the cluster holds nothing of this host's there, so zeros a program wrote read
 //! as zeros unsent, and another host's bytes under them stay); a page of zeros alone was
@@ -357,7 +358,8 @@ impl Shadows {
 
     /// The kernel opens `inode` for writing: its pages are dropped at this open, and
     /// both the cluster and the kernel hold at least `size` bytes of it (the smaller of
-    /// the two sizes: pages past the kernel's own end are begun unread). A file followed already keeps its copies and its
+    /// the two sizes: pages past the kernel's own end are begun unread). A file followed
+    /// already keeps its copies and its
     /// `extent` (a later open's size may include other hosts' growth, which this host's
     /// kernel has not seen: its pages there are its own filling).
     pub fn begin(&self, inode: InodeId, size: u64) {
