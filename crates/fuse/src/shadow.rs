@@ -486,9 +486,15 @@ impl Shadows {
         };
         let extent = file.extent;
         let buffer = table.buffer(data.len());
+        // Runs of neighbouring pages join under the rule of runs inside a page: a page
+        // that happens to begin or end in a zero byte does not cut a long write-back of
+        // a program's bytes into pieces (each a request of its own, unaligned, so past
+        // the I/O server's O_DIRECT path and into its page cache for the fsync to flush).
         let mut spans: Vec<Range<usize>> = Vec::new();
         let mut add = |span: Range<usize>| match spans.last_mut() {
-            Some(previous) if previous.end == span.start => previous.end = span.end,
+            Some(previous) if span.start - previous.end < CHANGED_GAP_MIN => {
+                previous.end = span.end
+            }
             _ => spans.push(span),
         };
         let mut at = 0usize;
@@ -777,6 +783,23 @@ mod tests {
                 10_000..11_000
             ],
             "the zeros between the records stay unsent in the second and third pages too"
+        );
+        // A program's bytes that happen to end one page and begin the next in zeros go
+        // as one span, as inside a page: a long write-back is not cut at page edges.
+        let shadows = Shadows::new(true);
+        shadows.begin(17, 0);
+        let mut pages = vec![b'p'; 3 * PAGE];
+        pages[PAGE - 3..PAGE + 5].fill(0);
+        pages[2 * PAGE - 1] = 0;
+        assert_eq!(shadows.spans(17, 0, &b(&pages)), vec![0..3 * PAGE]);
+        // But a gap as long as a record between pages still stays unsent.
+        let shadows = Shadows::new(true);
+        shadows.begin(18, 0);
+        let mut pages = vec![b'p'; 2 * PAGE];
+        pages[PAGE - 8..PAGE + 8].fill(0);
+        assert_eq!(
+            shadows.spans(18, 0, &b(&pages)),
+            vec![0..PAGE - 8, PAGE + 8..2 * PAGE]
         );
     }
 
