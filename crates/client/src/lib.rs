@@ -39,6 +39,7 @@ pub use delegation::AheadOp;
 pub use error::ClientError;
 pub use file::{Allocation, FileHandle, COPY_LENGTH_MAX, READ_LENGTH_MAX};
 pub use leases::{RecallHandler, RevocationHandler};
+pub use local::reads_in_place;
 pub use locks::LockSpec;
 pub use path::{join, normalize};
 pub use paths::{OpenOptions, StripePlacement};

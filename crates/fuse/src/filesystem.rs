@@ -14,6 +14,7 @@
 use std::ffi::OsStr;
 use std::future::Future;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -94,6 +95,14 @@ pub(crate) struct MountState {
     pub held: KernelInodes,
     runtime: tokio::runtime::Handle,
     in_flight: Arc<Semaphore>,
+    /// A lone read may be answered on the session thread that took it (`answer_here`):
+    /// plain mounts with more than one session thread.
+    reads_here: bool,
+    /// A session thread is answering a read itself now (one at a time).
+    reading_here: AtomicBool,
+    /// Set when the connection is aborted: a read answered on a session thread is given
+    /// up, so the thread ends with the session.
+    ending: tokio::sync::watch::Sender<bool>,
     /// What the kernel caches under leases, and how to take it back (`cache.rs`).
     pub cache: Arc<KernelCache>,
     /// The kernel's writeback cache is on (`MountOptions::writeback`).
@@ -129,11 +138,20 @@ impl MountState {
             held: KernelInodes::new(options.writeback),
             runtime,
             in_flight: Arc::new(Semaphore::new(REQUESTS_IN_FLIGHT_MAX)),
+            reads_here: !options.writeback && options.threads > 1,
+            reading_here: AtomicBool::new(false),
+            ending: tokio::sync::watch::channel(false).0,
             cache: Arc::new(KernelCache::new(options.writeback)),
             writeback: options.writeback,
             shadows: Shadows::new(options.writeback),
             grown_elsewhere: Mutex::new(std::collections::HashSet::new()),
         }
+    }
+
+    /// The connection is being aborted: a read a session thread answers itself is given
+    /// up (`FreeflowFs::answer_read`).
+    pub fn aborting(&self) {
+        self.ending.send_replace(true);
     }
 
     /// After handing the kernel the regular file `inode` as `name` of `parent` without a
@@ -944,6 +962,48 @@ impl FreeflowFs {
         });
     }
 
+    /// Answers a read: on this session thread when it is the mount's only request (a
+    /// reader at queue depth 1), else as a task like every request. Here, the read's
+    /// future is driven by this thread and a local read that misses the page cache waits
+    /// for the disk here too (`freeflow_client::reads_in_place`): no hand-off to a runtime
+    /// worker, then to the blocking pool and back, each the wake-up of an idle CPU. One
+    /// session thread at a time does it, so the others keep taking the kernel's requests
+    /// (a read that waits for another request's answer is answered by them); writeback
+    /// mounts never do (their reads may wait on page locks the kernel holds for others).
+    fn answer_read<F>(&self, task: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let state = &self.state;
+        let alone = state.reads_here
+            && state.in_flight.available_permits() == REQUESTS_IN_FLIGHT_MAX
+            && state
+                .reading_here
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok();
+        if !alone {
+            return self.spawn(task);
+        }
+        struct Done<'a>(&'a AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _done = Done(&state.reading_here);
+        let mut ending = state.ending.subscribe();
+        freeflow_client::reads_in_place(|| {
+            state.runtime.block_on(async move {
+                tokio::select! {
+                    () = task => {}
+                    // Dropped unanswered (fuser answers it with an error), as the tasks
+                    // are when the runtime stops.
+                    _ = ending.wait_for(|ending| *ending) => {}
+                }
+            })
+        });
+    }
+
     /// A write-back of `data` at `offset` of which only `sent.spans` (offsets into `data`)
     /// changed here (`shadow.rs`): those go, the file grows to `sent.grow` once they are
     /// on their way (`FileHandle::extend_to` commits it after them), and the kernel is
@@ -1721,7 +1781,7 @@ impl fuser::Filesystem for FreeflowFs {
         // here is copied (`shadow.rs`), unless the file changed otherwise meanwhile.
         let copy = (writeback && flags.0 & libc::O_DIRECT == 0)
             .then(|| (self.state.clone(), self.state.shadows.reading(inode.0)));
-        self.spawn(async move {
+        self.answer_read(async move {
             // A writeback mount's growth of a held-open file waits for the reads already
             // answering (their pages may end at the size the handle knew before it).
             let _reading = if writeback {

@@ -302,6 +302,7 @@ impl MountHandle {
     }
 
     fn abort_connection(&self) {
+        self.state.aborting();
         let Some((_, minor)) = self.device else {
             return;
         };
