@@ -1028,6 +1028,97 @@ async fn readers_here_see_writes_through_write_only_opens_at_once() {
     assert_bytes_eq(&seen, &expected, "after the read-write open");
 }
 
+/// `O_DIRECT` opens go past the page cache with their writes run at once
+/// (`FOPEN_PARALLEL_DIRECT_WRITES`): four threads writing their own quarter of one file
+/// through descriptors of their own all land; a reader here holding the old pages sees
+/// the new bytes (the kernel no longer drops them itself for such a write: the mount
+/// does); and an `O_DIRECT` descriptor can still be mapped shared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_writers_of_one_file_at_once_all_land_and_readers_here_see_them() {
+    const SIZE: usize = 4 << 20;
+    const BLOCK: usize = 64 << 10;
+    const WRITERS: usize = 4;
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(2).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let path = mount.path("direct");
+    fs::write(&path, vec![b'a'; SIZE]).expect("write the file");
+    let reader = File::open(&path).expect("open for reading");
+    let mut seen = vec![0u8; SIZE];
+    reader
+        .read_exact_at(&mut seen, 0)
+        .expect("read into the page cache");
+    assert!(seen.iter().all(|&byte| byte == b'a'));
+
+    let model = Xorshift::new(39).bytes(SIZE);
+    std::thread::scope(|scope| {
+        for writer in 0..WRITERS {
+            let (path, model) = (&path, &model);
+            scope.spawn(move || {
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .custom_flags(libc::O_DIRECT)
+                    .open(path)
+                    .expect("open with O_DIRECT");
+                // A page-aligned buffer, as O_DIRECT wants on most file systems.
+                let mut room = vec![0u8; BLOCK + 4096];
+                let lead = (4096 - room.as_ptr() as usize % 4096) % 4096;
+                let share = SIZE / WRITERS;
+                // Blocks interleaved with the other writers' in time: each writer goes
+                // through its quarter in its own order.
+                let blocks = share / BLOCK;
+                for step in 0..blocks {
+                    let block = (step * 7 + writer) % blocks;
+                    let at = writer * share + block * BLOCK;
+                    let buffer = &mut room[lead..lead + BLOCK];
+                    buffer.copy_from_slice(&model[at..at + BLOCK]);
+                    file.write_all_at(buffer, at as u64).expect("direct write");
+                }
+            });
+        }
+    });
+    reader.read_exact_at(&mut seen, 0).expect("read again");
+    assert_bytes_eq(&seen, &model, "a reader holding the old pages");
+    assert_bytes_eq(
+        &fs::read(&path).expect("read through a new open"),
+        &model,
+        "a new open",
+    );
+
+    let direct = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+        .expect("open with O_DIRECT again");
+    // SAFETY: a fresh shared read-only mapping of SIZE bytes of an open descriptor,
+    // unmapped below before the descriptor is dropped.
+    let mapped = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            SIZE,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            direct.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(
+        mapped,
+        libc::MAP_FAILED,
+        "a shared mapping of an O_DIRECT descriptor: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: the mapping is SIZE bytes long and readable.
+    let mapped_bytes = unsafe { std::slice::from_raw_parts(mapped.cast::<u8>(), SIZE) }.to_vec();
+    // SAFETY: unmapping the mapping made above.
+    unsafe { libc::munmap(mapped, SIZE) };
+    assert_bytes_eq(&mapped_bytes, &model, "the mapping");
+}
+
 /// Readers holding a file's pages while write-only opens write into them: each such write
 /// has the kernel drop the pages it covers, and the kernel waits for every page under a
 /// read to be answered first. The mount once did that wait on a thread of its runtime,

@@ -824,7 +824,7 @@ impl FreeflowFs {
                 .files
                 .created_for_writing(inode, || state.shadows.begin(inode, 0));
         }
-        if reads(flags) {
+        if reads_pages(state.writeback, flags) {
             state.files.opened_for_reading(inode);
         }
         reply.created(
@@ -1228,9 +1228,15 @@ fn writes(flags: i32) -> bool {
     flags & libc::O_ACCMODE != libc::O_RDONLY
 }
 
-/// Whether open flags give read access (the kernel may then keep pages of the file).
+/// Whether open flags give read access.
 fn reads(flags: i32) -> bool {
     flags & libc::O_ACCMODE != libc::O_WRONLY
+}
+
+/// Whether an open with `flags` reads through the kernel's page cache (it may then keep
+/// pages of the file): read access, and not answered past the cache.
+fn reads_pages(writeback: bool, flags: i32) -> bool {
+    reads(flags) && !open_reply_flags(writeback, flags).contains(FopenFlags::FOPEN_DIRECT_IO)
 }
 
 /// What an open of a regular file with `flags` is answered with. Without the writeback
@@ -1238,10 +1244,17 @@ fn reads(flags: i32) -> bool {
 /// its writes were sent through at once anyway (write-through), the copy into the page
 /// cache bought nothing (every open drops the file's pages, and such an open can neither
 /// read nor map the file), and the kernel then hands the writer's own pages to the mount.
-/// With the writeback cache the kernel's pages are what gathers small writes.
+/// So does an `O_DIRECT` open, which asked for no cache (a shared mapping of it still
+/// works: the kernel then caches the file for it, `FUSE_DIRECT_IO_ALLOW_MMAP`). Their
+/// writes may run at once (`FOPEN_PARALLEL_DIRECT_WRITES`): the kernel takes its lock of
+/// the file shared for them, not exclusive (still exclusive for an append, a write past
+/// its size, or while the file is mapped), as the mount takes writes of one file in any
+/// order; without it, every writer of a file waited for the one before, whatever the
+/// ranges. With the writeback cache the kernel's pages are what gathers small writes.
 fn open_reply_flags(writeback: bool, flags: i32) -> FopenFlags {
-    if !writeback && flags & libc::O_ACCMODE == libc::O_WRONLY {
-        FopenFlags::FOPEN_DIRECT_IO
+    let write_only = flags & libc::O_ACCMODE == libc::O_WRONLY;
+    if !writeback && (write_only || flags & libc::O_DIRECT != 0) {
+        FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES
     } else {
         FopenFlags::empty()
     }
@@ -1278,6 +1291,9 @@ impl fuser::Filesystem for FreeflowFs {
             // Locks are the cluster's (held at the meta server), not this host's alone.
             InitFlags::FUSE_POSIX_LOCKS,
             InitFlags::FUSE_FLOCK_LOCKS,
+            // O_DIRECT opens go past the page cache (`open_reply_flags`) and may still be
+            // mapped shared.
+            InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP,
         ] {
             if config.add_capabilities(wanted).is_err() {
                 tracing::debug!(?wanted, "the kernel lacks a FUSE capability");
@@ -1749,7 +1765,7 @@ impl fuser::Filesystem for FreeflowFs {
                     })
                     .await;
             }
-            if reads(flags.0) {
+            if reads_pages(writeback, flags.0) {
                 state.files.opened_for_reading(inode.0);
             }
             // No FOPEN_KEEP_CACHE: the kernel drops the file's pages at every open, which
@@ -1831,7 +1847,7 @@ impl fuser::Filesystem for FreeflowFs {
         // the handle. While the file is open for reading here they are dropped again once
         // it has (reads reaching the handle after that are ordered after the write).
         let past_cache =
-            open_reply_flags(self.state.writeback, flags.0) == FopenFlags::FOPEN_DIRECT_IO;
+            open_reply_flags(self.state.writeback, flags.0).contains(FopenFlags::FOPEN_DIRECT_IO);
         // The request buffer is reused for the next request: the data is copied out of it
         // once, here or below.
         let mut copied = None;
@@ -1998,13 +2014,13 @@ impl fuser::Filesystem for FreeflowFs {
                 state.shadows.end(inode.0);
                 last = true;
             });
-            if reads(flags.0) {
+            if reads_pages(state.writeback, flags.0) {
                 state.files.closed_for_reading(inode.0);
             }
             if last {
                 state.after_last_write_close(inode.0);
             }
-        } else if reads(flags.0) {
+        } else if reads_pages(self.state.writeback, flags.0) {
             self.state.files.closed_for_reading(inode.0);
         }
         let state = self.state.clone();
@@ -2466,7 +2482,7 @@ impl fuser::Filesystem for FreeflowFs {
                             })
                             .await;
                     }
-                    if reads(flags) {
+                    if reads_pages(state.writeback, flags) {
                         state.files.opened_for_reading(attr.inode);
                     }
                     state.note_made(parent.0, &name, Some(attr.inode), &lease, None);

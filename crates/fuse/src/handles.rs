@@ -77,7 +77,7 @@ impl Drop for Preparing<'_> {
 pub struct OpenFiles {
     files: Mutex<HashMap<InodeId, OpenFile>>,
     writers: Mutex<Writers>,
-    /// Kernel opens with read access, by inode (one entry per inode open so).
+    /// Kernel opens that read through its page cache, by inode (one entry per inode open so).
     readers: Mutex<HashMap<InodeId, u32>>,
     /// Wakes write opens that wait for a growth to end.
     growth_ended: tokio::sync::Notify,
@@ -136,8 +136,8 @@ impl OpenFiles {
         }
     }
 
-    /// The kernel is being told it opened `inode` with read access (called before the
-    /// reply, so counted before it can read).
+    /// The kernel is being told it opened `inode` to read through its page cache (called
+    /// before the reply, so counted before it can read).
     pub fn opened_for_reading(&self, inode: InodeId) {
         count_up(
             &mut self.readers.lock().expect("readers not poisoned"),
@@ -145,7 +145,7 @@ impl OpenFiles {
         );
     }
 
-    /// The kernel released an open of `inode` with read access.
+    /// The kernel released an open of `inode` that read through its page cache.
     pub fn closed_for_reading(&self, inode: InodeId) {
         count_down(
             &mut self.readers.lock().expect("readers not poisoned"),
@@ -153,7 +153,8 @@ impl OpenFiles {
         );
     }
 
-    /// Whether the kernel has `inode` open with read access here (it may hold pages of it).
+    /// Whether the kernel has `inode` open here to read through its page cache (it may
+    /// hold pages of it).
     pub fn is_read(&self, inode: InodeId) -> bool {
         self.readers
             .lock()
