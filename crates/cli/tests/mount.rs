@@ -1119,6 +1119,59 @@ async fn direct_writers_of_one_file_at_once_all_land_and_readers_here_see_them()
     assert_bytes_eq(&mapped_bytes, &model, "the mapping");
 }
 
+/// Streams of small writes longer than what one gathering holds (1 MiB): once full, the
+/// gathered bytes go on their way on a task while the next write, answered at once on
+/// the session thread, starts the next gathering. Two writers stream into their own half
+/// of one file at once (write-only opens, whose writes the kernel runs in parallel), in
+/// writes of 4 KiB to 98 KiB, some of odd lengths; after the closes every byte is there,
+/// on this mount and on another one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_write_streams_past_a_gathering_all_land() {
+    const HALF: usize = 5 << 20;
+    if !fuse_available() {
+        return;
+    }
+    let cluster = Cluster::start(2).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let other = Mount::start(&cluster, "other", &[]);
+    let path = mount.path("streams");
+    File::create(&path).expect("create");
+    let model = Xorshift::new(47).bytes(2 * HALF);
+    std::thread::scope(|scope| {
+        for (writer, lengths) in [(0usize, [65_536usize, 4096]), (1, [100_000, 7777])] {
+            let (path, model) = (&path, &model);
+            scope.spawn(move || {
+                let mut file = OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .expect("open write-only");
+                let (start, end) = (writer * HALF, (writer + 1) * HALF);
+                let mut at = start;
+                for length in lengths.iter().cycle() {
+                    if at == end {
+                        break;
+                    }
+                    let length = (*length).min(end - at);
+                    file.write_all_at(&model[at..at + length], at as u64)
+                        .expect("write");
+                    at += length;
+                }
+                file.flush().expect("flush");
+            });
+        }
+    });
+    assert_bytes_eq(
+        &fs::read(&path).expect("read here"),
+        &model,
+        "the file on this mount",
+    );
+    assert_bytes_eq(
+        &fs::read(other.path("streams")).expect("read on the other mount"),
+        &model,
+        "the file on another mount",
+    );
+}
+
 /// Readers holding a file's pages while write-only opens write into them: each such write
 /// has the kernel drop the pages it covers, and the kernel waits for every page under a
 /// read to be answered first. The mount once did that wait on a thread of its runtime,

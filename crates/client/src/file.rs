@@ -383,6 +383,21 @@ impl HandleState {
         self.batches_in_transit += u32::from(taken);
     }
 
+    /// Begin gathering with the write of `data` at `offset` (nothing is gathered now);
+    /// returns the gathering's generation.
+    fn gather_anew(&mut self, offset: u64, data: &[u8], end: u64) -> u64 {
+        let mut gathered = BytesMut::with_capacity(data.len().max(GATHER_CAPACITY_START));
+        gathered.extend_from_slice(data);
+        self.gathered = Some(Gathered {
+            offset,
+            data: gathered,
+        });
+        self.gather_generation += 1;
+        self.known_size = self.known_size.max(end);
+        self.written_end = self.written_end.max(end);
+        self.gather_generation
+    }
+
     /// If `piece` (at file offset `start`) and the parked pieces of its stripe unit make
     /// the whole unit, take those pieces and return them all in file order (`piece`
     /// among them); None otherwise.
@@ -871,19 +886,57 @@ impl HandleShared {
     /// Gather a small write (none is gathered now); it is sent by the next call that needs
     /// it on its way, or after `gather_wait_ms` at most.
     fn start_gathering(self: &Arc<Self>, offset: u64, data: &[u8], end: u64) {
-        let generation = {
-            let mut state = self.lock();
-            let mut gathered = BytesMut::with_capacity(data.len().max(GATHER_CAPACITY_START));
-            gathered.extend_from_slice(data);
-            state.gathered = Some(Gathered {
-                offset,
-                data: gathered,
-            });
-            state.gather_generation += 1;
-            state.known_size = state.known_size.max(end);
-            state.written_end = state.written_end.max(end);
-            state.gather_generation
+        let generation = self.lock().gather_anew(offset, data, end);
+        self.send_gathered_later(generation);
+    }
+
+    /// A small write that cannot join what is gathered (nothing is, it does not start
+    /// where they end, or they are full), done as [`FileHandle::write_at`] would do it but
+    /// without waiting: if the turn to send is free now, what is gathered goes on a task
+    /// that keeps the turn until it is in flight, and this write begins the next
+    /// gathering (the mount's session thread answers it at once, instead of handing it to
+    /// a task and waiting for the turn). False, with nothing done, when the turn is taken
+    /// (by a batch before, a close or a large write: the long way keeps the order), when
+    /// pieces are parked (the long way sends them as whole units), or when this client
+    /// does not gather. Needs a runtime context.
+    fn try_gather_anew(self: &Arc<Self>, offset: u64, data: &[u8], end: u64) -> bool {
+        if data.len() >= GATHER_WRITE_MAX || self.client.shared.config.gather_wait_ms == 0 {
+            return false;
+        }
+        let Ok(turn) = self.send_order.clone().try_lock_owned() else {
+            return false;
         };
+        // A close marks the handle closed before it takes the turn: one that has it next
+        // must find nothing of this write anywhere.
+        if self.check_open().is_err() {
+            return false;
+        }
+        let (gathered, generation) = {
+            let mut state = self.lock();
+            if !state.parked.is_empty() {
+                return false;
+            }
+            let gathered = state.gathered.take();
+            state.in_transit(gathered.is_some());
+            (gathered, state.gather_anew(offset, data, end))
+        };
+        if let Some(gathered) = gathered {
+            let (shared, pieces) = (
+                self.clone(),
+                vec![(gathered.offset, gathered.data.freeze())],
+            );
+            tokio::spawn(async move {
+                // A failure is kept on the handle like any write's.
+                let _ = shared.send_pieces_ordered(turn, pieces).await;
+            });
+        }
+        self.send_gathered_later(generation);
+        true
+    }
+
+    /// Send what gathering `generation` holds after `gather_wait_ms`, unless it went
+    /// before.
+    fn send_gathered_later(self: &Arc<Self>, generation: u64) {
         // Holds the handle: gathered bytes are sent even if it is dropped without a close.
         let shared = self.clone();
         let wait = Duration::from_millis(self.client.shared.config.gather_wait_ms);
@@ -2214,9 +2267,11 @@ impl FileHandle {
         written
     }
 
-    /// Write `data` at `offset` without waiting, if it can join the small writes this
-    /// handle is gathering (it starts where they end, and fits): the mount's fast path for
-    /// a stream of small writes. Ok(false): nothing was done, use [`FileHandle::write_at`].
+    /// Write a small `data` at `offset` without waiting: it joins the writes this handle
+    /// is gathering (it starts where they end, and fits), or, when the turn to send is
+    /// free, what is gathered goes on its way on a task and it begins the next gathering:
+    /// the mount's fast path for small writes. Ok(false): nothing was done, use
+    /// [`FileHandle::write_at`]. Call it inside a tokio runtime's context.
     pub fn write_gathered(&self, offset: u64, data: &[u8]) -> Result<bool, ClientError> {
         let shared = &self.shared;
         let Some(end) = shared.check_write(offset, data.len())? else {
@@ -2227,7 +2282,7 @@ impl FileHandle {
         if !shared.client.shared.space.try_take(&needs) {
             return Ok(false);
         }
-        if shared.try_gather(offset, data, end) {
+        if shared.try_gather(offset, data, end) || shared.try_gather_anew(offset, data, end) {
             return Ok(true);
         }
         shared.client.shared.space.put_back(&needs);

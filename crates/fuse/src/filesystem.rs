@@ -1877,7 +1877,12 @@ impl fuser::Filesystem for FreeflowFs {
         if !kill_privileges {
             // A small write that joins those gathered is answered here, on the session
             // thread, without a task or a request of its own.
-            match handle.write_gathered(offset, data) {
+            // In the runtime's context: the gathered bytes, once full, go on a task.
+            let gathered = {
+                let _runtime = self.state.runtime.enter();
+                handle.write_gathered(offset, data)
+            };
+            match gathered {
                 // Gathered writes are shorter than GATHER_WRITE_MAX: the length fits.
                 Ok(true) => {
                     if direct {
