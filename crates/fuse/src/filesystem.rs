@@ -78,6 +78,9 @@ const READDIRPLUS_GATHER_MAX: usize = 256;
 /// meta server: the create then has that long to reach it before the delegation could end.
 const AHEAD_LEASE_LEFT_MIN: Duration = Duration::from_secs(1);
 
+/// Longest read a session thread answers itself (`FreeflowFs::answer_read`): one piece.
+pub const READ_HERE_BYTES_MAX: u32 = 128 << 10;
+
 /// Free inodes reported by statfs: Freeflow has no inode table to run out of.
 pub const STATFS_FREE_INODES: u64 = 1 << 32;
 
@@ -970,12 +973,16 @@ impl FreeflowFs {
     /// session thread at a time does it, so the others keep taking the kernel's requests
     /// (a read that waits for another request's answer is answered by them); writeback
     /// mounts never do (their reads may wait on page locks the kernel holds for others).
-    fn answer_read<F>(&self, task: F)
+    /// Only reads of at most [`READ_HERE_BYTES_MAX`]: a longer one may span several
+    /// stripe units, whose reads from the disk should run at once on the blocking pool,
+    /// not one after another here.
+    fn answer_read<F>(&self, size: u32, task: F)
     where
         F: Future<Output = ()> + Send + 'static,
     {
         let state = &self.state;
         let alone = state.reads_here
+            && size <= READ_HERE_BYTES_MAX
             && state.in_flight.available_permits() == REQUESTS_IN_FLIGHT_MAX
             && state
                 .reading_here
@@ -1797,7 +1804,7 @@ impl fuser::Filesystem for FreeflowFs {
         // here is copied (`shadow.rs`), unless the file changed otherwise meanwhile.
         let copy = (writeback && flags.0 & libc::O_DIRECT == 0)
             .then(|| (self.state.clone(), self.state.shadows.reading(inode.0)));
-        self.answer_read(async move {
+        self.answer_read(size, async move {
             // A writeback mount's growth of a held-open file waits for the reads already
             // answering (their pages may end at the size the handle knew before it).
             let _reading = if writeback {
