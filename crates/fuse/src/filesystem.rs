@@ -103,6 +103,9 @@ pub(crate) struct MountState {
     reads_here: bool,
     /// A session thread is answering a read itself now (one at a time).
     reading_here: AtomicBool,
+    /// The kernel lets opens answered past its page cache be mapped shared
+    /// (`FUSE_DIRECT_IO_ALLOW_MMAP`, set at init).
+    direct_mmap: AtomicBool,
     /// Set when the connection is aborted: a read answered on a session thread is given
     /// up, so the thread ends with the session.
     ending: tokio::sync::watch::Sender<bool>,
@@ -143,6 +146,7 @@ impl MountState {
             in_flight: Arc::new(Semaphore::new(REQUESTS_IN_FLIGHT_MAX)),
             reads_here: !options.writeback && options.threads > 1,
             reading_here: AtomicBool::new(false),
+            direct_mmap: AtomicBool::new(false),
             ending: tokio::sync::watch::channel(false).0,
             cache: Arc::new(KernelCache::new(options.writeback)),
             writeback: options.writeback,
@@ -827,15 +831,16 @@ impl FreeflowFs {
                 .files
                 .created_for_writing(inode, || state.shadows.begin(inode, 0));
         }
-        if reads_pages(state.writeback, flags) {
+        let answer = open_reply_flags(state, flags);
+        if reads_pages(open_handle(inode, answer), flags) {
             state.files.opened_for_reading(inode);
         }
         reply.created(
             &attr_ttl.min(entry_ttl),
             &file_attr(&attr, 0),
             Generation(0),
-            FileHandle(inode),
-            open_reply_flags(state.writeback, flags),
+            open_handle(inode, answer),
+            answer,
         );
         drop(admission);
         let (creator, state, name) = (self.caller(request), self.state.clone(), name.to_owned());
@@ -999,16 +1004,23 @@ impl FreeflowFs {
         }
         let _done = Done(&state.reading_here);
         let mut ending = state.ending.subscribe();
-        freeflow_client::reads_in_place(|| {
-            state.runtime.block_on(async move {
-                tokio::select! {
-                    () = task => {}
-                    // Dropped unanswered (fuser answers it with an error), as the tasks
-                    // are when the runtime stops.
-                    _ = ending.wait_for(|ending| *ending) => {}
-                }
+        // A panic of the read is the read's alone, as in a task: unwinding drops its
+        // reply (fuser answers it with an error), and this thread goes on taking requests.
+        let answered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            freeflow_client::reads_in_place(|| {
+                state.runtime.block_on(async move {
+                    tokio::select! {
+                        () = task => {}
+                        // Dropped unanswered (fuser answers it with an error), as the tasks
+                        // are when the runtime stops.
+                        _ = ending.wait_for(|ending| *ending) => {}
+                    }
+                })
             })
-        });
+        }));
+        if answered.is_err() {
+            tracing::error!("a read answered on a session thread panicked");
+        }
     }
 
     /// A write-back of `data` at `offset` of which only `sent.spans` (offsets into `data`)
@@ -1240,10 +1252,22 @@ fn reads(flags: i32) -> bool {
     flags & libc::O_ACCMODE != libc::O_WRONLY
 }
 
-/// Whether an open with `flags` reads through the kernel's page cache (it may then keep
-/// pages of the file): read access, and not answered past the cache.
-fn reads_pages(writeback: bool, flags: i32) -> bool {
-    reads(flags) && !open_reply_flags(writeback, flags).contains(FopenFlags::FOPEN_DIRECT_IO)
+/// Set in the file handle number of an open answered past the kernel's page cache (the
+/// rest is the inode): a program may switch `O_DIRECT` on or off with `fcntl` later, and
+/// the kernel sends the flags of that moment with each write and the release, but the
+/// answer stays; writes and the release go by this bit.
+const PAST_CACHE: u64 = 1 << 63;
+
+/// The file handle number of an open of `inode` answered with `answer`.
+fn open_handle(inode: InodeId, answer: FopenFlags) -> FileHandle {
+    let past_cache = answer.contains(FopenFlags::FOPEN_DIRECT_IO);
+    FileHandle(inode | if past_cache { PAST_CACHE } else { 0 })
+}
+
+/// Whether an open with `flags` answered with the handle `handle` reads through the
+/// kernel's page cache (it may then keep pages of the file).
+fn reads_pages(handle: FileHandle, flags: i32) -> bool {
+    reads(flags) && handle.0 & PAST_CACHE == 0
 }
 
 /// What an open of a regular file with `flags` is answered with. Without the writeback
@@ -1251,16 +1275,19 @@ fn reads_pages(writeback: bool, flags: i32) -> bool {
 /// its writes were sent through at once anyway (write-through), the copy into the page
 /// cache bought nothing (every open drops the file's pages, and such an open can neither
 /// read nor map the file), and the kernel then hands the writer's own pages to the mount.
-/// So does an `O_DIRECT` open, which asked for no cache (a shared mapping of it still
-/// works: the kernel then caches the file for it, `FUSE_DIRECT_IO_ALLOW_MMAP`). Their
+/// So does an `O_DIRECT` open, which asked for no cache, where the kernel lets such opens
+/// be mapped shared (`FUSE_DIRECT_IO_ALLOW_MMAP`, `direct_mmap`: it then caches the file
+/// for the mapping; an older kernel refuses the mapping, so there `O_DIRECT` opens that
+/// can read take the page cache's direct path as before). Their
 /// writes may run at once (`FOPEN_PARALLEL_DIRECT_WRITES`): the kernel takes its lock of
 /// the file shared for them, not exclusive (still exclusive for an append, a write past
 /// its size, or while the file is mapped), as the mount takes writes of one file in any
 /// order; without it, every writer of a file waited for the one before, whatever the
 /// ranges. With the writeback cache the kernel's pages are what gathers small writes.
-fn open_reply_flags(writeback: bool, flags: i32) -> FopenFlags {
+fn open_reply_flags(state: &MountState, flags: i32) -> FopenFlags {
     let write_only = flags & libc::O_ACCMODE == libc::O_WRONLY;
-    if !writeback && (write_only || flags & libc::O_DIRECT != 0) {
+    let direct = flags & libc::O_DIRECT != 0 && state.direct_mmap.load(Ordering::Relaxed);
+    if !state.writeback && (write_only || direct) {
         FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES
     } else {
         FopenFlags::empty()
@@ -1298,14 +1325,17 @@ impl fuser::Filesystem for FreeflowFs {
             // Locks are the cluster's (held at the meta server), not this host's alone.
             InitFlags::FUSE_POSIX_LOCKS,
             InitFlags::FUSE_FLOCK_LOCKS,
-            // O_DIRECT opens go past the page cache (`open_reply_flags`) and may still be
-            // mapped shared.
-            InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP,
         ] {
             if config.add_capabilities(wanted).is_err() {
                 tracing::debug!(?wanted, "the kernel lacks a FUSE capability");
             }
         }
+        // O_DIRECT opens go past the page cache only where they may still be mapped shared
+        // (`open_reply_flags`).
+        let direct_mmap = config
+            .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
+            .is_ok();
+        self.state.direct_mmap.store(direct_mmap, Ordering::Relaxed);
         let data_cache = if self.state.writeback {
             // The kernel gathers writes in its page cache and owns sizes and times of the
             // files it holds; revocations write back and evict them (`cache.rs`). Not with
@@ -1739,7 +1769,6 @@ impl fuser::Filesystem for FreeflowFs {
         let truncate = flags.0 & libc::O_TRUNC != 0;
         let (client, state) = (self.caller(request), self.state.clone());
         let truncating = truncate.then(|| self.state.begin_truncation(inode.0));
-        let writeback = self.state.writeback;
         self.spawn(async move {
             let _truncating = truncating;
             let handle = match state.files.acquire(&state.client, inode.0).await {
@@ -1772,15 +1801,13 @@ impl fuser::Filesystem for FreeflowFs {
                     })
                     .await;
             }
-            if reads_pages(writeback, flags.0) {
+            let answer = open_reply_flags(&state, flags.0);
+            if reads_pages(open_handle(inode.0, answer), flags.0) {
                 state.files.opened_for_reading(inode.0);
             }
             // No FOPEN_KEEP_CACHE: the kernel drops the file's pages at every open, which
             // the writeback mount's shadows count on (`shadow.rs`).
-            reply.opened(
-                FileHandle(handle.inode()),
-                open_reply_flags(writeback, flags.0),
-            );
+            reply.opened(open_handle(handle.inode(), answer), answer);
         });
     }
 
@@ -1830,11 +1857,11 @@ impl fuser::Filesystem for FreeflowFs {
         &self,
         _request: &Request,
         inode: INodeNo,
-        _handle: FileHandle,
+        fh: FileHandle,
         offset: u64,
         data: &[u8],
         write_flags: WriteFlags,
-        flags: OpenFlags,
+        _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
@@ -1853,8 +1880,7 @@ impl fuser::Filesystem for FreeflowFs {
         // descriptor here may have brought the old bytes back before the write reached
         // the handle. While the file is open for reading here they are dropped again once
         // it has (reads reaching the handle after that are ordered after the write).
-        let past_cache =
-            open_reply_flags(self.state.writeback, flags.0).contains(FopenFlags::FOPEN_DIRECT_IO);
+        let past_cache = fh.0 & PAST_CACHE != 0;
         // The request buffer is reused for the next request: the data is copied out of it
         // once, here or below.
         let mut copied = None;
@@ -2001,7 +2027,7 @@ impl fuser::Filesystem for FreeflowFs {
         &self,
         _request: &Request,
         inode: INodeNo,
-        _handle: FileHandle,
+        fh: FileHandle,
         flags: OpenFlags,
         lock_owner: Option<LockOwner>,
         _flush: bool,
@@ -2026,13 +2052,13 @@ impl fuser::Filesystem for FreeflowFs {
                 state.shadows.end(inode.0);
                 last = true;
             });
-            if reads_pages(state.writeback, flags.0) {
+            if reads_pages(fh, flags.0) {
                 state.files.closed_for_reading(inode.0);
             }
             if last {
                 state.after_last_write_close(inode.0);
             }
-        } else if reads_pages(self.state.writeback, flags.0) {
+        } else if reads_pages(fh, flags.0) {
             self.state.files.closed_for_reading(inode.0);
         }
         let state = self.state.clone();
@@ -2494,7 +2520,8 @@ impl fuser::Filesystem for FreeflowFs {
                             })
                             .await;
                     }
-                    if reads_pages(state.writeback, flags) {
+                    let answer = open_reply_flags(&state, flags);
+                    if reads_pages(open_handle(attr.inode, answer), flags) {
                         state.files.opened_for_reading(attr.inode);
                     }
                     state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
@@ -2516,8 +2543,8 @@ impl fuser::Filesystem for FreeflowFs {
                         &attr_ttl.min(entry_ttl),
                         &kernel_attr,
                         Generation(0),
-                        FileHandle(attr.inode),
-                        open_reply_flags(state.writeback, flags),
+                        open_handle(attr.inode, answer),
+                        answer,
                     );
                     drop(admission);
                     let ttl = attr_ttl.min(entry_ttl);
