@@ -98,7 +98,7 @@ pub(crate) struct MountState {
     pub held: KernelInodes,
     runtime: tokio::runtime::Handle,
     in_flight: Arc<Semaphore>,
-    /// A lone read may be answered on the session thread that took it (`answer_here`):
+    /// A lone read may be answered on the session thread that took it (`answer_read`):
     /// plain mounts with more than one session thread.
     reads_here: bool,
     /// A session thread is answering a read itself now (one at a time).
@@ -1885,16 +1885,14 @@ impl fuser::Filesystem for FreeflowFs {
         // once, here or below.
         let mut copied = None;
         if self.state.writeback {
-            let end = offset + data.len() as u64;
-            if !direct {
-                // A write-back never passes the size the kernel keeps.
-                self.state.held.grown_to(inode.0, end);
-            }
             if direct {
                 self.state
                     .shadows
                     .written_directly(inode.0, offset, data.len() as u64);
             } else {
+                // A write-back never passes the size the kernel keeps.
+                let end = offset + data.len() as u64;
+                self.state.held.grown_to(inode.0, end);
                 // Pages from the kernel's cache: only what changed here goes, and the
                 // shadows keep views of the copy that is sent (`shadow.rs`).
                 let bytes = Bytes::copy_from_slice(data);

@@ -359,9 +359,9 @@ impl Shadows {
     /// The kernel opens `inode` for writing: its pages are dropped at this open, and
     /// both the cluster and the kernel hold at least `size` bytes of it (the smaller of
     /// the two sizes: pages past the kernel's own end are begun unread). A file followed
-    /// already keeps its copies and its
-    /// `extent` (a later open's size may include other hosts' growth, which this host's
-    /// kernel has not seen: its pages there are its own filling).
+    /// already keeps its copies and its `extent` (a later open's size may include other
+    /// hosts' growth, which this host's kernel has not seen: its pages there are its own
+    /// filling).
     pub fn begin(&self, inode: InodeId, size: u64) {
         let Some(mut table) = self.table() else {
             return;
