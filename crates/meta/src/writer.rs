@@ -520,10 +520,13 @@ impl Writer {
                     .orphan_count
                     .store(self.state.orphan_count, Ordering::Relaxed);
                 if durable {
-                    self.became_durable(txn);
+                    // Registered before durability is announced: a `CloseSession` waiting
+                    // in `sync` for this commit must find the record to forget it, or a
+                    // restart waits out its recovery window for a client long gone.
                     for client in new_clients {
                         shared.register_client(client);
                     }
+                    self.became_durable(txn);
                 } else if self.oldest_not_durable.is_none() {
                     self.oldest_not_durable = Some(Instant::now());
                 }
