@@ -89,6 +89,8 @@ pub(crate) struct Shared {
     pub(crate) space: crate::space::SpaceGrants,
     /// Handles open for writing (registered and not closed).
     writers_open: std::sync::atomic::AtomicUsize,
+    /// Shared memory for write payloads to I/O servers on this host (`Client::payload`).
+    payload_area: Option<Arc<freeflow_rpc::shared::PayloadArea>>,
 }
 
 impl Shared {
@@ -310,12 +312,23 @@ impl Client {
         let client_id = freeflow_rpc::random_client_id().map_err(|error| {
             ClientError::Config(format!("no randomness for a client id: {error}"))
         })?;
+        // One area of shared memory for the write payloads to every I/O server on this
+        // host (its pages touched only when used); without one, each connection makes its
+        // own and payloads are copied into it when sent.
+        let payload_area = if config.shared_writes {
+            freeflow_rpc::shared::PayloadArea::new(freeflow_rpc::shared::AREA_SLOTS)
+                .inspect_err(|error| tracing::debug!(%error, "no payload area: each connection makes its own"))
+                .ok()
+        } else {
+            None
+        };
         let options = ConnectOptions {
             client_name: config.client_name.clone(),
             call_timeout_ms: config.call_timeout_ms,
             connect_timeout_ms: config.connect_timeout_ms,
             client_id,
             shared_payloads: config.shared_writes,
+            payload_area: payload_area.clone(),
             ..ConnectOptions::default()
         };
         let metrics = Arc::new(freeflow_metrics::Registry::new());
@@ -347,6 +360,7 @@ impl Client {
             delegations: Arc::new(crate::delegation::Delegations::default()),
             space: crate::space::SpaceGrants::new(),
             writers_open: std::sync::atomic::AtomicUsize::new(0),
+            payload_area,
             pool,
             session_id: AtomicU64::new(grant.session_id),
             session_epoch: AtomicU64::new(session_epoch),
@@ -405,6 +419,20 @@ impl Client {
         ));
         *shared.lease_renewer.lock().expect("not poisoned") = Some(lease_renewer);
         Ok(Client { shared, caller })
+    }
+
+    /// `data` as a write payload of this client's own: copied into its area of memory
+    /// shared with the I/O servers on this host when one of them took it, there is a
+    /// place free and `data` is long enough to share, so that the write's request refers
+    /// to those bytes without another copy; otherwise copied onto the heap. For callers
+    /// whose bytes are borrowed anyway (the mount's request buffer).
+    pub fn payload(&self, data: &[u8]) -> bytes::Bytes {
+        self.shared
+            .payload_area
+            .as_ref()
+            .filter(|area| area.is_shared())
+            .and_then(|area| area.copy_in(data))
+            .unwrap_or_else(|| bytes::Bytes::copy_from_slice(data))
     }
 
     /// The same client (session, connections) acting for another identity.

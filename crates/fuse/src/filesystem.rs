@@ -1942,7 +1942,9 @@ impl fuser::Filesystem for FreeflowFs {
                 .client
                 .with_caller(freeflow_client::Caller::root())
         });
-        let data = copied.unwrap_or_else(|| Bytes::copy_from_slice(data));
+        // Straight into the memory shared with the I/O servers on this host, where it
+        // can be: the request then refers to it without another copy.
+        let data = copied.unwrap_or_else(|| self.state.client.payload(data));
         let Ok(length) = u32::try_from(data.len()) else {
             return reply.error(Errno::EINVAL);
         };

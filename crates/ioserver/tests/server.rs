@@ -698,3 +698,112 @@ async fn shared_write_payloads_land_as_written() {
     server.shutdown().await;
     meta_task.abort();
 }
+
+/// A client's one payload area, shared on its connections to two servers of its host: a
+/// payload made in the area goes to either server from its place (no place taken for a
+/// copy), a slice of one (a write split across stripe units) too, and a payload made
+/// elsewhere is copied into a free place; every place is free again once the replies
+/// came and the payloads are dropped, and every byte reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_made_in_the_shared_area_go_to_any_server_without_a_copy() {
+    use freeflow_rpc::shared::{PayloadArea, REGION_SLOT_BYTES};
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let meta_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let meta_address = meta_listener.local_addr().unwrap().to_string();
+    let meta_task = tokio::spawn(freeflow_rpc::serve(
+        meta_listener,
+        key.clone(),
+        freeflow_rpc::ServerOptions::new("meta"),
+        Arc::new(FakeMeta::default()),
+    ));
+    let first_dir = tempfile::tempdir_in(directory.path()).unwrap();
+    let second_dir = tempfile::tempdir_in(directory.path()).unwrap();
+    let (first_socket, first) = start_on_unix_socket(&first_dir, &key, &meta_address).await;
+    let (second_socket, second) = start_on_unix_socket(&second_dir, &key, &meta_address).await;
+    wait_until("serving data", || {
+        first.serves_data() && second.serves_data()
+    })
+    .await;
+    let slots = 4;
+    let area = PayloadArea::new(slots).unwrap();
+    assert!(!area.is_shared(), "no server took it yet");
+    let sharing = ConnectOptions {
+        shared_payloads: true,
+        payload_area: Some(area.clone()),
+        ..ConnectOptions::default()
+    };
+    let connect = async |socket: &std::path::Path| {
+        let connection = Connection::connect(&format!("unix:{}", socket.display()), &key, &sharing)
+            .await
+            .unwrap();
+        assert!(connection.shares_payloads());
+        connection
+    };
+    let to_first = connect(&first_socket).await;
+    let to_second = connect(&second_socket).await;
+    assert!(area.is_shared());
+    assert_eq!(to_first.shared_places_free(), Some(slots));
+    assert_eq!(to_second.shared_places_free(), Some(slots));
+
+    let bytes_of = |seed: usize, length: usize| -> Vec<u8> {
+        (0..length).map(|at| (at * 11 + seed * 29) as u8).collect()
+    };
+    let object = ObjectId {
+        inode: 33,
+        stripe_index: 0,
+    };
+    let write = |offset: u64| WriteObject {
+        offset,
+        ..grantless_write(object)
+    };
+    // Made in the area: one place taken, by the payload itself.
+    let whole = bytes_of(1, REGION_SLOT_BYTES);
+    let made = area.copy_in(&whole).expect("a place");
+    assert_eq!(area.free_places(), slots - 1);
+    // Two slices of it, one to each server, as a write across stripe units goes.
+    let half = REGION_SLOT_BYTES / 2;
+    let at_zero = write(0);
+    let (first_call, second_call) = tokio::join!(
+        to_first.call(&at_zero, made.slice(..half)),
+        to_second.call(&at_zero, made.slice(half..)),
+    );
+    first_call.unwrap();
+    second_call.unwrap();
+    assert_eq!(
+        area.free_places(),
+        slots - 1,
+        "the payload holds its place until it is dropped; the slices' replies freed nothing"
+    );
+    drop(made);
+    assert_eq!(
+        area.free_places(),
+        slots,
+        "the place is free once the payload is dropped"
+    );
+    // Made elsewhere: copied into a place for the request, free again after the reply.
+    let elsewhere = bytes_of(2, 100_000);
+    let past_half = write(half as u64);
+    to_first
+        .call(&past_half, Bytes::from(elsewhere.clone()))
+        .await
+        .unwrap();
+    assert_eq!(area.free_places(), slots);
+    assert_eq!(area.abandoned(), 0);
+
+    let read = async |connection: &Connection, offset: u64, length: usize| -> Bytes {
+        let request = ReadObject {
+            object,
+            offset,
+            length: length as u32,
+            map_version: 0,
+        };
+        connection.call(&request, Bytes::new()).await.unwrap().1
+    };
+    assert!(read(&to_first, 0, half).await == whole[..half]);
+    assert!(read(&to_second, 0, half).await == whole[half..]);
+    assert!(read(&to_first, half as u64, elsewhere.len()).await == elsewhere[..]);
+    first.shutdown().await;
+    second.shutdown().await;
+    meta_task.abort();
+}

@@ -28,7 +28,7 @@ use crate::codec::{
     write_shared_frame, FrameExtras, RawFrame, SharedRef,
 };
 use crate::credit::Window;
-use crate::shared::{SharedPayload, WriteRegion, REGION_SLOTS};
+use crate::shared::{PayloadArea, SharedPayload, WriteRegion, REGION_SLOTS};
 use crate::transport::{Network, ReadHalf, Transport, WriteHalf};
 use crate::{ClusterKey, RpcError};
 
@@ -53,6 +53,9 @@ pub struct ConnectOptions {
     /// instead of sending them through the socket (`crate::shared`). If the server does
     /// not take the region, payloads go through the socket as usual.
     pub shared_payloads: bool,
+    /// The client's area to share for that (one for all its connections, so payloads made
+    /// in it go to any server without a copy); None: each connection makes its own.
+    pub payload_area: Option<Arc<PayloadArea>>,
 }
 
 impl Default for ConnectOptions {
@@ -65,6 +68,7 @@ impl Default for ConnectOptions {
             client_id: 0,
             liveness_timeout_ms: LIVENESS_TIMEOUT_MS_DEFAULT,
             shared_payloads: false,
+            payload_area: None,
         }
     }
 }
@@ -386,7 +390,9 @@ impl Connection {
             ));
         }
         let region = match crate::transport::unix_socket_path(address) {
-            Some(path) if options.shared_payloads => share_region(path, timeout).await,
+            Some(path) if options.shared_payloads => {
+                share_region(path, options.payload_area.clone(), timeout).await
+            }
             _ => None,
         };
         Ok(Connection {
@@ -643,11 +649,29 @@ impl Connection {
 
 /// Share a region for write payloads with the server whose RPC socket is at `socket`, if
 /// it has a local socket that takes one; payloads go through the RPC socket otherwise.
-async fn share_region(socket: &str, timeout: Duration) -> Option<Arc<WriteRegion>> {
+async fn share_region(
+    socket: &str,
+    area: Option<Arc<PayloadArea>>,
+    timeout: Duration,
+) -> Option<Arc<WriteRegion>> {
     let local = crate::local::local_reads_path(socket);
+    // A server without a local socket (a meta server) costs no memory file.
+    if !std::path::Path::new(&local).exists() {
+        return None;
+    }
+    let area = match area {
+        Some(area) => area,
+        None => match PayloadArea::new(REGION_SLOTS) {
+            Ok(area) => area,
+            Err(error) => {
+                tracing::debug!(%local, %error, "no memory file for payloads: write payloads go through the socket");
+                return None;
+            }
+        },
+    };
     let shared = tokio::time::timeout(
         timeout,
-        WriteRegion::share(std::path::Path::new(&local), REGION_SLOTS),
+        WriteRegion::share(std::path::Path::new(&local), area),
     )
     .await;
     match shared {

@@ -9,6 +9,10 @@
 //! (`freeflow_proto::frame::FLAG_SHARED_PAYLOAD`). The server maps the region read-only
 //! ([`MappedRegion`]) and hands its write a `Bytes` of the mapping: an O_DIRECT write goes
 //! from those pages to the disk, a buffered one copies them once into the page cache.
+//! A client makes one area ([`PayloadArea`]) and shares it on its connection to each
+//! server on its host, so a payload can be made in it before anyone knows which server
+//! its stripe is on: the mount copies a write out of the kernel's request buffer straight
+//! into a place, and that place is what the request refers to.
 //! Everything else about the request is unchanged: the server still runs the write
 //! (grants, space stamps, replication, the straggler check), and credits and budgets count
 //! the payload's length as before.
@@ -21,9 +25,11 @@
 //!   is registered only by a peer the local socket accepts (the server's own user or
 //!   root); a frame naming another region, or bytes outside it, closes the connection;
 //! - the client reuses a payload's place only after the reply to its request came (the
-//!   server is done with the bytes when it answers); a request that ended otherwise
-//!   (timeout, lost connection) leaves its place unused for the region's life, as the
-//!   server may still read it.
+//!   server is done with the bytes when it answers) and nothing of its own still holds
+//!   the payload; a request that ended otherwise (timeout, lost connection) leaves its
+//!   place unused for the area's life, as the server may still read it;
+//! - every server on the host maps the whole area, so each can read the payloads meant
+//!   for the others: they are servers of one cluster, run by its own user or root.
 //!
 //! A client may change the bytes of a request it has in flight: it only changes what it
 //! writes itself, as it could by sending other bytes. (The I/O server copies a replicated
@@ -32,7 +38,7 @@
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -45,10 +51,13 @@ use crate::local::SeqpacketConn;
 pub const SHARED_PAYLOAD_MIN: usize = 32 << 10;
 /// One place in a client's region: payloads up to this long are shared (a stripe unit).
 pub const REGION_SLOT_BYTES: usize = 1 << 20;
-/// Places in a client's region, one per connection to an I/O server on this host: the
-/// payloads it may have shared and in flight at once (more go over the socket). Pages are
-/// touched only when used, and places are reused most-recent first.
+/// Places in the area a connection makes for itself when it is given none
+/// (`ConnectOptions::payload_area`): the payloads it may have shared and in flight at once
+/// (more go over the socket). Pages are touched only when used, and places are reused
+/// most-recent first.
 pub const REGION_SLOTS: usize = 32;
+/// Places in a client's one area, shared with every I/O server on its host.
+pub const AREA_SLOTS: usize = 128;
 /// Largest region a server maps.
 pub const SHARED_REGION_BYTES_MAX: u64 = 256 << 20;
 /// Most regions a server keeps registered at once (one per client connection on its host).
@@ -221,48 +230,48 @@ impl SharedRegions {
     }
 }
 
-/// A client's region for one connection to an I/O server on its host: a sealed memory
-/// file mapped read-write here and shared with the server.
-pub struct WriteRegion {
+/// A client's memory for write payloads, shared with every I/O server on its host that
+/// takes it: one sealed memory file of places, mapped read-write here. A payload made in
+/// it ([`PayloadArea::copy_in`], the mount's copy out of the kernel's request) is sent
+/// from its place with no further copy, whichever server its stripe is on; any other
+/// payload to such a server is copied into a free place when sent ([`WriteRegion::place`]).
+/// A place is free again when the last view of its payload is dropped; a request that
+/// ended without a reply keeps its place taken for the area's life (its server may still
+/// read it).
+pub struct PayloadArea {
     base: *mut u8,
     length: usize,
-    name: u64,
-    /// Places free for a payload, the most recently freed last (taken first).
+    file: OwnedFd,
+    /// Places free for a payload, the most recently freed last (taken first: its pages are
+    /// the likeliest to be resident).
     free: Mutex<Vec<u32>>,
     /// Places given up (their request ended without a reply).
     abandoned: AtomicUsize,
-    /// The local connection the region was shared on: the server keeps the region while
-    /// it is open.
-    _connection: SeqpacketConn,
+    /// Some server took the area: payloads made in it can go without a copy.
+    shared: AtomicBool,
 }
 
-// SAFETY: the mapping lives as long as `self`; each place is written only by the one
-// `SharedPayload` that holds it.
-unsafe impl Send for WriteRegion {}
+// SAFETY: the mapping lives as long as `self`; a place's bytes are written only by
+// `copy_in`, before the one `Place` that owns them is made, and only read after.
+unsafe impl Send for PayloadArea {}
 // SAFETY: as above.
-unsafe impl Sync for WriteRegion {}
+unsafe impl Sync for PayloadArea {}
 
-impl WriteRegion {
-    /// Make a region of `slots` places and share it with the server whose local socket is
-    /// at `local_path`. Must be called inside a Tokio runtime.
-    pub async fn share(local_path: &Path, slots: usize) -> Result<Arc<WriteRegion>, String> {
-        let length = slots.max(1) * REGION_SLOT_BYTES;
-        // Connected first: a server without a local socket (a meta server) costs no file.
-        let connection = SeqpacketConn::connect(local_path)
-            .map_err(|error| format!("connect to {}: {error}", local_path.display()))?;
-        let file = sealed_memory_file(length).map_err(|error| format!("memory file: {error}"))?;
-        let request = LocalRequest::ShareRegion(ShareRegion {
-            version: freeflow_proto::PROTOCOL_VERSION,
-        });
-        let (packet, descriptor) = connection
-            .ask(&freeflow_proto::encode(&request), Some(file.as_fd()))
-            .await?;
-        if descriptor.is_some() {
-            return Err("the server sent a descriptor".into());
-        }
-        let answer: Result<RegionShared, WireError> =
-            freeflow_proto::decode(&packet).map_err(|error| error.message)?;
-        let shared = answer.map_err(|error| error.message)?;
+impl std::fmt::Debug for PayloadArea {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PayloadArea")
+            .field("bytes", &self.length)
+            .field("free_places", &self.free_places())
+            .finish()
+    }
+}
+
+impl PayloadArea {
+    /// An area of `slots` places of [`REGION_SLOT_BYTES`]. Pages are touched only when used.
+    pub fn new(slots: usize) -> std::io::Result<Arc<PayloadArea>> {
+        let slots = slots.clamp(1, SHARED_REGION_BYTES_MAX as usize / REGION_SLOT_BYTES);
+        let length = slots * REGION_SLOT_BYTES;
+        let file = sealed_memory_file(length)?;
         // SAFETY: a fresh shared read-write mapping of the whole file, which is sealed
         // against shrinking.
         let base = unsafe {
@@ -276,21 +285,16 @@ impl WriteRegion {
             )
         };
         if base == libc::MAP_FAILED {
-            return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+            return Err(std::io::Error::last_os_error());
         }
-        Ok(Arc::new(WriteRegion {
+        Ok(Arc::new(PayloadArea {
             base: base.cast(),
             length,
-            name: shared.region,
-            free: Mutex::new((0..slots.max(1) as u32).rev().collect()),
+            file,
+            free: Mutex::new((0..slots as u32).rev().collect()),
             abandoned: AtomicUsize::new(0),
-            _connection: connection,
+            shared: AtomicBool::new(false),
         }))
-    }
-
-    /// The name the server gave the region.
-    pub fn name(&self) -> u64 {
-        self.name
     }
 
     /// Places free for a payload now.
@@ -303,49 +307,170 @@ impl WriteRegion {
         self.abandoned.load(Ordering::Relaxed)
     }
 
-    /// Copy `payload` into a free place, if it is one to share and a place is free.
-    pub fn place(self: &Arc<Self>, payload: &[u8]) -> Option<SharedPayload> {
-        if payload.len() < SHARED_PAYLOAD_MIN || payload.len() > REGION_SLOT_BYTES {
+    /// Whether a server took the area, so that a payload made in it goes without a copy.
+    pub fn is_shared(&self) -> bool {
+        self.shared.load(Ordering::Acquire)
+    }
+
+    /// `bytes` copied into a free place, if they are a payload worth sharing (at least
+    /// [`SHARED_PAYLOAD_MIN`], at most a place) and a place is free.
+    pub fn copy_in(self: &Arc<Self>, bytes: &[u8]) -> Option<Bytes> {
+        if bytes.len() < SHARED_PAYLOAD_MIN || bytes.len() > REGION_SLOT_BYTES {
             return None;
         }
         let slot = self.free.lock().expect("not poisoned").pop()?;
         let offset = slot as usize * REGION_SLOT_BYTES;
-        debug_assert!(offset + payload.len() <= self.length);
-        // SAFETY: the place is this payload's alone until it is given back, and inside the
-        // mapping.
+        debug_assert!(offset + bytes.len() <= self.length);
+        // SAFETY: the place is free (no `Place` owns it), so nothing reads or writes it
+        // until the `Place` made below, and it is inside the mapping.
         unsafe {
-            std::ptr::copy_nonoverlapping(payload.as_ptr(), self.base.add(offset), payload.len())
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.base.add(offset), bytes.len())
         };
-        Some(SharedPayload {
-            region: Arc::clone(self),
+        Some(Bytes::from_owner(Place {
+            area: Arc::clone(self),
             slot,
+            length: bytes.len(),
+        }))
+    }
+
+    /// `payload` in the area and where: itself if it is there already (no copy), else a
+    /// copy in a free place, if it is one to share and a place is free.
+    fn place(self: &Arc<Self>, payload: &Bytes) -> Option<(Bytes, u64)> {
+        if let Some(offset) = self.offset_of(payload) {
+            return Some((payload.clone(), offset));
+        }
+        let bytes = self.copy_in(payload)?;
+        let offset = self.offset_of(&bytes)?;
+        Some((bytes, offset))
+    }
+
+    /// Where `bytes` are in the area, if they are all inside it.
+    fn offset_of(&self, bytes: &[u8]) -> Option<u64> {
+        let start = (bytes.as_ptr() as usize).checked_sub(self.base as usize)?;
+        (start + bytes.len() <= self.length).then_some(start as u64)
+    }
+}
+
+impl Drop for PayloadArea {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once, when no place is held (each
+        // `Place` holds the area).
+        unsafe { libc::munmap(self.base.cast(), self.length) };
+    }
+}
+
+/// A payload's place in an area; free again when the last view of the payload is dropped.
+struct Place {
+    area: Arc<PayloadArea>,
+    slot: u32,
+    length: usize,
+}
+
+impl AsRef<[u8]> for Place {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: inside the mapping (a place's length is at most a slot), which the area
+        // this holds keeps; written only before this was made.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.area.base.add(self.slot as usize * REGION_SLOT_BYTES),
+                self.length,
+            )
+        }
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.area.free.lock().expect("not poisoned").push(self.slot);
+    }
+}
+
+/// A client's area as shared on one connection to an I/O server on its host.
+pub struct WriteRegion {
+    area: Arc<PayloadArea>,
+    name: u64,
+    /// The local connection the area was shared on: the server keeps the region while
+    /// it is open.
+    _connection: SeqpacketConn,
+}
+
+impl WriteRegion {
+    /// Share `area` with the server whose local socket is at `local_path`. Must be called
+    /// inside a Tokio runtime.
+    pub async fn share(
+        local_path: &Path,
+        area: Arc<PayloadArea>,
+    ) -> Result<Arc<WriteRegion>, String> {
+        let connection = SeqpacketConn::connect(local_path)
+            .map_err(|error| format!("connect to {}: {error}", local_path.display()))?;
+        let request = LocalRequest::ShareRegion(ShareRegion {
+            version: freeflow_proto::PROTOCOL_VERSION,
+        });
+        let (packet, descriptor) = connection
+            .ask(&freeflow_proto::encode(&request), Some(area.file.as_fd()))
+            .await?;
+        if descriptor.is_some() {
+            return Err("the server sent a descriptor".into());
+        }
+        let answer: Result<RegionShared, WireError> =
+            freeflow_proto::decode(&packet).map_err(|error| error.message)?;
+        let shared = answer.map_err(|error| error.message)?;
+        area.shared.store(true, Ordering::Release);
+        Ok(Arc::new(WriteRegion {
+            area,
+            name: shared.region,
+            _connection: connection,
+        }))
+    }
+
+    /// The name the server gave the region.
+    pub fn name(&self) -> u64 {
+        self.name
+    }
+
+    /// Places of the area free for a payload now.
+    pub fn free_places(&self) -> usize {
+        self.area.free_places()
+    }
+
+    /// Places of the area given up so far (requests that ended without a reply).
+    pub fn abandoned(&self) -> usize {
+        self.area.abandoned()
+    }
+
+    /// `payload` in the area: where it is already (made there by
+    /// [`PayloadArea::copy_in`]: no copy), else copied into a free place, if it is one to
+    /// share and a place is free.
+    pub fn place(&self, payload: &Bytes) -> Option<SharedPayload> {
+        let (bytes, offset) = self.area.place(payload)?;
+        Some(SharedPayload {
+            area: Arc::clone(&self.area),
+            region: self.name,
+            offset,
+            bytes: Some(bytes),
             answered: false,
         })
     }
 }
 
-impl Drop for WriteRegion {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `share`, unmapped once, when no place is held.
-        unsafe { libc::munmap(self.base.cast(), self.length) };
-    }
-}
-
-/// A payload placed in a region. Its place is free again when this is dropped after
-/// [`SharedPayload::answered`]; dropped before, it stays taken (the server may still read it).
+/// A payload placed in a region. Its place stays taken at least until this is dropped;
+/// dropped before [`SharedPayload::answered`], for the area's life (the server may still
+/// read it).
 pub struct SharedPayload {
-    region: Arc<WriteRegion>,
-    slot: u32,
+    area: Arc<PayloadArea>,
+    region: u64,
+    offset: u64,
+    bytes: Option<Bytes>,
     answered: bool,
 }
 
 impl SharedPayload {
     pub fn region_name(&self) -> u64 {
-        self.region.name
+        self.region
     }
 
     pub fn offset(&self) -> u64 {
-        self.slot as u64 * REGION_SLOT_BYTES as u64
+        self.offset
     }
 
     /// The server replied to the request: it is done with the bytes.
@@ -356,14 +481,10 @@ impl SharedPayload {
 
 impl Drop for SharedPayload {
     fn drop(&mut self) {
-        if self.answered {
-            self.region
-                .free
-                .lock()
-                .expect("not poisoned")
-                .push(self.slot);
-        } else {
-            self.region.abandoned.fetch_add(1, Ordering::Relaxed);
+        if !self.answered {
+            self.area.abandoned.fetch_add(1, Ordering::Relaxed);
+            // The place is never given back: its view is leaked.
+            std::mem::forget(self.bytes.take());
         }
     }
 }
@@ -418,6 +539,39 @@ mod tests {
             }
         }
         fd
+    }
+
+    #[test]
+    fn a_payload_made_in_the_area_is_placed_where_it_is_and_others_are_copied() {
+        let area = PayloadArea::new(2).expect("area");
+        let bytes: Vec<u8> = (0..REGION_SLOT_BYTES).map(|at| (at % 251) as u8).collect();
+        assert!(
+            area.copy_in(&bytes[..SHARED_PAYLOAD_MIN - 1]).is_none(),
+            "too short"
+        );
+        let made = area.copy_in(&bytes).expect("a place");
+        assert_eq!(made.as_ref(), &bytes[..]);
+        assert_eq!(area.free_places(), 1);
+        let base = area.offset_of(&made).expect("inside");
+        // A slice of it (a write split across stripe units): where it is, no place taken.
+        let (placed, offset) = area.place(&made.slice(4096..)).expect("placed");
+        assert_eq!(offset, base + 4096);
+        assert_eq!(placed.as_ref(), &bytes[4096..]);
+        assert_eq!(area.free_places(), 1, "no copy was made");
+        // Bytes made elsewhere are copied into the free place, held while their copy is.
+        let elsewhere = Bytes::from(bytes[..SHARED_PAYLOAD_MIN].to_vec());
+        let (copy, copied_at) = area.place(&elsewhere).expect("copied");
+        assert_ne!(copied_at, base);
+        assert_eq!(copy, elsewhere);
+        assert_eq!(area.free_places(), 0);
+        assert!(area.place(&elsewhere).is_none(), "no place is free");
+        drop(copy);
+        assert_eq!(area.free_places(), 1);
+        // A place is free only when the last view of its payload is gone.
+        drop(made);
+        assert_eq!(area.free_places(), 1);
+        drop(placed);
+        assert_eq!(area.free_places(), 2);
     }
 
     #[test]
