@@ -427,12 +427,17 @@ impl Client {
     /// to those bytes without another copy; otherwise copied onto the heap. For callers
     /// whose bytes are borrowed anyway (the mount's request buffer).
     pub fn payload(&self, data: &[u8]) -> bytes::Bytes {
+        self.shared_payload_area()
+            .and_then(|area| area.copy_in(data))
+            .unwrap_or_else(|| bytes::Bytes::copy_from_slice(data))
+    }
+
+    /// This client's payload area, once a server of this host took it.
+    pub(crate) fn shared_payload_area(&self) -> Option<&Arc<freeflow_rpc::shared::PayloadArea>> {
         self.shared
             .payload_area
             .as_ref()
             .filter(|area| area.is_shared())
-            .and_then(|area| area.copy_in(data))
-            .unwrap_or_else(|| bytes::Bytes::copy_from_slice(data))
     }
 
     /// The same client (session, connections) acting for another identity.

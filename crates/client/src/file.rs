@@ -318,7 +318,54 @@ fn completes_unit(parked: &BTreeMap<u64, ParkedPiece>, start: u64, end: u64, uni
 /// Small adjacent writes gathered into one request.
 struct Gathered {
     offset: u64,
-    data: BytesMut,
+    data: GatherBuffer,
+}
+
+/// Where gathered bytes are kept: in a place of the client's payload area when it shares
+/// one with a server of this host (the batch goes from there without another copy, and the
+/// place, reused while its pages are warm, never grows by copying), else on the heap.
+enum GatherBuffer {
+    Heap(BytesMut),
+    Shared(freeflow_rpc::shared::PlaceMut),
+}
+
+// A place holds a whole gathering.
+const _: () = assert!(GATHER_BYTES_MAX <= freeflow_rpc::shared::REGION_SLOT_BYTES);
+
+impl GatherBuffer {
+    /// A buffer holding `data`, the first write of a gathering.
+    fn new(area: Option<&Arc<freeflow_rpc::shared::PayloadArea>>, data: &[u8]) -> GatherBuffer {
+        let mut buffer = match area.and_then(|area| area.take()) {
+            Some(place) => GatherBuffer::Shared(place),
+            None => GatherBuffer::Heap(BytesMut::with_capacity(
+                data.len().max(GATHER_CAPACITY_START),
+            )),
+        };
+        buffer.extend_from_slice(data);
+        buffer
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            GatherBuffer::Heap(bytes) => bytes.len(),
+            GatherBuffer::Shared(place) => place.len(),
+        }
+    }
+
+    /// Callers keep a gathering within `GATHER_BYTES_MAX`.
+    fn extend_from_slice(&mut self, data: &[u8]) {
+        match self {
+            GatherBuffer::Heap(bytes) => bytes.extend_from_slice(data),
+            GatherBuffer::Shared(place) => place.extend_from_slice(data),
+        }
+    }
+
+    fn freeze(self) -> Bytes {
+        match self {
+            GatherBuffer::Heap(bytes) => bytes.freeze(),
+            GatherBuffer::Shared(place) => place.freeze(),
+        }
+    }
 }
 
 /// The turn to send writes of one handle (its `send_order` lock), owned so that it can
@@ -385,12 +432,16 @@ impl HandleState {
 
     /// Begin gathering with the write of `data` at `offset` (nothing is gathered now);
     /// returns the gathering's generation.
-    fn gather_anew(&mut self, offset: u64, data: &[u8], end: u64) -> u64 {
-        let mut gathered = BytesMut::with_capacity(data.len().max(GATHER_CAPACITY_START));
-        gathered.extend_from_slice(data);
+    fn gather_anew(
+        &mut self,
+        area: Option<&Arc<freeflow_rpc::shared::PayloadArea>>,
+        offset: u64,
+        data: &[u8],
+        end: u64,
+    ) -> u64 {
         self.gathered = Some(Gathered {
             offset,
-            data: gathered,
+            data: GatherBuffer::new(area, data),
         });
         self.gather_generation += 1;
         self.known_size = self.known_size.max(end);
@@ -886,7 +937,8 @@ impl HandleShared {
     /// Gather a small write (none is gathered now); it is sent by the next call that needs
     /// it on its way, or after `gather_wait_ms` at most.
     fn start_gathering(self: &Arc<Self>, offset: u64, data: &[u8], end: u64) {
-        let generation = self.lock().gather_anew(offset, data, end);
+        let area = self.client.shared_payload_area();
+        let generation = self.lock().gather_anew(area, offset, data, end);
         self.send_gathered_later(generation);
     }
 
@@ -918,7 +970,8 @@ impl HandleShared {
             }
             let gathered = state.gathered.take();
             state.in_transit(gathered.is_some());
-            (gathered, state.gather_anew(offset, data, end))
+            let area = self.client.shared_payload_area();
+            (gathered, state.gather_anew(area, offset, data, end))
         };
         if let Some(gathered) = gathered {
             let (shared, pieces) = (

@@ -344,6 +344,19 @@ impl PayloadArea {
         Some((bytes, offset))
     }
 
+    /// A free place to fill ([`PlaceMut`]), if one is free: for bytes gathered a little at
+    /// a time (small writes), which then go from there without another copy.
+    pub fn take(self: &Arc<Self>) -> Option<PlaceMut> {
+        let slot = self.free.lock().expect("not poisoned").pop()?;
+        Some(PlaceMut {
+            place: std::mem::ManuallyDrop::new(Place {
+                area: Arc::clone(self),
+                slot,
+                length: 0,
+            }),
+        })
+    }
+
     /// Where `bytes` are in the area, if they are all inside it.
     fn offset_of(&self, bytes: &[u8]) -> Option<u64> {
         let start = (bytes.as_ptr() as usize).checked_sub(self.base as usize)?;
@@ -382,6 +395,60 @@ impl AsRef<[u8]> for Place {
 impl Drop for Place {
     fn drop(&mut self) {
         self.area.free.lock().expect("not poisoned").push(self.slot);
+    }
+}
+
+/// A place being filled: appended to, then frozen into the payload it holds. Dropped
+/// unfrozen, its place is free again.
+pub struct PlaceMut {
+    place: std::mem::ManuallyDrop<Place>,
+}
+
+impl PlaceMut {
+    /// Bytes appended so far.
+    pub fn len(&self) -> usize {
+        self.place.length
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.place.length == 0
+    }
+
+    /// Most bytes a place holds.
+    pub fn capacity(&self) -> usize {
+        REGION_SLOT_BYTES
+    }
+
+    /// Append `bytes`. Panics past [`PlaceMut::capacity`]: callers bound what they gather.
+    pub fn extend_from_slice(&mut self, bytes: &[u8]) {
+        let length = self.place.length;
+        assert!(
+            bytes.len() <= REGION_SLOT_BYTES - length,
+            "{} bytes appended to a place holding {length}",
+            bytes.len()
+        );
+        let at = self.place.slot as usize * REGION_SLOT_BYTES + length;
+        // SAFETY: this place is taken by `self` alone and nothing has a view of it yet
+        // (views come from `freeze`, which consumes `self`); the range is inside it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.place.area.base.add(at), bytes.len())
+        };
+        self.place.length += bytes.len();
+    }
+
+    /// The payload: sent from its place, which is free again when its last view drops.
+    pub fn freeze(mut self) -> Bytes {
+        // SAFETY: taken once, here; `self` is forgotten so its `Drop` does not free it.
+        let place = unsafe { std::mem::ManuallyDrop::take(&mut self.place) };
+        std::mem::forget(self);
+        Bytes::from_owner(place)
+    }
+}
+
+impl Drop for PlaceMut {
+    fn drop(&mut self) {
+        // SAFETY: dropped once, here (`freeze` forgets `self` after taking the place).
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.place) };
     }
 }
 
@@ -572,6 +639,37 @@ mod tests {
         assert_eq!(area.free_places(), 1);
         drop(placed);
         assert_eq!(area.free_places(), 2);
+    }
+
+    #[test]
+    fn a_place_filled_bit_by_bit_is_one_payload_and_free_again_when_dropped() {
+        let area = PayloadArea::new(1).expect("area");
+        let mut place = area.take().expect("a place");
+        assert!(area.take().is_none(), "the only place is taken");
+        assert!(place.is_empty());
+        place.extend_from_slice(b"gathered ");
+        place.extend_from_slice(b"bytes");
+        assert_eq!(place.len(), 14);
+        let payload = place.freeze();
+        assert_eq!(payload.as_ref(), b"gathered bytes");
+        // Sent from where it is: no second place is needed.
+        let (placed, offset) = area.place(&payload).expect("placed");
+        assert_eq!(offset, 0);
+        assert_eq!(placed, payload);
+        drop((placed, payload));
+        assert_eq!(area.free_places(), 1);
+        // A place dropped unfilled is free again too.
+        let mut unfinished = area.take().expect("a place");
+        unfinished.extend_from_slice(&[7; 4096]);
+        drop(unfinished);
+        assert_eq!(area.free_places(), 1);
+        let mut full = area.take().expect("a place");
+        full.extend_from_slice(&vec![1; REGION_SLOT_BYTES]);
+        assert_eq!(full.len(), full.capacity());
+        let overfull = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            full.extend_from_slice(&[1])
+        }));
+        assert!(overfull.is_err(), "a place never takes more than it holds");
     }
 
     #[test]
