@@ -490,6 +490,38 @@ async fn start_on_unix_socket(
     (socket, server)
 }
 
+/// A fake meta server on a port of its own, up before any I/O server: an address found
+/// free and bound later could be one another test here counts on nobody answering at.
+async fn serve_fake_meta(
+    key: &ClusterKey,
+) -> (String, tokio::task::JoinHandle<std::io::Result<()>>) {
+    let meta_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let meta_address = meta_listener.local_addr().unwrap().to_string();
+    let meta_task = tokio::spawn(freeflow_rpc::serve(
+        meta_listener,
+        key.clone(),
+        freeflow_rpc::ServerOptions::new("meta"),
+        Arc::new(FakeMeta::default()),
+    ));
+    (meta_address, meta_task)
+}
+
+/// `length` bytes of `object` at `offset`, read through `connection`.
+async fn read_object(
+    connection: &Connection,
+    object: ObjectId,
+    offset: u64,
+    length: usize,
+) -> Bytes {
+    let request = ReadObject {
+        object,
+        offset,
+        length: length as u32,
+        map_version: 0,
+    };
+    connection.call(&request, Bytes::new()).await.unwrap().1
+}
+
 /// One question on a local-reads socket: the answer and the descriptor with it.
 async fn ask_local(
     connection: &freeflow_rpc::local::SeqpacketConn,
@@ -600,16 +632,7 @@ async fn shared_write_payloads_land_as_written() {
     use freeflow_rpc::shared::{REGION_SLOTS, REGION_SLOT_BYTES, SHARED_PAYLOAD_MIN};
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
-    // The fake meta server is up first, on a port of its own: an address found free and
-    // bound later could be one another test here counts on nobody answering at.
-    let meta_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let meta_address = meta_listener.local_addr().unwrap().to_string();
-    let meta_task = tokio::spawn(freeflow_rpc::serve(
-        meta_listener,
-        key.clone(),
-        freeflow_rpc::ServerOptions::new("meta"),
-        Arc::new(FakeMeta::default()),
-    ));
+    let (meta_address, meta_task) = serve_fake_meta(&key).await;
     let (socket, server) = start_on_unix_socket(&directory, &key, &meta_address).await;
     wait_until("serving data", || server.serves_data()).await;
     let sharing = ConnectOptions {
@@ -678,13 +701,7 @@ async fn shared_write_payloads_land_as_written() {
     );
 
     let read = async |offset: u64, length: usize| -> Bytes {
-        let request = ReadObject {
-            object,
-            offset,
-            length: length as u32,
-            map_version: 0,
-        };
-        plain.call(&request, Bytes::new()).await.unwrap().1
+        read_object(&plain, object, offset, length).await
     };
     for index in 0..pieces {
         let got = read((index * piece) as u64, piece).await;
@@ -709,14 +726,7 @@ async fn payloads_made_in_the_shared_area_go_to_any_server_without_a_copy() {
     use freeflow_rpc::shared::{PayloadArea, REGION_SLOT_BYTES};
     let directory = tempfile::tempdir().unwrap();
     let key = ClusterKey::generate().unwrap();
-    let meta_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let meta_address = meta_listener.local_addr().unwrap().to_string();
-    let meta_task = tokio::spawn(freeflow_rpc::serve(
-        meta_listener,
-        key.clone(),
-        freeflow_rpc::ServerOptions::new("meta"),
-        Arc::new(FakeMeta::default()),
-    ));
+    let (meta_address, meta_task) = serve_fake_meta(&key).await;
     let first_dir = tempfile::tempdir_in(directory.path()).unwrap();
     let second_dir = tempfile::tempdir_in(directory.path()).unwrap();
     let (first_socket, first) = start_on_unix_socket(&first_dir, &key, &meta_address).await;
@@ -791,18 +801,9 @@ async fn payloads_made_in_the_shared_area_go_to_any_server_without_a_copy() {
     assert_eq!(area.free_places(), slots);
     assert_eq!(area.abandoned(), 0);
 
-    let read = async |connection: &Connection, offset: u64, length: usize| -> Bytes {
-        let request = ReadObject {
-            object,
-            offset,
-            length: length as u32,
-            map_version: 0,
-        };
-        connection.call(&request, Bytes::new()).await.unwrap().1
-    };
-    assert!(read(&to_first, 0, half).await == whole[..half]);
-    assert!(read(&to_second, 0, half).await == whole[half..]);
-    assert!(read(&to_first, half as u64, elsewhere.len()).await == elsewhere[..]);
+    assert!(read_object(&to_first, object, 0, half).await == whole[..half]);
+    assert!(read_object(&to_second, object, 0, half).await == whole[half..]);
+    assert!(read_object(&to_first, object, half as u64, elsewhere.len()).await == elsewhere[..]);
     first.shutdown().await;
     second.shutdown().await;
     meta_task.abort();
