@@ -401,6 +401,10 @@ impl Client {
                 client_metrics
                     .set_dirty_bytes(shared.config.dirty_bytes_max.saturating_sub(free_bytes));
                 client_metrics.set_kept_mutations(shared.pool.kept_mutations() as u64);
+                if let Some(area) = &shared.payload_area {
+                    client_metrics
+                        .set_payload_places(area.free_places() as u64, area.abandoned() as u64);
+                }
             }
         });
         let renewer = tokio::spawn(renew_session(Arc::downgrade(&shared), grant.lease_ms));

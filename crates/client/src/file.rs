@@ -321,9 +321,10 @@ struct Gathered {
     data: GatherBuffer,
 }
 
-/// Where gathered bytes are kept: in a place of the client's payload area when it shares
-/// one with a server of this host (the batch goes from there without another copy, and the
-/// place, reused while its pages are warm, never grows by copying), else on the heap.
+/// Where gathered bytes (or a stripe unit put together from parked pieces) are kept: in a
+/// place of the client's payload area when it shares one with a server of this host (the
+/// batch goes from there without another copy, and the place never grows by copying),
+/// else on the heap.
 enum GatherBuffer {
     Heap(BytesMut),
     Shared(freeflow_rpc::shared::PlaceMut),
@@ -335,14 +336,24 @@ const _: () = assert!(GATHER_BYTES_MAX <= freeflow_rpc::shared::REGION_SLOT_BYTE
 impl GatherBuffer {
     /// A buffer holding `data`, the first write of a gathering.
     fn new(area: Option<&Arc<freeflow_rpc::shared::PayloadArea>>, data: &[u8]) -> GatherBuffer {
-        let mut buffer = match area.and_then(|area| area.take()) {
-            Some(place) => GatherBuffer::Shared(place),
-            None => GatherBuffer::Heap(BytesMut::with_capacity(
-                data.len().max(GATHER_CAPACITY_START),
-            )),
-        };
+        let mut buffer = GatherBuffer::empty(area, data.len().max(GATHER_CAPACITY_START));
         buffer.extend_from_slice(data);
         buffer
+    }
+
+    /// An empty buffer for up to `capacity` bytes: a place of `area` if it holds that
+    /// many and one is free, else heap memory of that capacity (it may grow).
+    fn empty(
+        area: Option<&Arc<freeflow_rpc::shared::PayloadArea>>,
+        capacity: usize,
+    ) -> GatherBuffer {
+        let place = area
+            .filter(|_| capacity <= freeflow_rpc::shared::REGION_SLOT_BYTES)
+            .and_then(|area| area.take());
+        match place {
+            Some(place) => GatherBuffer::Shared(place),
+            None => GatherBuffer::Heap(BytesMut::with_capacity(capacity)),
+        }
     }
 
     fn len(&self) -> usize {
@@ -891,10 +902,12 @@ impl HandleShared {
             self.watch_parked();
         }
         // Units are put together outside the state lock (a copy of up to a unit).
+        // In a place of the payload area where it can be, so the unit is sent from there.
         let mut sends = room;
+        let area = self.client.shared_payload_area();
         for pieces in units {
             let unit_start = pieces[0].0;
-            let mut whole = BytesMut::with_capacity(unit as usize);
+            let mut whole = GatherBuffer::empty(area, unit as usize);
             for (_, bytes) in pieces {
                 whole.extend_from_slice(&bytes);
             }

@@ -18,6 +18,11 @@ struct OpMetrics {
 }
 
 /// Handles of the client's metrics. Cheap to clone.
+const PAYLOAD_PLACES_HELP: &str =
+    "Places of this client's payload area (memory shared with the I/O \
+     servers on its host), by state: free, or given up (a request that ended without a reply \
+     keeps its place for the client's life; with none free, payloads go through the socket).";
+
 #[derive(Clone)]
 pub(crate) struct ClientMetrics {
     inner: Arc<Inner>,
@@ -35,6 +40,8 @@ struct Inner {
     throttle_wait_time: Counter,
     dirty_bytes: Gauge,
     kept_mutations: Gauge,
+    payload_places_free: Gauge,
+    payload_places_given_up: Gauge,
     replayed: Counter,
     replay_lost: Counter,
 }
@@ -114,6 +121,16 @@ impl ClientMetrics {
                  client would replay if the meta server restarted now.",
                 &[],
             ),
+            payload_places_free: registry.gauge(
+                "freeflow_client_payload_places",
+                PAYLOAD_PLACES_HELP,
+                &[("state", "free")],
+            ),
+            payload_places_given_up: registry.gauge(
+                "freeflow_client_payload_places",
+                PAYLOAD_PLACES_HELP,
+                &[("state", "given_up")],
+            ),
             replayed: registry.counter(
                 "freeflow_client_replayed_mutations_total",
                 "Kept mutations replayed to a restarted meta server (applied again, or found \
@@ -179,6 +196,11 @@ impl ClientMetrics {
 
     pub(crate) fn set_kept_mutations(&self, count: u64) {
         self.inner.kept_mutations.set(count);
+    }
+
+    pub(crate) fn set_payload_places(&self, free: u64, given_up: u64) {
+        self.inner.payload_places_free.set(free);
+        self.inner.payload_places_given_up.set(given_up);
     }
 
     pub(crate) fn replayed(&self, lost: bool) {

@@ -437,7 +437,8 @@ impl Connection {
         self.inner.region.is_some()
     }
 
-    /// Places of the shared region free for a payload now (None: no region).
+    /// Places of the shared region free for a payload now (None: no region): of the
+    /// client's whole payload area when its connections share one.
     pub fn shared_places_free(&self) -> Option<usize> {
         self.inner
             .region

@@ -47,7 +47,9 @@ use freeflow_proto::WireError;
 
 use crate::local::SeqpacketConn;
 
-/// Payloads at least this long are shared; shorter ones cost little to copy over the socket.
+/// Payloads at least this long are copied into a place to be shared; shorter ones cost
+/// little to copy over the socket. A payload already in the area (a gathered batch, a
+/// slice of a larger write) is shared at any length.
 pub const SHARED_PAYLOAD_MIN: usize = 32 << 10;
 /// One place in a client's region: payloads up to this long are shared (a stripe unit).
 pub const REGION_SLOT_BYTES: usize = 1 << 20;
@@ -251,8 +253,9 @@ pub struct PayloadArea {
     shared: AtomicBool,
 }
 
-// SAFETY: the mapping lives as long as `self`; a place's bytes are written only by
-// `copy_in`, before the one `Place` that owns them is made, and only read after.
+// SAFETY: the mapping lives as long as `self`; a place's bytes are written only while no
+// view of them exists (by `copy_in`, or by a `PlaceMut` before its `freeze`), and only read
+// after.
 unsafe impl Send for PayloadArea {}
 // SAFETY: as above.
 unsafe impl Sync for PayloadArea {}
@@ -360,7 +363,7 @@ impl PayloadArea {
     /// Where `bytes` are in the area, if they are all inside it.
     fn offset_of(&self, bytes: &[u8]) -> Option<u64> {
         let start = (bytes.as_ptr() as usize).checked_sub(self.base as usize)?;
-        (start + bytes.len() <= self.length).then_some(start as u64)
+        (start.checked_add(bytes.len())? <= self.length).then_some(start as u64)
     }
 }
 
@@ -382,7 +385,7 @@ struct Place {
 impl AsRef<[u8]> for Place {
     fn as_ref(&self) -> &[u8] {
         // SAFETY: inside the mapping (a place's length is at most a slot), which the area
-        // this holds keeps; written only before this was made.
+        // this holds keeps; written only while no view of it existed.
         unsafe {
             std::slice::from_raw_parts(
                 self.area.base.add(self.slot as usize * REGION_SLOT_BYTES),
@@ -495,12 +498,14 @@ impl WriteRegion {
         self.name
     }
 
-    /// Places of the area free for a payload now.
+    /// Places of the area free for a payload now: the client's whole area, which its
+    /// other connections share.
     pub fn free_places(&self) -> usize {
         self.area.free_places()
     }
 
-    /// Places of the area given up so far (requests that ended without a reply).
+    /// Places of the area given up so far (requests that ended without a reply), on any
+    /// of the connections that share it.
     pub fn abandoned(&self) -> usize {
         self.area.abandoned()
     }
