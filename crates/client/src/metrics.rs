@@ -21,7 +21,8 @@ struct OpMetrics {
 const PAYLOAD_PLACES_HELP: &str =
     "Places of this client's payload area (memory shared with the I/O \
      servers on its host), by state: free, or given up (a request that ended without a reply \
-     keeps its place for the client's life; with none free, payloads go through the socket).";
+     keeps its place until the connection is gone and its server released the region; with \
+     none free, payloads go through the socket).";
 
 #[derive(Clone)]
 pub(crate) struct ClientMetrics {

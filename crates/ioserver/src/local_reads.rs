@@ -23,7 +23,9 @@
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
-use freeflow_proto::io::{LocalRequest, OpenForReading, OpenedForReading, RegionShared};
+use freeflow_proto::io::{
+    LocalRequest, OpenForReading, OpenedForReading, RegionReleased, RegionShared,
+};
 use freeflow_proto::{ErrorCode, WireError};
 use freeflow_rpc::local::{SeqpacketConn, SeqpacketListener, LOCAL_PACKET_BYTES_MAX};
 use freeflow_rpc::shared::{MappedRegion, SharedRegions};
@@ -108,11 +110,10 @@ async fn serve_connection(
             Exchanged::Answered => {}
             Exchanged::Closed => return Ok(()),
             Exchanged::Shared(registered) => {
-                // Payloads may name the region until the client closes this connection
-                // (gate changes do not matter: every write checks the gate itself).
-                connection.closed().await;
-                drop(registered);
-                return Ok(());
+                // Payloads may name the region until the client releases it or closes
+                // this connection (gate changes do not matter: every write checks the
+                // gate itself).
+                return keep_region(connection, &mut packet, registered).await;
             }
         }
     }
@@ -133,6 +134,48 @@ enum Exchanged<'a> {
 struct Registered<'a> {
     regions: &'a SharedRegions,
     name: u64,
+    /// Resolves once the region is unmapped here (forgotten and no payload view left).
+    unmapped: tokio::sync::oneshot::Receiver<()>,
+}
+
+/// Keep a shared region until its client closes the connection, or asks to release it:
+/// then forget it, wait until no request of this server holds a view of it any more, and
+/// say so (the client may then reuse places whose requests it gave up).
+async fn keep_region(
+    connection: &SeqpacketConn,
+    packet: &mut [u8],
+    mut registered: Registered<'_>,
+) -> Result<(), String> {
+    let (length, descriptor) = connection
+        .recv(packet)
+        .await
+        .map_err(|error| format!("receive failed: {error}"))?;
+    if length == 0 {
+        return Ok(());
+    }
+    if descriptor.is_some() {
+        return Err("its peer sent a descriptor".into());
+    }
+    let region = match freeflow_proto::decode::<LocalRequest>(&packet[..length]) {
+        Ok(LocalRequest::ReleaseRegion(release)) if release.region == registered.name => {
+            release.region
+        }
+        Ok(other) => return Err(format!("{other:?} on a connection that shared a region")),
+        Err(error) => return Err(error.message),
+    };
+    registered.regions.remove(region);
+    // Each view belongs to a request under way, which ends on its own (a write to the
+    // disk, a copy out): no bound of ours is needed, and the connection's close ends the
+    // wait if the client stops waiting first.
+    tokio::select! {
+        _ = &mut registered.unmapped => {}
+        _ = connection.closed() => return Ok(()),
+    }
+    let answer: Result<RegionReleased, WireError> = Ok(RegionReleased { region });
+    connection
+        .send(&freeflow_proto::encode(&answer), None)
+        .await
+        .map_err(|error| format!("send failed: {error}"))
 }
 
 impl Drop for Registered<'_> {
@@ -161,11 +204,17 @@ async fn exchange<'a>(
             let Some(descriptor) = descriptor else {
                 return Err("a region shared without its descriptor".into());
             };
-            let answer = share_region(share.version, &descriptor, regions);
-            let registered = answer.as_ref().ok().map(|shared| Registered {
-                regions,
-                name: shared.region,
-            });
+            let (answer, registered) = match share_region(share.version, &descriptor, regions) {
+                Ok((shared, unmapped)) => (
+                    Ok(shared),
+                    Some(Registered {
+                        regions,
+                        name: shared.region,
+                        unmapped,
+                    }),
+                ),
+                Err(error) => (Err(error), None),
+            };
             connection
                 .send(&freeflow_proto::encode(&answer), None)
                 .await
@@ -173,6 +222,9 @@ async fn exchange<'a>(
             return Ok(registered.map_or(Exchanged::Answered, Exchanged::Shared));
         }
         Ok(LocalRequest::Open(request)) => Ok(request),
+        Ok(LocalRequest::ReleaseRegion(_)) => {
+            return Err("a release of a region this connection did not share".into())
+        }
         Err(error) => Err(error),
     };
     if descriptor.is_some() {
@@ -218,7 +270,7 @@ fn share_region(
     version: u8,
     descriptor: &std::os::fd::OwnedFd,
     regions: &SharedRegions,
-) -> Result<RegionShared, WireError> {
+) -> Result<(RegionShared, tokio::sync::oneshot::Receiver<()>), WireError> {
     check_version(version)?;
     let refused = |reason: String| {
         WireError::new(
@@ -227,8 +279,8 @@ fn share_region(
         )
     };
     let mapped = MappedRegion::map(descriptor).map_err(refused)?;
-    let region = regions.insert(mapped).map_err(refused)?;
-    Ok(RegionShared { region })
+    let (region, unmapped) = regions.insert(mapped).map_err(refused)?;
+    Ok((RegionShared { region }, unmapped))
 }
 
 fn check_version(version: u8) -> Result<(), WireError> {

@@ -808,3 +808,65 @@ async fn payloads_made_in_the_shared_area_go_to_any_server_without_a_copy() {
     second.shutdown().await;
     meta_task.abort();
 }
+
+/// A request given up before its reply keeps its payload's place taken (the server may
+/// still read it) until the connection is gone and the server has released the region
+/// (forgotten it and dropped every view of it): then the place is free again. The bytes
+/// land all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_place_given_up_comes_back_once_the_server_releases_the_region() {
+    use freeflow_rpc::shared::{PayloadArea, REGION_SLOT_BYTES};
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let (meta_address, meta_task) = serve_fake_meta(&key).await;
+    let (socket, server) = start_on_unix_socket(&directory, &key, &meta_address).await;
+    wait_until("serving data", || server.serves_data()).await;
+    let slots = 2;
+    let area = PayloadArea::new(slots).unwrap();
+    let sharing = ConnectOptions {
+        shared_payloads: true,
+        payload_area: Some(area.clone()),
+        ..ConnectOptions::default()
+    };
+    let address = format!("unix:{}", socket.display());
+    let connection = Connection::connect(&address, &key, &sharing).await.unwrap();
+    let object = ObjectId {
+        inode: 34,
+        stripe_index: 0,
+    };
+    let bytes: Vec<u8> = (0..REGION_SLOT_BYTES).map(|at| (at % 241) as u8).collect();
+    let payload = area.copy_in(&bytes).expect("a place");
+    let write = WriteObject {
+        offset: 0,
+        ..grantless_write(object)
+    };
+    // Polled until its frame is queued, then given up.
+    let call = connection.call(&write, payload);
+    let given_up = tokio::time::timeout(std::time::Duration::ZERO, call).await;
+    assert!(given_up.is_err(), "the call was given up before its reply");
+    assert_eq!(area.abandoned(), 1);
+    assert_eq!(
+        area.free_places(),
+        slots - 1,
+        "the given-up place stays taken"
+    );
+    // A later connection reads the bytes back: the request was served all the same.
+    let reader = Connection::connect(&address, &key, &ConnectOptions::default())
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while read_object(&reader, object, 0, bytes.len()).await != bytes {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the given-up write never landed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(connection);
+    wait_until("the region released and its place free again", || {
+        area.free_places() == slots && area.abandoned() == 0
+    })
+    .await;
+    server.shutdown().await;
+    meta_task.abort();
+}

@@ -157,6 +157,9 @@ pub enum LocalRequest {
     Open(OpenForReading),
     /// Shares a region of memory for write payloads (`ShareRegion`).
     ShareRegion(ShareRegion),
+    /// Asks, on the connection that shared a region, to be told once the server can no
+    /// longer read it (`ReleaseRegion`).
+    ReleaseRegion(ReleaseRegion),
 }
 
 /// A client on the server's host asks for a read-only descriptor of an object.
@@ -180,11 +183,29 @@ pub struct OpenedForReading {
 /// A client on the server's host shares a sealed memory file (its descriptor travels with
 /// the packet) that the payloads of its writes on one RPC connection are then placed in
 /// (`freeflow_proto::frame::FLAG_SHARED_PAYLOAD`). The region stays registered until the
-/// client closes the local connection it came on; that connection carries nothing else.
+/// client closes the local connection it came on or releases the region there
+/// ([`ReleaseRegion`]); that connection carries nothing else.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShareRegion {
     /// [`crate::PROTOCOL_VERSION`] of the asking client; another is refused.
     pub version: u8,
+}
+
+/// A client done with a region it shared asks the server to forget it and to answer
+/// (`Result<RegionReleased, WireError>`) once no request of the server still holds a view
+/// of it: from then on the server cannot read the region, so the client may reuse places
+/// whose requests ended without a reply. The only packet the region's connection carries
+/// after [`ShareRegion`]; the server closes the connection after its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleaseRegion {
+    /// The region's name ([`RegionShared::region`]).
+    pub region: u64,
+}
+
+/// The answer to [`ReleaseRegion`]: the region is unmapped at the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionReleased {
+    pub region: u64,
 }
 
 /// The answer to [`ShareRegion`], as `Result<RegionShared, WireError>`.

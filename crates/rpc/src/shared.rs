@@ -27,7 +27,9 @@
 //! - the client reuses a payload's place only after the reply to its request came (the
 //!   server is done with the bytes when it answers) and nothing of its own still holds
 //!   the payload; a request that ended otherwise (timeout, lost connection) leaves its
-//!   place unused for the area's life, as the server may still read it;
+//!   place unused until the connection is gone and its server has answered a
+//!   `ReleaseRegion` (it forgot the region and no request of its own holds a view of it),
+//!   as the server may still read it until then (for the area's life when no answer comes);
 //! - every server on the host maps the whole area, so each can read the payloads meant
 //!   for the others: they are servers of one cluster, run by its own user or root.
 //!
@@ -42,7 +44,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use freeflow_proto::io::{LocalRequest, RegionShared, ShareRegion};
+use freeflow_proto::io::{LocalRequest, RegionReleased, RegionShared, ReleaseRegion, ShareRegion};
 use freeflow_proto::WireError;
 
 use crate::local::SeqpacketConn;
@@ -69,6 +71,9 @@ pub const SHARED_REGIONS_MAX: usize = 1024;
 pub struct MappedRegion {
     base: *const u8,
     length: usize,
+    /// Dropped with the mapping: its receiver ([`SharedRegions::insert`]) learns that the
+    /// region can no longer be read here.
+    _unmapped: tokio::sync::oneshot::Sender<()>,
 }
 
 // SAFETY: the mapping is read-only here and lives until the last `Arc` is dropped. Its
@@ -134,6 +139,7 @@ impl MappedRegion {
         Ok(MappedRegion {
             base: base.cast(),
             length: length as usize,
+            _unmapped: tokio::sync::oneshot::channel().0,
         })
     }
 
@@ -188,8 +194,15 @@ impl std::fmt::Debug for SharedRegions {
 }
 
 impl SharedRegions {
-    /// Register a mapped region under a new random name.
-    pub fn insert(&self, region: MappedRegion) -> Result<u64, String> {
+    /// Register a mapped region under a new random name. The receiver resolves once the
+    /// mapping is gone: the region forgotten (`remove`) and every payload taken from it
+    /// dropped.
+    pub fn insert(
+        &self,
+        mut region: MappedRegion,
+    ) -> Result<(u64, tokio::sync::oneshot::Receiver<()>), String> {
+        let (unmapped, receiver) = tokio::sync::oneshot::channel();
+        region._unmapped = unmapped;
         let mut regions = self.regions.lock().expect("not poisoned");
         if regions.len() >= SHARED_REGIONS_MAX {
             return Err(format!(
@@ -201,7 +214,7 @@ impl SharedRegions {
                 crate::random_client_id().map_err(|error| format!("no random name: {error}"))?;
             if let std::collections::hash_map::Entry::Vacant(entry) = regions.entry(name) {
                 entry.insert(Arc::new(region));
-                return Ok(name);
+                return Ok((name, receiver));
             }
         }
     }
@@ -238,8 +251,8 @@ impl SharedRegions {
 /// from its place with no further copy, whichever server its stripe is on; any other
 /// payload to such a server is copied into a free place when sent ([`WriteRegion::place`]).
 /// A place is free again when the last view of its payload is dropped; a request that
-/// ended without a reply keeps its place taken for the area's life (its server may still
-/// read it).
+/// ended without a reply keeps its place taken until its server released the region
+/// (`WriteRegion`'s `Drop`), as it may still read it.
 pub struct PayloadArea {
     base: *mut u8,
     length: usize,
@@ -305,7 +318,8 @@ impl PayloadArea {
         self.free.lock().expect("not poisoned").len()
     }
 
-    /// Places given up so far (requests that ended without a reply).
+    /// Places given up now (requests that ended without a reply, on connections whose
+    /// server has not released the region yet).
     pub fn abandoned(&self) -> usize {
         self.abandoned.load(Ordering::Relaxed)
     }
@@ -460,8 +474,66 @@ pub struct WriteRegion {
     area: Arc<PayloadArea>,
     name: u64,
     /// The local connection the area was shared on: the server keeps the region while
-    /// it is open.
-    _connection: SeqpacketConn,
+    /// it is open. Taken when the region is dropped, to release it.
+    connection: Option<SeqpacketConn>,
+    /// Payloads of requests on this connection that ended without a reply: their places
+    /// stay taken until the server says it can no longer read the region (`Drop`).
+    given_up: Mutex<Vec<Bytes>>,
+}
+
+/// Longest a dropped region waits for its server to release it before its given-up
+/// places are kept for the area's life.
+const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+impl Drop for WriteRegion {
+    /// Places given up on this connection come back once the server answers a
+    /// `ReleaseRegion` (it has forgotten the region and no request of its own still holds
+    /// a view of it); without an answer (no runtime here, the server gone or refusing)
+    /// they stay taken, as the server might still read them.
+    fn drop(&mut self) {
+        let given_up = std::mem::take(
+            self.given_up
+                .get_mut()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
+        let Some(connection) = self.connection.take() else {
+            return;
+        };
+        if given_up.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            std::mem::forget(given_up);
+            return;
+        };
+        let (area, name) = (Arc::clone(&self.area), self.name);
+        runtime.spawn(async move {
+            let request = LocalRequest::ReleaseRegion(ReleaseRegion { region: name });
+            let asked = tokio::time::timeout(
+                RELEASE_WAIT,
+                connection.ask(&freeflow_proto::encode(&request), None),
+            )
+            .await;
+            let released = match asked {
+                Ok(Ok((packet, None))) => matches!(
+                    freeflow_proto::decode::<Result<RegionReleased, WireError>>(&packet),
+                    Ok(Ok(RegionReleased { region })) if region == name
+                ),
+                _ => false,
+            };
+            if released {
+                area.abandoned.fetch_sub(given_up.len(), Ordering::Relaxed);
+                drop(given_up);
+            } else {
+                tracing::debug!(
+                    region = name,
+                    places = given_up.len(),
+                    "the server did not release the region: its given-up places stay taken"
+                );
+                std::mem::forget(given_up);
+            }
+        });
+    }
 }
 
 impl WriteRegion {
@@ -489,7 +561,8 @@ impl WriteRegion {
         Ok(Arc::new(WriteRegion {
             area,
             name: shared.region,
-            _connection: connection,
+            connection: Some(connection),
+            given_up: Mutex::new(Vec::new()),
         }))
     }
 
@@ -513,11 +586,10 @@ impl WriteRegion {
     /// `payload` in the area: where it is already (made there by
     /// [`PayloadArea::copy_in`]: no copy), else copied into a free place, if it is one to
     /// share and a place is free.
-    pub fn place(&self, payload: &Bytes) -> Option<SharedPayload> {
+    pub fn place(self: &Arc<Self>, payload: &Bytes) -> Option<SharedPayload> {
         let (bytes, offset) = self.area.place(payload)?;
         Some(SharedPayload {
-            area: Arc::clone(&self.area),
-            region: self.name,
+            region: Arc::clone(self),
             offset,
             bytes: Some(bytes),
             answered: false,
@@ -526,11 +598,10 @@ impl WriteRegion {
 }
 
 /// A payload placed in a region. Its place stays taken at least until this is dropped;
-/// dropped before [`SharedPayload::answered`], for the area's life (the server may still
-/// read it).
+/// dropped before [`SharedPayload::answered`], until the server releases the region
+/// (`WriteRegion`'s `Drop`), as it may still read it.
 pub struct SharedPayload {
-    area: Arc<PayloadArea>,
-    region: u64,
+    region: Arc<WriteRegion>,
     offset: u64,
     bytes: Option<Bytes>,
     answered: bool,
@@ -538,7 +609,7 @@ pub struct SharedPayload {
 
 impl SharedPayload {
     pub fn region_name(&self) -> u64 {
-        self.region
+        self.region.name
     }
 
     pub fn offset(&self) -> u64 {
@@ -554,9 +625,15 @@ impl SharedPayload {
 impl Drop for SharedPayload {
     fn drop(&mut self) {
         if !self.answered {
-            self.area.abandoned.fetch_add(1, Ordering::Relaxed);
-            // The place is never given back: its view is leaked.
-            std::mem::forget(self.bytes.take());
+            if let Some(bytes) = self.bytes.take() {
+                self.region.area.abandoned.fetch_add(1, Ordering::Relaxed);
+                // Kept by the region until its server releases it.
+                self.region
+                    .given_up
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .push(bytes);
+            }
         }
     }
 }
@@ -700,7 +777,7 @@ mod tests {
         std::os::unix::fs::FileExt::write_all_at(&file, b"shared bytes", 100).expect("write");
         let region = Arc::new(MappedRegion::map(&fd).expect("mapped"));
         let regions = SharedRegions::default();
-        let name = regions
+        let (name, mut unmapped) = regions
             .insert(MappedRegion::map(&fd).expect("mapped"))
             .expect("registered");
         assert_eq!(
@@ -719,5 +796,13 @@ mod tests {
         regions.remove(name);
         assert!(regions.payload(name, 100, 12).is_none());
         assert_eq!(held.as_ref(), b"Shared bytes");
+        assert!(unmapped
+            .try_recv()
+            .is_err_and(|error| error == tokio::sync::oneshot::error::TryRecvError::Empty));
+        // The last view gone, the mapping is, and the receiver learns it.
+        drop(held);
+        assert!(unmapped
+            .try_recv()
+            .is_err_and(|error| error == tokio::sync::oneshot::error::TryRecvError::Closed));
     }
 }

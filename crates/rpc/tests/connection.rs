@@ -1119,7 +1119,7 @@ async fn shared_payloads_come_from_their_region_and_bad_references_close_the_con
     let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
     let region_bytes = 1 << 20;
     let fd = sealed_region(region_bytes, 4096, &payload);
-    let name = regions.insert(MappedRegion::map(&fd).unwrap()).unwrap();
+    let (name, _unmapped) = regions.insert(MappedRegion::map(&fd).unwrap()).unwrap();
     let options = ServerOptions {
         shared_regions: Some(regions.clone()),
         ..ServerOptions::new("shared")
