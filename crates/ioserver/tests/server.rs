@@ -490,6 +490,23 @@ async fn start_on_unix_socket(
     (socket, server)
 }
 
+/// One I/O server serving data on a Unix socket (with its fake meta server): its
+/// directory (kept while the test runs), key, meta task, socket and server.
+async fn serving_on_a_unix_socket() -> (
+    tempfile::TempDir,
+    ClusterKey,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+    std::path::PathBuf,
+    freeflow_ioserver::RunningIo,
+) {
+    let directory = tempfile::tempdir().unwrap();
+    let key = ClusterKey::generate().unwrap();
+    let (meta_address, meta_task) = serve_fake_meta(&key).await;
+    let (socket, server) = start_on_unix_socket(&directory, &key, &meta_address).await;
+    wait_until("serving data", || server.serves_data()).await;
+    (directory, key, meta_task, socket, server)
+}
+
 /// A fake meta server on a port of its own, up before any I/O server: an address found
 /// free and bound later could be one another test here counts on nobody answering at.
 async fn serve_fake_meta(
@@ -630,11 +647,7 @@ async fn local_reads_hand_out_descriptors_only_while_data_is_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_write_payloads_land_as_written() {
     use freeflow_rpc::shared::{REGION_SLOTS, REGION_SLOT_BYTES, SHARED_PAYLOAD_MIN};
-    let directory = tempfile::tempdir().unwrap();
-    let key = ClusterKey::generate().unwrap();
-    let (meta_address, meta_task) = serve_fake_meta(&key).await;
-    let (socket, server) = start_on_unix_socket(&directory, &key, &meta_address).await;
-    wait_until("serving data", || server.serves_data()).await;
+    let (_directory, key, meta_task, socket, server) = serving_on_a_unix_socket().await;
     let sharing = ConnectOptions {
         shared_payloads: true,
         ..ConnectOptions::default()
@@ -816,11 +829,7 @@ async fn payloads_made_in_the_shared_area_go_to_any_server_without_a_copy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_place_given_up_comes_back_once_the_server_releases_the_region() {
     use freeflow_rpc::shared::{PayloadArea, REGION_SLOT_BYTES};
-    let directory = tempfile::tempdir().unwrap();
-    let key = ClusterKey::generate().unwrap();
-    let (meta_address, meta_task) = serve_fake_meta(&key).await;
-    let (socket, server) = start_on_unix_socket(&directory, &key, &meta_address).await;
-    wait_until("serving data", || server.serves_data()).await;
+    let (_directory, key, meta_task, socket, server) = serving_on_a_unix_socket().await;
     let slots = 2;
     let area = PayloadArea::new(slots).unwrap();
     let sharing = ConnectOptions {
