@@ -1,4 +1,4 @@
-# Helpers shared by the peer scripts (glusterfs.sh, moosefs.sh); sourced, not run.
+# Helpers shared by the peer scripts (glusterfs.sh, moosefs.sh, cephfs.sh); sourced, not run.
 # The sourcing script sets ME (its name, for messages), MNT (its mount point) and
 # STOP_GRACE_SECS (how long a daemon gets between SIGTERM and SIGKILL).
 
