@@ -34,36 +34,15 @@ source "$(dirname "$0")/lib.sh"
 
 BASE=/tmp/freeflow-peers/cephfs
 
-usage() {
-    echo "usage: $ME up|down|status [--base DIR]" >&2
-    exit 2
-}
-
 ceph_cli() { timeout "$WAIT_SECS" ceph -c "$CONF" "$@"; }
 
 # All Ceph processes whose command line names our configuration file.
 our_pids() {
-    local name pid
-    for name in ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse; do
-        for pid in $(pgrep -x "$name" || true); do
-            if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$BASE/"; then
-                echo "$pid"
-            fi
-        done
-    done
+    pids_naming "$BASE/" ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse
 }
 
 # The pid of our daemon NAME (ceph-mon, ...), if it runs.
-daemon_pid() {
-    local name=$1 pid
-    for pid in $(pgrep -x "$name" || true); do
-        if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$CONF"; then
-            echo "$pid"
-            return 0
-        fi
-    done
-    return 1
-}
+daemon_pid() { find_pid "$1" "$CONF"; }
 
 # ---------------------------------------------------------------------------------------------
 # Installation
@@ -271,29 +250,10 @@ cmd_status() {
     return 1
 }
 
-main() {
-    local cmd=${1:-}
-    [[ -n $cmd ]] || usage
-    shift
-    while (($#)); do
-        case $1 in
-            --base) [[ $# -ge 2 ]] || usage; BASE=$2; shift 2 ;;
-            --base=*) BASE=${1#--base=}; shift ;;
-            *) usage ;;
-        esac
-    done
-    BASE=$(realpath -m -- "$BASE")
-    [[ $BASE != / ]] || die "--base must not be /"
+set_paths() {
     CONF=$BASE/ceph.conf
     MNT=$BASE/mnt
     LOGDIR=$BASE/log
-
-    case $cmd in
-        up) cmd_up ;;
-        down) cmd_down ;;
-        status) cmd_status ;;
-        *) usage ;;
-    esac
 }
 
-main "$@"
+peer_main set_paths "$@"

@@ -33,11 +33,6 @@ source "$(dirname "$0")/lib.sh"
 
 BASE=/tmp/freeflow-peers/glusterfs
 
-usage() {
-    echo "usage: $ME up|down|status [--base DIR]" >&2
-    exit 2
-}
-
 # ---------------------------------------------------------------------------------------------
 # Small helpers
 
@@ -62,14 +57,7 @@ glusterd_running() { glusterd_pid >/dev/null; }
 # Gluster processes (glusterd, brick daemons, FUSE client) whose command line names our base
 # directory: these and only these are ours.
 our_pids() {
-    local name pid
-    for name in glusterd glusterfsd glusterfs; do
-        for pid in $(pgrep -x "$name" || true); do
-            if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$BASE/"; then
-                echo "$pid"
-            fi
-        done
-    done
+    pids_naming "$BASE/" glusterd glusterfsd glusterfs
 }
 
 # gluster refuses "localhost" and "127.0.0.1" as brick hosts, even with force. We need a name
@@ -317,21 +305,7 @@ cmd_status() {
 
 # ---------------------------------------------------------------------------------------------
 
-main() {
-    local cmd=${1:-}
-    [[ -n $cmd ]] || usage
-    shift
-    while (($#)); do
-        case $1 in
-            --base) [[ $# -ge 2 ]] || usage; BASE=$2; shift 2 ;;
-            --base=*) BASE=${1#--base=}; shift ;;
-            *) usage ;;
-        esac
-    done
-    # An absolute path without a trailing slash: we match process command lines against it.
-    BASE=$(realpath -m -- "$BASE")
-    [[ $BASE != / ]] || die "--base must not be /"
-
+set_paths() {
     VOLFILE=$BASE/glusterd.vol
     PIDFILE=$BASE/glusterd.pid
     # The CLI talks to glusterd only over its default socket (glusterd -S adds a second one that
@@ -341,13 +315,6 @@ main() {
     BRICKS=$BASE/bricks
     MNT=$BASE/mnt
     LOGDIR=$BASE/log
-
-    case $cmd in
-        up) cmd_up ;;
-        down) cmd_down ;;
-        status) cmd_status ;;
-        *) usage ;;
-    esac
 }
 
-main "$@"
+peer_main set_paths "$@"

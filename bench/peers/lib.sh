@@ -1,6 +1,7 @@
 # Helpers shared by the peer scripts (glusterfs.sh, moosefs.sh, cephfs.sh); sourced, not run.
 # The sourcing script sets ME (its name, for messages), MNT (its mount point) and
-# STOP_GRACE_SECS (how long a daemon gets between SIGTERM and SIGKILL).
+# STOP_GRACE_SECS (how long a daemon gets between SIGTERM and SIGKILL), defines cmd_up,
+# cmd_down and cmd_status, and ends with `peer_main SET_PATHS "$@"`.
 
 say() { echo "$ME: $*" >&2; }
 
@@ -55,3 +56,63 @@ stop_pids() {
     say "processes ${pids[*]} ignored SIGTERM for $STOP_GRACE_SECS s, sending SIGKILL"
     kill -KILL "${pids[@]}" 2>/dev/null || true
 }
+
+usage() {
+    echo "usage: $ME up|down|status [--base DIR]" >&2
+    exit 2
+}
+
+# peer_main SET_PATHS ARGS...: parse "up|down|status [--base DIR]", make BASE absolute and
+# without a trailing slash (process command lines are matched against it), call SET_PATHS
+# to set the script's paths under it, then run cmd_up, cmd_down or cmd_status.
+peer_main() {
+    local set_paths=$1
+    shift
+    local cmd=${1:-}
+    [[ -n $cmd ]] || usage
+    shift
+    while (($#)); do
+        case $1 in
+            --base) [[ $# -ge 2 ]] || usage; BASE=$2; shift 2 ;;
+            --base=*) BASE=${1#--base=}; shift ;;
+            *) usage ;;
+        esac
+    done
+    BASE=$(realpath -m -- "$BASE")
+    [[ $BASE != / ]] || die "--base must not be /"
+    "$set_paths"
+    case $cmd in
+        up) cmd_up ;;
+        down) cmd_down ;;
+        status) cmd_status ;;
+        *) usage ;;
+    esac
+}
+
+# find_pid NAME TEXT: the pid of a running process named NAME whose command line contains
+# TEXT (its config file, or the mount point); nothing, and failure, if there is none.
+find_pid() {
+    local name=$1 text=$2 pid
+    for pid in $(pgrep -x "$name" || true); do
+        if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$text"; then
+            echo "$pid"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# pids_naming TEXT NAME...: every running process named one of NAME... whose command line
+# contains TEXT, one pid a line.
+pids_naming() {
+    local text=$1 name pid
+    shift
+    for name in "$@"; do
+        for pid in $(pgrep -x "$name" || true); do
+            if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$text"; then
+                echo "$pid"
+            fi
+        done
+    done
+}
+

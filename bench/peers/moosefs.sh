@@ -42,11 +42,6 @@ source "$(dirname "$0")/lib.sh"
 
 BASE=/tmp/freeflow-peers/moosefs
 
-usage() {
-    echo "usage: $ME up|down|status [--base DIR]" >&2
-    exit 2
-}
-
 # ---------------------------------------------------------------------------------------------
 # Small helpers
 
@@ -57,29 +52,9 @@ drop_mount() {
     if pid=$(find_pid mfsmount "$MNT"); then stop_pids "$pid"; fi
 }
 
-# The pid of a running MooseFS process named NAME (mfsmaster, mfschunkserver, mfsmount) whose
-# command line contains TEXT (its config file, or the mount point); nothing if there is none.
-find_pid() {
-    local name=$1 text=$2 pid
-    for pid in $(pgrep -x "$name" || true); do
-        if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$text"; then
-            echo "$pid"
-            return 0
-        fi
-    done
-    return 1
-}
-
 # All MooseFS processes whose command line names our base directory.
 our_pids() {
-    local name pid
-    for name in mfsmaster mfschunkserver mfsmount; do
-        for pid in $(pgrep -x "$name" || true); do
-            if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$BASE/"; then
-                echo "$pid"
-            fi
-        done
-    done
+    pids_naming "$BASE/" mfsmaster mfschunkserver mfsmount
 }
 
 # Refuse to start a daemon on a port someone else holds, naming the port and its owner.
@@ -336,31 +311,10 @@ cmd_status() {
 
 # ---------------------------------------------------------------------------------------------
 
-main() {
-    local cmd=${1:-}
-    [[ -n $cmd ]] || usage
-    shift
-    while (($#)); do
-        case $1 in
-            --base) [[ $# -ge 2 ]] || usage; BASE=$2; shift 2 ;;
-            --base=*) BASE=${1#--base=}; shift ;;
-            *) usage ;;
-        esac
-    done
-    # An absolute path without a trailing slash: we match process command lines against it.
-    BASE=$(realpath -m -- "$BASE")
-    [[ $BASE != / ]] || die "--base must not be /"
-
+set_paths() {
     MASTER_DIR=$BASE/master
     MNT=$BASE/mnt
     LOGDIR=$BASE/log
-
-    case $cmd in
-        up) cmd_up ;;
-        down) cmd_down ;;
-        status) cmd_status ;;
-        *) usage ;;
-    esac
 }
 
-main "$@"
+peer_main set_paths "$@"
