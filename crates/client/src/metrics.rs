@@ -17,13 +17,13 @@ struct OpMetrics {
     latency: Histogram,
 }
 
-/// Handles of the client's metrics. Cheap to clone.
 const PAYLOAD_PLACES_HELP: &str =
     "Places of this client's payload area (memory shared with the I/O \
      servers on its host), by state: free, or given up (a request that ended without a reply \
      keeps its place until the connection is gone and its server released the region; with \
      none free, payloads go through the socket).";
 
+/// Handles of the client's metrics. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct ClientMetrics {
     inner: Arc<Inner>,

@@ -160,6 +160,12 @@ async fn keep_region(
         Ok(LocalRequest::ReleaseRegion(release)) if release.region == registered.name => {
             release.region
         }
+        Ok(LocalRequest::ReleaseRegion(release)) => {
+            return Err(format!(
+                "a release of region {:x} on the connection that shared region {:x}",
+                release.region, registered.name
+            ))
+        }
         Ok(other) => return Err(format!("{other:?} on a connection that shared a region")),
         Err(error) => return Err(error.message),
     };

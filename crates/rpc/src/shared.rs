@@ -318,8 +318,9 @@ impl PayloadArea {
         self.free.lock().expect("not poisoned").len()
     }
 
-    /// Places given up now (requests that ended without a reply, on connections whose
-    /// server has not released the region yet).
+    /// Payloads given up and not released yet (requests that ended without a reply, on
+    /// connections whose server has not released the region): each keeps its place taken
+    /// (two slices of one place count twice).
     pub fn abandoned(&self) -> usize {
         self.abandoned.load(Ordering::Relaxed)
     }
@@ -575,12 +576,6 @@ impl WriteRegion {
     /// other connections share.
     pub fn free_places(&self) -> usize {
         self.area.free_places()
-    }
-
-    /// Places of the area given up so far (requests that ended without a reply), on any
-    /// of the connections that share it.
-    pub fn abandoned(&self) -> usize {
-        self.area.abandoned()
     }
 
     /// `payload` in the area: where it is already (made there by
