@@ -25,9 +25,7 @@ use freeflow_client::{
 };
 use fuser::{
     AccessFlags, Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
-    IoctlFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyLock, ReplyOpen,
-    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    IoctlFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, TimeOrNow, WriteFlags,
 };
 use tokio::sync::Semaphore;
 
@@ -36,6 +34,10 @@ use crate::caller::GroupsCache;
 use crate::convert::{self, errno, file_attr, STATFS_BLOCK_BYTES};
 use crate::handles::{DirectoryListing, OpenDirectories, OpenFiles};
 use crate::held::KernelInodes;
+use crate::reply::{
+    Caller, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty,
+    ReplyEntry, ReplyIoctl, ReplyLock, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
+};
 use crate::session::{MountOptions, REQUESTS_IN_FLIGHT_MAX};
 use crate::shadow::Shadows;
 
@@ -113,6 +115,13 @@ pub(crate) struct MountState {
     pub cache: Arc<KernelCache>,
     /// The kernel's writeback cache is on (`MountOptions::writeback`).
     pub writeback: bool,
+    /// INIT asks for FUSE over io_uring (`MountOptions::transport`, and the kernel's
+    /// parameter on).
+    pub ring_wanted: AtomicBool,
+    /// The kernel granted it at INIT: the rings are to be registered.
+    pub ring_granted: AtomicBool,
+    /// The mount fails unless granted (`Transport::IoUring`).
+    ring_required: bool,
     /// Writeback mounts: the pages of files open for writing as the kernel got them, so
     /// that a page written back carries only what changed here (`shadow.rs`).
     pub shadows: Shadows,
@@ -150,6 +159,9 @@ impl MountState {
             ending: tokio::sync::watch::channel(false).0,
             cache: Arc::new(KernelCache::new(options.writeback)),
             writeback: options.writeback,
+            ring_wanted: AtomicBool::new(false),
+            ring_granted: AtomicBool::new(false),
+            ring_required: options.transport == crate::session::Transport::IoUring,
             shadows: Shadows::new(options.writeback),
             grown_elsewhere: Mutex::new(std::collections::HashSet::new()),
         }
@@ -780,7 +792,7 @@ impl FreeflowFs {
     /// vanish from this mount. Gives the reply back when it cannot answer ahead.
     fn create_ahead(
         &self,
-        request: &Request,
+        request: &Caller,
         parent: InodeId,
         name: &str,
         mode: u32,
@@ -815,8 +827,8 @@ impl FreeflowFs {
             inode,
             FileKind::Regular,
             mode & 0o7777,
-            request.uid(),
-            group_of_new.unwrap_or(request.gid()),
+            request.uid,
+            group_of_new.unwrap_or(request.gid),
             now,
         );
         admission.listing_added(parent, name, Some(inode), None, |lease| {
@@ -886,7 +898,7 @@ impl FreeflowFs {
     /// not a directory and that the caller may remove it. Gives the reply back otherwise.
     fn unlink_ahead(
         &self,
-        request: &Request,
+        request: &Caller,
         parent: InodeId,
         name: &str,
         reply: ReplyEmpty,
@@ -1126,11 +1138,11 @@ impl FreeflowFs {
     }
 
     /// The client acting for the process that made `request`.
-    fn caller(&self, request: &Request) -> Client {
+    fn caller(&self, request: &Caller) -> Client {
         let caller = self
             .state
             .groups
-            .caller(request.uid(), request.gid(), request.pid());
+            .caller(request.uid, request.gid, request.pid);
         self.state.client.with_caller(caller)
     }
 }
@@ -1299,8 +1311,12 @@ fn bad_handle() -> Errno {
     Errno::EBADF
 }
 
-impl fuser::Filesystem for FreeflowFs {
-    fn init(&mut self, _request: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+/// The handlers, one per kernel operation, with the operation's arguments as the kernel
+/// gives them (hence their many parameters); `dev.rs` and `ring/dispatch.rs` call them.
+#[allow(clippy::too_many_arguments)]
+impl FreeflowFs {
+    /// What the mount asks of the kernel at INIT (fuser answers it on `/dev/fuse`).
+    pub(crate) fn init_kernel(&mut self, config: &mut KernelConfig) -> std::io::Result<()> {
         if let Err(nearest) = config.set_max_write(MAX_WRITE_BYTES) {
             let _ = config.set_max_write(nearest);
         }
@@ -1332,6 +1348,19 @@ impl fuser::Filesystem for FreeflowFs {
         }
         // O_DIRECT opens go past the page cache only where they may still be mapped shared
         // (`open_reply_flags`).
+        if self.state.ring_wanted.load(Ordering::Relaxed) {
+            let granted = config
+                .add_capabilities(InitFlags::FUSE_OVER_IO_URING)
+                .is_ok();
+            if !granted && self.state.ring_required {
+                return Err(std::io::Error::other(format!(
+                    "the kernel does not offer FUSE over io_uring: it needs Linux 6.14 or \
+                     later with {} set to 1 (mount without --io-uring otherwise)",
+                    crate::ring::ENABLE_PARAMETER
+                )));
+            }
+            self.state.ring_granted.store(granted, Ordering::Relaxed);
+        }
         let direct_mmap = config
             .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
             .is_ok();
@@ -1358,7 +1387,13 @@ impl fuser::Filesystem for FreeflowFs {
         Ok(())
     }
 
-    fn lookup(&self, request: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+    pub(crate) fn lookup(
+        &self,
+        request: &Caller,
+        parent: INodeNo,
+        name: &OsStr,
+        reply: ReplyEntry,
+    ) {
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -1390,13 +1425,13 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn forget(&self, _request: &Request, inode: INodeNo, count: u64) {
+    pub(crate) fn forget_inode(&self, inode: INodeNo, count: u64) {
         self.state.forget(inode.0, count);
     }
 
-    fn getattr(
+    pub(crate) fn getattr(
         &self,
-        _request: &Request,
+        _request: &Caller,
         inode: INodeNo,
         _handle: Option<FileHandle>,
         reply: ReplyAttr,
@@ -1431,9 +1466,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn setattr(
+    pub(crate) fn setattr(
         &self,
-        request: &Request,
+        request: &Caller,
         inode: INodeNo,
         mode: Option<u32>,
         user_id: Option<u32>,
@@ -1443,10 +1478,6 @@ impl fuser::Filesystem for FreeflowFs {
         modify_time: Option<TimeOrNow>,
         change_time: Option<std::time::SystemTime>,
         handle: Option<FileHandle>,
-        _birth_time: Option<std::time::SystemTime>,
-        _change_time_macos: Option<std::time::SystemTime>,
-        _backup_time: Option<std::time::SystemTime>,
-        _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
         // A writeback mount's kernel keeps a file's times itself and sends them with the
@@ -1523,7 +1554,7 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn readlink(&self, _request: &Request, inode: INodeNo, reply: ReplyData) {
+    pub(crate) fn readlink(&self, _request: &Caller, inode: INodeNo, reply: ReplyData) {
         let state = self.state.clone();
         self.spawn(async move {
             match state.client.readlink(inode.0).await {
@@ -1533,9 +1564,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn mknod(
+    pub(crate) fn mknod(
         &self,
-        request: &Request,
+        request: &Caller,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
@@ -1580,9 +1611,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn mkdir(
+    pub(crate) fn mkdir(
         &self,
-        request: &Request,
+        request: &Caller,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
@@ -1609,7 +1640,13 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn unlink(&self, request: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    pub(crate) fn unlink(
+        &self,
+        request: &Caller,
+        parent: INodeNo,
+        name: &OsStr,
+        reply: ReplyEmpty,
+    ) {
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -1633,7 +1670,7 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn rmdir(&self, request: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    pub(crate) fn rmdir(&self, request: &Caller, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.settle(&[0]);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
@@ -1654,9 +1691,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn symlink(
+    pub(crate) fn symlink(
         &self,
-        request: &Request,
+        request: &Caller,
         parent: INodeNo,
         link_name: &OsStr,
         target: &Path,
@@ -1682,9 +1719,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn rename(
+    pub(crate) fn rename(
         &self,
-        request: &Request,
+        request: &Caller,
         parent: INodeNo,
         name: &OsStr,
         new_parent: INodeNo,
@@ -1732,9 +1769,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn link(
+    pub(crate) fn link(
         &self,
-        request: &Request,
+        request: &Caller,
         inode: INodeNo,
         new_parent: INodeNo,
         new_name: &OsStr,
@@ -1762,7 +1799,13 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn open(&self, request: &Request, inode: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    pub(crate) fn open(
+        &self,
+        request: &Caller,
+        inode: INodeNo,
+        flags: OpenFlags,
+        reply: ReplyOpen,
+    ) {
         self.settle(&[inode.0]);
         // The kernel holds the inode now, with the size the reply that made it gave.
         self.state.held.opened(inode.0);
@@ -1811,9 +1854,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn read(
+    pub(crate) fn read(
         &self,
-        _request: &Request,
+        _request: &Caller,
         inode: INodeNo,
         _handle: FileHandle,
         offset: u64,
@@ -1853,9 +1896,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn write(
+    pub(crate) fn write(
         &self,
-        _request: &Request,
+        _request: &Caller,
         inode: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -1976,9 +2019,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn flush(
+    pub(crate) fn flush(
         &self,
-        _request: &Request,
+        _request: &Caller,
         inode: INodeNo,
         _handle: FileHandle,
         lock_owner: LockOwner,
@@ -2023,9 +2066,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn release(
+    pub(crate) fn release(
         &self,
-        _request: &Request,
+        _request: &Caller,
         inode: INodeNo,
         fh: FileHandle,
         flags: OpenFlags,
@@ -2097,9 +2140,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn getlk(
+    pub(crate) fn getlk(
         &self,
-        _request: &Request,
+        _request: &Caller,
         inode: INodeNo,
         _handle: FileHandle,
         lock_owner: LockOwner,
@@ -2136,9 +2179,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn setlk(
+    pub(crate) fn setlk(
         &self,
-        _request: &Request,
+        _request: &Caller,
         inode: INodeNo,
         _handle: FileHandle,
         lock_owner: LockOwner,
@@ -2170,9 +2213,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn fsync(
+    pub(crate) fn fsync(
         &self,
-        _request: &Request,
+        _request: &Caller,
         inode: INodeNo,
         _handle: FileHandle,
         _datasync: bool,
@@ -2195,7 +2238,13 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn opendir(&self, _request: &Request, inode: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    pub(crate) fn opendir(
+        &self,
+        _request: &Caller,
+        inode: INodeNo,
+        _flags: OpenFlags,
+        reply: ReplyOpen,
+    ) {
         self.settle(&[inode.0]);
         // The kernel caches what it reads of a listing (`FOPEN_CACHE_DIR`) and keeps it at
         // this open only while the leases it was read under hold (else it drops it here);
@@ -2220,9 +2269,9 @@ impl fuser::Filesystem for FreeflowFs {
         drop(admission);
     }
 
-    fn readdir(
+    pub(crate) fn readdir(
         &self,
-        request: &Request,
+        request: &Caller,
         inode: INodeNo,
         handle: FileHandle,
         offset: u64,
@@ -2261,9 +2310,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn readdirplus(
+    pub(crate) fn readdirplus(
         &self,
-        request: &Request,
+        request: &Caller,
         inode: INodeNo,
         handle: FileHandle,
         offset: u64,
@@ -2338,9 +2387,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn releasedir(
+    pub(crate) fn releasedir(
         &self,
-        _request: &Request,
+        _request: &Caller,
         _inode: INodeNo,
         handle: FileHandle,
         _flags: OpenFlags,
@@ -2350,9 +2399,9 @@ impl fuser::Filesystem for FreeflowFs {
         reply.ok();
     }
 
-    fn fsyncdir(
+    pub(crate) fn fsyncdir(
         &self,
-        _request: &Request,
+        _request: &Caller,
         _inode: INodeNo,
         _handle: FileHandle,
         _datasync: bool,
@@ -2369,7 +2418,7 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn statfs(&self, _request: &Request, _inode: INodeNo, reply: ReplyStatfs) {
+    pub(crate) fn statfs(&self, _request: &Caller, _inode: INodeNo, reply: ReplyStatfs) {
         let state = self.state.clone();
         self.spawn(async move {
             match state.client.statfs().await {
@@ -2391,9 +2440,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn setxattr(
+    pub(crate) fn setxattr(
         &self,
-        request: &Request,
+        request: &Caller,
         inode: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -2422,9 +2471,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn getxattr(
+    pub(crate) fn getxattr(
         &self,
-        request: &Request,
+        request: &Caller,
         inode: INodeNo,
         name: &OsStr,
         size: u32,
@@ -2444,7 +2493,7 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn listxattr(&self, request: &Request, inode: INodeNo, size: u32, reply: ReplyXattr) {
+    pub(crate) fn listxattr(&self, request: &Caller, inode: INodeNo, size: u32, reply: ReplyXattr) {
         self.settle(&[inode.0]);
         let client = self.caller(request);
         self.spawn(async move {
@@ -2462,7 +2511,13 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn removexattr(&self, request: &Request, inode: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    pub(crate) fn removexattr(
+        &self,
+        request: &Caller,
+        inode: INodeNo,
+        name: &OsStr,
+        reply: ReplyEmpty,
+    ) {
         self.settle(&[inode.0]);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
@@ -2477,14 +2532,20 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn access(&self, _request: &Request, _inode: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+    pub(crate) fn access(
+        &self,
+        _request: &Caller,
+        _inode: INodeNo,
+        _mask: AccessFlags,
+        reply: ReplyEmpty,
+    ) {
         // default_permissions: the kernel checks access itself and never asks.
         reply.ok();
     }
 
-    fn create(
+    pub(crate) fn create(
         &self,
-        request: &Request,
+        request: &Caller,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
@@ -2560,9 +2621,9 @@ impl fuser::Filesystem for FreeflowFs {
 
     /// No ioctl is supported: `ENOTTY`, as a local file system answers for a request it
     /// does not know (Python asks `TCGETS` at every `open()`, to see if it is a terminal).
-    fn ioctl(
+    pub(crate) fn ioctl(
         &self,
-        _request: &Request,
+        _request: &Caller,
         _inode: INodeNo,
         _handle: FileHandle,
         _flags: IoctlFlags,
@@ -2574,9 +2635,9 @@ impl fuser::Filesystem for FreeflowFs {
         reply.error(Errno::ENOTTY);
     }
 
-    fn fallocate(
+    pub(crate) fn fallocate(
         &self,
-        _request: &Request,
+        _request: &Caller,
         inode: INodeNo,
         _handle: FileHandle,
         offset: u64,
@@ -2610,9 +2671,9 @@ impl fuser::Filesystem for FreeflowFs {
         });
     }
 
-    fn copy_file_range(
+    pub(crate) fn copy_file_range(
         &self,
-        _request: &Request,
+        _request: &Caller,
         source_inode: INodeNo,
         _source_handle: FileHandle,
         source_offset: u64,

@@ -3,9 +3,13 @@
 //!
 //! - [`mount`] mounts a connected [`freeflow_client::Client`] on a directory and returns a
 //!   [`MountHandle`]; [`MountHandle::unmount`] (or dropping it) unmounts.
-//! - Requests are read from several kernel channels (`clone_fd` threads) and each one is
-//!   handed to a task on the caller's tokio runtime, so many are in flight at once; the
-//!   number in flight has a bound ([`REQUESTS_IN_FLIGHT_MAX`]).
+//! - Requests come over FUSE-over-io_uring rings, a queue per CPU served by a thread
+//!   pinned to it (`ring/`), where the kernel offers them ([`Transport`]), else are read
+//!   from several kernel channels (`clone_fd` threads, fuser); both reach the same
+//!   handlers (`filesystem.rs`). A handler answers at once what it can (a gathered small
+//!   write, attributes under a lease, a lone read) and hands the rest to a task on the
+//!   caller's tokio runtime, so many are in flight at once; the number in flight has a
+//!   bound ([`REQUESTS_IN_FLIGHT_MAX`]).
 //! - Errors come from the client's one table ([`freeflow_client::ClientError::code`]):
 //!   the codes are Linux errno numbers, returned as they are.
 //!
@@ -24,10 +28,13 @@
 mod cache;
 mod caller;
 mod convert;
+mod dev;
 mod filesystem;
 mod handles;
 mod held;
+mod reply;
+mod ring;
 mod session;
 mod shadow;
 
-pub use session::{mount, FuseError, MountHandle, MountOptions, REQUESTS_IN_FLIGHT_MAX};
+pub use session::{mount, FuseError, MountHandle, MountOptions, Transport, REQUESTS_IN_FLIGHT_MAX};

@@ -10,6 +10,7 @@
 //! connection, aborts the connection if requests are still held (e.g. by processes with
 //! files open), then closes what the mount still had open at the meta server.
 
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -19,6 +20,7 @@ use freeflow_client::Client;
 use fuser::{Config, MountOption, SessionACL, SessionUnmounter};
 
 use crate::filesystem::{FreeflowFs, MountState};
+use crate::ring::Rings;
 
 /// Most requests handled at once (tasks on the runtime); past it, the kernel channels wait.
 pub const REQUESTS_IN_FLIGHT_MAX: usize = 1024;
@@ -27,6 +29,19 @@ pub const BDI_READAHEAD_KIB: u32 = 4096;
 /// How long [`MountHandle::unmount`] waits for the kernel to end the connection before it
 /// aborts it.
 pub const UNMOUNT_WAIT_MS: u64 = 5_000;
+
+/// How the kernel's requests reach the mount.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// io_uring rings where the kernel offers them (Linux 6.14+; the mount turns the
+    /// kernel's `fuse.enable_uring` on when it can, as root), else `/dev/fuse`.
+    #[default]
+    Auto,
+    /// io_uring rings, or the mount fails saying why.
+    IoUring,
+    /// `/dev/fuse` reads only.
+    DevFuse,
+}
 
 /// How the mount behaves. [`MountOptions::default`] documents the defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,6 +59,9 @@ pub struct MountOptions {
     /// times on this host: see docs/consistency.md, "Writeback mounts", for what other
     /// clients see and when. Needs `cache_leases` (revocations evict what the kernel holds).
     pub writeback: bool,
+    /// How the kernel's requests reach the mount: FUSE-over-io_uring rings, one per CPU
+    /// (`ring/`), or `/dev/fuse` reads. See [`Transport`].
+    pub transport: Transport,
     /// How long the kernel may reuse attributes given without a lease (default 0: with
     /// leases on, a reply without one raced another client's change and is not kept; a
     /// mount without leases may trade some staleness for fewer requests, as `freeflow
@@ -65,6 +83,7 @@ impl Default for MountOptions {
             sync_on_close: false,
             cache_leases: true,
             writeback: false,
+            transport: Transport::Auto,
             attr_timeout_ms: 0,
             entry_timeout_ms: 0,
             threads: 4,
@@ -80,6 +99,7 @@ impl MountOptions {
             sync_on_close: _,
             cache_leases,
             writeback,
+            transport: _,
             attr_timeout_ms,
             entry_timeout_ms,
             threads,
@@ -124,6 +144,8 @@ pub enum FuseError {
         mountpoint: PathBuf,
         source: std::io::Error,
     },
+    #[error("FUSE over io_uring: {0}")]
+    IoUring(String),
     #[error("unmounting {mountpoint} failed: {reason}")]
     Unmount { mountpoint: PathBuf, reason: String },
 }
@@ -135,6 +157,8 @@ pub struct MountHandle {
     /// fuser's handle of the mount: unmounting through it leaves fuser nothing to unmount.
     unmounter: Option<SessionUnmounter>,
     state: Arc<MountState>,
+    /// The io_uring queues' threads, when requests come that way.
+    rings: Option<Rings>,
     mountpoint: PathBuf,
     /// The mount's device (`major:minor`), naming its bdi and its FUSE connection.
     device: Option<(u32, u32)>,
@@ -162,12 +186,28 @@ pub fn mount(
         return Err(FuseError::NoFuseDevice);
     }
     let runtime = tokio::runtime::Handle::try_current().map_err(|_| FuseError::NoRuntime)?;
+    // INIT offers the rings only while the kernel's parameter is on.
+    let ring_wanted = match options.transport {
+        Transport::DevFuse => false,
+        Transport::IoUring => {
+            crate::ring::enable_in_kernel().map_err(FuseError::IoUring)?;
+            true
+        }
+        Transport::Auto => match crate::ring::enable_in_kernel() {
+            Ok(()) => true,
+            Err(reason) => {
+                tracing::info!(%reason, "requests through /dev/fuse");
+                false
+            }
+        },
+    };
     let mount_error = |source: std::io::Error| FuseError::Mount {
         mountpoint: mountpoint.to_owned(),
         source,
     };
     let mountpoint = mountpoint.canonicalize().map_err(mount_error)?;
     let state = Arc::new(MountState::new(client, &options, runtime.clone()));
+    state.ring_wanted.store(ring_wanted, Ordering::Relaxed);
     let mut config = Config::default();
     config.mount_options = vec![
         MountOption::FSName(options.source_name.clone()),
@@ -188,6 +228,29 @@ pub fn mount(
     let mut session = fuser::Session::new(FreeflowFs::new(state.clone()), &mountpoint, &config)
         .map_err(mount_error)?;
     let unmounter = session.unmount_callable();
+    // Registered before the session's threads start. Until every queue is, requests still
+    // come through /dev/fuse (FORGET and INTERRUPT always do), so a failed start leaves a
+    // working mount on /dev/fuse.
+    let rings = if state.ring_granted.load(Ordering::Relaxed) {
+        let started = session
+            .as_fd()
+            .try_clone_to_owned()
+            .and_then(|fuse| Rings::start(FreeflowFs::new(state.clone()), &fuse));
+        match started {
+            Ok(rings) => Some(rings),
+            Err(error) if options.transport == Transport::IoUring => {
+                return Err(FuseError::IoUring(format!(
+                    "registering the rings: {error}"
+                )));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "cannot register FUSE rings; requests through /dev/fuse");
+                None
+            }
+        }
+    } else {
+        None
+    };
     if options.cache_leases {
         // Revocations become the kernel's invalidations (cache.rs); from the first poll on,
         // the meta server leases what this mount reads.
@@ -222,6 +285,7 @@ pub fn mount(
         session: Some(session),
         unmounter: Some(unmounter),
         state,
+        rings,
         mountpoint,
         device,
     })
@@ -291,6 +355,10 @@ impl MountHandle {
             {
                 tracing::warn!(%error, "the FUSE session ended with an error");
             }
+        }
+        if let Some(mut rings) = self.rings.take() {
+            // The connection ended, so the queue threads have (or are about to).
+            let _ = tokio::task::spawn_blocking(move || rings.stop()).await;
         }
         for handle in self.state.files.drain() {
             if let Err(error) = handle.close_shared().await {

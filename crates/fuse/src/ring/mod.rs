@@ -1,0 +1,711 @@
+//! FUSE over io_uring (Linux 6.14+, `fuse.enable_uring`): the kernel hands requests to
+//! this mount through io_uring command rings instead of `/dev/fuse` reads, one queue per
+//! CPU, each served by a thread pinned to its CPU.
+//!
+//! Why: on `/dev/fuse` every request is a wake-up of a reading thread, often on the other
+//! CPU, and a `writev` back; a 4 KiB `write(2)` through the mount costs two FUSE hops more
+//! than the write itself. On a ring the request lands in buffers this mount registered,
+//! on the queue of the CPU the caller runs on, and the reply is committed together with
+//! the fetch of the next request, in one `io_uring_enter` (docs/BENCHMARKS.md, "FUSE over
+//! io_uring").
+//!
+//! How:
+//! - fuser still mounts, negotiates INIT (asking `FUSE_OVER_IO_URING` on top of the
+//!   mount's other capabilities), and serves `/dev/fuse`: FORGET and INTERRUPT never come
+//!   over the ring, nor anything sent before every queue is registered, and notifications
+//!   (the lease cache's invalidations) are written there.
+//! - Each queue has [`RING_DEPTH`] entries, each a header buffer (`abi::RingHeader`) and a
+//!   payload buffer as large as the largest request (`MAX_WRITE_BYTES` and a page),
+//!   registered with `FUSE_IO_URING_CMD_REGISTER`. A completion of an entry is a request:
+//!   `dispatch.rs` decodes it and calls the handler, with a reply that writes the answer
+//!   into the same entry ([`RingReply`]).
+//! - A reply given on the queue thread (a write gathered in place, attributes under a
+//!   lease, a lone read) is committed with its next wait, in the same system call. A
+//!   reply given by a task elsewhere is handed to the queue thread (woken through an
+//!   eventfd it polls) when it is small: the kernel hands the entry's next request to the
+//!   task that submitted the entry's last command, and through runtime workers parallel
+//!   small reads ran 35% slower. A large one (a read's data, [`DIRECT_COMMIT_MIN`] and
+//!   more) is committed by the thread that gives it, so that the kernel's copy of it into
+//!   the page cache runs beside the reader, not on the reader's own CPU.
+//! - A reply given while the handler still runs on the queue thread (it may hold slices
+//!   of the request's payload) is kept aside and copied into the entry once the handler
+//!   returned.
+//!
+//! The queue threads end when the kernel ends the connection (every entry completes with
+//! an error) or when the mount stops them ([`Rings::stop`]).
+
+pub(crate) mod abi;
+mod dispatch;
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use fuser::Errno;
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+use zerocopy::{FromBytes, IntoBytes};
+
+use crate::filesystem::{FreeflowFs, MAX_WRITE_BYTES};
+
+/// Entries of each queue: requests of one CPU in the mount's hands at once (a request
+/// keeps its entry until answered; more wait in the kernel).
+pub const RING_DEPTH: usize = 32;
+/// Payload buffer of an entry: the largest write or read, and a page for the rest.
+const PAYLOAD_BYTES: usize = MAX_WRITE_BYTES as usize + 4096;
+/// Replies at least this large given off the queue thread are committed by the thread that
+/// gives them (see `RingReply::finish`).
+const DIRECT_COMMIT_MIN: usize = 64 << 10;
+/// `user_data` of the eventfd poll's completions (entries use their index).
+const WAKE: u64 = u64::MAX;
+
+/// The kernel's `fuse.enable_uring` module parameter.
+pub const ENABLE_PARAMETER: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Turns on the kernel's offer of FUSE over io_uring if it is off (root only). An error
+/// names what is missing.
+pub fn enable_in_kernel() -> Result<(), String> {
+    match std::fs::read_to_string(ENABLE_PARAMETER) {
+        Ok(value) if value.trim() == "Y" || value.trim() == "1" => Ok(()),
+        Ok(_) => std::fs::write(ENABLE_PARAMETER, "1").map_err(|error| {
+            format!(
+                "FUSE over io_uring is off in this kernel and cannot be turned on \
+                 ({error}): as root, echo 1 > {ENABLE_PARAMETER}"
+            )
+        }),
+        Err(error) => Err(format!(
+            "this kernel has no FUSE over io_uring ({ENABLE_PARAMETER}: {error}); it needs \
+             Linux 6.14 or later built with CONFIG_FUSE_IO_URING"
+        )),
+    }
+}
+
+/// An entry's buffers, mapped for the life of its queue.
+struct Buffers {
+    header: *mut abi::RingHeader,
+    payload: *mut u8,
+    /// The two iovecs registered with the kernel (their address must stay put).
+    iov: Box<[libc::iovec; 2]>,
+}
+
+/// What an entry is doing, as far as replies are concerned.
+struct EntryState {
+    /// The handler still runs on the queue thread and may hold slices of the request.
+    dispatching: AtomicBool,
+    /// A reply given meanwhile: (error, payload), copied in once the handler returned.
+    parked: Mutex<Option<(i32, Vec<u8>)>>,
+}
+
+/// A queue: its ring, its entries' buffers, and what replies need from any thread.
+pub(crate) struct QueueShared {
+    id: u16,
+    /// Submissions from any thread, one at a time (`submit_lock`); completions are read by
+    /// the queue thread alone.
+    ring: IoUring<squeue::Entry128, cqueue::Entry>,
+    submit_lock: Mutex<()>,
+    /// The connection's `/dev/fuse` descriptor the ring commands name.
+    fuse: OwnedFd,
+    buffers: Box<[Buffers]>,
+    states: Box<[EntryState]>,
+    /// Entries answered and to be committed by the queue thread: (index, commit id).
+    ready: Mutex<Vec<(u16, u64)>>,
+    /// Written to wake the queue thread for `ready`, or to stop (it polls it through the
+    /// ring).
+    wake: OwnedFd,
+    stopping: AtomicBool,
+}
+
+// SAFETY: the raw pointers name mappings owned by this value for its whole life; an entry's
+// buffers are written only by the one reply of the request it holds, or by the queue thread
+// for a parked reply, never both (`EntryState::dispatching`), and read by the kernel only
+// between a commit and the next completion of that entry. The ring's submission queue is
+// pushed to under `submit_lock` only, its completion queue read by the queue thread only.
+unsafe impl Send for QueueShared {}
+unsafe impl Sync for QueueShared {}
+
+impl Drop for QueueShared {
+    fn drop(&mut self) {
+        for buffers in self.buffers.iter() {
+            // SAFETY: mapped by `map` with these sizes, and no reply or thread is left
+            // (they hold the Arc this is the last of).
+            unsafe {
+                libc::munmap(
+                    buffers.header.cast(),
+                    size_of::<abi::RingHeader>().next_multiple_of(4096),
+                );
+                libc::munmap(buffers.payload.cast(), PAYLOAD_BYTES);
+            }
+        }
+    }
+}
+
+fn map(bytes: usize) -> std::io::Result<*mut u8> {
+    // SAFETY: an anonymous private mapping; the result is checked.
+    let address = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if address == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(address.cast())
+}
+
+impl QueueShared {
+    fn new(id: u16, fuse: OwnedFd) -> std::io::Result<QueueShared> {
+        let ring = IoUring::builder()
+            .setup_cqsize(2 * (RING_DEPTH as u32 + 1))
+            .build(RING_DEPTH as u32 + 1)?;
+        let header_bytes = size_of::<abi::RingHeader>().next_multiple_of(4096);
+        let mut buffers = Vec::with_capacity(RING_DEPTH);
+        for _ in 0..RING_DEPTH {
+            let header = map(header_bytes)?.cast::<abi::RingHeader>();
+            let payload = map(PAYLOAD_BYTES)?;
+            let iov = Box::new([
+                libc::iovec {
+                    iov_base: header.cast(),
+                    iov_len: size_of::<abi::RingHeader>(),
+                },
+                libc::iovec {
+                    iov_base: payload.cast(),
+                    iov_len: PAYLOAD_BYTES,
+                },
+            ]);
+            buffers.push(Buffers {
+                header,
+                payload,
+                iov,
+            });
+        }
+        let states = (0..RING_DEPTH)
+            .map(|_| EntryState {
+                dispatching: AtomicBool::new(false),
+                parked: Mutex::new(None),
+            })
+            .collect();
+        // SAFETY: eventfd has no preconditions; the result is checked.
+        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if wake < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(QueueShared {
+            id,
+            ring,
+            submit_lock: Mutex::new(()),
+            fuse,
+            buffers: buffers.into_boxed_slice(),
+            states,
+            ready: Mutex::new(Vec::with_capacity(RING_DEPTH)),
+            // SAFETY: a new descriptor owned by nothing else.
+            wake: unsafe { OwnedFd::from_raw_fd(wake) },
+            stopping: AtomicBool::new(false),
+        })
+    }
+
+    /// Queues `entries` on the ring (one command per entry in flight: there is always room).
+    fn push(&self, entries: &[squeue::Entry128]) {
+        let _one_at_a_time = self.submit_lock.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: pushes are serialized by `submit_lock`; the buffers the commands name
+        // outlive the ring (both are this value's).
+        let mut submission = unsafe { self.ring.submission_shared() };
+        for entry in entries {
+            if unsafe { submission.push(entry) }.is_err() {
+                tracing::error!("a FUSE ring's submission queue is full");
+            }
+        }
+    }
+
+    /// Commits entry `index`'s reply and fetches its next request, from this thread.
+    fn commit_now(&self, index: u16, commit_id: u64) {
+        let entry = command(
+            self.fuse.as_raw_fd(),
+            self.id,
+            index,
+            abi::CMD_COMMIT_AND_FETCH,
+            commit_id,
+            std::ptr::null(),
+        );
+        self.push(&[entry]);
+        if let Err(error) = self.ring.submit() {
+            tracing::warn!(%error, "committing a FUSE reply failed");
+        }
+    }
+
+    fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a valid u64 to our eventfd. A full counter (it never
+        // is: the thread reads it) would only mean it is already awake.
+        unsafe {
+            libc::write(
+                self.wake.as_raw_fd(),
+                std::ptr::from_ref(&one).cast(),
+                size_of::<u64>(),
+            );
+        }
+    }
+
+    /// Writes a reply into entry `index` (its out header and payload).
+    ///
+    /// # Safety
+    /// The caller holds the entry's request: nothing else writes its buffers, and the
+    /// handler no longer reads them.
+    unsafe fn write_reply(&self, index: usize, unique: u64, error: i32, parts: &[&[u8]]) {
+        let buffers = &self.buffers[index];
+        let mut used = 0;
+        for part in parts {
+            // Never past the buffer: a reply larger than the request allowed is cut (the
+            // kernel would refuse it anyway).
+            let take = part.len().min(PAYLOAD_BYTES - used);
+            unsafe {
+                std::ptr::copy_nonoverlapping(part.as_ptr(), buffers.payload.add(used), take)
+            };
+            used += take;
+        }
+        let out = abi::OutHeader {
+            len: (size_of::<abi::OutHeader>() + used) as u32,
+            error,
+            unique,
+        };
+        let header = unsafe { &mut *buffers.header };
+        header.in_out[..size_of::<abi::OutHeader>()].copy_from_slice(out.as_bytes());
+        header.entry.payload_size = used as u32;
+    }
+}
+
+/// The answer to one request that came over a ring: written into the request's entry,
+/// then committed by the queue thread. Dropped unanswered, it answers EIO.
+pub(crate) struct RingReply {
+    queue: Arc<QueueShared>,
+    index: u16,
+    unique: u64,
+    commit_id: u64,
+    sent: bool,
+}
+
+impl RingReply {
+    /// Bytes a reply may carry.
+    pub fn payload_capacity(&self) -> usize {
+        PAYLOAD_BYTES
+    }
+
+    pub fn send(mut self, parts: &[&[u8]]) {
+        self.finish(0, parts);
+    }
+
+    pub fn error(mut self, error: Errno) {
+        self.finish(-error.code(), &[]);
+    }
+
+    fn finish(&mut self, error: i32, parts: &[&[u8]]) {
+        self.sent = true;
+        let index = usize::from(self.index);
+        let state = &self.queue.states[index];
+        {
+            let mut parked = state.parked.lock().unwrap_or_else(|e| e.into_inner());
+            if state.dispatching.load(Ordering::Acquire) {
+                // The handler may still read the request: the queue thread writes this
+                // in once it returned.
+                *parked = Some((error, parts.concat()));
+                return;
+            }
+        }
+        // SAFETY: this reply holds the entry, and its handler returned.
+        unsafe { self.queue.write_reply(index, self.unique, error, parts) };
+        let here = on_queue_thread(&self.queue);
+        let bytes: usize = parts.iter().map(|part| part.len()).sum();
+        if !here && bytes >= DIRECT_COMMIT_MIN {
+            // Committed here: the kernel copies a large reply (a read's data into the page
+            // cache) on this thread's CPU, beside the caller's, instead of on the queue
+            // thread's, which is the caller's own.
+            self.queue.commit_now(self.index, self.commit_id);
+            return;
+        }
+        // Committed by the queue thread at its next wait: the entry's next request is then
+        // delivered through it (the kernel hands a request to the task that submitted the
+        // entry's last command; through a runtime worker, parallel small reads ran 35%
+        // slower).
+        self.queue
+            .ready
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((self.index, self.commit_id));
+        if !here {
+            self.queue.wake();
+        }
+    }
+}
+
+impl Drop for RingReply {
+    fn drop(&mut self) {
+        if !self.sent {
+            tracing::warn!(
+                unique = self.unique,
+                "a request was dropped unanswered: EIO"
+            );
+            self.finish(-libc::EIO, &[]);
+        }
+    }
+}
+
+thread_local! {
+    /// The queue this thread serves, if it is a queue thread.
+    static QUEUE_THREAD: std::cell::Cell<*const QueueShared> = const { std::cell::Cell::new(std::ptr::null()) };
+}
+
+fn on_queue_thread(queue: &Arc<QueueShared>) -> bool {
+    QUEUE_THREAD.with(|current| std::ptr::eq(current.get(), Arc::as_ptr(queue)))
+}
+
+/// The mount's rings: one queue thread per CPU.
+pub(crate) struct Rings {
+    queues: Vec<Arc<QueueShared>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Rings {
+    /// Registers [`RING_DEPTH`] entries on a queue per possible CPU of the connection
+    /// `fuse` (a `/dev/fuse` descriptor whose INIT granted `FUSE_OVER_IO_URING`) and starts
+    /// their threads. Returns once every queue's entries are registered, so that requests
+    /// go over the rings from then on.
+    pub fn start(fs: FreeflowFs, fuse: &OwnedFd) -> std::io::Result<Rings> {
+        // The kernel has a queue for every possible CPU and waits for all of them.
+        // SAFETY: sysconf has no preconditions.
+        let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as usize;
+        let fs = Arc::new(fs);
+        let mut rings = Rings {
+            queues: Vec::with_capacity(cpus),
+            threads: Vec::with_capacity(cpus),
+        };
+        for cpu in 0..cpus {
+            let queue = Arc::new(QueueShared::new(cpu as u16, fuse.try_clone()?)?);
+            let (registered_tx, registered_rx) = std::sync::mpsc::channel();
+            let thread = {
+                let (queue, fs) = (queue.clone(), fs.clone());
+                std::thread::Builder::new()
+                    .name(format!("fuse-ring-{cpu}"))
+                    .spawn(move || serve_queue(&queue, &fs, cpu, registered_tx))?
+            };
+            rings.queues.push(queue);
+            rings.threads.push(thread);
+            match registered_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    rings.stop();
+                    return Err(error);
+                }
+                Err(_) => {
+                    rings.stop();
+                    return Err(std::io::Error::other("a FUSE ring thread ended at start"));
+                }
+            }
+        }
+        tracing::info!(
+            queues = cpus,
+            depth = RING_DEPTH,
+            "FUSE requests over io_uring"
+        );
+        Ok(rings)
+    }
+
+    /// Stops the queue threads (after the connection ended, or at a failed start) and
+    /// waits for them.
+    pub fn stop(&mut self) {
+        for queue in &self.queues {
+            queue.stopping.store(true, Ordering::Release);
+            queue.wake();
+        }
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Rings {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A ring command for entry `index`: register its buffers, or commit its reply and
+/// fetch the next request.
+fn command(
+    fuse: RawFd,
+    queue: u16,
+    index: u16,
+    op: u32,
+    commit_id: u64,
+    iov: *const libc::iovec,
+) -> squeue::Entry128 {
+    let request = abi::RingCommand {
+        flags: 0,
+        commit_id,
+        queue,
+        padding: [0; 6],
+    };
+    let mut cmd = [0u8; 80];
+    cmd[..size_of::<abi::RingCommand>()].copy_from_slice(request.as_bytes());
+    let mut builder = opcode::UringCmd80::new(types::Fd(fuse), op).cmd(cmd);
+    if op == abi::CMD_REGISTER {
+        builder = builder.addr(Some(iov as u64));
+    }
+    let entry = builder.build().user_data(u64::from(index));
+    if op != abi::CMD_REGISTER {
+        return entry;
+    }
+    // The register command names two iovecs (header, payload) in the SQE's `len`, which
+    // the crate's builder does not set: the SQE is plain bytes (`repr(C)`), `len` the
+    // 32-bit field at offset 24 of `io_uring_sqe`.
+    // SAFETY: Entry128 is a repr(C) 128-byte SQE of integers and unions of integers; any
+    // bytes are a valid value.
+    let mut raw: [u8; 128] = unsafe { std::mem::transmute(entry) };
+    raw[24..28].copy_from_slice(&2u32.to_ne_bytes());
+    unsafe { std::mem::transmute::<[u8; 128], squeue::Entry128>(raw) }
+}
+
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET is bounds-checked by libc's macro port.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) != 0 {
+            tracing::debug!(cpu, "cannot pin a FUSE ring thread to its CPU");
+        }
+    }
+}
+
+/// Errors of an entry's command that mean the connection is gone.
+fn connection_gone(result: i32) -> bool {
+    [libc::ENOTCONN, libc::ENODEV, libc::ECANCELED, libc::EBADF].contains(&-result)
+}
+
+fn serve_queue(
+    queue: &Arc<QueueShared>,
+    fs: &FreeflowFs,
+    cpu: usize,
+    registered: std::sync::mpsc::Sender<std::io::Result<()>>,
+) {
+    // Pinned: a request is queued on the ring of the caller's CPU, and served there it
+    // needs no wake-up of the other CPU (unpinned, 4 KiB writes ran at a quarter).
+    pin_to_cpu(cpu);
+    QUEUE_THREAD.with(|current| current.set(Arc::as_ptr(queue)));
+    let fd = queue.fuse.as_raw_fd();
+    let poll = || {
+        squeue::Entry128::from(
+            opcode::PollAdd::new(types::Fd(queue.wake.as_raw_fd()), libc::POLLIN as u32)
+                .multi(true)
+                .build()
+                .user_data(WAKE),
+        )
+    };
+    let mut registrations: Vec<squeue::Entry128> = queue
+        .buffers
+        .iter()
+        .enumerate()
+        .map(|(index, buffers)| {
+            command(
+                fd,
+                queue.id,
+                index as u16,
+                abi::CMD_REGISTER,
+                0,
+                buffers.iov.as_ptr(),
+            )
+        })
+        .collect();
+    registrations.push(poll());
+    queue.push(&registrations);
+    if let Err(error) = queue.ring.submit() {
+        let _ = registered.send(Err(error));
+        return;
+    }
+    // A refused registration comes back as a completion with an error at once; none by
+    // now means they are waiting for requests.
+    let mut live = RING_DEPTH;
+    let mut first = true;
+    let mut served: u64 = 0;
+    loop {
+        // Commits of replies given on this thread since the last turn.
+        let ready = std::mem::take(&mut *queue.ready.lock().unwrap_or_else(|e| e.into_inner()));
+        if !ready.is_empty() {
+            let commits: Vec<squeue::Entry128> = ready
+                .into_iter()
+                .map(|(index, commit_id)| {
+                    command(
+                        fd,
+                        queue.id,
+                        index,
+                        abi::CMD_COMMIT_AND_FETCH,
+                        commit_id,
+                        std::ptr::null(),
+                    )
+                })
+                .collect();
+            queue.push(&commits);
+        }
+        if queue.stopping.load(Ordering::Acquire) {
+            break;
+        }
+        let wait = if first {
+            // Registration errors arrive at once; do not block on the first turn.
+            queue.ring.submit()
+        } else {
+            queue.ring.submit_and_wait(1)
+        };
+        match wait {
+            Ok(_) => {}
+            Err(error) if error.raw_os_error() == Some(libc::EINTR) => continue,
+            Err(error) => {
+                tracing::error!(%error, "a FUSE ring failed");
+                break;
+            }
+        }
+        // SAFETY: only this thread reads the completion queue.
+        let completions: Vec<(u64, i32, u32)> = unsafe { queue.ring.completion_shared() }
+            .map(|completion| {
+                (
+                    completion.user_data(),
+                    completion.result(),
+                    completion.flags(),
+                )
+            })
+            .collect();
+        if first {
+            first = false;
+            let refused = completions
+                .iter()
+                .find(|(token, result, _)| *token != WAKE && *result < 0);
+            if let Some((_, result, _)) = refused {
+                let _ = registered.send(Err(std::io::Error::from_raw_os_error(-result)));
+                return;
+            }
+            let _ = registered.send(Ok(()));
+        }
+        for (token, result, flags) in completions {
+            if token == WAKE {
+                if !cqueue::more(flags) {
+                    // The poll ended (it may, under memory pressure): armed again.
+                    queue.push(&[poll()]);
+                }
+                let mut count = 0u64;
+                // SAFETY: reads 8 bytes into a valid u64 from our nonblocking eventfd.
+                unsafe {
+                    libc::read(
+                        queue.wake.as_raw_fd(),
+                        std::ptr::from_mut(&mut count).cast(),
+                        size_of::<u64>(),
+                    )
+                };
+                continue;
+            }
+            let index = token as usize;
+            if index >= RING_DEPTH {
+                tracing::error!(token, "a FUSE ring completion names no entry");
+                continue;
+            }
+            if result < 0 {
+                if !connection_gone(result) {
+                    tracing::warn!(error = -result, "a FUSE ring entry failed");
+                }
+                live -= 1;
+                continue;
+            }
+            serve_entry(queue, fs, index);
+            served += 1;
+        }
+        if live == 0 {
+            break;
+        }
+    }
+    tracing::info!(queue = queue.id, requests = served, "FUSE ring stopped");
+}
+
+/// Opcodes whose handlers are given slices of the request's payload (names, data): a
+/// reply given while such a handler runs waits to be written in until it returned.
+fn borrows_payload(opcode: u32) -> bool {
+    !matches!(
+        opcode,
+        abi::GETATTR
+            | abi::SETATTR
+            | abi::READLINK
+            | abi::OPEN
+            | abi::READ
+            | abi::STATFS
+            | abi::RELEASE
+            | abi::FSYNC
+            | abi::LISTXATTR
+            | abi::FLUSH
+            | abi::OPENDIR
+            | abi::READDIR
+            | abi::RELEASEDIR
+            | abi::FSYNCDIR
+            | abi::GETLK
+            | abi::SETLK
+            | abi::SETLKW
+            | abi::ACCESS
+            | abi::FALLOCATE
+            | abi::READDIRPLUS
+            | abi::COPY_FILE_RANGE
+    )
+}
+
+/// Decodes the request in entry `index` and calls its handler, then writes in a reply
+/// given while the handler ran.
+fn serve_entry(queue: &Arc<QueueShared>, fs: &FreeflowFs, index: usize) {
+    let buffers = &queue.buffers[index];
+    let state = &queue.states[index];
+    // What the handler needs of the header is copied out: a reply may overwrite it.
+    // SAFETY: the kernel filled the entry and gave it back; nothing else writes it until
+    // the request's reply, which this thread has not created yet.
+    let (request, op_in, commit_id, payload_size) = unsafe {
+        let header = &*buffers.header;
+        let Ok((request, _)) = abi::InHeader::read_from_prefix(&header.in_out) else {
+            unreachable!("the header area is larger than fuse_in_header");
+        };
+        (
+            request,
+            header.op_in,
+            header.entry.commit_id,
+            (header.entry.payload_size as usize).min(PAYLOAD_BYTES),
+        )
+    };
+    let borrows = borrows_payload(request.opcode);
+    let payload: &[u8] = if borrows {
+        state.dispatching.store(true, Ordering::Release);
+        // SAFETY: as above; a reply given while the handler runs is parked, not written.
+        unsafe { std::slice::from_raw_parts(buffers.payload, payload_size) }
+    } else {
+        &[]
+    };
+    let reply = RingReply {
+        queue: queue.clone(),
+        index: index as u16,
+        unique: request.unique,
+        commit_id,
+        sent: false,
+    };
+    dispatch::dispatch(fs, &request, &op_in, payload, reply);
+    if !borrows {
+        return;
+    }
+    let parked = {
+        let mut parked = state.parked.lock().unwrap_or_else(|e| e.into_inner());
+        state.dispatching.store(false, Ordering::Release);
+        parked.take()
+    };
+    if let Some((error, bytes)) = parked {
+        // SAFETY: the handler returned, and its reply was given (parked): the entry is
+        // this thread's to write.
+        unsafe { queue.write_reply(index, request.unique, error, &[&bytes]) };
+        queue
+            .ready
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((index as u16, commit_id));
+    }
+}
