@@ -31,6 +31,15 @@ pub struct MountFlags {
     /// until it is closed (docs/consistency.md, "Writeback mounts"). Not with --no-cache.
     #[arg(long, conflicts_with = "no_cache")]
     pub writeback: bool,
+    /// Take the kernel's requests over io_uring rings, one per CPU (FUSE over io_uring,
+    /// Linux 6.14+), or fail saying why. By default they are used where the kernel offers
+    /// them (the mount turns the kernel's `fuse.enable_uring` on when run as root), and
+    /// /dev/fuse is read otherwise.
+    #[arg(long, conflicts_with = "no_io_uring")]
+    pub io_uring: bool,
+    /// Read the kernel's requests from /dev/fuse only, never over io_uring rings.
+    #[arg(long)]
+    pub no_io_uring: bool,
     /// Read every byte through the I/O servers' replies, never through descriptors of
     /// objects that servers on this host hand out (local reads; the default where the
     /// servers are on this host, as `freeflow up` runs them).

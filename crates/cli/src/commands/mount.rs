@@ -8,7 +8,7 @@
 use std::path::Path;
 
 use anyhow::Context;
-use freeflow_fuse::{MountHandle, MountOptions};
+use freeflow_fuse::{MountHandle, MountOptions, Transport};
 
 use crate::cluster_file::{self, ClientFile};
 
@@ -23,6 +23,8 @@ pub struct Options {
     pub cache_leases: bool,
     /// The kernel's writeback cache (`--writeback`).
     pub writeback: bool,
+    /// How requests reach the mount (`--io-uring`, `--no-io-uring`).
+    pub transport: Transport,
     /// Local reads from I/O servers on this host (false: `--no-local-reads`).
     pub local_reads: bool,
     /// Shared writes to I/O servers on this host (false: `--no-shared-writes`).
@@ -47,6 +49,13 @@ impl Options {
             threads: flags.threads,
             cache_leases: !flags.no_cache,
             writeback: flags.writeback,
+            transport: if flags.io_uring {
+                Transport::IoUring
+            } else if flags.no_io_uring {
+                Transport::DevFuse
+            } else {
+                Transport::Auto
+            },
             local_reads: !flags.no_local_reads,
             shared_writes: !flags.no_shared_writes,
             readahead_bytes: flags.readahead_mib << 20,
@@ -64,6 +73,7 @@ impl Default for Options {
             threads: 4,
             cache_leases: true,
             writeback: false,
+            transport: Transport::Auto,
             local_reads: true,
             shared_writes: true,
             readahead_bytes: 0,
@@ -143,6 +153,7 @@ pub async fn mount_cluster(
         threads: options.threads as usize,
         cache_leases: options.cache_leases,
         writeback: options.writeback,
+        transport: options.transport,
         // Without leases, attributes are kept a second (with them, a reply without a
         // lease is not kept at all).
         attr_timeout_ms: if options.cache_leases { 0 } else { 1_000 },

@@ -21,6 +21,16 @@ pub fn fuse_available() -> bool {
     false
 }
 
+/// Whether this kernel can carry FUSE requests over io_uring (the mount turns the
+/// parameter on itself).
+pub fn io_uring_available() -> bool {
+    if Path::new("/sys/module/fuse/parameters/enable_uring").exists() {
+        return true;
+    }
+    eprintln!("skipping: this kernel has no FUSE over io_uring (fuse.enable_uring)");
+    false
+}
+
 pub fn is_mounted(mountpoint: &Path) -> bool {
     let Ok(mounts) = fs::read_to_string("/proc/self/mounts") else {
         return false;
