@@ -37,6 +37,7 @@
 pub(crate) mod abi;
 mod dispatch;
 
+use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -101,7 +102,8 @@ pub(crate) struct QueueShared {
     id: u16,
     /// Submissions from any thread, one at a time (`submit_lock`); completions are read by
     /// the queue thread alone.
-    ring: IoUring<squeue::Entry128, cqueue::Entry>,
+    /// Closed before the buffers are unmapped (`Drop`).
+    ring: ManuallyDrop<IoUring<squeue::Entry128, cqueue::Entry>>,
     submit_lock: Mutex<()>,
     /// The connection's `/dev/fuse` descriptor the ring commands name.
     fuse: OwnedFd,
@@ -125,6 +127,9 @@ unsafe impl Sync for QueueShared {}
 
 impl Drop for QueueShared {
     fn drop(&mut self) {
+        // The ring first: once it is closed the kernel holds no command naming the buffers.
+        // SAFETY: dropped once, here, and not used after.
+        unsafe { ManuallyDrop::drop(&mut self.ring) };
         for buffers in self.buffers.iter() {
             // SAFETY: mapped by `map` with these sizes, and no reply or thread is left
             // (they hold the Arc this is the last of).
@@ -196,7 +201,7 @@ impl QueueShared {
         }
         Ok(QueueShared {
             id,
-            ring,
+            ring: ManuallyDrop::new(ring),
             submit_lock: Mutex::new(()),
             fuse,
             buffers: buffers.into_boxed_slice(),
