@@ -193,13 +193,19 @@ pub fn mount(
             crate::ring::enable_in_kernel().map_err(FuseError::IoUring)?;
             true
         }
-        Transport::Auto => match crate::ring::enable_in_kernel() {
-            Ok(()) => true,
-            Err(reason) => {
-                tracing::info!(%reason, "requests through /dev/fuse");
-                false
+        Transport::Auto => {
+            let usable = crate::ring::enable_in_kernel().and_then(|()| {
+                crate::ring::probe()
+                    .map_err(|error| format!("this process cannot make io_uring rings: {error}"))
+            });
+            match usable {
+                Ok(()) => true,
+                Err(reason) => {
+                    tracing::info!(%reason, "requests through /dev/fuse");
+                    false
+                }
             }
-        },
+        }
     };
     let mount_error = |source: std::io::Error| FuseError::Mount {
         mountpoint: mountpoint.to_owned(),
@@ -228,29 +234,6 @@ pub fn mount(
     let mut session = fuser::Session::new(FreeflowFs::new(state.clone()), &mountpoint, &config)
         .map_err(mount_error)?;
     let unmounter = session.unmount_callable();
-    // Registered before the session's threads start. Until every queue is, requests still
-    // come through /dev/fuse (FORGET and INTERRUPT always do), so a failed start leaves a
-    // working mount on /dev/fuse.
-    let rings = if state.ring_granted.load(Ordering::Relaxed) {
-        let started = session
-            .as_fd()
-            .try_clone_to_owned()
-            .and_then(|fuse| Rings::start(FreeflowFs::new(state.clone()), &fuse));
-        match started {
-            Ok(rings) => Some(rings),
-            Err(error) if options.transport == Transport::IoUring => {
-                return Err(FuseError::IoUring(format!(
-                    "registering the rings: {error}"
-                )));
-            }
-            Err(error) => {
-                tracing::warn!(%error, "cannot register FUSE rings; requests through /dev/fuse");
-                None
-            }
-        }
-    } else {
-        None
-    };
     if options.cache_leases {
         // Revocations become the kernel's invalidations (cache.rs); from the first poll on,
         // the meta server leases what this mount reads.
@@ -276,6 +259,26 @@ pub fn mount(
             tracing::warn!(mountpoint = %mountpoint.display(), "mount not found in /proc/self/mountinfo; read-ahead left as is")
         }
     }
+    // The rings, once the cache is wired to the kernel's notifier, before the session's
+    // threads start. Once INIT granted them the kernel holds every request until every
+    // queue is registered, so a failure here fails the mount (the session's drop unmounts).
+    let rings = if state.ring_granted.load(Ordering::Relaxed) {
+        let started = session
+            .as_fd()
+            .try_clone_to_owned()
+            .and_then(|fuse| Rings::start(FreeflowFs::new(state.clone()), &fuse));
+        match started {
+            Ok(rings) => Some(rings),
+            Err(error) => {
+                return Err(FuseError::IoUring(format!(
+                    "registering the rings: {error} (mount with --no-io-uring to read \
+                     /dev/fuse instead)"
+                )));
+            }
+        }
+    } else {
+        None
+    };
     let session = std::thread::Builder::new()
         .name("fuse-session".to_string())
         .spawn(move || session.run())

@@ -11,9 +11,12 @@
 //!
 //! How:
 //! - fuser still mounts, negotiates INIT (asking `FUSE_OVER_IO_URING` on top of the
-//!   mount's other capabilities), and serves `/dev/fuse`: FORGET and INTERRUPT never come
-//!   over the ring, nor anything sent before every queue is registered, and notifications
-//!   (the lease cache's invalidations) are written there.
+//!   mount's other capabilities, once [`probe`] showed this process can make rings), and
+//!   serves `/dev/fuse`: FORGET and INTERRUPT never come over the ring, and notifications
+//!   (the lease cache's invalidations) are written there. Once INIT granted the rings the
+//!   kernel holds every other request until each possible CPU's queue is registered (or
+//!   a registration is refused, when it falls back to `/dev/fuse`), so a mount whose rings
+//!   cannot start fails rather than hang.
 //! - Each queue has [`RING_DEPTH`] entries, each a header buffer (`abi::RingHeader`) and a
 //!   payload buffer as large as the largest request (`MAX_WRITE_BYTES` and a page),
 //!   registered with `FUSE_IO_URING_CMD_REGISTER`. A completion of an entry is a request:
@@ -24,9 +27,10 @@
 //!   reply given by a task elsewhere is handed to the queue thread (woken through an
 //!   eventfd it polls) when it is small: the kernel hands the entry's next request to the
 //!   task that submitted the entry's last command, and through runtime workers parallel
-//!   small reads ran 35% slower. A large one (a read's data, [`DIRECT_COMMIT_MIN`] and
-//!   more) is committed by the thread that gives it, so that the kernel's copy of it into
-//!   the page cache runs beside the reader, not on the reader's own CPU.
+//!   small reads ran 35% slower (and a thread that exits leaves its entries' next
+//!   requests stranded). A large one (a read's data, [`DIRECT_COMMIT_MIN`] and more) is
+//!   handed to the queue's committer thread, not pinned, so that the kernel's copy of it
+//!   into the page cache runs beside the reader, not on the reader's own CPU.
 //! - A reply given while the handler still runs on the queue thread (it may hold slices
 //!   of the request's payload) is kept aside and copied into the entry once the handler
 //!   returned.
@@ -111,6 +115,12 @@ pub(crate) struct QueueShared {
     states: Box<[EntryState]>,
     /// Entries answered and to be committed by the queue thread: (index, commit id).
     ready: Mutex<Vec<(u16, u64)>>,
+    /// Entries with large replies, to be committed by the queue's committer thread.
+    large: Mutex<Vec<(u16, u64)>>,
+    large_ready: std::sync::Condvar,
+    /// Every entry has had its last completion (the connection ended): the kernel holds
+    /// no command naming the buffers, which may then be unmapped.
+    entries_done: AtomicBool,
     /// Written to wake the queue thread for `ready`, or to stop (it polls it through the
     /// ring).
     wake: OwnedFd,
@@ -127,9 +137,14 @@ unsafe impl Sync for QueueShared {}
 
 impl Drop for QueueShared {
     fn drop(&mut self) {
-        // The ring first: once it is closed the kernel holds no command naming the buffers.
         // SAFETY: dropped once, here, and not used after.
         unsafe { ManuallyDrop::drop(&mut self.ring) };
+        if !self.entries_done.load(Ordering::Acquire) {
+            // Some entry may still be registered: the kernel tears a closed ring down
+            // asynchronously and could still write a request into its buffers. Left
+            // mapped (only when a mount ends without its connection ending).
+            return;
+        }
         for buffers in self.buffers.iter() {
             // SAFETY: mapped by `map` with these sizes, and no reply or thread is left
             // (they hold the Arc this is the last of).
@@ -207,6 +222,9 @@ impl QueueShared {
             buffers: buffers.into_boxed_slice(),
             states,
             ready: Mutex::new(Vec::with_capacity(RING_DEPTH)),
+            large: Mutex::new(Vec::with_capacity(RING_DEPTH)),
+            large_ready: std::sync::Condvar::new(),
+            entries_done: AtomicBool::new(false),
             // SAFETY: a new descriptor owned by nothing else.
             wake: unsafe { OwnedFd::from_raw_fd(wake) },
             stopping: AtomicBool::new(false),
@@ -226,19 +244,27 @@ impl QueueShared {
         }
     }
 
-    /// Commits entry `index`'s reply and fetches its next request, from this thread.
-    fn commit_now(&self, index: u16, commit_id: u64) {
-        let entry = command(
-            self.fuse.as_raw_fd(),
-            self.id,
-            index,
-            abi::CMD_COMMIT_AND_FETCH,
-            commit_id,
-            std::ptr::null(),
-        );
-        self.push(&[entry]);
+    /// Commits entries' replies and fetches their next requests, from this thread (the
+    /// kernel then delivers those entries' next requests through it).
+    fn commit(&self, commits: &[(u16, u64)]) {
+        let entries: Vec<squeue::Entry128> = commits
+            .iter()
+            .map(|&(index, commit_id)| {
+                command(
+                    self.fuse.as_raw_fd(),
+                    self.id,
+                    index,
+                    abi::CMD_COMMIT_AND_FETCH,
+                    commit_id,
+                    std::ptr::null(),
+                )
+            })
+            .collect();
+        self.push(&entries);
         if let Err(error) = self.ring.submit() {
-            tracing::warn!(%error, "committing a FUSE reply failed");
+            // Left queued: the queue thread's next wait submits it.
+            tracing::warn!(%error, "committing FUSE replies failed");
+            self.wake();
         }
     }
 
@@ -325,10 +351,17 @@ impl RingReply {
         let here = on_queue_thread(&self.queue);
         let bytes: usize = parts.iter().map(|part| part.len()).sum();
         if !here && bytes >= DIRECT_COMMIT_MIN {
-            // Committed here: the kernel copies a large reply (a read's data into the page
-            // cache) on this thread's CPU, beside the caller's, instead of on the queue
-            // thread's, which is the caller's own.
-            self.queue.commit_now(self.index, self.commit_id);
+            // Committed by the queue's committer thread (not pinned): the kernel copies a
+            // large reply (a read's data into the page cache) on that thread's CPU, beside
+            // the caller's, instead of on the queue thread's, which is the caller's own.
+            // Not by this thread: the kernel delivers the entry's next request through
+            // whoever committed it, so only threads that live as long as the rings may.
+            self.queue
+                .large
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((self.index, self.commit_id));
+            self.queue.large_ready.notify_one();
             return;
         }
         // Committed by the queue thread at its next wait: the entry's next request is then
@@ -367,25 +400,54 @@ fn on_queue_thread(queue: &Arc<QueueShared>) -> bool {
     QUEUE_THREAD.with(|current| std::ptr::eq(current.get(), Arc::as_ptr(queue)))
 }
 
-/// The mount's rings: one queue thread per CPU.
+/// The mount's rings: one queue thread per CPU, and a committer thread per queue.
 pub(crate) struct Rings {
     queues: Vec<Arc<QueueShared>>,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// The kernel's possible CPUs (`/sys/devices/system/cpu/possible`, e.g. `0-3` or
+/// `0,2-5`): it has a queue for each and waits for all of them to be registered.
+pub fn possible_cpus() -> usize {
+    let listed = std::fs::read_to_string("/sys/devices/system/cpu/possible")
+        .ok()
+        .and_then(|text| cpu_count(text.trim()));
+    // SAFETY: sysconf has no preconditions.
+    listed.unwrap_or_else(|| unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as usize)
+}
+
+/// One more than the highest CPU of a kernel CPU list (queues are indexed by CPU number).
+fn cpu_count(list: &str) -> Option<usize> {
+    let mut highest = None;
+    for part in list.split(',') {
+        let last = part.rsplit('-').next()?.parse::<usize>().ok()?;
+        highest = highest.max(Some(last));
+    }
+    highest.map(|cpu| cpu + 1)
+}
+
+/// Makes sure this process can create io_uring rings of the kind the queues use (the
+/// kernel may refuse them: `kernel.io_uring_disabled`, seccomp). Asked before INIT: once
+/// INIT granted the rings, the kernel holds every request until they are registered.
+pub fn probe() -> std::io::Result<()> {
+    IoUring::<squeue::Entry128, cqueue::Entry>::builder()
+        .build(2)
+        .map(drop)
 }
 
 impl Rings {
     /// Registers [`RING_DEPTH`] entries on a queue per possible CPU of the connection
     /// `fuse` (a `/dev/fuse` descriptor whose INIT granted `FUSE_OVER_IO_URING`) and starts
     /// their threads. Returns once every queue's entries are registered, so that requests
-    /// go over the rings from then on.
+    /// go over the rings from then on. An error means the kernel refused a registration
+    /// (it then keeps to `/dev/fuse`) or the rings could not be set up (the caller must not
+    /// keep the mount: the kernel holds its requests until every queue is registered).
     pub fn start(fs: FreeflowFs, fuse: &OwnedFd) -> std::io::Result<Rings> {
-        // The kernel has a queue for every possible CPU and waits for all of them.
-        // SAFETY: sysconf has no preconditions.
-        let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as usize;
+        let cpus = possible_cpus();
         let fs = Arc::new(fs);
         let mut rings = Rings {
             queues: Vec::with_capacity(cpus),
-            threads: Vec::with_capacity(cpus),
+            threads: Vec::with_capacity(2 * cpus),
         };
         for cpu in 0..cpus {
             let queue = Arc::new(QueueShared::new(cpu as u16, fuse.try_clone()?)?);
@@ -396,7 +458,7 @@ impl Rings {
                     .name(format!("fuse-ring-{cpu}"))
                     .spawn(move || serve_queue(&queue, &fs, cpu, registered_tx))?
             };
-            rings.queues.push(queue);
+            rings.queues.push(queue.clone());
             rings.threads.push(thread);
             match registered_rx.recv() {
                 Ok(Ok(())) => {}
@@ -409,6 +471,10 @@ impl Rings {
                     return Err(std::io::Error::other("a FUSE ring thread ended at start"));
                 }
             }
+            let committer = std::thread::Builder::new()
+                .name(format!("fuse-commit-{cpu}"))
+                .spawn(move || commit_large(&queue))?;
+            rings.threads.push(committer);
         }
         tracing::info!(
             queues = cpus,
@@ -418,12 +484,14 @@ impl Rings {
         Ok(rings)
     }
 
-    /// Stops the queue threads (after the connection ended, or at a failed start) and
-    /// waits for them.
+    /// Stops the threads (after the connection ended, or at a failed start) and waits for
+    /// them. Not on drop: a mount dropped without unmounting (detached lazily, files still
+    /// open) keeps being served until its connection ends.
     pub fn stop(&mut self) {
         for queue in &self.queues {
             queue.stopping.store(true, Ordering::Release);
             queue.wake();
+            queue.large_ready.notify_all();
         }
         for thread in self.threads.drain(..) {
             let _ = thread.join();
@@ -431,9 +499,26 @@ impl Rings {
     }
 }
 
-impl Drop for Rings {
-    fn drop(&mut self) {
-        self.stop();
+/// A queue's committer thread: commits the large replies runtime tasks give (see
+/// `RingReply::finish`). Not pinned, so the kernel's copy of each reply runs where the
+/// scheduler finds room. Ends with the queue thread.
+fn commit_large(queue: &Arc<QueueShared>) {
+    let mut large = queue.large.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        if !large.is_empty() {
+            let commits = std::mem::take(&mut *large);
+            drop(large);
+            queue.commit(&commits);
+            large = queue.large.lock().unwrap_or_else(|e| e.into_inner());
+            continue;
+        }
+        if queue.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        large = queue
+            .large_ready
+            .wait(large)
+            .unwrap_or_else(|e| e.into_inner());
     }
 }
 
@@ -486,7 +571,13 @@ fn pin_to_cpu(cpu: usize) {
 
 /// Errors of an entry's command that mean the connection is gone.
 fn connection_gone(result: i32) -> bool {
-    [libc::ENOTCONN, libc::ENODEV, libc::ECANCELED, libc::EBADF].contains(&-result)
+    [
+        libc::ENOTCONN,
+        libc::ENODEV,
+        libc::ECONNABORTED,
+        libc::EBADF,
+    ]
+    .contains(&-result)
 }
 
 fn serve_queue(
@@ -582,12 +673,24 @@ fn serve_queue(
             .collect();
         if first {
             first = false;
-            let refused = completions
+            let refused: Vec<i32> = completions
                 .iter()
-                .find(|(token, result, _)| *token != WAKE && *result < 0);
-            if let Some((_, result, _)) = refused {
-                let _ = registered.send(Err(std::io::Error::from_raw_os_error(-result)));
+                .filter(|(token, result, _)| *token != WAKE && *result < 0)
+                .map(|(_, result, _)| -result)
+                .collect();
+            if refused.len() == RING_DEPTH {
+                // The kernel fell back to /dev/fuse at the first refusal.
+                queue.entries_done.store(true, Ordering::Release);
+                let _ = registered.send(Err(std::io::Error::from_raw_os_error(refused[0])));
                 return;
+            }
+            if let Some(error) = refused.first() {
+                // Some entries are in service (the ring may be ready): serve with those.
+                tracing::warn!(
+                    refused = refused.len(),
+                    error,
+                    "the kernel refused some FUSE ring entries"
+                );
             }
             let _ = registered.send(Ok(()));
         }
@@ -620,13 +723,24 @@ fn serve_queue(
                 live -= 1;
                 continue;
             }
-            serve_entry(queue, fs, index);
+            // A handler that panics answers EIO (its reply is dropped) instead of taking the
+            // queue, and every request of this CPU, down with it.
+            let served_one = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                serve_entry(queue, fs, index)
+            }));
+            if served_one.is_err() {
+                tracing::error!(queue = queue.id, "a FUSE request handler panicked: EIO");
+            }
             served += 1;
         }
         if live == 0 {
+            queue.entries_done.store(true, Ordering::Release);
             break;
         }
     }
+    // The committer ends too.
+    queue.stopping.store(true, Ordering::Release);
+    queue.large_ready.notify_all();
     tracing::info!(queue = queue.id, requests = served, "FUSE ring stopped");
 }
 
@@ -712,5 +826,19 @@ fn serve_entry(queue: &Arc<QueueShared>, fs: &FreeflowFs, index: usize) {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push((index as u16, commit_id));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_give_one_more_than_the_highest_cpu() {
+        assert_eq!(cpu_count("0"), Some(1));
+        assert_eq!(cpu_count("0-1"), Some(2));
+        assert_eq!(cpu_count("0,2-5"), Some(6));
+        assert_eq!(cpu_count("0-3,8"), Some(9));
+        assert_eq!(cpu_count("x"), None);
     }
 }
