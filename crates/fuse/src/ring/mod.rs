@@ -244,9 +244,8 @@ impl QueueShared {
         }
     }
 
-    /// Commits entries' replies and fetches their next requests, from this thread (the
-    /// kernel then delivers those entries' next requests through it).
-    fn commit(&self, commits: &[(u16, u64)]) {
+    /// Queues the commands that commit entries' replies and fetch their next requests.
+    fn push_commits(&self, commits: &[(u16, u64)]) {
         let entries: Vec<squeue::Entry128> = commits
             .iter()
             .map(|&(index, commit_id)| {
@@ -261,6 +260,12 @@ impl QueueShared {
             })
             .collect();
         self.push(&entries);
+    }
+
+    /// Commits entries' replies and fetches their next requests, from this thread (the
+    /// kernel then delivers those entries' next requests through it).
+    fn commit(&self, commits: &[(u16, u64)]) {
+        self.push_commits(commits);
         if let Err(error) = self.ring.submit() {
             // Left queued: the queue thread's next wait submits it.
             tracing::warn!(%error, "committing FUSE replies failed");
@@ -629,20 +634,8 @@ fn serve_queue(
         // Commits of replies given on this thread since the last turn.
         let ready = std::mem::take(&mut *queue.ready.lock().unwrap_or_else(|e| e.into_inner()));
         if !ready.is_empty() {
-            let commits: Vec<squeue::Entry128> = ready
-                .into_iter()
-                .map(|(index, commit_id)| {
-                    command(
-                        fd,
-                        queue.id,
-                        index,
-                        abi::CMD_COMMIT_AND_FETCH,
-                        commit_id,
-                        std::ptr::null(),
-                    )
-                })
-                .collect();
-            queue.push(&commits);
+            // Submitted with the wait below.
+            queue.push_commits(&ready);
         }
         if queue.stopping.load(Ordering::Acquire) {
             break;
