@@ -438,7 +438,8 @@ fn serve(
                 inode,
                 FileHandle(arg.fh),
                 decode!(offset(arg.offset)),
-                arg.length,
+                // Refused past the kernel's `loff_t`, as fuser refuses it.
+                decode!(offset(arg.length)),
                 arg.mode as i32,
                 ReplyEmpty::Ring(reply),
             );
