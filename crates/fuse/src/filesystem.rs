@@ -115,9 +115,9 @@ pub(crate) struct MountState {
     pub cache: Arc<KernelCache>,
     /// The kernel's writeback cache is on (`MountOptions::writeback`).
     pub writeback: bool,
-    /// INIT asks for FUSE over io_uring (`MountOptions::transport`, and the kernel's
-    /// parameter on).
-    pub ring_wanted: AtomicBool,
+    /// INIT asks for FUSE over io_uring (`MountOptions::transport`, the kernel's
+    /// parameter on and rings possible here: `session::mount` found out).
+    ring_wanted: bool,
     /// The kernel granted it at INIT: the rings are to be registered.
     pub ring_granted: AtomicBool,
     /// The mount fails unless granted (`Transport::IoUring`).
@@ -141,6 +141,7 @@ impl MountState {
         client: Client,
         options: &MountOptions,
         runtime: tokio::runtime::Handle,
+        ring_wanted: bool,
     ) -> MountState {
         MountState {
             client: client.with_caller(freeflow_client::Caller::root()),
@@ -159,7 +160,7 @@ impl MountState {
             ending: tokio::sync::watch::channel(false).0,
             cache: Arc::new(KernelCache::new(options.writeback)),
             writeback: options.writeback,
-            ring_wanted: AtomicBool::new(false),
+            ring_wanted,
             ring_granted: AtomicBool::new(false),
             ring_required: options.transport == crate::session::Transport::IoUring,
             shadows: Shadows::new(options.writeback),
@@ -1348,7 +1349,7 @@ impl FreeflowFs {
         }
         // O_DIRECT opens go past the page cache only where they may still be mapped shared
         // (`open_reply_flags`).
-        if self.state.ring_wanted.load(Ordering::Relaxed) {
+        if self.state.ring_wanted {
             let granted = config
                 .add_capabilities(InitFlags::FUSE_OVER_IO_URING)
                 .is_ok();

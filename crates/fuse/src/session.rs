@@ -212,8 +212,12 @@ pub fn mount(
         source,
     };
     let mountpoint = mountpoint.canonicalize().map_err(mount_error)?;
-    let state = Arc::new(MountState::new(client, &options, runtime.clone()));
-    state.ring_wanted.store(ring_wanted, Ordering::Relaxed);
+    let state = Arc::new(MountState::new(
+        client,
+        &options,
+        runtime.clone(),
+        ring_wanted,
+    ));
     let mut config = Config::default();
     config.mount_options = vec![
         MountOption::FSName(options.source_name.clone()),

@@ -58,8 +58,8 @@ use crate::filesystem::{FreeflowFs, MAX_WRITE_BYTES};
 pub const RING_DEPTH: usize = 32;
 /// Payload buffer of an entry: the largest write or read, and a page for the rest.
 const PAYLOAD_BYTES: usize = MAX_WRITE_BYTES as usize + 4096;
-/// Replies at least this large given off the queue thread are committed by the thread that
-/// gives them (see `RingReply::finish`).
+/// Replies at least this large given off the queue thread are committed by the queue's
+/// committer thread (see `RingReply::finish`).
 const DIRECT_COMMIT_MIN: usize = 64 << 10;
 /// `user_data` of the eventfd poll's completions (entries use their index).
 const WAKE: u64 = u64::MAX;
@@ -315,7 +315,8 @@ impl QueueShared {
 }
 
 /// The answer to one request that came over a ring: written into the request's entry,
-/// then committed by the queue thread. Dropped unanswered, it answers EIO.
+/// then committed by the queue thread (or, large, by its committer thread). Dropped
+/// unanswered, it answers EIO.
 pub(crate) struct RingReply {
     queue: Arc<QueueShared>,
     index: u16,
