@@ -776,10 +776,16 @@ async fn a_mount_without_servers_fails_in_bounded_time_and_recovers() {
     // ENOTCONN once the kernel ended the connection. A mount that took requests over
     // io_uring rings keeps the connection until the kernel has torn its rings down, which
     // it does after the process is gone: a request made in between waits on a ring and is
-    // ended with the connection, ECONNABORTED (as a request in flight at an abort is).
+    // ended with the connection, ECONNABORTED (as a request in flight at an abort is), or
+    // ECANCELED when it was handed to a ring command the kernel was cancelling with the
+    // dead process (seen once in CI, stop 41). Any of the three is the dead connection's
+    // answer; a hang or a success is not.
     let errno = errno_of(outcome);
     assert!(
-        matches!(errno, Some(libc::ENOTCONN) | Some(libc::ECONNABORTED)),
+        matches!(
+            errno,
+            Some(libc::ENOTCONN) | Some(libc::ECONNABORTED) | Some(libc::ECANCELED)
+        ),
         "{errno:?}"
     );
     lazy_unmount(&killed.mountpoint);
