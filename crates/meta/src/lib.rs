@@ -559,6 +559,12 @@ pub(crate) async fn launch(
     options.epoch = shared.boot_epoch;
     options.window_bytes = shared.config.window_bytes;
     options.requests_in_flight_max = shared.config.requests_in_flight_max;
+    // Lock waits and revocation polls wait for other clients, not for this server: apart
+    // from the slots of the requests that do work.
+    options.long_poll_opcodes = vec![
+        <freeflow_proto::meta::SetLock as freeflow_proto::Request>::OPCODE,
+        <freeflow_proto::meta::WaitRevocations as freeflow_proto::Request>::OPCODE,
+    ];
     options.metrics = Some(freeflow_rpc::ServerMetrics::new(
         &registry,
         freeflow_proto::meta::OPCODES,

@@ -2,7 +2,11 @@
 //!
 //! Per connection there is one reader loop and one writer task. The reader admits at most
 //! `requests_in_flight_max` requests at once (the server's credit: past it the reader stops
-//! reading and TCP pushes back on the client); each admitted request runs as its own task,
+//! reading and TCP pushes back on the client), and apart from them up to
+//! `long_polls_in_flight_max` long polls (requests that wait for an event, such as a lock
+//! to be given up, rather than for work: counted with the others, a client's waiting lock
+//! requests took every slot and held up its lease renewals until its leases lapsed);
+//! each admitted request runs as its own task,
 //! and its reply is queued to the writer as soon as it is ready, in whatever order requests
 //! finish. A frame that is malformed, an unknown opcode, or a request the service refuses
 //! closes that connection alone, with the reason logged.
@@ -125,8 +129,13 @@ pub struct ServerOptions {
     pub window_bytes: u32,
     /// Largest payload accepted in one frame.
     pub payload_length_max: u32,
-    /// Requests of one connection being served at once.
+    /// Requests of one connection being served at once (long polls apart).
     pub requests_in_flight_max: u32,
+    /// Opcodes of long polls: requests that may wait for an event as long as the client
+    /// asked (a lock wait, a poll for revocations). They take slots of their own.
+    pub long_poll_opcodes: Vec<u16>,
+    /// Long polls of one connection waiting at once; past it the reader stops reading.
+    pub long_polls_in_flight_max: u32,
     /// Request payload bytes held by the whole server at once (all connections); a frame
     /// whose payload does not fit waits before it is read, pushing back on its sender.
     pub payload_bytes_in_flight_max: u64,
@@ -155,6 +164,8 @@ impl ServerOptions {
             window_bytes: 64 << 20,
             payload_length_max: PAYLOAD_LENGTH_MAX_DEFAULT,
             requests_in_flight_max: 128,
+            long_poll_opcodes: Vec::new(),
+            long_polls_in_flight_max: 4096,
             payload_bytes_in_flight_max: 512 << 20,
             connections_max: 4096,
             handshakes_max: 128,
@@ -394,6 +405,9 @@ async fn run_connection<S: Service>(
         reply_sender.downgrade(),
     )));
     let in_flight = Arc::new(Semaphore::new(in_flight_max));
+    let long_polls = Arc::new(Semaphore::new(
+        options.long_polls_in_flight_max.max(1) as usize
+    ));
     let close = Arc::new(Notify::new());
     let close_reason: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
     let frame_timeout = Duration::from_millis(options.frame_timeout_ms);
@@ -472,10 +486,15 @@ async fn run_connection<S: Service>(
                 None => break take_reason(),
             }
         };
+        let slots = if options.long_poll_opcodes.contains(&header.opcode) {
+            &long_polls
+        } else {
+            &in_flight
+        };
         let Some(permit) = rooms
             .take(
-                in_flight.clone().try_acquire_owned().ok(),
-                || acquire_owned(&in_flight, 1),
+                slots.clone().try_acquire_owned().ok(),
+                || acquire_owned(slots, 1),
                 ServerMetrics::credit_wait,
             )
             .await

@@ -1181,3 +1181,68 @@ async fn shared_payloads_come_from_their_region_and_bad_references_close_the_con
         .unwrap();
     assert_eq!(&echoed[..], b"still here");
 }
+
+/// Long polls (here WriteObject calls that wait 30 s) take slots of their own: eight of
+/// them on a connection whose request limit is 2 leave room for a read, answered at once.
+/// Undeclared, the same eight fill the connection's slots and the read waits behind them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_polls_do_not_take_the_slots_of_other_requests() {
+    let key = ClusterKey::generate().unwrap();
+    for declared in [true, false] {
+        let mut options = ServerOptions::new("test");
+        options.requests_in_flight_max = 2;
+        if declared {
+            options.long_poll_opcodes = vec![WriteObject::OPCODE];
+        }
+        let address = start_server(&key, options).await;
+        let connection = Arc::new(
+            Connection::connect(
+                &address,
+                &key,
+                &ConnectOptions {
+                    call_timeout_ms: 120_000,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap(),
+        );
+        let polls: Vec<_> = (0..8)
+            .map(|_| {
+                let connection = connection.clone();
+                tokio::spawn(async move {
+                    let _ = connection
+                        .call(&write_request(1, 30_000), Bytes::from_static(b"wait"))
+                        .await;
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let read = ReadObject {
+            object: ObjectId {
+                inode: 1,
+                stripe_index: 0,
+            },
+            offset: 0,
+            length: 3,
+            map_version: 0,
+        };
+        let answered =
+            tokio::time::timeout(Duration::from_secs(3), connection.call(&read, Bytes::new()))
+                .await;
+        if declared {
+            let (reply, data) = answered
+                .expect("a read beside eight long polls is answered at once")
+                .expect("the read succeeds");
+            assert_eq!((reply.length, &data[..]), (3, &[7u8, 7, 7][..]));
+        } else {
+            assert!(
+                answered.is_err(),
+                "undeclared, the polls hold both slots and the read waits"
+            );
+        }
+        for poll in polls {
+            poll.abort();
+        }
+    }
+}
