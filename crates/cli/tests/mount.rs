@@ -194,6 +194,219 @@ async fn requests_over_io_uring_behave_as_posix_says() {
     );
 }
 
+/// Pins the calling thread to CPU 0 (the FUSE ring queue of CPU 0 takes its requests).
+fn pin_to_cpu_zero() {
+    // SAFETY: a zeroed cpu_set_t is empty; CPU 0 is set in it; the result is checked.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        let pinned = libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
+        assert_eq!(
+            pinned,
+            0,
+            "pin to CPU 0: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// 200 `flock path -c true` forked by one shell on CPU 0 as fast as it can: a burst that
+/// outruns the ring queue's thread of CPU 0. A waiter that fails says so on stderr.
+fn burst_of_waiters(path: &Path) -> std::process::Child {
+    Command::new("taskset")
+        .args(["-c", "0", "sh", "-c"])
+        .arg(
+            "for i in $(seq 200); do \
+               (flock \"$0\" -c true || echo \"waiter $i: exit $?\" >&2) & \
+             done; wait",
+        )
+        .arg(path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the waiters")
+}
+
+/// Waits (two minutes at most) for the waiters' shell; every waiter must have succeeded.
+fn all_finish(mut waiters: std::process::Child, mount: &Mount, when: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = waiters.try_wait().expect("poll the waiters") {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "waiters {when} still waiting after 2 minutes\n{}",
+            mount.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut failures = String::new();
+    if let Some(mut pipe) = waiters.stderr.take() {
+        let _ = pipe.read_to_string(&mut failures);
+    }
+    assert!(
+        status.success() && failures.is_empty(),
+        "waiters {when}: {status}: {failures}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_waiters_past_a_rings_depth_on_one_cpu_hold_up_nobody() {
+    if !fuse_available() || !io_uring_available() {
+        return;
+    }
+    if !Path::new("/usr/bin/taskset").exists() || !Path::new("/usr/bin/flock").exists() {
+        eprintln!("skipping: needs taskset and flock (util-linux)");
+        return;
+    }
+    // A lock request is answered only once the lock is given, and it holds its ring
+    // entry (and, at the meta server, a request slot) as long as it waits. 200 waiters on
+    // CPU 0 are more than a queue's first 64 entries and more than the meta server's 128
+    // request slots per connection: with a fixed depth the holder's unlock from CPU 0
+    // waited behind them for ever, and waiting requests that filled the server's slots
+    // held up the mount's lease renewals and ended in time-outs. A short call time-out
+    // (lock waits are asked in rounds of half of it) and a lock held three times longer.
+    let cluster = Cluster::start(1).await;
+    let mount = Mount::start(
+        &cluster,
+        "mnt",
+        &["--io-uring", "--call-timeout-ms", "3000"],
+    );
+    let path = mount.path("lock");
+    File::create(&path).expect("create the lock file");
+
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let (released_tx, released_rx) = std::sync::mpsc::channel();
+    let holder_path = path.clone();
+    let holder = std::thread::spawn(move || {
+        pin_to_cpu_zero();
+        let file = File::open(&holder_path).expect("open the lock file");
+        // SAFETY: a valid descriptor and a flock operation.
+        let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+        held_tx.send(locked).expect("tell the test");
+        let _ = release_rx.recv();
+        let started = Instant::now();
+        // SAFETY: as above.
+        let unlocked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
+        drop(file);
+        let _ = released_tx.send((unlocked, started.elapsed()));
+    });
+    assert_eq!(
+        held_rx.recv().expect("the holder locks"),
+        0,
+        "the holder's flock"
+    );
+
+    let waiters = burst_of_waiters(&path);
+    // Held three rounds of the waiters' requests, while they pile up.
+    std::thread::sleep(Duration::from_secs(5));
+    release_tx.send(()).expect("tell the holder");
+    let released = released_rx.recv_timeout(Duration::from_secs(30));
+    let Ok((unlocked, took)) = released else {
+        panic!(
+            "the holder's unlock on CPU 0 did not finish in 30 s behind 200 waiters\n{}",
+            mount.log_text()
+        );
+    };
+    assert_eq!(unlocked, 0, "the holder's unlock");
+    eprintln!("the holder's unlock took {took:?}");
+    holder.join().expect("the holder thread");
+
+    all_finish(waiters, &mount, "after the unlock");
+
+    // The queue of CPU 0 grew past its first entries to hold them.
+    assert!(
+        mount.log_text().contains("a FUSE ring queue grew"),
+        "{}",
+        mount.log_text()
+    );
+
+    // Requests that came while every entry was held wait in the kernel until an entry of
+    // their CPU is committed (new entries take only later requests): made so at will on a
+    // new mount (64 entries a queue). 100 shells on CPU 0 open the file; the mount is
+    // stopped; they all ask for the lock (64 take the entries, 36 queue behind them), then
+    // the holder's unlock queues last. Lock waiters never commit: only the queue's nudger
+    // (its own requests, refused at once) brings the unlock in.
+    let mount = Mount::start(
+        &cluster,
+        "mnt2",
+        &["--io-uring", "--call-timeout-ms", "3000"],
+    );
+    let path = mount.path("lock");
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let (released_tx, released_rx) = std::sync::mpsc::channel();
+    let holder_path = path.clone();
+    let holder = std::thread::spawn(move || {
+        pin_to_cpu_zero();
+        let file = File::open(&holder_path).expect("open the lock file");
+        // SAFETY: a valid descriptor and a flock operation.
+        let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+        held_tx.send(locked).expect("tell the test");
+        let _ = release_rx.recv();
+        // SAFETY: as above.
+        let unlocked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
+        let _ = released_tx.send(unlocked);
+        drop(file);
+    });
+    assert_eq!(
+        held_rx.recv().expect("the holder locks"),
+        0,
+        "the holder's flock"
+    );
+    let mut waiters: Vec<std::process::Child> = (0..100)
+        .map(|_| {
+            Command::new("taskset")
+                .args(["-c", "0", "sh", "-c"])
+                .arg("exec 9<\"$0\" && read go && flock 9")
+                .arg(&path)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start a waiter")
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(2));
+    mount.signal(libc::SIGSTOP);
+    for waiter in &mut waiters {
+        let mut go = waiter.stdin.take().expect("a waiter's stdin");
+        go.write_all(b"go\n").expect("tell a waiter");
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    release_tx.send(()).expect("tell the holder");
+    std::thread::sleep(Duration::from_millis(500));
+    mount.signal(libc::SIGCONT);
+    let Ok(unlocked) = released_rx.recv_timeout(Duration::from_secs(30)) else {
+        panic!(
+            "the holder's unlock queued behind held entries did not finish in 30 s\n{}",
+            mount.log_text()
+        );
+    };
+    assert_eq!(unlocked, 0, "the holder's unlock");
+    holder.join().expect("the holder thread");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for mut waiter in waiters {
+        let status = loop {
+            if let Some(status) = waiter.try_wait().expect("poll a waiter") {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "a waiter still waits after 2 minutes"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut stderr = String::new();
+        if let Some(mut pipe) = waiter.stderr.take() {
+            let _ = pipe.read_to_string(&mut stderr);
+        }
+        assert!(status.success(), "a waiter: {status}: {stderr}");
+    }
+}
+
 /// Calls on `mount` as a program would make them, with what POSIX says they give.
 fn posix_behaviour(mount: &Mount) {
     // Create, write, read, close.

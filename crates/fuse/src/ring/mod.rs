@@ -17,11 +17,27 @@
 //!   kernel holds every other request until each possible CPU's queue is registered (or
 //!   a registration is refused, when it falls back to `/dev/fuse`), so a mount whose rings
 //!   cannot start fails rather than hang.
-//! - Each queue has [`RING_DEPTH`] entries, each a header buffer (`abi::RingHeader`) and a
-//!   payload buffer as large as the largest request (`MAX_WRITE_BYTES` and a page),
-//!   registered with `FUSE_IO_URING_CMD_REGISTER`. A completion of an entry is a request:
-//!   `dispatch.rs` decodes it and calls the handler, with a reply that writes the answer
-//!   into the same entry ([`RingReply`]).
+//! - Each queue starts with [`RING_DEPTH`] entries, each a header buffer
+//!   (`abi::RingHeader`) and a payload buffer as large as the largest request
+//!   (`MAX_WRITE_BYTES` and a page), registered with `FUSE_IO_URING_CMD_REGISTER`. A
+//!   completion of an entry is a request: `dispatch.rs` decodes it and calls the handler,
+//!   with a reply that writes the answer into the same entry ([`RingReply`]).
+//! - A request keeps its entry until it is answered, and a request of a CPU whose entries
+//!   are all held waits in the kernel. Some requests are held for as long as another
+//!   process likes (an `F_SETLKW` or `flock` waiting for a lock): with a fixed depth, 32
+//!   waiters on one CPU held every entry and the holder's unlock from that CPU waited
+//!   behind them for ever. So a queue grows by [`GROW_STEP`] entries whenever fewer than
+//!   [`GROW_RESERVE`] are free, up to [`RING_MAX_DEPTH`] (as many requests as the mount
+//!   takes in all over `/dev/fuse`, `REQUESTS_IN_FLIGHT_MAX`). Entries are never taken
+//!   back (the kernel has no command for it); their pages are touched only when used,
+//!   the most recently freed entry first.
+//! - The kernel gives a newly registered entry only requests that arrive after it; those
+//!   that came while every entry was held stay queued until some entry of that CPU is
+//!   committed, which never happens if every held request is a lock waiter. So whenever a
+//!   queue runs short of free entries, its nudger thread (pinned to the queue's CPU) makes
+//!   requests of its own for a while ([`NUDGE_WINDOW`]): an `fstatfs` of the mount's root
+//!   that the queue thread refuses at once (EAGAIN), whose commit hands the entry the
+//!   oldest queued request.
 //! - A reply given on the queue thread (a write gathered in place, attributes under a
 //!   lease, a lone read) is committed with its next wait, in the same system call. A
 //!   reply given by a task elsewhere is handed to the queue thread (woken through an
@@ -43,8 +59,8 @@ mod dispatch;
 
 use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use fuser::Errno;
@@ -53,14 +69,25 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use crate::filesystem::{FreeflowFs, MAX_WRITE_BYTES};
 
-/// Entries of each queue: requests of one CPU in the mount's hands at once (a request
-/// keeps its entry until answered; more wait in the kernel).
-pub const RING_DEPTH: usize = 32;
+/// Entries each queue starts with: requests of one CPU in the mount's hands at once (a
+/// request keeps its entry until answered; more wait in the kernel).
+pub const RING_DEPTH: usize = 64;
+/// A queue grows when fewer than this many of its entries are free (see the module doc).
+pub const GROW_RESERVE: usize = 16;
+/// Entries a queue grows by at a time.
+pub const GROW_STEP: usize = 64;
+/// The most entries a queue grows to: the mount's bound on requests in its hands over
+/// `/dev/fuse` (`REQUESTS_IN_FLIGHT_MAX`), per CPU.
+pub const RING_MAX_DEPTH: usize = crate::session::REQUESTS_IN_FLIGHT_MAX;
 /// Payload buffer of an entry: the largest write or read, and a page for the rest.
 const PAYLOAD_BYTES: usize = MAX_WRITE_BYTES as usize + 4096;
 /// Replies at least this large given off the queue thread are committed by the queue's
 /// committer thread (see `RingReply::finish`).
 const DIRECT_COMMIT_MIN: usize = 64 << 10;
+/// How long a queue's nudger keeps making requests after the queue last ran short of
+/// free entries, and the pause between two of them.
+pub const NUDGE_WINDOW: std::time::Duration = std::time::Duration::from_millis(500);
+const NUDGE_PAUSE: std::time::Duration = std::time::Duration::from_micros(200);
 /// `user_data` of the eventfd poll's completions (entries use their index).
 const WAKE: u64 = u64::MAX;
 
@@ -85,7 +112,7 @@ pub fn enable_in_kernel() -> Result<(), String> {
     }
 }
 
-/// An entry's buffers, mapped for the life of its queue.
+/// An entry's buffers, parts of its chunk's mappings, for the life of its queue.
 struct Buffers {
     header: *mut abi::RingHeader,
     payload: *mut u8,
@@ -111,8 +138,17 @@ pub(crate) struct QueueShared {
     submit_lock: Mutex<()>,
     /// The connection's `/dev/fuse` descriptor the ring commands name.
     fuse: OwnedFd,
-    buffers: Box<[Buffers]>,
+    /// [`RING_MAX_DEPTH`] places; the first `registered` have buffers.
+    buffers: Box<[OnceLock<Buffers>]>,
     states: Box<[EntryState]>,
+    /// The mappings the entries' buffers are parts of: (address, bytes).
+    chunks: Mutex<Vec<(usize, usize)>>,
+    /// Entries registered with the kernel (written by the queue thread only).
+    registered: AtomicUsize,
+    /// Entries holding a request whose commit is not queued yet.
+    in_hand: AtomicUsize,
+    /// What the queue's nudger thread shares with it (nothing that owns a descriptor).
+    nudge: Arc<Nudge>,
     /// Entries answered and to be committed by the queue thread: (index, commit id).
     ready: Mutex<Vec<(u16, u64)>>,
     /// Entries with large replies, to be committed by the queue's committer thread.
@@ -145,16 +181,11 @@ impl Drop for QueueShared {
             // mapped (only when a mount ends without its connection ending).
             return;
         }
-        for buffers in self.buffers.iter() {
-            // SAFETY: mapped by `map` with these sizes, and no reply or thread is left
-            // (they hold the Arc this is the last of).
-            unsafe {
-                libc::munmap(
-                    buffers.header.cast(),
-                    size_of::<abi::RingHeader>().next_multiple_of(4096),
-                );
-                libc::munmap(buffers.payload.cast(), PAYLOAD_BYTES);
-            }
+        let chunks = self.chunks.get_mut().unwrap_or_else(|e| e.into_inner());
+        for &(address, bytes) in chunks.iter() {
+            // SAFETY: mapped by `map` with this size, and no reply or thread is left (they
+            // hold the Arc this is the last of).
+            unsafe { libc::munmap(address as *mut libc::c_void, bytes) };
         }
     }
 }
@@ -177,33 +208,16 @@ fn map(bytes: usize) -> std::io::Result<*mut u8> {
     Ok(address.cast())
 }
 
+/// Bytes between two entries' headers in a chunk's header mapping.
+const HEADER_STRIDE: usize = size_of::<abi::RingHeader>().next_multiple_of(64);
+
 impl QueueShared {
     fn new(id: u16, fuse: OwnedFd) -> std::io::Result<QueueShared> {
+        // Room for a command of every entry the queue may grow to, and the eventfd poll's.
         let ring = IoUring::builder()
-            .setup_cqsize(2 * (RING_DEPTH as u32 + 1))
-            .build(RING_DEPTH as u32 + 1)?;
-        let header_bytes = size_of::<abi::RingHeader>().next_multiple_of(4096);
-        let mut buffers = Vec::with_capacity(RING_DEPTH);
-        for _ in 0..RING_DEPTH {
-            let header = map(header_bytes)?.cast::<abi::RingHeader>();
-            let payload = map(PAYLOAD_BYTES)?;
-            let iov = Box::new([
-                libc::iovec {
-                    iov_base: header.cast(),
-                    iov_len: size_of::<abi::RingHeader>(),
-                },
-                libc::iovec {
-                    iov_base: payload.cast(),
-                    iov_len: PAYLOAD_BYTES,
-                },
-            ]);
-            buffers.push(Buffers {
-                header,
-                payload,
-                iov,
-            });
-        }
-        let states = (0..RING_DEPTH)
+            .setup_cqsize(2 * (RING_MAX_DEPTH as u32 + 1))
+            .build(RING_MAX_DEPTH as u32 + 1)?;
+        let states = (0..RING_MAX_DEPTH)
             .map(|_| EntryState {
                 dispatching: AtomicBool::new(false),
                 parked: Mutex::new(None),
@@ -219,8 +233,17 @@ impl QueueShared {
             ring: ManuallyDrop::new(ring),
             submit_lock: Mutex::new(()),
             fuse,
-            buffers: buffers.into_boxed_slice(),
+            buffers: (0..RING_MAX_DEPTH).map(|_| OnceLock::new()).collect(),
             states,
+            chunks: Mutex::new(Vec::new()),
+            registered: AtomicUsize::new(0),
+            in_hand: AtomicUsize::new(0),
+            nudge: Arc::new(Nudge {
+                until: Mutex::new(None),
+                wake: std::sync::Condvar::new(),
+                stopping: AtomicBool::new(false),
+                tid: std::sync::atomic::AtomicU32::new(0),
+            }),
             ready: Mutex::new(Vec::with_capacity(RING_DEPTH)),
             large: Mutex::new(Vec::with_capacity(RING_DEPTH)),
             large_ready: std::sync::Condvar::new(),
@@ -229,6 +252,82 @@ impl QueueShared {
             wake: unsafe { OwnedFd::from_raw_fd(wake) },
             stopping: AtomicBool::new(false),
         })
+    }
+
+    /// Maps buffers for `count` more entries (two mappings for all of them) and returns
+    /// their indices; the caller registers them. Queue thread only (it alone grows
+    /// `registered`).
+    fn add_entries(&self, count: usize) -> std::io::Result<std::ops::Range<usize>> {
+        let first = self.registered.load(Ordering::Acquire);
+        let count = count.min(RING_MAX_DEPTH - first);
+        let header_bytes = (count * HEADER_STRIDE).next_multiple_of(4096);
+        let payload_bytes = count * PAYLOAD_BYTES;
+        let headers = map(header_bytes)?;
+        let payloads = match map(payload_bytes) {
+            Ok(payloads) => payloads,
+            Err(error) => {
+                // SAFETY: just mapped with this size, named by nothing else.
+                unsafe { libc::munmap(headers.cast(), header_bytes) };
+                return Err(error);
+            }
+        };
+        {
+            let mut chunks = self.chunks.lock().unwrap_or_else(|e| e.into_inner());
+            chunks.push((headers as usize, header_bytes));
+            chunks.push((payloads as usize, payload_bytes));
+        }
+        for offset in 0..count {
+            // SAFETY: inside the two mappings just made (`count` strides of each).
+            let (header, payload) = unsafe {
+                (
+                    headers
+                        .add(offset * HEADER_STRIDE)
+                        .cast::<abi::RingHeader>(),
+                    payloads.add(offset * PAYLOAD_BYTES),
+                )
+            };
+            let iov = Box::new([
+                libc::iovec {
+                    iov_base: header.cast(),
+                    iov_len: size_of::<abi::RingHeader>(),
+                },
+                libc::iovec {
+                    iov_base: payload.cast(),
+                    iov_len: PAYLOAD_BYTES,
+                },
+            ]);
+            let set = self.buffers[first + offset].set(Buffers {
+                header,
+                payload,
+                iov,
+            });
+            debug_assert!(set.is_ok(), "an entry's buffers are set once");
+        }
+        self.registered.store(first + count, Ordering::Release);
+        Ok(first..first + count)
+    }
+
+    /// The buffers of entry `index` (one the queue registered).
+    fn entry(&self, index: usize) -> &Buffers {
+        self.buffers[index]
+            .get()
+            .expect("a registered entry has buffers")
+    }
+
+    /// The register commands of entries `indices`.
+    fn registrations(&self, indices: std::ops::Range<usize>) -> Vec<squeue::Entry128> {
+        indices
+            .map(|index| {
+                command(
+                    self.fuse.as_raw_fd(),
+                    self.id,
+                    index as u16,
+                    abi::CMD_REGISTER,
+                    0,
+                    self.entry(index).iov.as_ptr(),
+                )
+            })
+            .collect()
     }
 
     /// Queues `entries` on the ring (one command per entry in flight: there is always room).
@@ -246,6 +345,7 @@ impl QueueShared {
 
     /// Queues the commands that commit entries' replies and fetch their next requests.
     fn push_commits(&self, commits: &[(u16, u64)]) {
+        self.in_hand.fetch_sub(commits.len(), Ordering::AcqRel);
         let entries: Vec<squeue::Entry128> = commits
             .iter()
             .map(|&(index, commit_id)| {
@@ -273,6 +373,24 @@ impl QueueShared {
         }
     }
 
+    /// Opens (or extends) the nudger's window.
+    fn nudge(&self) {
+        let until = std::time::Instant::now() + NUDGE_WINDOW;
+        let mut window = self.nudge.until.lock().unwrap_or_else(|e| e.into_inner());
+        let was_open = window.is_some();
+        *window = Some(until);
+        if !was_open {
+            self.nudge.wake.notify_one();
+        }
+    }
+
+    /// Tells the nudger to end.
+    fn stop_nudger(&self) {
+        self.nudge.stopping.store(true, Ordering::Release);
+        let _window = self.nudge.until.lock().unwrap_or_else(|e| e.into_inner());
+        self.nudge.wake.notify_all();
+    }
+
     fn wake(&self) {
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a valid u64 to our eventfd. A full counter (it never
@@ -292,7 +410,7 @@ impl QueueShared {
     /// The caller holds the entry's request: nothing else writes its buffers, and the
     /// handler no longer reads them.
     unsafe fn write_reply(&self, index: usize, unique: u64, error: i32, parts: &[&[u8]]) {
-        let buffers = &self.buffers[index];
+        let buffers = self.entry(index);
         let mut used = 0;
         for part in parts {
             // Never past the buffer: a reply larger than the request allowed is cut (the
@@ -312,6 +430,16 @@ impl QueueShared {
         header.in_out[..size_of::<abi::OutHeader>()].copy_from_slice(out.as_bytes());
         header.entry.payload_size = used as u32;
     }
+}
+
+/// A queue's nudger: its window and its thread's id.
+struct Nudge {
+    /// Until when the nudger makes requests (`None`: it sleeps).
+    until: Mutex<Option<std::time::Instant>>,
+    wake: std::sync::Condvar,
+    stopping: AtomicBool,
+    /// The nudger thread's id (the `pid` of its requests), 0 until it runs.
+    tid: std::sync::atomic::AtomicU32,
 }
 
 /// The answer to one request that came over a ring: written into the request's entry,
@@ -410,6 +538,8 @@ fn on_queue_thread(queue: &Arc<QueueShared>) -> bool {
 pub(crate) struct Rings {
     queues: Vec<Arc<QueueShared>>,
     threads: Vec<JoinHandle<()>>,
+    /// The mount's root (`O_PATH`), which the nudgers' requests name.
+    _root: OwnedFd,
 }
 
 /// The kernel's possible CPUs (`/sys/devices/system/cpu/possible`, e.g. `0-3` or
@@ -442,18 +572,23 @@ pub fn probe() -> std::io::Result<()> {
 }
 
 impl Rings {
-    /// Registers [`RING_DEPTH`] entries on a queue per possible CPU of the connection
+    /// Registers [`RING_DEPTH`] entries (to grow on demand) on a queue per possible CPU of the connection
     /// `fuse` (a `/dev/fuse` descriptor whose INIT granted `FUSE_OVER_IO_URING`) and starts
     /// their threads. Returns once every queue's entries are registered, so that requests
     /// go over the rings from then on. An error means the kernel refused a registration
     /// (it then keeps to `/dev/fuse`) or the rings could not be set up (the caller must not
     /// keep the mount: the kernel holds its requests until every queue is registered).
-    pub fn start(fs: FreeflowFs, fuse: &OwnedFd) -> std::io::Result<Rings> {
+    ///
+    /// `root` is the mount's root, opened with `O_PATH` (no request): the nudgers'
+    /// requests name it.
+    pub fn start(fs: FreeflowFs, fuse: &OwnedFd, root: OwnedFd) -> std::io::Result<Rings> {
         let cpus = possible_cpus();
         let fs = Arc::new(fs);
+        let root_fd = root.as_raw_fd();
         let mut rings = Rings {
             queues: Vec::with_capacity(cpus),
-            threads: Vec::with_capacity(2 * cpus),
+            threads: Vec::with_capacity(3 * cpus),
+            _root: root,
         };
         for cpu in 0..cpus {
             let queue = Arc::new(QueueShared::new(cpu as u16, fuse.try_clone()?)?);
@@ -477,14 +612,23 @@ impl Rings {
                     return Err(std::io::Error::other("a FUSE ring thread ended at start"));
                 }
             }
-            let committer = std::thread::Builder::new()
-                .name(format!("fuse-commit-{cpu}"))
-                .spawn(move || commit_large(&queue))?;
+            let committer = {
+                let queue = queue.clone();
+                std::thread::Builder::new()
+                    .name(format!("fuse-commit-{cpu}"))
+                    .spawn(move || commit_large(&queue))?
+            };
             rings.threads.push(committer);
+            let nudge = queue.nudge.clone();
+            let nudger = std::thread::Builder::new()
+                .name(format!("fuse-nudge-{cpu}"))
+                .spawn(move || nudge_queue(&nudge, root_fd, cpu))?;
+            rings.threads.push(nudger);
         }
         tracing::info!(
             queues = cpus,
             depth = RING_DEPTH,
+            max_depth = RING_MAX_DEPTH,
             "FUSE requests over io_uring"
         );
         Ok(rings)
@@ -498,6 +642,7 @@ impl Rings {
             queue.stopping.store(true, Ordering::Release);
             queue.wake();
             queue.large_ready.notify_all();
+            queue.stop_nudger();
         }
         for thread in self.threads.drain(..) {
             let _ = thread.join();
@@ -525,6 +670,65 @@ fn commit_large(queue: &Arc<QueueShared>) {
             .large_ready
             .wait(large)
             .unwrap_or_else(|e| e.into_inner());
+    }
+}
+
+/// A queue's nudger thread: pinned to the queue's CPU, so that its requests go to that
+/// queue, it makes them while the queue's window is open (see the module doc). Ends with
+/// the queue thread.
+///
+/// A thread of this process waiting on a request to this mount could keep the process
+/// from ever ending if it died with the request in the mount's hands: the thread would
+/// wait for an answer that only the end of the connection gives, and the connection ends
+/// only when the process's descriptors are closed, after its last thread. So the nudger
+/// first takes a descriptor table of its own holding nothing but the mount's root
+/// (`root`, a number in the process's table): it keeps neither `/dev/fuse` nor the rings
+/// open, and dies with them. Without that table it makes no request.
+fn nudge_queue(nudge: &Nudge, root: RawFd, cpu: usize) {
+    pin_to_cpu(cpu);
+    // SAFETY: unshare(CLONE_FILES) gives this thread a copy of the descriptor table; the
+    // close_range calls then close, in that copy only, every descriptor but `root`. No
+    // code of this thread uses another descriptor afterwards (it neither logs nor owns
+    // any: `Nudge` holds none).
+    let alone = unsafe {
+        libc::unshare(libc::CLONE_FILES) == 0
+            && (root == 0 || libc::syscall(libc::SYS_close_range, 0u32, root as u32 - 1, 0u32) == 0)
+            && libc::syscall(libc::SYS_close_range, root as u32 + 1, u32::MAX, 0u32) == 0
+    };
+    if !alone {
+        tracing::warn!(
+            cpu,
+            error = %std::io::Error::last_os_error(),
+            "a FUSE ring queue's nudger cannot have a descriptor table of its own: none for this queue"
+        );
+        return;
+    }
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    nudge.tid.store(tid as u32, Ordering::Release);
+    let mut window = nudge.until.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        if nudge.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        match *window {
+            Some(until) if std::time::Instant::now() < until => {
+                drop(window);
+                // SAFETY: a zeroed statfs is a valid out value; `root` is open in this
+                // thread's table. The answer (EAGAIN from the queue thread) is of no
+                // interest.
+                unsafe {
+                    let mut stats: libc::statfs = std::mem::zeroed();
+                    libc::fstatfs(root, &mut stats);
+                }
+                std::thread::sleep(NUDGE_PAUSE);
+                window = nudge.until.lock().unwrap_or_else(|e| e.into_inner());
+            }
+            Some(_) => *window = None,
+            None => {
+                window = nudge.wake.wait(window).unwrap_or_else(|e| e.into_inner());
+            }
+        }
     }
 }
 
@@ -596,7 +800,6 @@ fn serve_queue(
     // needs no wake-up of the other CPU (unpinned, 4 KiB writes ran at a quarter).
     pin_to_cpu(cpu);
     QUEUE_THREAD.with(|current| current.set(Arc::as_ptr(queue)));
-    let fd = queue.fuse.as_raw_fd();
     let poll = || {
         squeue::Entry128::from(
             opcode::PollAdd::new(types::Fd(queue.wake.as_raw_fd()), libc::POLLIN as u32)
@@ -605,21 +808,13 @@ fn serve_queue(
                 .user_data(WAKE),
         )
     };
-    let mut registrations: Vec<squeue::Entry128> = queue
-        .buffers
-        .iter()
-        .enumerate()
-        .map(|(index, buffers)| {
-            command(
-                fd,
-                queue.id,
-                index as u16,
-                abi::CMD_REGISTER,
-                0,
-                buffers.iov.as_ptr(),
-            )
-        })
-        .collect();
+    let mut registrations = match queue.add_entries(RING_DEPTH) {
+        Ok(indices) => queue.registrations(indices),
+        Err(error) => {
+            let _ = registered.send(Err(error));
+            return;
+        }
+    };
     registrations.push(poll());
     queue.push(&registrations);
     if let Err(error) = queue.ring.submit() {
@@ -629,6 +824,9 @@ fn serve_queue(
     // A refused registration comes back as a completion with an error at once; none by
     // now means they are waiting for requests.
     let mut live = RING_DEPTH;
+    // Growth stops at the first refusal or failed mapping (the queue serves with what it
+    // has, as before it grew).
+    let mut may_grow = true;
     let mut first = true;
     let mut served: u64 = 0;
     loop {
@@ -637,6 +835,19 @@ fn serve_queue(
         if !ready.is_empty() {
             // Submitted with the wait below.
             queue.push_commits(&ready);
+        }
+        // After the commits, so that requests answered on this thread are not counted as
+        // held.
+        let free = queue
+            .registered
+            .load(Ordering::Acquire)
+            .saturating_sub(queue.in_hand.load(Ordering::Acquire));
+        if !first && free < GROW_RESERVE {
+            // Requests may be queued in the kernel behind held entries: see the module doc.
+            queue.nudge();
+            if may_grow {
+                may_grow = grow(queue, &mut live);
+            }
         }
         if queue.stopping.load(Ordering::Acquire) {
             break;
@@ -706,17 +917,19 @@ fn serve_queue(
                 continue;
             }
             let index = token as usize;
-            if index >= RING_DEPTH {
+            if index >= queue.registered.load(Ordering::Acquire) {
                 tracing::error!(token, "a FUSE ring completion names no entry");
                 continue;
             }
             if result < 0 {
                 if !connection_gone(result) {
                     tracing::warn!(error = -result, "a FUSE ring entry failed");
+                    may_grow = false;
                 }
                 live -= 1;
                 continue;
             }
+            queue.in_hand.fetch_add(1, Ordering::AcqRel);
             // A handler that panics answers EIO (its reply is dropped) instead of taking the
             // queue, and every request of this CPU, down with it.
             let served_one = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -732,10 +945,39 @@ fn serve_queue(
             break;
         }
     }
-    // The committer ends too.
+    // The committer and the nudger end too.
     queue.stopping.store(true, Ordering::Release);
     queue.large_ready.notify_all();
-    tracing::info!(queue = queue.id, requests = served, "FUSE ring stopped");
+    queue.stop_nudger();
+    tracing::info!(
+        queue = queue.id,
+        requests = served,
+        depth = queue.registered.load(Ordering::Acquire),
+        "FUSE ring stopped"
+    );
+}
+
+/// Registers [`GROW_STEP`] more entries on `queue` (their commands go with the queue
+/// thread's next wait). Returns whether the queue may grow again.
+fn grow(queue: &QueueShared, live: &mut usize) -> bool {
+    let registered = queue.registered.load(Ordering::Acquire);
+    let in_hand = queue.in_hand.load(Ordering::Acquire);
+    if registered >= RING_MAX_DEPTH {
+        return false;
+    }
+    match queue.add_entries(GROW_STEP) {
+        Ok(indices) => {
+            *live += indices.len();
+            queue.push(&queue.registrations(indices));
+            let depth = queue.registered.load(Ordering::Acquire);
+            tracing::info!(queue = queue.id, depth, in_hand, "a FUSE ring queue grew");
+            depth < RING_MAX_DEPTH
+        }
+        Err(error) => {
+            tracing::warn!(queue = queue.id, %error, "a FUSE ring queue cannot grow");
+            false
+        }
+    }
 }
 
 /// Opcodes whose handlers are given slices of the request's payload (names, data): a
@@ -770,7 +1012,7 @@ fn borrows_payload(opcode: u32) -> bool {
 /// Decodes the request in entry `index` and calls its handler, then writes in a reply
 /// given while the handler ran.
 fn serve_entry(queue: &Arc<QueueShared>, fs: &FreeflowFs, index: usize) {
-    let buffers = &queue.buffers[index];
+    let buffers = queue.entry(index);
     let state = &queue.states[index];
     // What the handler needs of the header is copied out: a reply may overwrite it.
     // SAFETY: the kernel filled the entry and gave it back; nothing else writes it until
@@ -787,6 +1029,18 @@ fn serve_entry(queue: &Arc<QueueShared>, fs: &FreeflowFs, index: usize) {
             (header.entry.payload_size as usize).min(PAYLOAD_BYTES),
         )
     };
+    let reply = RingReply {
+        queue: queue.clone(),
+        index: index as u16,
+        unique: request.unique,
+        commit_id,
+        sent: false,
+    };
+    let nudger = queue.nudge.tid.load(Ordering::Acquire);
+    if request.opcode == abi::STATFS && nudger != 0 && request.pid == nudger {
+        // The queue's own nudge: its commit is what it is for.
+        return reply.error(Errno::EAGAIN);
+    }
     let borrows = borrows_payload(request.opcode);
     let payload: &[u8] = if borrows {
         state.dispatching.store(true, Ordering::Release);
@@ -794,13 +1048,6 @@ fn serve_entry(queue: &Arc<QueueShared>, fs: &FreeflowFs, index: usize) {
         unsafe { std::slice::from_raw_parts(buffers.payload, payload_size) }
     } else {
         &[]
-    };
-    let reply = RingReply {
-        queue: queue.clone(),
-        index: index as u16,
-        unique: request.unique,
-        commit_id,
-        sent: false,
     };
     dispatch::dispatch(fs, &request, &op_in, payload, reply);
     if !borrows {
