@@ -11,7 +11,6 @@
 //! files open), then closes what the mount still had open at the meta server.
 
 use std::os::fd::AsFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -268,14 +267,10 @@ pub fn mount(
     // threads start. Once INIT granted them the kernel holds every request until every
     // queue is registered, so a failure here fails the mount (the session's drop unmounts).
     let rings = if state.ring_granted.load(Ordering::Relaxed) {
-        let started = session.as_fd().try_clone_to_owned().and_then(|fuse| {
-            // The root, without a request (`O_PATH`), for the rings' nudgers.
-            let root = std::fs::File::options()
-                .read(true)
-                .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
-                .open(&mountpoint)?;
-            Rings::start(FreeflowFs::new(state.clone()), &fuse, root.into())
-        });
+        let started = session
+            .as_fd()
+            .try_clone_to_owned()
+            .and_then(|fuse| Rings::start(FreeflowFs::new(state.clone()), &fuse, &mountpoint));
         match started {
             Ok(rings) => Some(rings),
             Err(error) => {

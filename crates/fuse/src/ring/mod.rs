@@ -35,7 +35,7 @@
 //!   that came while every entry was held stay queued until some entry of that CPU is
 //!   committed, which never happens if every held request is a lock waiter. So whenever a
 //!   queue runs short of free entries, its nudger thread (pinned to the queue's CPU) makes
-//!   requests of its own for a while ([`NUDGE_WINDOW`]): an `fstatfs` of the mount's root
+//!   requests of its own for a while ([`NUDGE_WINDOW`]): a `statfs` of the mount point
 //!   that the queue thread refuses at once (EAGAIN), whose commit hands the entry the
 //!   oldest queued request.
 //! - A reply given on the queue thread (a write gathered in place, attributes under a
@@ -538,8 +538,6 @@ fn on_queue_thread(queue: &Arc<QueueShared>) -> bool {
 pub(crate) struct Rings {
     queues: Vec<Arc<QueueShared>>,
     threads: Vec<JoinHandle<()>>,
-    /// The mount's root (`O_PATH`), which the nudgers' requests name.
-    _root: OwnedFd,
 }
 
 /// The kernel's possible CPUs (`/sys/devices/system/cpu/possible`, e.g. `0-3` or
@@ -579,16 +577,23 @@ impl Rings {
     /// (it then keeps to `/dev/fuse`) or the rings could not be set up (the caller must not
     /// keep the mount: the kernel holds its requests until every queue is registered).
     ///
-    /// `root` is the mount's root, opened with `O_PATH` (no request): the nudgers'
-    /// requests name it.
-    pub fn start(fs: FreeflowFs, fuse: &OwnedFd, root: OwnedFd) -> std::io::Result<Rings> {
+    /// `mountpoint` is where the connection is mounted: the nudgers' requests name it.
+    pub fn start(
+        fs: FreeflowFs,
+        fuse: &OwnedFd,
+        mountpoint: &std::path::Path,
+    ) -> std::io::Result<Rings> {
         let cpus = possible_cpus();
         let fs = Arc::new(fs);
-        let root_fd = root.as_raw_fd();
+        let mountpoint = Arc::new(
+            std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(
+                mountpoint.as_os_str(),
+            ))
+            .map_err(std::io::Error::other)?,
+        );
         let mut rings = Rings {
             queues: Vec::with_capacity(cpus),
             threads: Vec::with_capacity(3 * cpus),
-            _root: root,
         };
         for cpu in 0..cpus {
             let queue = Arc::new(QueueShared::new(cpu as u16, fuse.try_clone()?)?);
@@ -619,10 +624,10 @@ impl Rings {
                     .spawn(move || commit_large(&queue))?
             };
             rings.threads.push(committer);
-            let nudge = queue.nudge.clone();
+            let (nudge, mountpoint) = (queue.nudge.clone(), mountpoint.clone());
             let nudger = std::thread::Builder::new()
                 .name(format!("fuse-nudge-{cpu}"))
-                .spawn(move || nudge_queue(&nudge, root_fd, cpu))?;
+                .spawn(move || nudge_queue(&nudge, &mountpoint, cpu))?;
             rings.threads.push(nudger);
         }
         tracing::info!(
@@ -681,19 +686,18 @@ fn commit_large(queue: &Arc<QueueShared>) {
 /// from ever ending if it died with the request in the mount's hands: the thread would
 /// wait for an answer that only the end of the connection gives, and the connection ends
 /// only when the process's descriptors are closed, after its last thread. So the nudger
-/// first takes a descriptor table of its own holding nothing but the mount's root
-/// (`root`, a number in the process's table): it keeps neither `/dev/fuse` nor the rings
-/// open, and dies with them. Without that table it makes no request.
-fn nudge_queue(nudge: &Nudge, root: RawFd, cpu: usize) {
+/// first takes a descriptor table of its own and closes everything in it: it keeps
+/// neither `/dev/fuse` nor the rings open, and dies with them. Its requests name the
+/// mount point by path (a descriptor held open on the mount would make it busy at
+/// unmount). Without that table it makes no request.
+fn nudge_queue(nudge: &Nudge, mountpoint: &std::ffi::CStr, cpu: usize) {
     pin_to_cpu(cpu);
-    // SAFETY: unshare(CLONE_FILES) gives this thread a copy of the descriptor table; the
-    // close_range calls then close, in that copy only, every descriptor but `root`. No
-    // code of this thread uses another descriptor afterwards (it neither logs nor owns
-    // any: `Nudge` holds none).
+    // SAFETY: unshare(CLONE_FILES) gives this thread a copy of the descriptor table;
+    // close_range then closes every descriptor in that copy only. No code of this thread
+    // uses a descriptor afterwards (it neither logs nor owns any: `Nudge` holds none).
     let alone = unsafe {
         libc::unshare(libc::CLONE_FILES) == 0
-            && (root == 0 || libc::syscall(libc::SYS_close_range, 0u32, root as u32 - 1, 0u32) == 0)
-            && libc::syscall(libc::SYS_close_range, root as u32 + 1, u32::MAX, 0u32) == 0
+            && libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32) == 0
     };
     if !alone {
         tracing::warn!(
@@ -714,12 +718,11 @@ fn nudge_queue(nudge: &Nudge, root: RawFd, cpu: usize) {
         match *window {
             Some(until) if std::time::Instant::now() < until => {
                 drop(window);
-                // SAFETY: a zeroed statfs is a valid out value; `root` is open in this
-                // thread's table. The answer (EAGAIN from the queue thread) is of no
-                // interest.
+                // SAFETY: a zeroed statfs is a valid out value and the path a C string.
+                // The answer (EAGAIN from the queue thread) is of no interest.
                 unsafe {
                     let mut stats: libc::statfs = std::mem::zeroed();
-                    libc::fstatfs(root, &mut stats);
+                    libc::statfs(mountpoint.as_ptr(), &mut stats);
                 }
                 std::thread::sleep(NUDGE_PAUSE);
                 window = nudge.until.lock().unwrap_or_else(|e| e.into_inner());
