@@ -846,11 +846,17 @@ fn serve_queue(
             .load(Ordering::Acquire)
             .saturating_sub(queue.in_hand.load(Ordering::Acquire));
         if !first && free < GROW_RESERVE {
-            // Requests may be queued in the kernel behind held entries: see the module doc.
-            queue.nudge();
             if may_grow {
                 may_grow = grow(queue, &mut live);
             }
+            // Requests may be queued in the kernel behind held entries (see the module
+            // doc). The new entries go to the kernel first: a nudge that came before them
+            // would queue behind the others (the nudger, woken, may run before this
+            // thread's next wait submits them).
+            if let Err(error) = queue.ring.submit() {
+                tracing::warn!(%error, "submitting a FUSE ring's new entries failed");
+            }
+            queue.nudge();
         }
         if queue.stopping.load(Ordering::Acquire) {
             break;
