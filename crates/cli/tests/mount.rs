@@ -14,6 +14,7 @@ use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -405,6 +406,111 @@ async fn lock_waiters_past_a_rings_depth_on_one_cpu_hold_up_nobody() {
         }
         assert!(status.success(), "a waiter: {status}: {stderr}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signal_ends_a_lock_wait_as_on_a_local_file() {
+    if !fuse_available() {
+        return;
+    }
+    if !Path::new("/usr/bin/flock").exists() || Command::new("python3").arg("-V").output().is_err()
+    {
+        eprintln!("skipping: needs flock (util-linux) and python3");
+        return;
+    }
+    let cluster = Cluster::start(1).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let path = mount.path("lock");
+    let holder = File::create(&path).expect("create the lock file");
+    // SAFETY: a valid descriptor and a flock operation.
+    assert_eq!(unsafe { libc::flock(holder.as_raw_fd(), libc::LOCK_EX) }, 0);
+
+    // SIGTERM to a waiting `flock` ends it, as it would a wait on a local file (the wait
+    // used to last until the lock was given, whatever came).
+    let mut waiter = Command::new("flock")
+        .arg(&path)
+        .args(["-c", "true"])
+        .spawn()
+        .expect("start flock");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        waiter.try_wait().expect("poll flock").is_none(),
+        "flock waits"
+    );
+    // SAFETY: kill has no memory preconditions; the child is ours.
+    unsafe { libc::kill(waiter.id() as libc::pid_t, libc::SIGTERM) };
+    let sent = Instant::now();
+    let status = loop {
+        if let Some(status) = waiter.try_wait().expect("poll flock") {
+            break status;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(10),
+            "flock still waits 10 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status}");
+
+    // A handled signal (no SA_RESTART) makes the wait fail with EINTR, and the handler
+    // runs: Python raises from it. An errno the program cannot know (the kernel's restart
+    // code, 512) or a wait to the end would print something else.
+    let script = "import fcntl, signal, sys\n\
+                  def ring(*_):\n    raise TimeoutError\n\
+                  signal.signal(signal.SIGALRM, ring)\n\
+                  f = open(sys.argv[1], 'r+')\n\
+                  signal.alarm(1)\n\
+                  try:\n    fcntl.flock(f, fcntl.LOCK_EX)\n    print('locked')\n\
+                  except TimeoutError:\n    print('interrupted')\n\
+                  except OSError as error:\n    print('errno', error.errno)\n";
+    let started = Instant::now();
+    let mut python = Command::new("python3")
+        .args(["-c", script])
+        .arg(&path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start python3");
+    let status = loop {
+        if let Some(status) = python.try_wait().expect("poll python3") {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(15) {
+            let _ = python.kill();
+            panic!("the interrupted flock still waits after 15 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut said = String::new();
+    python
+        .stdout
+        .take()
+        .expect("stdout")
+        .read_to_string(&mut said)
+        .expect("read python3's output");
+    let mut complaint = String::new();
+    let _ = python
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut complaint);
+    assert!(
+        status.success() && said == "interrupted\n",
+        "{status}: {said}{complaint}"
+    );
+
+    // Neither waiter left a lock behind: once the holder lets go, it is free.
+    drop(holder);
+    let free = Command::new("flock")
+        .args(["-n"])
+        .arg(&path)
+        .args(["-c", "true"])
+        .status()
+        .expect("run flock -n");
+    assert!(
+        free.success(),
+        "the lock is free after the holder's close: {free}"
+    );
 }
 
 /// Calls on `mount` as a program would make them, with what POSIX says they give.

@@ -21,6 +21,12 @@ use crate::error::ClientError;
 
 /// Most a lock request asks the server to wait before it asks again.
 const LOCK_WAIT_MS: u64 = 5_000;
+/// The same for a wait that may be interrupted ([`Client::set_lock_unless`]): how long an
+/// interruption may go unnoticed.
+pub const INTERRUPTIBLE_WAIT_MS: u64 = 1_000;
+
+/// Says whether a waiting lock request should give up (its process has a signal to take).
+pub type Interrupted<'a> = &'a (dyn Fn() -> bool + Send + Sync);
 
 /// A lock to set or release: the kernel's lock owner, the process (reported to others'
 /// `F_GETLK`), the kind (None: unlock) and the inclusive range (`u64::MAX`: to the end).
@@ -111,21 +117,50 @@ impl Client {
         // An unlock of one range does not end the owner's requests for others (a thread of
         // a process waiting in F_SETLKW while another unlocks); only a close does.
         let unlocks = self.shared.held_locks().begin(key);
-        let result = self.set_lock_counted(inode, spec, wait, unlocks).await;
+        let result = self
+            .set_lock_counted(inode, spec, wait, None, unlocks)
+            .await;
+        self.shared.held_locks().end(key);
+        result.map(drop)
+    }
+
+    /// [`Client::set_lock`] with `wait`, giving up once `interrupted` says so: it is asked
+    /// each time a round of the wait at the server ends (rounds of at most
+    /// [`INTERRUPTIBLE_WAIT_MS`]), and the lock is then not taken: `Ok(false)`. A lock
+    /// granted in the round that saw the interruption is kept (`Ok(true)`), as a local
+    /// lock granted as a signal comes is.
+    pub async fn set_lock_unless(
+        &self,
+        inode: InodeId,
+        spec: LockSpec,
+        interrupted: Interrupted<'_>,
+    ) -> Result<bool, ClientError> {
+        let key = (inode, spec.owner);
+        let unlocks = self.shared.held_locks().begin(key);
+        let result = self
+            .set_lock_counted(inode, spec, true, Some(interrupted), unlocks)
+            .await;
         self.shared.held_locks().end(key);
         result
     }
 
+    /// Whether the lock was set (false only when `interrupted` said so).
     async fn set_lock_counted(
         &self,
         inode: InodeId,
         spec: LockSpec,
         wait: bool,
+        interrupted: Option<Interrupted<'_>>,
         unlocks: u64,
-    ) -> Result<(), ClientError> {
+    ) -> Result<bool, ClientError> {
         let key = (inode, spec.owner);
+        let round_ms = if interrupted.is_some() {
+            INTERRUPTIBLE_WAIT_MS
+        } else {
+            LOCK_WAIT_MS
+        };
         let wait_ms = if wait && spec.kind.is_some() {
-            LOCK_WAIT_MS.min(self.shared.pool.call_timeout_ms() / 2) as u32
+            round_ms.min(self.shared.pool.call_timeout_ms() / 2) as u32
         } else {
             0
         };
@@ -177,11 +212,14 @@ impl Client {
                             reason: "the lock's owner unlocked while it waited".into(),
                         });
                     }
-                    return Ok(());
+                    return Ok(true);
                 }
                 Err(error) if wait_ms > 0 && would_block(&error) => {
                     if self.shared.held_locks().unlocks(key) != unlocks {
                         return Err(error);
+                    }
+                    if interrupted.is_some_and(|interrupted| interrupted()) {
+                        return Ok(false);
                     }
                 }
                 Err(error) => return Err(error),

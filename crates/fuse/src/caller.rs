@@ -117,3 +117,81 @@ mod tests {
         assert!(cache.caller(0, 0, std::process::id()).groups.is_empty());
     }
 }
+
+/// Whether thread `tid` (a request's caller) has a signal to take that makes the kernel
+/// end its system call: a signal pending for the thread itself and not blocked (a fatal
+/// signal to its process puts SIGKILL there for every thread), or, in a process of one
+/// thread, one pending for the process and not blocked. A signal another thread of the
+/// process may take does not count: answering EINTR to a thread that has no signal to
+/// take would give the program the kernel's restart code (512) instead of an error.
+/// False when `/proc` does not say (pid 0, a caller in another pid namespace).
+pub fn signal_waits(tid: u32) -> bool {
+    if tid == 0 {
+        return false;
+    }
+    std::fs::read_to_string(format!("/proc/{tid}/status"))
+        .ok()
+        .is_some_and(|status| signal_waits_in(&status))
+}
+
+/// [`signal_waits`] from the text of `/proc/<tid>/status`.
+fn signal_waits_in(status: &str) -> bool {
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+    };
+    let mask = |name: &str| field(name).and_then(|hex| u64::from_str_radix(hex, 16).ok());
+    let (Some(own), Some(shared), Some(blocked)) = (mask("SigPnd"), mask("ShdPnd"), mask("SigBlk"))
+    else {
+        return false;
+    };
+    let alone = field("Threads") == Some("1");
+    own & !blocked != 0 || (alone && shared & !blocked != 0)
+}
+
+#[cfg(test)]
+mod signal_tests {
+    use super::*;
+
+    fn status(threads: u32, own: u64, shared: u64, blocked: u64) -> String {
+        format!(
+            "Name:\tflock\nThreads:\t{threads}\nSigQ:\t1/95000\nSigPnd:\t{own:016x}\n\
+             ShdPnd:\t{shared:016x}\nSigBlk:\t{blocked:016x}\nSigIgn:\t0000000000000000\n"
+        )
+    }
+
+    const TERM: u64 = 1 << (libc::SIGTERM - 1);
+    const KILL: u64 = 1 << (libc::SIGKILL - 1);
+
+    #[test]
+    fn only_a_signal_this_thread_will_take_counts() {
+        assert!(!signal_waits_in(&status(1, 0, 0, 0)), "nothing pending");
+        assert!(
+            signal_waits_in(&status(1, 0, TERM, 0)),
+            "a process of one thread"
+        );
+        assert!(!signal_waits_in(&status(1, 0, TERM, TERM)), "blocked");
+        assert!(
+            !signal_waits_in(&status(4, 0, TERM, 0)),
+            "another thread may take it"
+        );
+        assert!(
+            signal_waits_in(&status(4, KILL, TERM, 0)),
+            "fatal: every thread's"
+        );
+        assert!(
+            signal_waits_in(&status(4, TERM, 0, 0)),
+            "sent to this thread"
+        );
+        assert!(!signal_waits_in("Name:\tx\n"), "no masks: nothing known");
+        assert!(!signal_waits(0), "the kernel's own requests");
+    }
+
+    #[test]
+    fn this_processs_own_status_parses() {
+        let own = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
+        assert!(!signal_waits_in(&own), "no signal waits for the test");
+    }
+}

@@ -2182,7 +2182,7 @@ impl FreeflowFs {
 
     pub(crate) fn setlk(
         &self,
-        _request: &Caller,
+        request: &Caller,
         inode: INodeNo,
         _handle: FileHandle,
         lock_owner: LockOwner,
@@ -2206,12 +2206,40 @@ impl FreeflowFs {
             end: lock_end_from_kernel(end),
         };
         let state = self.state.clone();
-        self.spawn(async move {
-            match state.client.set_lock(inode.0, spec, sleep).await {
-                Ok(()) => reply.ok(),
+        let tid = request.pid;
+        let task = async move {
+            let set = if sleep {
+                // A waiter whose thread has a signal to take gives up (the kernel's
+                // INTERRUPT never reaches this mount: fuser answers it itself): EINTR,
+                // which the kernel turns into a restart or an error as the program's
+                // handler asks, as for a local lock.
+                let interrupted = move || crate::caller::signal_waits(tid);
+                state
+                    .client
+                    .set_lock_unless(inode.0, spec, &interrupted)
+                    .await
+            } else {
+                state
+                    .client
+                    .set_lock(inode.0, spec, false)
+                    .await
+                    .map(|()| true)
+            };
+            match set {
+                Ok(true) => reply.ok(),
+                Ok(false) => reply.error(Errno::EINTR),
                 Err(error) => reply.error(errno(&error)),
             }
-        });
+        };
+        if sleep {
+            // A waiter waits for another process, not for this mount's work: outside the
+            // bound of requests in flight, which 1,024 waiters would otherwise fill and
+            // so hold up the holder's unlock. (The kernel's ring entries and the meta
+            // server's long-poll slots bound waiters instead.)
+            self.state.runtime.spawn(task);
+        } else {
+            self.spawn(task);
+        }
     }
 
     pub(crate) fn fsync(
