@@ -252,6 +252,43 @@ fn all_finish(mut waiters: std::process::Child, mount: &Mount, when: &str) {
     );
 }
 
+/// A thread on CPU 0 holding `flock(LOCK_EX)` on a file until told.
+struct PinnedHolder {
+    thread: std::thread::JoinHandle<()>,
+    /// flock's result.
+    held: std::sync::mpsc::Receiver<libc::c_int>,
+    /// Unlock now.
+    release: std::sync::mpsc::Sender<()>,
+    /// The unlock's result and how long it took.
+    released: std::sync::mpsc::Receiver<(libc::c_int, Duration)>,
+}
+
+fn pinned_holder(path: &Path) -> PinnedHolder {
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let (released_tx, released_rx) = std::sync::mpsc::channel();
+    let path = path.to_owned();
+    let holder = std::thread::spawn(move || {
+        pin_to_cpu_zero();
+        let file = File::open(&path).expect("open the lock file");
+        // SAFETY: a valid descriptor and a flock operation.
+        let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+        held_tx.send(locked).expect("tell the test");
+        let _ = release_rx.recv();
+        let started = Instant::now();
+        // SAFETY: as above.
+        let unlocked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
+        let _ = released_tx.send((unlocked, started.elapsed()));
+        drop(file);
+    });
+    PinnedHolder {
+        thread: holder,
+        held: held_rx,
+        release: release_tx,
+        released: released_rx,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_waiters_past_a_rings_depth_on_one_cpu_hold_up_nobody() {
     if !fuse_available() || !io_uring_available() {
@@ -262,12 +299,12 @@ async fn lock_waiters_past_a_rings_depth_on_one_cpu_hold_up_nobody() {
         return;
     }
     // A lock request is answered only once the lock is given, and it holds its ring
-    // entry (and, at the meta server, a request slot) as long as it waits. 200 waiters on
-    // CPU 0 are more than a queue's first 64 entries and more than the meta server's 128
-    // request slots per connection: with a fixed depth the holder's unlock from CPU 0
-    // waited behind them for ever, and waiting requests that filled the server's slots
-    // held up the mount's lease renewals and ended in time-outs. A short call time-out
-    // (lock waits are asked in rounds of half of it) and a lock held three times longer.
+    // entry (and, at the meta server, a long-poll slot) as long as it waits. 200 waiters
+    // on CPU 0 are more than a queue's first 64 entries: with a fixed depth the holder's
+    // unlock from CPU 0 waited behind them for ever. (That 128 of them filled the meta
+    // server's request slots, before lock waits had slots of their own, is the rpc
+    // test `long_polls_do_not_take_the_slots_of_other_requests`.) The lock is held
+    // through several rounds of the waits (1 s each through the mount).
     let cluster = Cluster::start(1).await;
     let mount = Mount::start(
         &cluster,
@@ -277,23 +314,12 @@ async fn lock_waiters_past_a_rings_depth_on_one_cpu_hold_up_nobody() {
     let path = mount.path("lock");
     File::create(&path).expect("create the lock file");
 
-    let (held_tx, held_rx) = std::sync::mpsc::channel();
-    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
-    let (released_tx, released_rx) = std::sync::mpsc::channel();
-    let holder_path = path.clone();
-    let holder = std::thread::spawn(move || {
-        pin_to_cpu_zero();
-        let file = File::open(&holder_path).expect("open the lock file");
-        // SAFETY: a valid descriptor and a flock operation.
-        let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
-        held_tx.send(locked).expect("tell the test");
-        let _ = release_rx.recv();
-        let started = Instant::now();
-        // SAFETY: as above.
-        let unlocked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
-        drop(file);
-        let _ = released_tx.send((unlocked, started.elapsed()));
-    });
+    let PinnedHolder {
+        thread: holder,
+        held: held_rx,
+        release: release_tx,
+        released: released_rx,
+    } = pinned_holder(&path);
     assert_eq!(
         held_rx.recv().expect("the holder locks"),
         0,
@@ -336,22 +362,12 @@ async fn lock_waiters_past_a_rings_depth_on_one_cpu_hold_up_nobody() {
         &["--io-uring", "--call-timeout-ms", "3000"],
     );
     let path = mount.path("lock");
-    let (held_tx, held_rx) = std::sync::mpsc::channel();
-    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
-    let (released_tx, released_rx) = std::sync::mpsc::channel();
-    let holder_path = path.clone();
-    let holder = std::thread::spawn(move || {
-        pin_to_cpu_zero();
-        let file = File::open(&holder_path).expect("open the lock file");
-        // SAFETY: a valid descriptor and a flock operation.
-        let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
-        held_tx.send(locked).expect("tell the test");
-        let _ = release_rx.recv();
-        // SAFETY: as above.
-        let unlocked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
-        let _ = released_tx.send(unlocked);
-        drop(file);
-    });
+    let PinnedHolder {
+        thread: holder,
+        held: held_rx,
+        release: release_tx,
+        released: released_rx,
+    } = pinned_holder(&path);
     assert_eq!(
         held_rx.recv().expect("the holder locks"),
         0,
@@ -380,7 +396,7 @@ async fn lock_waiters_past_a_rings_depth_on_one_cpu_hold_up_nobody() {
     release_tx.send(()).expect("tell the holder");
     std::thread::sleep(Duration::from_millis(500));
     mount.signal(libc::SIGCONT);
-    let Ok(unlocked) = released_rx.recv_timeout(Duration::from_secs(30)) else {
+    let Ok((unlocked, _)) = released_rx.recv_timeout(Duration::from_secs(30)) else {
         panic!(
             "the holder's unlock queued behind held entries did not finish in 30 s\n{}",
             mount.log_text()
