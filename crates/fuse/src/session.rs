@@ -382,7 +382,14 @@ impl MountHandle {
             return;
         };
         let path = format!("/sys/fs/fuse/connections/{minor}/abort");
-        if let Err(error) = std::fs::write(&path, "1") {
+        let mut written = std::fs::write(&path, "1");
+        if matches!(&written, Err(error) if error.kind() == std::io::ErrorKind::NotFound)
+            && mount_fusectl()
+        {
+            // The FUSE control file system was not mounted (a fresh container): it is now.
+            written = std::fs::write(&path, "1");
+        }
+        if let Err(error) = written {
             tracing::warn!(%path, %error, "cannot abort the FUSE connection");
         }
     }
@@ -394,6 +401,29 @@ impl Drop for MountHandle {
             detach(&self.mountpoint);
         }
     }
+}
+
+/// Mounts the FUSE control file system on `/sys/fs/fuse/connections` (root only), where
+/// a connection is aborted; whether it was mounted by this call.
+fn mount_fusectl() -> bool {
+    const TARGET: &std::ffi::CStr = c"/sys/fs/fuse/connections";
+    // SAFETY: C strings that live across the call; no data argument.
+    let mounted = unsafe {
+        libc::mount(
+            c"fusectl".as_ptr(),
+            TARGET.as_ptr(),
+            c"fusectl".as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    } == 0;
+    if mounted {
+        tracing::info!("mounted the FUSE control file system on /sys/fs/fuse/connections");
+    } else {
+        let error = std::io::Error::last_os_error();
+        tracing::debug!(%error, "cannot mount the FUSE control file system");
+    }
+    mounted
 }
 
 /// Lazy unmount: the name goes now, the file system when nothing uses it.
