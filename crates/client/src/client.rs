@@ -80,6 +80,8 @@ pub(crate) struct Shared {
     pub(crate) recall_handler: Mutex<Option<crate::leases::RecallHandler>>,
     /// The file locks this client holds (see `locks.rs`).
     pub(crate) locks: Mutex<crate::locks::HeldLocks>,
+    /// Turns of lock waits at the meta server (`locks::LOCK_WAITS_MAX`).
+    pub(crate) lock_waits: tokio::sync::Semaphore,
     /// Closes nobody waits for (see `closer.rs`).
     pub(crate) closer: Arc<crate::closer::Closer>,
     /// Directories delegated to this client and the creates answered ahead in them (see
@@ -380,6 +382,7 @@ impl Client {
             revocation_handler: Mutex::new(None),
             recall_handler: Mutex::new(None),
             locks: crate::locks::new_held(),
+            lock_waits: tokio::sync::Semaphore::new(crate::locks::LOCK_WAITS_MAX),
         });
         // After a meta server restart, the session, its open handles and the locks held
         // here are taken again before the server's recovery window ends.

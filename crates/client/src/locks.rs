@@ -25,6 +25,12 @@ const LOCK_WAIT_MS: u64 = 5_000;
 /// interruption may go unnoticed.
 pub const INTERRUPTIBLE_WAIT_MS: u64 = 1_000;
 
+/// Lock requests of one client waiting at the meta server at once. Each is a long poll
+/// there, with slots of their own (4,096 a connection, `long_polls_in_flight_max`) past
+/// which the server stops reading the connection, lease renewals and all: more wait here
+/// for a turn, a round at a time.
+pub const LOCK_WAITS_MAX: usize = 1024;
+
 /// Says whether a waiting lock request should give up (its process has a signal to take).
 pub type Interrupted<'a> = &'a (dyn Fn() -> bool + Send + Sync);
 
@@ -165,6 +171,29 @@ impl Client {
             0
         };
         loop {
+            // A turn at the server for a wait; none within a round counts as a round that
+            // ended WouldBlock.
+            let _turn = if wait_ms == 0 {
+                None
+            } else {
+                let round = std::time::Duration::from_millis(u64::from(wait_ms));
+                match tokio::time::timeout(round, self.shared.lock_waits.acquire()).await {
+                    Ok(turn) => turn.ok(),
+                    Err(_) => {
+                        if self.shared.held_locks().unlocks(key) != unlocks {
+                            return Err(ClientError::Inode {
+                                inode,
+                                code: ErrorCode::WouldBlock,
+                                reason: "the lock's owner unlocked while it waited".into(),
+                            });
+                        }
+                        if interrupted.is_some_and(|interrupted| interrupted()) {
+                            return Ok(false);
+                        }
+                        continue;
+                    }
+                }
+            };
             let mut session_id = self.session_id();
             let request = |session_id| SetLock {
                 session_id,

@@ -404,7 +404,8 @@ impl Drop for MountHandle {
 }
 
 /// Mounts the FUSE control file system on `/sys/fs/fuse/connections` (root only), where
-/// a connection is aborted; whether it was mounted by this call.
+/// a connection is aborted; whether it was mounted by this call. Left mounted, as a
+/// distribution's boot would have it (it holds only the connections' control files).
 fn mount_fusectl() -> bool {
     const TARGET: &std::ffi::CStr = c"/sys/fs/fuse/connections";
     // SAFETY: C strings that live across the call; no data argument.

@@ -79,6 +79,8 @@ pub const GROW_STEP: usize = 64;
 /// The most entries a queue grows to: the mount's bound on requests in its hands over
 /// `/dev/fuse` (`REQUESTS_IN_FLIGHT_MAX`), per CPU.
 pub const RING_MAX_DEPTH: usize = crate::session::REQUESTS_IN_FLIGHT_MAX;
+// Entries are named by u16 indices (the commands' user data, the replies' places).
+const _: () = assert!(RING_DEPTH <= RING_MAX_DEPTH && RING_MAX_DEPTH <= u16::MAX as usize);
 /// Payload buffer of an entry: the largest write or read, and a page for the rest.
 const PAYLOAD_BYTES: usize = MAX_WRITE_BYTES as usize + 4096;
 /// Replies at least this large given off the queue thread are committed by the queue's
@@ -691,7 +693,14 @@ fn commit_large(queue: &Arc<QueueShared>) {
 /// mount point by path (a descriptor held open on the mount would make it busy at
 /// unmount). Without that table it makes no request.
 fn nudge_queue(nudge: &Nudge, mountpoint: &std::ffi::CStr, cpu: usize) {
-    pin_to_cpu(cpu);
+    // Unpinned (a cpuset without this CPU), its requests would go to another queue.
+    if !pin_to_cpu(cpu) {
+        tracing::warn!(
+            cpu,
+            "a FUSE ring queue's nudger cannot run on its CPU: none for this queue"
+        );
+        return;
+    }
     // SAFETY: unshare(CLONE_FILES) gives this thread a copy of the descriptor table;
     // close_range then closes every descriptor in that copy only. No code of this thread
     // uses a descriptor afterwards (it neither logs nor owns any: `Nudge` holds none).
@@ -771,15 +780,18 @@ fn command(
     unsafe { std::mem::transmute::<[u8; 128], squeue::Entry128>(raw) }
 }
 
-fn pin_to_cpu(cpu: usize) {
+/// Pins the calling thread to `cpu`; whether it could.
+fn pin_to_cpu(cpu: usize) -> bool {
     // SAFETY: a zeroed cpu_set_t is empty; CPU_SET is bounds-checked by libc's macro port.
-    unsafe {
+    let pinned = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
-        if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) != 0 {
-            tracing::debug!(cpu, "cannot pin a FUSE ring thread to its CPU");
-        }
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) == 0
+    };
+    if !pinned {
+        tracing::debug!(cpu, "cannot pin a FUSE ring thread to its CPU");
     }
+    pinned
 }
 
 /// Errors of an entry's command that mean the connection is gone.
@@ -801,7 +813,7 @@ fn serve_queue(
 ) {
     // Pinned: a request is queued on the ring of the caller's CPU, and served there it
     // needs no wake-up of the other CPU (unpinned, 4 KiB writes ran at a quarter).
-    pin_to_cpu(cpu);
+    let _ = pin_to_cpu(cpu);
     QUEUE_THREAD.with(|current| current.set(Arc::as_ptr(queue)));
     let poll = || {
         squeue::Entry128::from(
@@ -827,9 +839,12 @@ fn serve_queue(
     // A refused registration comes back as a completion with an error at once; none by
     // now means they are waiting for requests.
     let mut live = RING_DEPTH;
-    // Growth stops at the first refusal or failed mapping (the queue serves with what it
-    // has, as before it grew).
+    // Growth stops at the first refused registration or failed mapping (the queue serves
+    // with what it has, as before it grew).
     let mut may_grow = true;
+    // Entries that have had a request: an error on one that has not is a refused
+    // registration.
+    let mut fetched = vec![false; RING_MAX_DEPTH];
     let mut first = true;
     let mut served: u64 = 0;
     loop {
@@ -841,22 +856,23 @@ fn serve_queue(
         }
         // After the commits, so that requests answered on this thread are not counted as
         // held.
-        let free = queue
-            .registered
-            .load(Ordering::Acquire)
-            .saturating_sub(queue.in_hand.load(Ordering::Acquire));
+        // Free: live entries (failed ones are gone) not holding a request.
+        let free = live.saturating_sub(queue.in_hand.load(Ordering::Acquire));
         if !first && free < GROW_RESERVE {
-            if may_grow {
+            let grew = may_grow && {
+                let before = live;
                 may_grow = grow(queue, &mut live);
-            }
+                live > before
+            };
             // Requests may be queued in the kernel behind held entries (see the module
-            // doc). The new entries go to the kernel first: a nudge that came before them
+            // doc). New entries go to the kernel first: a nudge that came before them
             // would queue behind the others (the nudger, woken, may run before this
-            // thread's next wait submits them).
-            if let Err(error) = queue.ring.submit() {
-                tracing::warn!(%error, "submitting a FUSE ring's new entries failed");
+            // thread's next wait submits them); if they cannot, the window opens next
+            // turn.
+            let submitted = !grew || queue.ring.submit().is_ok();
+            if submitted {
+                queue.nudge();
             }
-            queue.nudge();
         }
         if queue.stopping.load(Ordering::Acquire) {
             break;
@@ -933,11 +949,15 @@ fn serve_queue(
             if result < 0 {
                 if !connection_gone(result) {
                     tracing::warn!(error = -result, "a FUSE ring entry failed");
-                    may_grow = false;
+                    if !fetched[index] {
+                        // The kernel refused its registration: it would refuse more.
+                        may_grow = false;
+                    }
                 }
                 live -= 1;
                 continue;
             }
+            fetched[index] = true;
             queue.in_hand.fetch_add(1, Ordering::AcqRel);
             // A handler that panics answers EIO (its reply is dropped) instead of taking the
             // queue, and every request of this CPU, down with it.
