@@ -252,11 +252,9 @@ fn all_finish(mut waiters: std::process::Child, mount: &Mount, when: &str) {
     );
 }
 
-/// A thread on CPU 0 holding `flock(LOCK_EX)` on a file until told.
+/// A thread on CPU 0 holding `flock(LOCK_EX)` on a file until told (returned once it holds it).
 struct PinnedHolder {
     thread: std::thread::JoinHandle<()>,
-    /// flock's result.
-    held: std::sync::mpsc::Receiver<libc::c_int>,
     /// Unlock now.
     release: std::sync::mpsc::Sender<()>,
     /// The unlock's result and how long it took.
@@ -281,9 +279,13 @@ fn pinned_holder(path: &Path) -> PinnedHolder {
         let _ = released_tx.send((unlocked, started.elapsed()));
         drop(file);
     });
+    assert_eq!(
+        held_rx.recv().expect("the holder locks"),
+        0,
+        "the holder's flock"
+    );
     PinnedHolder {
         thread: holder,
-        held: held_rx,
         release: release_tx,
         released: released_rx,
     }
@@ -316,15 +318,9 @@ async fn lock_waiters_past_a_rings_depth_on_one_cpu_hold_up_nobody() {
 
     let PinnedHolder {
         thread: holder,
-        held: held_rx,
         release: release_tx,
         released: released_rx,
     } = pinned_holder(&path);
-    assert_eq!(
-        held_rx.recv().expect("the holder locks"),
-        0,
-        "the holder's flock"
-    );
 
     let waiters = burst_of_waiters(&path);
     // Held three rounds of the waiters' requests, while they pile up.
@@ -364,15 +360,9 @@ async fn lock_waiters_past_a_rings_depth_on_one_cpu_hold_up_nobody() {
     let path = mount.path("lock");
     let PinnedHolder {
         thread: holder,
-        held: held_rx,
         release: release_tx,
         released: released_rx,
     } = pinned_holder(&path);
-    assert_eq!(
-        held_rx.recv().expect("the holder locks"),
-        0,
-        "the holder's flock"
-    );
     let mut waiters: Vec<std::process::Child> = (0..100)
         .map(|_| {
             Command::new("taskset")
