@@ -1217,7 +1217,8 @@ async fn long_polls_do_not_take_the_slots_of_other_requests() {
                 })
             })
             .collect();
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Time for the server to have read (at least) two of them on a slow machine.
+        tokio::time::sleep(Duration::from_secs(1)).await;
         let read = ReadObject {
             object: ObjectId {
                 inode: 1,
