@@ -241,35 +241,44 @@ def test_threads_share_one_client(client, home):
 
 def test_the_gil_is_released_while_a_call_waits(client, home):
     """Another Python thread runs while a large read is under way in the native module
-    (with the GIL held it could not run a single bytecode until the call returned)."""
+    (with the GIL held it could not run a single bytecode until the call returned).
+
+    Up to three reads: on two busy vCPUs the other thread may, once in a while, get no CPU
+    for the middle of one (seen once in CI-like runs), which says nothing of the GIL; with
+    the GIL held it could tick in the middle of none of them."""
     size = 128 * MiB
     client.write_bytes(f"{home}/big", payload(size, 11))
-    ticks = []
-    stop = threading.Event()
+    seen = []
+    for _attempt in range(3):
+        ticks = []
+        stop = threading.Event()
 
-    def count() -> None:
-        while not stop.is_set():
-            ticks.append(time.perf_counter())
+        def count() -> None:
+            while not stop.is_set():
+                ticks.append(time.perf_counter())
 
-    with client.open(f"{home}/big", "rb", buffering=0) as f:
-        counter = threading.Thread(target=count)
-        counter.start()
-        try:
-            time.sleep(0.05)  # the counter is running
-            start = time.perf_counter()
-            data = f.read(size)  # one call into the native module
-            end = time.perf_counter()
-        finally:
-            stop.set()
-            counter.join()
-    assert len(data) == size
-    took = end - start
-    print(f"a {size >> 20} MiB read took {took:.3f} s; {len(ticks)} ticks in all")
-    assert took > 0.02, f"the read took only {took:.3f} s: too short to tell"
-    # Held, the GIL would let the counter tick only at the edges of the call (until the
-    # main thread took it back, one switch interval at most): look in the middle third.
-    middle = [tick for tick in ticks if start + took / 3 < tick < end - took / 3]
-    assert middle, f"no tick of the other thread in the middle of a {took:.3f} s read"
+        with client.open(f"{home}/big", "rb", buffering=0) as f:
+            counter = threading.Thread(target=count)
+            counter.start()
+            try:
+                time.sleep(0.05)  # the counter is running
+                start = time.perf_counter()
+                data = f.read(size)  # one call into the native module
+                end = time.perf_counter()
+            finally:
+                stop.set()
+                counter.join()
+        assert len(data) == size
+        took = end - start
+        print(f"a {size >> 20} MiB read took {took:.3f} s; {len(ticks)} ticks in all")
+        assert took > 0.02, f"the read took only {took:.3f} s: too short to tell"
+        # Held, the GIL would let the counter tick only at the edges of the call (until the
+        # main thread took it back, one switch interval at most): look in the middle third.
+        middle = [tick for tick in ticks if start + took / 3 < tick < end - took / 3]
+        seen.append((took, len(middle)))
+        if middle:
+            break
+    assert seen[-1][1] > 0, f"no tick of the other thread in the middle of any read: {seen}"
 
 
 def test_flush_publishes_and_append_starts_at_the_end(cluster, client, home):
