@@ -17,7 +17,7 @@ use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::mount::{errno_of, fuse_available, open_rw, Mount};
+use common::mount::{errno_of, fuse_available, io_uring_available, open_rw, Mount};
 use common::{assert_bytes_eq, Cluster, ClusterOptions, Xorshift};
 use freeflow_metrics::text::Snapshot;
 
@@ -577,6 +577,147 @@ async fn listings_the_kernel_keeps_show_every_change_at_once() {
     fs::remove_file(listers[1].path("d/file-01500")).unwrap();
     expected.retain(|name| name != "file-01500");
     check("a lister's own unlink", &mut expected);
+}
+
+/// Name, type (from the listing's `d_type`) and inode (`d_ino`) of every entry of
+/// `directory`, by name.
+fn entries_of(directory: &Path) -> Vec<(String, fs::FileType, u64)> {
+    use std::os::unix::fs::DirEntryExt;
+    let mut entries: Vec<(String, fs::FileType, u64)> = fs::read_dir(directory)
+        .unwrap_or_else(|error| panic!("list {}: {error}", directory.display()))
+        .map(|entry| {
+            let entry = entry.expect("an entry");
+            let name = entry.file_name().to_string_lossy().into_owned();
+            (name, entry.file_type().expect("its type"), entry.ino())
+        })
+        .collect();
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    entries
+}
+
+/// The same from `lstat` of each name of `names` in `directory` (on a mount: a lookup of
+/// each, which warms them).
+fn entries_by_lstat(directory: &Path, names: &[String]) -> Vec<(String, fs::FileType, u64)> {
+    let mut entries: Vec<(String, fs::FileType, u64)> = names
+        .iter()
+        .map(|name| {
+            let metadata = fs::symlink_metadata(directory.join(name))
+                .unwrap_or_else(|error| panic!("lstat {name}: {error}"));
+            (name.clone(), metadata.file_type(), metadata.ino())
+        })
+        .collect();
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    entries
+}
+
+/// `READDIRPLUS` entries a mount gave, (with attributes, as names alone), from its metrics.
+async fn listed_entries(address: &str) -> (f64, f64) {
+    let text = freeflow_metrics::scrape(address, Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|error| panic!("scrape {address}: {error}"));
+    let snapshot = Snapshot::parse(&text);
+    let listed = |attributes| {
+        snapshot.sum(
+            "freeflow_mount_listed_entries_total",
+            &[("attributes", attributes)],
+        )
+    };
+    (listed("given"), listed("held"))
+}
+
+/// Over the rings, a listing of names whose names and attributes the kernel holds already
+/// (looked up just before) gives them as names alone, and a listing of names it does not
+/// hold gives their attributes: what the program sees is the same either way (every name,
+/// its type and its inode, as `lstat` has them), and a change another mount makes is in
+/// the very next listing and `lstat` all the same (a replaced file's new inode, a removed
+/// name gone, a new one there, a new mode).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_listings_give_held_names_alone_and_still_show_every_change() {
+    if !fuse_available() || !io_uring_available() {
+        return;
+    }
+    const FILES: usize = 300;
+    let cluster = coherence_cluster(LONG_LEASE_MS).await;
+    let changer = Mount::start(&cluster, "a", &[]);
+    let address = format!("127.0.0.1:{}", common::free_port());
+    let lister = Mount::start(&cluster, "b", &["--metrics-address", &address]);
+    let mut names: Vec<String> = (0..FILES).map(|index| format!("file-{index:03}")).collect();
+    for directory in ["warm", "cold"] {
+        fs::create_dir(changer.path(directory)).unwrap();
+        for name in &names {
+            File::create(changer.path(&format!("{directory}/{name}"))).unwrap();
+        }
+        fs::create_dir(changer.path(&format!("{directory}/sub"))).unwrap();
+        std::os::unix::fs::symlink("file-000", changer.path(&format!("{directory}/link"))).unwrap();
+    }
+    names.extend(["sub".to_string(), "link".to_string()]);
+
+    // Not looked up on the lister: every entry of its first page goes with attributes.
+    let (given, held) = listed_entries(&address).await;
+    let cold = entries_of(&lister.path("cold"));
+    let (given_after, held_after) = listed_entries(&address).await;
+    assert_eq!(
+        cold,
+        entries_by_lstat(&changer.path("cold"), &names),
+        "the cold listing"
+    );
+    assert!(
+        given_after > given && held_after == held,
+        "a cold listing gave {} entries with attributes and {} alone",
+        given_after - given,
+        held_after - held
+    );
+
+    // Looked up just before: names alone, and the same entries.
+    let warm = entries_by_lstat(&lister.path("warm"), &names);
+    let (given, held) = listed_entries(&address).await;
+    assert_eq!(entries_of(&lister.path("warm")), warm, "the warm listing");
+    let (given_after, held_after) = listed_entries(&address).await;
+    assert!(
+        held_after > held && given_after == given,
+        "a warm listing gave {} entries alone and {} with attributes",
+        held_after - held,
+        given_after - given
+    );
+    assert_eq!(
+        warm,
+        entries_by_lstat(&changer.path("warm"), &names),
+        "as the changer has them"
+    );
+
+    // Changes on the other mount, seen by the next listing and stat on the lister.
+    fs::set_permissions(
+        changer.path("warm/file-001"),
+        fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    fs::remove_file(changer.path("warm/file-002")).unwrap();
+    fs::write(changer.path("warm/file-002"), b"a new file").unwrap();
+    fs::remove_file(changer.path("warm/file-003")).unwrap();
+    File::create(changer.path("warm/file-new")).unwrap();
+    names.retain(|name| name != "file-003");
+    names.push("file-new".to_string());
+    let truth = entries_by_lstat(&changer.path("warm"), &names);
+    assert_eq!(
+        entries_of(&lister.path("warm")),
+        truth,
+        "the lister's listing after the changes"
+    );
+    assert_eq!(
+        entries_by_lstat(&lister.path("warm"), &names),
+        truth,
+        "the lister's lstat after the changes"
+    );
+    let mode = fs::metadata(lister.path("warm/file-001"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "the new mode");
+    assert_eq!(
+        fs::read(lister.path("warm/file-002")).unwrap(),
+        b"a new file",
+        "the new file's bytes"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

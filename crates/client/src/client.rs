@@ -1106,19 +1106,6 @@ impl Client {
             .collect()
     }
 
-    /// The kinds of `inodes` from the attributes this client keeps under leases still good
-    /// (as [`Client::kept_attributes`]), or None if any is not kept: no request, and no
-    /// attributes copied.
-    pub fn kept_kinds(&self, inodes: &[InodeId]) -> Option<Vec<FileKind>> {
-        let kept = self.shared.pool.kept_kinds(inodes)?;
-        let view = self.lease_view();
-        inodes
-            .iter()
-            .zip(kept)
-            .map(|(inode, (kind, lease))| view.remaining(&lease, &[*inode]).map(|_| kind))
-            .collect()
-    }
-
     pub async fn unlink(&self, parent: InodeId, name: &str) -> Result<(), ClientError> {
         self.unlink_leased(parent, name).await.map(|_| ())
     }

@@ -22,7 +22,7 @@ use freeflow_proto::meta::{
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, LeaderSearch, RawFrame, RpcError};
-use freeflow_types::{Attr, FileKind, InodeId, ServerId};
+use freeflow_types::{Attr, InodeId, ServerId};
 
 use crate::metrics::ClientMetrics;
 use crate::replay::{Kept, KeptLog};
@@ -336,16 +336,6 @@ impl Pool {
                 kept.get(inode)
                     .map(|(attr, lease, _)| (attr.clone(), *lease))
             })
-            .collect()
-    }
-
-    /// The kinds of `inodes` kept, with their leases (to be checked by the caller); None
-    /// if any is not kept.
-    pub(crate) fn kept_kinds(&self, inodes: &[InodeId]) -> Option<Vec<(FileKind, Lease)>> {
-        let kept = self.attributes();
-        inodes
-            .iter()
-            .map(|inode| kept.get(inode).map(|(attr, lease, _)| (attr.kind, *lease)))
             .collect()
     }
 

@@ -17,14 +17,15 @@
 //! the claim that a name is missing needs the lease, and it is checked at every use.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BTreeMap, BinaryHeap};
 use std::ffi::OsStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
-use freeflow_client::{InodeId, Lease, Revocation};
+use compact_str::CompactString;
+use foldhash::{HashMap, HashMapExt, HashSet};
+use freeflow_client::{FileKind, InodeId, Lease, Revocation};
 use fuser::{INodeNo, Notifier};
 
 use crate::shadow::PAGE_BYTES;
@@ -39,6 +40,10 @@ pub const KERNEL_LISTINGS_MAX: usize = 65_536;
 /// those whose lease ran out are dropped), replies are given the configured time-outs
 /// instead (no more caching).
 pub const CACHED_MAX: usize = 1 << 20;
+
+/// Least time left on what the kernel holds of a name and its file for a `READDIRPLUS`
+/// entry to go without the file's attributes ([`Admission::kernel_holds`]).
+pub const KERNEL_HELD_MIN_LEFT: Duration = Duration::from_secs(1);
 
 /// How often a full index is swept for what ran out (a sweep visits every entry).
 const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
@@ -60,10 +65,14 @@ pub const HELD_NAMES_PER_FILE_MAX: usize = 64;
 
 /// Every name of a directory, known under `lease` on its names.
 struct Listing {
-    names: HashSet<String>,
-    /// The inodes of the names this mount made or learned with them (for unlinks answered
-    /// ahead, which must know the file they remove).
-    children: HashMap<String, InodeId>,
+    /// In the meta server's order (of the names' bytes), each with the inode and kind of
+    /// the file this mount made or learned with it (for unlinks answered ahead, which must
+    /// know the file they remove, and for listings answered from here); None where not
+    /// known (a rename's new name). Names are kept inline where short (most are): a
+    /// listing answered from here reads them in order without a cache miss each.
+    names: BTreeMap<CompactString, Option<(InodeId, FileKind)>>,
+    /// Names whose file is not known.
+    unknown: usize,
     lease: Lease,
     /// The group new files get there when it is not the creator's (a setgid directory).
     group_of_new: Option<u32>,
@@ -75,6 +84,11 @@ struct Index {
     names: HashMap<InodeId, HashMap<String, Instant>>,
     name_count: usize,
     attributes: HashMap<InodeId, Instant>,
+    /// Inodes of `attributes` the kernel may have marked partly stale on its own since it
+    /// was last given their attributes: opened, listed or read as a link here (it drops a
+    /// file's access time after a read, its size and times after a write), so that a
+    /// listing gives them with attributes again ([`Admission::kernel_holds`]).
+    touched: HashSet<InodeId>,
     swept_at: Option<Instant>,
     listings: HashMap<InodeId, Listing>,
     listed_names: usize,
@@ -131,6 +145,8 @@ impl Index {
         }
         self.swept_at = Some(now);
         self.attributes.retain(|_, until| *until > now);
+        let attributes = &self.attributes;
+        self.touched.retain(|inode| attributes.contains_key(inode));
         let mut count = 0;
         self.names.retain(|_, names| {
             names.retain(|_, until| *until > now);
@@ -205,7 +221,7 @@ impl Admission<'_> {
             self.index.drop_listing(directory);
             return None;
         }
-        (!listing.names.contains(name)).then_some(listing.lease)
+        (!listing.names.contains_key(name)).then_some(listing.lease)
     }
 
     /// Like [`Admission::known_missing`], for a create answered ahead (`delegation.rs` in
@@ -235,34 +251,35 @@ impl Admission<'_> {
             self.index.drop_listing(directory);
             return None;
         }
-        let child = *listing.children.get(name)?;
+        let (child, _) = (*listing.names.get(name)?)?;
         Some((listing.lease, child))
     }
 
-    /// Every name of `directory` with its inode, and the lease they are known under, when
-    /// this mount holds a complete listing of it under a lease still good (`left`) and
-    /// knows the inode of every name (not so after a link or rename whose inode it did not
-    /// learn): a listing answered without the meta server.
+    /// Every name of `directory` with its inode and kind, in the meta server's order (of
+    /// the names' bytes), and the lease they are known under, when this mount holds a
+    /// complete listing of it under a lease still good (`left`) and knows the file of
+    /// every name (not so after a rename): a listing answered without the meta server.
+    #[allow(clippy::type_complexity)]
     pub fn complete_listing(
         &mut self,
         directory: InodeId,
         left: impl Fn(&Lease) -> Option<Duration>,
-    ) -> Option<(Vec<(String, InodeId)>, Lease)> {
+    ) -> Option<(Vec<(String, InodeId, FileKind)>, Lease)> {
         let listing = self.index.listings.get(&directory)?;
         if left(&listing.lease).is_none() {
             self.index.drop_listing(directory);
             return None;
         }
-        if listing.children.len() != listing.names.len() {
+        if listing.unknown > 0 {
             return None;
         }
-        let mut entries: Vec<(String, InodeId)> = listing
-            .children
+        let entries = listing
+            .names
             .iter()
-            .map(|(name, inode)| (name.clone(), *inode))
+            .filter_map(|(name, child)| {
+                child.map(|(inode, kind)| (name.as_str().to_owned(), inode, kind))
+            })
             .collect();
-        // The meta server's order (its keys hold the names' bytes).
-        entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
         Some((entries, listing.lease))
     }
 
@@ -276,21 +293,22 @@ impl Admission<'_> {
         self.index.listings.insert(
             directory,
             Listing {
-                names: HashSet::new(),
-                children: HashMap::new(),
+                names: BTreeMap::new(),
+                unknown: 0,
                 lease,
                 group_of_new,
             },
         );
     }
 
-    /// This mount added `name` to `directory`; `lease`, if the reply came with one that is
-    /// still good (`left`), renews the listing's. Dropped past [`LISTED_NAMES_MAX`].
+    /// This mount added `name` to `directory`, standing for `child` (its inode and kind) if
+    /// known; `lease`, if the reply came with one that is still good (`left`), renews the
+    /// listing's. Dropped past [`LISTED_NAMES_MAX`].
     pub fn listing_added(
         &mut self,
         directory: InodeId,
         name: &str,
-        child: Option<InodeId>,
+        child: Option<(InodeId, FileKind)>,
         lease: Option<Lease>,
         left: impl Fn(&Lease) -> Option<Duration>,
     ) {
@@ -302,17 +320,17 @@ impl Admission<'_> {
             index.drop_listing(directory);
             return;
         }
-        if listing.names.insert(name.to_string()) {
-            index.listed_names += 1;
-        }
-        match child {
-            Some(child) => {
-                listing.children.insert(name.to_string(), child);
+        match listing.names.get_mut(name) {
+            Some(known) => {
+                listing.unknown -= usize::from(known.is_none());
+                *known = child;
             }
             None => {
-                listing.children.remove(name);
+                listing.names.insert(CompactString::from(name), child);
+                index.listed_names += 1;
             }
         }
+        listing.unknown += usize::from(child.is_none());
         // Renewed only without a gap: the old lease still good, the new one newer.
         if let Some(lease) = lease {
             if lease.seq > listing.lease.seq
@@ -346,10 +364,10 @@ impl Admission<'_> {
     pub fn listing_removed(&mut self, directory: InodeId, name: &str) {
         let index = &mut *self.index;
         if let Some(listing) = index.listings.get_mut(&directory) {
-            if listing.names.remove(name) {
+            if let Some(child) = listing.names.remove(name) {
                 index.listed_names -= 1;
+                listing.unknown -= usize::from(child.is_none());
             }
-            listing.children.remove(name);
         }
     }
 
@@ -384,6 +402,7 @@ impl Admission<'_> {
             }
         }
         if let Some(child) = child {
+            index.touched.remove(&child);
             let known = index.attributes.entry(child).or_insert(until);
             *known = (*known).max(until);
             if self.writeback {
@@ -420,6 +439,36 @@ impl Admission<'_> {
         {
             self.index.lapsed.insert(inode);
         }
+    }
+
+    /// For each of `entries` (name and inode) of `parent`: whether this mount gave the
+    /// kernel the name and the inode's attributes under leases that have at least
+    /// [`KERNEL_HELD_MIN_LEFT`] to run and were not revoked since, and the inode was not
+    /// touched since ([`KernelCache::touched`]). A `READDIRPLUS` reply
+    /// then gives such an entry's name alone (no inode: the kernel keeps what it has, and
+    /// counts no lookup). Always safe: at worst the kernel no longer has it and looks the
+    /// name up when it needs it.
+    pub fn kernel_holds<'n>(
+        &self,
+        parent: InodeId,
+        entries: impl Iterator<Item = (&'n str, InodeId)>,
+    ) -> Vec<bool> {
+        let names = self.index.names.get(&parent);
+        let enough = Instant::now() + KERNEL_HELD_MIN_LEFT;
+        entries
+            .map(|(name, inode)| {
+                self.enabled
+                    && names
+                        .and_then(|names| names.get(name))
+                        .is_some_and(|until| *until >= enough)
+                    && self
+                        .index
+                        .attributes
+                        .get(&inode)
+                        .is_some_and(|until| *until >= enough)
+                    && !self.index.touched.contains(&inode)
+            })
+            .collect()
     }
 
     /// Whether the kernel may keep the listing of `directory` it has cached at this
@@ -502,6 +551,7 @@ impl Admission<'_> {
             return None;
         }
         let until = now + left;
+        self.index.touched.remove(&inode);
         let known = self.index.attributes.entry(inode).or_insert(until);
         *known = (*known).max(until);
         if self.writeback {
@@ -520,6 +570,21 @@ impl KernelCache {
             writeback,
             truncating: Mutex::new(HashMap::new()),
             revoked_held: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// The kernel opened, listed or read as a link `inode` through this mount (or closed it
+    /// after that): it may have marked part of the attributes it holds stale on its own,
+    /// so a listing gives them again (see [`Index::touched`]). Only an inode whose
+    /// attributes the kernel was given under a lease is noted (that bounds the set).
+    pub fn touched(&self, inode: InodeId) {
+        if self.writeback || !self.enabled.load(Ordering::Acquire) {
+            // Writeback mounts give every entry its attributes.
+            return;
+        }
+        let mut index = self.index();
+        if index.attributes.contains_key(&inode) {
+            index.touched.insert(inode);
         }
     }
 
@@ -810,6 +875,7 @@ impl KernelCache {
             }
             index.name_count = 0;
             inodes.extend(index.attributes.drain().map(|(inode, _)| inode));
+            index.touched.clear();
             index.listings.clear();
             index.listed_names = 0;
             index.kernel_listings.clear();
@@ -845,6 +911,9 @@ impl KernelCache {
                     entries.push((revocation.inode, name.clone()));
                 }
             }
+        }
+        if revocation.attributes {
+            index.touched.remove(&revocation.inode);
         }
         if revocation.attributes && index.attributes.remove(&revocation.inode).is_some() {
             inodes.push(revocation.inode);
@@ -1009,6 +1078,69 @@ mod tests {
     }
 
     #[test]
+    fn the_kernel_holds_what_it_was_given_under_leases_with_time_to_run() {
+        let cache = enabled_cache();
+        let ten = Some(Duration::from_secs(10));
+        let mut admission = cache.admit();
+        admission.entry(ten, 7, "both", Some(20));
+        admission.entry(ten, 7, "name-alone", None);
+        admission.attributes(ten, 22);
+        admission.entry(Some(Duration::from_millis(500)), 7, "short", Some(23));
+        assert_eq!(
+            admission.kernel_holds(
+                7,
+                [
+                    ("both", 20),
+                    ("name-alone", 21),
+                    ("attributes-alone", 22),
+                    ("short", 23),
+                    ("never", 24)
+                ]
+                .into_iter()
+            ),
+            vec![true, false, false, false, false],
+            "only a name and its attributes, both with a second to run"
+        );
+        assert_eq!(
+            admission.kernel_holds(8, [("both", 20)].into_iter()),
+            vec![false],
+            "the name in another directory"
+        );
+        admission.entry(ten, 7, "again", Some(30));
+        admission.entry(ten, 7, "opened", Some(31));
+        drop(admission);
+        cache.touched(31);
+        assert_eq!(
+            cache.admit().kernel_holds(7, [("opened", 31)].into_iter()),
+            vec![false],
+            "opened since: the kernel may have dropped its access time"
+        );
+        cache.admit().attributes(ten, 31);
+        assert_eq!(
+            cache.admit().kernel_holds(7, [("opened", 31)].into_iter()),
+            vec![true],
+            "given its attributes again"
+        );
+        cache.take(&revocation(7, &["both"], false, false));
+        cache.take(&revocation(30, &[], true, false));
+        assert_eq!(
+            cache
+                .admit()
+                .kernel_holds(7, [("both", 20), ("again", 30)].into_iter()),
+            vec![false, false],
+            "a revoked name, revoked attributes"
+        );
+        let disabled = KernelCache::new(false);
+        let mut admission = disabled.admit();
+        admission.entry(ten, 7, "both", Some(20));
+        assert_eq!(
+            admission.kernel_holds(7, [("both", 20)].into_iter()),
+            vec![false],
+            "nothing without the notifier"
+        );
+    }
+
+    #[test]
     fn a_listing_answers_missing_names_until_its_lease_or_a_revocation_ends_it() {
         let cache = enabled_cache();
         let lease = ten_second_lease(5);
@@ -1033,11 +1165,17 @@ mod tests {
                 None,
                 "the inode of \"a\" is not known"
             );
-            admission.listing_added(7, "a", Some(12), None, good);
-            admission.listing_added(7, "B", Some(11), None, good);
+            admission.listing_added(7, "a", Some((12, FileKind::Regular)), None, good);
+            admission.listing_added(7, "B", Some((11, FileKind::Directory)), None, good);
             assert_eq!(
                 admission.complete_listing(7, good),
-                Some((vec![("B".to_string(), 11), ("a".to_string(), 12)], lease)),
+                Some((
+                    vec![
+                        ("B".to_string(), 11, FileKind::Directory),
+                        ("a".to_string(), 12, FileKind::Regular)
+                    ],
+                    lease
+                )),
                 "every name, in the order of their bytes"
             );
             admission.listing_removed(7, "B");

@@ -23,6 +23,7 @@ use freeflow_client::{
     Allocation, Attr, Client, ClientError, DirEntry, ErrorCode, FileKind, InodeId, Lease, LockKind,
     LockSpec, RenameMode, SetAttr, TimeSpec, XattrSetMode,
 };
+use freeflow_metrics::Counter;
 use fuser::{
     AccessFlags, Errno, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
     IoctlFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, TimeOrNow, WriteFlags,
@@ -129,7 +130,15 @@ pub(crate) struct MountState {
     /// (`follow_growth` leaves the kernel's size alone while a write open is here); their
     /// last write close here shows the kernel the new size.
     grown_elsewhere: Mutex<std::collections::HashSet<InodeId>>,
+    /// `READDIRPLUS` entries given with their attributes, and as names alone (the kernel
+    /// held the name and the attributes already: `KernelCache::kernel_holds`).
+    listed_with_attributes: Counter,
+    listed_names_alone: Counter,
 }
+
+const LISTED_ENTRIES_HELP: &str = "Entries of READDIRPLUS replies, by whether their \
+     attributes went with them (given) or the kernel held the name and attributes already \
+     and got the name alone (held).";
 
 /// The size an entry reply gives the kernel, if it is a regular file's.
 fn regular_size(attr: &fuser::FileAttr) -> Option<u64> {
@@ -143,7 +152,16 @@ impl MountState {
         runtime: tokio::runtime::Handle,
         ring_wanted: bool,
     ) -> MountState {
+        let listed = |attributes: &'static str| {
+            client.metrics().counter(
+                "freeflow_mount_listed_entries_total",
+                LISTED_ENTRIES_HELP,
+                &[("attributes", attributes)],
+            )
+        };
         MountState {
+            listed_with_attributes: listed("given"),
+            listed_names_alone: listed("held"),
             client: client.with_caller(freeflow_client::Caller::root()),
             attr_ttl: Duration::from_millis(options.attr_timeout_ms),
             entry_ttl: Duration::from_millis(options.entry_timeout_ms),
@@ -249,15 +267,15 @@ impl MountState {
 
     /// The entries of `listing` from `first` on that a `READDIRPLUS` reply may hold, with
     /// their attributes, if all of it is here: fetched (or past the end), and each
-    /// entry's attributes from the listing or kept under a good lease. None when a page
-    /// or attributes must be asked for. Stops early at a page not fetched yet (a short
-    /// reply: the kernel asks again from there).
-    #[allow(clippy::type_complexity)]
+    /// entry's attributes from the listing or kept under a good lease (or not needed:
+    /// [`PlusEntry::Held`]). None when a page or attributes must be asked for. Stops early
+    /// at a page not fetched yet (a short reply: the kernel asks again from there).
     fn known_entries_plus(
         &self,
         listing: &DirectoryListing,
         first: usize,
-    ) -> Option<Vec<(String, Attr, Lease, Lease)>> {
+        names_alone: bool,
+    ) -> Option<Vec<PlusEntry>> {
         let mut end = first;
         while end < first + READDIRPLUS_GATHER_MAX {
             match listing.known(end) {
@@ -267,39 +285,76 @@ impl MountState {
                 None => break,
             }
         }
-        self.entries_with_attributes(listing, first, end)
-            .into_iter()
-            .map(|(name, names_lease, attr)| {
-                attr.map(|(attr, attr_lease)| (name, attr, names_lease, attr_lease))
-            })
-            .collect()
+        let entries = self.entries_with_attributes(listing, first, end, names_alone);
+        if entries
+            .iter()
+            .any(|entry| matches!(entry, PlusEntry::Ask { .. }))
+        {
+            return None;
+        }
+        Some(entries)
     }
 
-    /// The fetched entries `first..end` of `listing`, each with the lease of its name and
-    /// its attributes with theirs: from the listing's page, or kept under a good lease
-    /// (taken under one lock); None where they must be asked for.
-    #[allow(clippy::type_complexity)]
+    /// The fetched entries `first..end` of `listing`: with `names_alone` (the reply may
+    /// give an entry without attributes), those whose names and attributes the kernel
+    /// holds with time to run go as names alone (`KernelCache::kernel_holds`); the others
+    /// with the lease of their name and their attributes with theirs, from the listing's
+    /// page or kept under a good lease (taken under one lock), or to be asked for.
     fn entries_with_attributes(
         &self,
         listing: &DirectoryListing,
         first: usize,
         end: usize,
-    ) -> Vec<(String, Lease, Option<(Attr, Lease)>)> {
-        let without: Vec<InodeId> = listing.entries[first..end]
+        names_alone: bool,
+    ) -> Vec<PlusEntry> {
+        let entries = &listing.entries[first..end];
+        let held = if names_alone && !self.writeback {
+            self.cache.admit().kernel_holds(
+                listing.inode,
+                entries
+                    .iter()
+                    .map(|entry| (entry.name.as_str(), entry.inode)),
+            )
+        } else {
+            vec![false; entries.len()]
+        };
+        let without: Vec<InodeId> = entries
             .iter()
-            .filter(|entry| entry.attr.is_none())
-            .map(|entry| entry.inode)
+            .zip(&held)
+            .filter(|(entry, held)| entry.attr.is_none() && !**held)
+            .map(|(entry, _)| entry.inode)
             .collect();
         let mut kept = self.client.kept_attributes_leased_of(&without).into_iter();
-        listing.entries[first..end]
+        entries
             .iter()
             .zip(&listing.leases[first..end])
-            .map(|(entry, names_lease)| {
+            .zip(held)
+            .map(|((entry, names_lease), held)| {
+                let name = entry.name.clone();
+                if held {
+                    return PlusEntry::Held {
+                        name,
+                        inode: entry.inode,
+                        kind: entry.kind,
+                    };
+                }
                 let attr = match &entry.attr {
                     Some(attr) => Some((attr.clone(), *names_lease)),
                     None => kept.next().flatten(),
                 };
-                (entry.name.clone(), *names_lease, attr)
+                match attr {
+                    Some((attr, attr_lease)) => PlusEntry::Full {
+                        name,
+                        attr,
+                        names_lease: *names_lease,
+                        attr_lease,
+                    },
+                    None => PlusEntry::Ask {
+                        name,
+                        inode: entry.inode,
+                        names_lease: *names_lease,
+                    },
+                }
             })
             .collect()
     }
@@ -314,7 +369,7 @@ impl MountState {
         inode: INodeNo,
         offset: u64,
         directory: Option<fuser::FileAttr>,
-        found: Vec<(String, Attr, Lease, Lease)>,
+        found: Vec<PlusEntry>,
         mut reply: ReplyDirectoryPlus,
     ) {
         if found.is_empty() && directory.is_none() {
@@ -341,20 +396,46 @@ impl MountState {
         let mut attributes_left = Vec::with_capacity(found.len());
         let mut start = 0;
         while start < found.len() {
-            let lease = found[start].3;
-            let run = found[start..]
+            let PlusEntry::Full {
+                attr_lease: lease, ..
+            } = found[start]
+            else {
+                start += 1;
+                continue;
+            };
+            let inodes: Vec<InodeId> = found[start..]
                 .iter()
-                .take_while(|(_, _, _, attr_lease)| *attr_lease == lease)
-                .count();
-            let inodes: Vec<InodeId> = found[start..start + run]
-                .iter()
-                .map(|(_, attr, _, _)| attr.inode)
+                .map_while(|entry| match entry {
+                    PlusEntry::Full {
+                        attr, attr_lease, ..
+                    } if *attr_lease == lease => Some(attr.inode),
+                    _ => None,
+                })
                 .collect();
+            start += inodes.len();
             attributes_left.extend(self.client.kernel_time_outs(&lease, &inodes));
-            start += run;
         }
+        let mut attributes_left = attributes_left.into_iter();
         let mut taken = Vec::with_capacity(found.len());
-        for ((name, attr, names_lease, _), attr_left) in found.into_iter().zip(attributes_left) {
+        for entry in found {
+            let (name, attr, names_lease) = match entry {
+                PlusEntry::Full {
+                    name,
+                    attr,
+                    names_lease,
+                    ..
+                } => (name, attr, names_lease),
+                PlusEntry::Held { name, inode, kind } => {
+                    if reply.add_name(INodeNo(inode), index + 1, convert::file_type(kind), &name) {
+                        break;
+                    }
+                    self.listed_names_alone.increment();
+                    index += 1;
+                    continue;
+                }
+                PlusEntry::Ask { .. } => unreachable!("entries without attributes were asked for"),
+            };
+            let attr_left = attributes_left.next().flatten();
             let left = match names_left {
                 Some((lease, left)) if lease == names_lease => left,
                 _ => {
@@ -381,6 +462,7 @@ impl MountState {
             if full {
                 break;
             }
+            self.listed_with_attributes.increment();
             taken.push((attr.inode, regular_size(&kernel_attr)));
             if attr.kind == FileKind::Regular {
                 admission.held_as(attr.inode, inode.0, &name);
@@ -415,16 +497,11 @@ impl MountState {
         let Some((names, lease)) = known else {
             return;
         };
-        let inodes: Vec<InodeId> = names.iter().map(|(_, inode)| *inode).collect();
-        let Some(kinds) = self.client.kept_kinds(&inodes) else {
-            return;
-        };
         // The attributes themselves are taken when entries are answered (a `READDIRPLUS`
         // reply's at once, `entries_with_attributes`), so they are those kept then.
         let entries = names
             .into_iter()
-            .zip(kinds)
-            .map(|((name, inode), kind)| DirEntry {
+            .map(|(name, inode, kind)| DirEntry {
                 name,
                 inode,
                 kind,
@@ -683,7 +760,7 @@ impl MountState {
         &self,
         parent: InodeId,
         name: &str,
-        child: Option<InodeId>,
+        child: Option<(InodeId, FileKind)>,
         lease: &Lease,
         made_directory: Option<&Attr>,
     ) {
@@ -832,9 +909,13 @@ impl FreeflowFs {
             group_of_new.unwrap_or(request.gid),
             now,
         );
-        admission.listing_added(parent, name, Some(inode), None, |lease| {
-            client.lease_remaining(lease, &[parent])
-        });
+        admission.listing_added(
+            parent,
+            name,
+            Some((inode, FileKind::Regular)),
+            None,
+            |lease| client.lease_remaining(lease, &[parent]),
+        );
         state.remember(inode, Some(0));
         let (entry_ttl, attr_ttl) =
             state.entry_time_outs(&mut admission, &lease, parent, name, Some(inode));
@@ -870,7 +951,7 @@ impl FreeflowFs {
                     if let Err(error) = state.files.adopt(Arc::new(handle)).await {
                         tracing::warn!(inode, %error, "a file created ahead cannot be kept open");
                     }
-                    state.note_made(parent, &name, Some(inode), &lease, None);
+                    state.note_made(parent, &name, Some((inode, FileKind::Regular)), &lease, None);
                     ahead.finish();
                 }
                 Err(error) => {
@@ -1214,6 +1295,36 @@ enum Filled {
 /// Add the names of `listing` to a `READDIR` reply from `index` on (it moves along), while
 /// they are fetched. Reaching the end of the listing at the first entry asked for (the
 /// kernel's last call) notes that the kernel read the whole listing.
+/// Entries of a listing from which a closed directory's listing is freed on a runtime
+/// thread, not on the thread that answered the close.
+const LISTING_FREED_ASIDE_MIN: usize = 1024;
+
+/// One entry of a `READDIRPLUS` reply, as the mount gathered it. Held unboxed: a reply's
+/// entries live only while it is written, and a box would cost an allocation each.
+#[allow(clippy::large_enum_variant)]
+enum PlusEntry {
+    /// The kernel holds the name and the file's attributes with time to run: the name
+    /// alone goes (see `KernelCache::kernel_holds`).
+    Held {
+        name: String,
+        inode: InodeId,
+        kind: FileKind,
+    },
+    /// With its attributes and the leases of both.
+    Full {
+        name: String,
+        attr: Attr,
+        names_lease: Lease,
+        attr_lease: Lease,
+    },
+    /// Its attributes are to be asked for.
+    Ask {
+        name: String,
+        inode: InodeId,
+        names_lease: Lease,
+    },
+}
+
 fn fill_names(
     state: &MountState,
     listing: &DirectoryListing,
@@ -1556,6 +1667,7 @@ impl FreeflowFs {
     }
 
     pub(crate) fn readlink(&self, _request: &Caller, inode: INodeNo, reply: ReplyData) {
+        self.state.cache.touched(inode.0);
         let state = self.state.clone();
         self.spawn(async move {
             match state.client.readlink(inode.0).await {
@@ -1601,7 +1713,7 @@ impl FreeflowFs {
                 .await;
             match created {
                 Ok((attr, lease)) => {
-                    state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
+                    state.note_made(parent.0, &name, Some((attr.inode, attr.kind)), &lease, None);
                     state.reply_entry(reply, parent.0, &name, &attr, &lease)
                 }
                 Err(error) => {
@@ -1630,7 +1742,13 @@ impl FreeflowFs {
         self.spawn(async move {
             match client.mkdir_leased(parent.0, &name, mode & 0o7777).await {
                 Ok((attr, lease)) => {
-                    state.note_made(parent.0, &name, Some(attr.inode), &lease, Some(&attr));
+                    state.note_made(
+                        parent.0,
+                        &name,
+                        Some((attr.inode, attr.kind)),
+                        &lease,
+                        Some(&attr),
+                    );
                     state.reply_entry(reply, parent.0, &name, &attr, &lease)
                 }
                 Err(error) => {
@@ -1709,7 +1827,7 @@ impl FreeflowFs {
         self.spawn(async move {
             match client.symlink_leased(parent.0, &name, &target).await {
                 Ok((attr, lease)) => {
-                    state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
+                    state.note_made(parent.0, &name, Some((attr.inode, attr.kind)), &lease, None);
                     state.reply_entry(reply, parent.0, &name, &attr, &lease)
                 }
                 Err(error) => {
@@ -1789,7 +1907,13 @@ impl FreeflowFs {
         self.spawn(async move {
             match client.link_leased(inode.0, new_parent.0, &name).await {
                 Ok((attr, lease)) => {
-                    state.note_made(new_parent.0, &name, Some(attr.inode), &lease, None);
+                    state.note_made(
+                        new_parent.0,
+                        &name,
+                        Some((attr.inode, attr.kind)),
+                        &lease,
+                        None,
+                    );
                     state.reply_entry(reply, new_parent.0, &name, &attr, &lease)
                 }
                 Err(error) => {
@@ -1811,6 +1935,10 @@ impl FreeflowFs {
         // The kernel holds the inode now, with the size the reply that made it gave.
         self.state.held.opened(inode.0);
         let truncate = flags.0 & libc::O_TRUNC != 0;
+        if truncate {
+            // The kernel drops the size and times it holds at a truncating open.
+            self.state.cache.touched(inode.0);
+        }
         let (client, state) = (self.caller(request), self.state.clone());
         let truncating = truncate.then(|| self.state.begin_truncation(inode.0));
         self.spawn(async move {
@@ -1910,7 +2038,7 @@ impl FreeflowFs {
         reply: ReplyWrite,
     ) {
         self.settle(&[inode.0]);
-        let Some(handle) = self.state.files.get(inode.0) else {
+        let Some(handle) = self.state.files.get_for_writing(inode.0) else {
             return reply.error(bad_handle());
         };
         // The kernel asks us to drop setuid/setgid (a write by a caller without CAP_FSETID
@@ -2082,6 +2210,10 @@ impl FreeflowFs {
         // size another client has given the file since (see `lookup`). Noted first, before
         // anything slow here: a lookup read after this release may be answered on another
         // thread meanwhile.
+        // Read or written while open: the kernel may have dropped some of its attributes.
+        if self.state.files.take_accessed(inode.0) {
+            self.state.cache.touched(inode.0);
+        }
         let answered = self.state.writeback.then(|| {
             self.state.files.release_began(inode.0);
             ReleaseAnswered {
@@ -2275,6 +2407,7 @@ impl FreeflowFs {
         reply: ReplyOpen,
     ) {
         self.settle(&[inode.0]);
+        self.state.cache.touched(inode.0);
         // The kernel caches what it reads of a listing (`FOPEN_CACHE_DIR`) and keeps it at
         // this open only while the leases it was read under hold (else it drops it here);
         // its own changes of the directory make it read the listing again. Without the
@@ -2365,7 +2498,8 @@ impl FreeflowFs {
             };
             if offset >= 2 || directory.is_some() {
                 let first = offset.saturating_sub(2) as usize;
-                if let Some(found) = self.state.known_entries_plus(&known, first) {
+                let names_alone = reply.takes_names_alone();
+                if let Some(found) = self.state.known_entries_plus(&known, first, names_alone) {
                     return self
                         .state
                         .answer_plus(&known, inode, offset, directory, found, reply);
@@ -2398,19 +2532,26 @@ impl FreeflowFs {
             }
             // Entries without attributes (a listing this mount took from what it knows):
             // those kept under good leases at once, the others asked.
-            let entries = state.entries_with_attributes(&listing, first, end);
+            let names_alone = reply.takes_names_alone();
+            let entries = state.entries_with_attributes(&listing, first, end, names_alone);
             let mut found = Vec::with_capacity(entries.len());
-            for ((name, names_lease, attr), entry) in
-                entries.into_iter().zip(&listing.entries[first..end])
-            {
-                let (attr, attr_lease) = match attr {
-                    Some(kept) => kept,
-                    None => match state.client.getattr_leased(entry.inode).await {
-                        Ok(found) => found,
+            for entry in entries {
+                found.push(match entry {
+                    PlusEntry::Ask {
+                        name,
+                        inode,
+                        names_lease,
+                    } => match state.client.getattr_leased(inode).await {
+                        Ok((attr, attr_lease)) => PlusEntry::Full {
+                            name,
+                            attr,
+                            names_lease,
+                            attr_lease,
+                        },
                         Err(error) => return reply.error(errno(&error)),
                     },
-                };
-                found.push((name, attr, names_lease, attr_lease));
+                    known => known,
+                });
             }
             state.answer_plus(&listing, inode, offset, directory, found, reply);
         });
@@ -2424,8 +2565,18 @@ impl FreeflowFs {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
-        self.state.directories.close(handle.0);
+        let listing = self.state.directories.close(handle.0);
         reply.ok();
+        // A large listing is freed on a runtime thread: on a ring's queue thread it would
+        // hold up the reply, committed at the thread's next turn.
+        if let Some(listing) = listing {
+            let large = listing
+                .try_lock()
+                .is_ok_and(|listing| listing.entries.len() >= LISTING_FREED_ASIDE_MIN);
+            if large {
+                self.spawn(async move { drop(listing) });
+            }
+        }
     }
 
     pub(crate) fn fsyncdir(
@@ -2480,6 +2631,8 @@ impl FreeflowFs {
         reply: ReplyEmpty,
     ) {
         self.settle(&[inode.0]);
+        // The kernel drops the times (and, for an allocation, the size) it holds.
+        self.state.cache.touched(inode.0);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -2548,6 +2701,8 @@ impl FreeflowFs {
         reply: ReplyEmpty,
     ) {
         self.settle(&[inode.0]);
+        // The kernel drops the times (and, for an allocation, the size) it holds.
+        self.state.cache.touched(inode.0);
         let name = match convert::name(name) {
             Ok(name) => name.to_owned(),
             Err(error) => return reply.error(error),
@@ -2614,7 +2769,7 @@ impl FreeflowFs {
                     if reads_pages(open_handle(attr.inode, answer), flags) {
                         state.files.opened_for_reading(attr.inode);
                     }
-                    state.note_made(parent.0, &name, Some(attr.inode), &lease, None);
+                    state.note_made(parent.0, &name, Some((attr.inode, attr.kind)), &lease, None);
                     // One time-out covers both the entry and the attributes here: under a
                     // lease, what is left of it; without, the shorter of the two, so the
                     // new name is revalidated like any other (with the attribute
@@ -2675,6 +2830,8 @@ impl FreeflowFs {
         reply: ReplyEmpty,
     ) {
         self.settle(&[inode.0]);
+        // The kernel drops the times (and, for an allocation, the size) it holds.
+        self.state.cache.touched(inode.0);
         let how = match allocation_of_mode(mode) {
             Ok(how) => how,
             Err(error) => return reply.error(error),
@@ -2713,6 +2870,9 @@ impl FreeflowFs {
         flags: fuser::CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
+        // The kernel drops the target's size and times it holds, and the source's access time.
+        self.state.cache.touched(source_inode.0);
+        self.state.cache.touched(target_inode.0);
         self.settle(&[source_inode.0, target_inode.0]);
         if !flags.is_empty() {
             return reply.error(Errno::EINVAL);

@@ -30,6 +30,9 @@ struct OpenFile {
     /// Held (shared) by each read of a writeback mount from the handle's answer until the
     /// kernel has it; see [`OpenFiles::get_for_reading`].
     reads: Arc<tokio::sync::RwLock<()>>,
+    /// A read or a write reached the mount since the last close here: the kernel may have
+    /// dropped the file's access time or its size and times (see `KernelCache::touched`).
+    accessed: bool,
 }
 
 /// Kernel opens with write access, this mount's truncations, and files whose size the
@@ -287,10 +290,29 @@ impl OpenFiles {
         &self,
         inode: InodeId,
     ) -> Option<(Arc<FileHandle>, Arc<tokio::sync::RwLock<()>>)> {
-        let files = self.files.lock().expect("open files not poisoned");
+        let mut files = self.files.lock().expect("open files not poisoned");
+        files.get_mut(&inode).map(|file| {
+            file.accessed = true;
+            (file.handle.clone(), file.reads.clone())
+        })
+    }
+
+    /// The shared handle of `inode` for a write, if this mount has it open.
+    pub fn get_for_writing(&self, inode: InodeId) -> Option<Arc<FileHandle>> {
+        let mut files = self.files.lock().expect("open files not poisoned");
+        files.get_mut(&inode).map(|file| {
+            file.accessed = true;
+            file.handle.clone()
+        })
+    }
+
+    /// Whether a read or a write of `inode` reached the mount since the last call (a
+    /// close).
+    pub fn take_accessed(&self, inode: InodeId) -> bool {
+        let mut files = self.files.lock().expect("open files not poisoned");
         files
-            .get(&inode)
-            .map(|file| (file.handle.clone(), file.reads.clone()))
+            .get_mut(&inode)
+            .is_some_and(|file| std::mem::take(&mut file.accessed))
     }
 
     /// The shared handle of `inode` if this mount has it open.
@@ -348,6 +370,7 @@ impl OpenFiles {
                         handle: handle.clone(),
                         open_count: 1,
                         reads: Arc::new(tokio::sync::RwLock::new(())),
+                        accessed: false,
                     },
                 );
                 return Ok(handle);
@@ -566,17 +589,19 @@ impl OpenDirectories {
             && self.lock().by_inode.get(&listing.inode) == Some(&(1, listing.handle))
     }
 
-    pub fn close(&self, handle: u64) {
+    /// Closes `handle`; returns its listing, for the caller to drop after its reply (a
+    /// large listing takes a while to free).
+    #[must_use]
+    pub fn close(&self, handle: u64) -> Option<Arc<tokio::sync::Mutex<DirectoryListing>>> {
         let mut open = self.lock();
-        let Some((inode, _)) = open.listings.remove(&handle) else {
-            return;
-        };
+        let (inode, listing) = open.listings.remove(&handle)?;
         if let Some(opens) = open.by_inode.get_mut(&inode) {
             opens.0 -= 1;
             if opens.0 == 0 {
                 open.by_inode.remove(&inode);
             }
         }
+        Some(listing)
     }
 }
 

@@ -236,19 +236,22 @@ impl ReplyXattr {
     }
 }
 
-/// Directory entries gathered for a ring reply, up to the size the kernel asked for.
+/// Directory entries gathered for a ring reply, up to the size the kernel asked for,
+/// written straight into the request's entry.
 pub(crate) struct RingListing {
     reply: RingReply,
-    buffer: Vec<u8>,
+    len: usize,
     limit: usize,
 }
 
 impl RingListing {
+    /// Only for `READDIR` and `READDIRPLUS`, whose handlers get no slice of the request's
+    /// payload (the listing is written there).
     pub fn new(reply: RingReply, size: u32) -> RingListing {
         let limit = (size as usize).min(reply.payload_capacity());
         RingListing {
             reply,
-            buffer: Vec::with_capacity(limit),
+            len: 0,
             limit,
         }
     }
@@ -258,20 +261,23 @@ impl RingListing {
     fn push(&mut self, records: &[&[u8]], name: &[u8]) -> bool {
         let fixed: usize = records.iter().map(|record| record.len()).sum();
         let padded = (fixed + name.len()).next_multiple_of(8);
-        if self.buffer.len() + padded > self.limit {
+        if self.len + padded > self.limit {
             return false;
         }
-        let start = self.buffer.len();
-        for record in records {
-            self.buffer.extend_from_slice(record);
+        // SAFETY: a listing's request lends its handler nothing of its payload (`new`).
+        let buffer = unsafe { self.reply.payload_mut() };
+        let mut at = self.len;
+        for part in records.iter().chain([&name]) {
+            buffer[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
         }
-        self.buffer.extend_from_slice(name);
-        self.buffer.resize(start + padded, 0);
+        buffer[at..self.len + padded].fill(0);
+        self.len += padded;
         true
     }
 
     fn send(self) {
-        self.reply.send(&[&self.buffer]);
+        self.reply.send_in_place(self.len);
     }
 }
 
@@ -346,6 +352,40 @@ impl ReplyDirectoryPlus {
                     off: offset,
                     namelen: name.len() as u32,
                     kind: dirent_type(attr.kind),
+                };
+                !listing.push(&[entry.as_bytes(), dirent.as_bytes()], name)
+            }
+        }
+    }
+
+    /// Whether entries may go without attributes ([`ReplyDirectoryPlus::add_name`]):
+    /// over a ring, where the mount writes the records itself.
+    pub fn takes_names_alone(&self) -> bool {
+        matches!(self, ReplyDirectoryPlus::Ring(_))
+    }
+
+    /// Adds an entry without attributes (node id 0: the kernel lists the name and leaves
+    /// its own cache of it as it is); true when the reply is full (it was not added). Only
+    /// where [`ReplyDirectoryPlus::takes_names_alone`].
+    pub fn add_name<T: AsRef<OsStr>>(
+        &mut self,
+        ino: INodeNo,
+        offset: u64,
+        kind: FileType,
+        name: T,
+    ) -> bool {
+        match self {
+            ReplyDirectoryPlus::Dev(_) => {
+                unreachable!("fuser gives every READDIRPLUS entry its attributes")
+            }
+            ReplyDirectoryPlus::Ring(listing) => {
+                let name = name.as_ref().as_bytes();
+                let entry = abi::EntryOut::default();
+                let dirent = abi::Dirent {
+                    ino: ino.0,
+                    off: offset,
+                    namelen: name.len() as u32,
+                    kind: dirent_type(kind),
                 };
                 !listing.push(&[entry.as_bytes(), dirent.as_bytes()], name)
             }

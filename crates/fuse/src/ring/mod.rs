@@ -423,6 +423,17 @@ impl QueueShared {
             };
             used += take;
         }
+        unsafe { self.write_out_header(index, unique, error, used) };
+    }
+
+    /// Writes entry `index`'s out header for a reply of `used` payload bytes, which are in
+    /// its payload buffer already.
+    ///
+    /// # Safety
+    /// As [`QueueShared::write_reply`].
+    unsafe fn write_out_header(&self, index: usize, unique: u64, error: i32, used: usize) {
+        let buffers = self.entry(index);
+        let used = used.min(PAYLOAD_BYTES);
         let out = abi::OutHeader {
             len: (size_of::<abi::OutHeader>() + used) as u32,
             error,
@@ -469,6 +480,47 @@ impl RingReply {
         self.finish(-error.code(), &[]);
     }
 
+    /// The entry's payload buffer, for a reply built where the kernel reads it (a
+    /// listing: no buffer of the size the kernel allowed to allocate, no copy), then sent
+    /// with [`RingReply::send_in_place`].
+    ///
+    /// # Safety
+    /// Only for a request whose handler was given no slice of the request's payload
+    /// (`borrows_payload` is false for its opcode): nothing else reads or writes the
+    /// buffer while this reply holds the entry.
+    pub unsafe fn payload_mut(&mut self) -> &mut [u8] {
+        let buffers = self.queue.entry(usize::from(self.index));
+        // SAFETY: the buffer is PAYLOAD_BYTES long and lives as long as the queue, which
+        // this reply keeps; the caller vouches that it is this reply's alone.
+        unsafe { std::slice::from_raw_parts_mut(buffers.payload, PAYLOAD_BYTES) }
+    }
+
+    /// Answers with the first `len` bytes of the payload buffer, written in place
+    /// ([`RingReply::payload_mut`]).
+    pub fn send_in_place(mut self, len: usize) {
+        self.sent = true;
+        let index = usize::from(self.index);
+        let state = &self.queue.states[index];
+        let len = len.min(PAYLOAD_BYTES);
+        {
+            let mut parked = state.parked.lock().unwrap_or_else(|e| e.into_inner());
+            if state.dispatching.load(Ordering::Acquire) {
+                // Not for such opcodes (see `payload_mut`); if it ever were, the bytes are
+                // kept aside and written back once the handler returned, as any reply.
+                // SAFETY: as in `payload_mut`; only read here.
+                let written = unsafe {
+                    std::slice::from_raw_parts(self.queue.entry(index).payload, len).to_vec()
+                };
+                *parked = Some((0, written));
+                return;
+            }
+        }
+        // SAFETY: this reply holds the entry, its handler returned, and the payload is
+        // written.
+        unsafe { self.queue.write_out_header(index, self.unique, 0, len) };
+        self.commit(len);
+    }
+
     fn finish(&mut self, error: i32, parts: &[&[u8]]) {
         self.sent = true;
         let index = usize::from(self.index);
@@ -484,8 +536,13 @@ impl RingReply {
         }
         // SAFETY: this reply holds the entry, and its handler returned.
         unsafe { self.queue.write_reply(index, self.unique, error, parts) };
-        let here = on_queue_thread(&self.queue);
         let bytes: usize = parts.iter().map(|part| part.len()).sum();
+        self.commit(bytes);
+    }
+
+    /// Has the entry, its reply written, committed (see `finish`).
+    fn commit(&mut self, bytes: usize) {
+        let here = on_queue_thread(&self.queue);
         if !here && bytes >= DIRECT_COMMIT_MIN {
             // Committed by the queue's committer thread (not pinned): the kernel copies a
             // large reply (a read's data into the page cache) on that thread's CPU, beside
