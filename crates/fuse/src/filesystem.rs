@@ -81,6 +81,12 @@ const READDIRPLUS_GATHER_MAX: usize = 256;
 /// meta server: the create then has that long to reach it before the delegation could end.
 const AHEAD_LEASE_LEFT_MIN: Duration = Duration::from_secs(1);
 
+/// How long the kernel may keep the attributes of a directory with creates or unlinks
+/// answered ahead on their way (see `getattr`): long enough for the two permission checks
+/// of one create or unlink (the search at the lookup, then the write), short enough that
+/// the meta server's times are asked for soon after the changes landed.
+const AHEAD_DIRECTORY_ATTR_TTL: Duration = Duration::from_millis(10);
+
 /// Longest read a session thread answers itself (`FreeflowFs::answer_read`): one piece.
 pub const READ_HERE_BYTES_MAX: u32 = 128 << 10;
 
@@ -1551,16 +1557,19 @@ impl FreeflowFs {
         // The kernel holds the inode it asks about (`held.rs`).
         self.state.held.opened(inode.0);
         // A directory with creates answered ahead on their way (the kernel asks for it at
-        // every create there, to check the creator's search permission): answered from the
-        // attributes kept under the lease, with the times of a change now, and not cached,
-        // so that once they landed it is asked again.
+        // every create there, to check the creator's permissions: it drops the directory's
+        // attributes after each change it makes there): answered from the attributes kept
+        // under the lease, with the times of a change now, cached only for the checks of
+        // one create or unlink, so that once they landed it is asked again. No other client
+        // changes the directory meanwhile: it would recall the delegation first, and the
+        // revocation drops the attributes from the kernel.
         let client = &self.state.client;
         if client.ahead_creating_in(inode.0) {
             if let Some(mut attr) = client.kept_attributes(inode.0) {
                 let now = convert::time_spec(std::time::SystemTime::now());
                 attr.modify_time = attr.modify_time.max(now);
                 attr.change_time = attr.change_time.max(now);
-                return reply.attr(&Duration::ZERO, &self.state.kernel_attr(&attr));
+                return reply.attr(&AHEAD_DIRECTORY_ATTR_TTL, &self.state.kernel_attr(&attr));
             }
         }
         self.settle(&[inode.0]);
