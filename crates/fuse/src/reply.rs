@@ -300,12 +300,7 @@ impl ReplyDirectory {
             ReplyDirectory::Dev(reply) => reply.add(ino, offset, kind, name),
             ReplyDirectory::Ring(listing) => {
                 let name = name.as_ref().as_bytes();
-                let dirent = abi::Dirent {
-                    ino: ino.0,
-                    off: offset,
-                    namelen: name.len() as u32,
-                    kind: dirent_type(kind),
-                };
+                let dirent = dirent(ino, offset, kind, name);
                 !listing.push(&[dirent.as_bytes()], name)
             }
         }
@@ -347,12 +342,7 @@ impl ReplyDirectoryPlus {
             ReplyDirectoryPlus::Ring(listing) => {
                 let name = name.as_ref().as_bytes();
                 let entry = entry_out(ttl, attr, generation, ttl);
-                let dirent = abi::Dirent {
-                    ino: ino.0,
-                    off: offset,
-                    namelen: name.len() as u32,
-                    kind: dirent_type(attr.kind),
-                };
+                let dirent = dirent(ino, offset, attr.kind, name);
                 !listing.push(&[entry.as_bytes(), dirent.as_bytes()], name)
             }
         }
@@ -381,12 +371,7 @@ impl ReplyDirectoryPlus {
             ReplyDirectoryPlus::Ring(listing) => {
                 let name = name.as_ref().as_bytes();
                 let entry = abi::EntryOut::default();
-                let dirent = abi::Dirent {
-                    ino: ino.0,
-                    off: offset,
-                    namelen: name.len() as u32,
-                    kind: dirent_type(kind),
-                };
+                let dirent = dirent(ino, offset, kind, name);
                 !listing.push(&[entry.as_bytes(), dirent.as_bytes()], name)
             }
         }
@@ -404,6 +389,16 @@ impl ReplyDirectoryPlus {
             ReplyDirectoryPlus::Dev(reply) => reply.error(error),
             ReplyDirectoryPlus::Ring(listing) => listing.reply.error(error),
         }
+    }
+}
+
+/// A listing record's fixed part for `name`.
+fn dirent(ino: INodeNo, offset: u64, kind: FileType, name: &[u8]) -> abi::Dirent {
+    abi::Dirent {
+        ino: ino.0,
+        off: offset,
+        namelen: name.len() as u32,
+        kind: dirent_type(kind),
     }
 }
 
