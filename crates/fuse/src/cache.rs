@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use compact_str::CompactString;
 use foldhash::{HashMap, HashMapExt, HashSet};
-use freeflow_client::{FileKind, InodeId, Lease, Revocation};
+use freeflow_client::{DirEntry, FileKind, InodeId, Lease, Revocation};
 use fuser::{INodeNo, Notifier};
 
 use crate::shadow::PAGE_BYTES;
@@ -255,16 +255,16 @@ impl Admission<'_> {
         Some((listing.lease, child))
     }
 
-    /// Every name of `directory` with its inode and kind, in the meta server's order (of
-    /// the names' bytes), and the lease they are known under, when this mount holds a
-    /// complete listing of it under a lease still good (`left`) and knows the file of
-    /// every name (not so after a rename): a listing answered without the meta server.
-    #[allow(clippy::type_complexity)]
+    /// Every entry of `directory` (name, inode and kind; no attributes), in the meta
+    /// server's order (of the names' bytes), and the lease they are known under, when
+    /// this mount holds a complete listing of it under a lease still good (`left`) and
+    /// knows the file of every name (not so after a rename): a listing answered without
+    /// the meta server.
     pub fn complete_listing(
         &mut self,
         directory: InodeId,
         left: impl Fn(&Lease) -> Option<Duration>,
-    ) -> Option<(Vec<(String, InodeId, FileKind)>, Lease)> {
+    ) -> Option<(Vec<DirEntry>, Lease)> {
         let listing = self.index.listings.get(&directory)?;
         if left(&listing.lease).is_none() {
             self.index.drop_listing(directory);
@@ -273,13 +273,15 @@ impl Admission<'_> {
         if listing.unknown > 0 {
             return None;
         }
-        let entries = listing
-            .names
-            .iter()
-            .filter_map(|(name, child)| {
-                child.map(|(inode, kind)| (name.as_str().to_owned(), inode, kind))
+        let mut entries = Vec::with_capacity(listing.names.len());
+        entries.extend(listing.names.iter().filter_map(|(name, child)| {
+            child.map(|(inode, kind)| DirEntry {
+                name: name.as_str().to_owned(),
+                inode,
+                kind,
+                attr: None,
             })
-            .collect();
+        }));
         Some((entries, listing.lease))
     }
 
@@ -1167,8 +1169,17 @@ mod tests {
             );
             admission.listing_added(7, "a", Some((12, FileKind::Regular)), None, good);
             admission.listing_added(7, "B", Some((11, FileKind::Directory)), None, good);
+            let entries = |listing: Option<(Vec<DirEntry>, Lease)>| {
+                listing.map(|(entries, lease)| {
+                    let entries: Vec<(String, InodeId, FileKind)> = entries
+                        .into_iter()
+                        .map(|entry| (entry.name, entry.inode, entry.kind))
+                        .collect();
+                    (entries, lease)
+                })
+            };
             assert_eq!(
-                admission.complete_listing(7, good),
+                entries(admission.complete_listing(7, good)),
                 Some((
                     vec![
                         ("B".to_string(), 11, FileKind::Directory),

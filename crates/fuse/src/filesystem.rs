@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use freeflow_client::{
-    Allocation, Attr, Client, ClientError, DirEntry, ErrorCode, FileKind, InodeId, Lease, LockKind,
-    LockSpec, RenameMode, SetAttr, TimeSpec, XattrSetMode,
+    Allocation, Attr, Client, ClientError, ErrorCode, FileKind, InodeId, Lease, LockKind, LockSpec,
+    RenameMode, SetAttr, TimeSpec, XattrSetMode,
 };
 use freeflow_metrics::Counter;
 use fuser::{
@@ -500,20 +500,11 @@ impl MountState {
                 self.client.lease_remaining(lease, &[directory])
             })
         };
-        let Some((names, lease)) = known else {
+        let Some((entries, lease)) = known else {
             return;
         };
         // The attributes themselves are taken when entries are answered (a `READDIRPLUS`
         // reply's at once, `entries_with_attributes`), so they are those kept then.
-        let entries = names
-            .into_iter()
-            .map(|(name, inode, kind)| DirEntry {
-                name,
-                inode,
-                kind,
-                attr: None,
-            })
-            .collect();
         listing.take_known(entries, lease);
     }
 
