@@ -649,6 +649,13 @@ async fn warm_listings_give_held_names_alone_and_still_show_every_change() {
         }
         fs::create_dir(changer.path(&format!("{directory}/sub"))).unwrap();
         std::os::unix::fs::symlink("file-000", changer.path(&format!("{directory}/link"))).unwrap();
+        // The creates answered ahead have landed before the lister asks: landing later,
+        // they would revoke the names it is being given (and the warm listing below would
+        // rightly give some with attributes).
+        File::open(changer.path(directory))
+            .unwrap()
+            .sync_all()
+            .unwrap();
     }
     names.extend(["sub".to_string(), "link".to_string()]);
 
