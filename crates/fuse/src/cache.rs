@@ -545,6 +545,17 @@ impl Admission<'_> {
         self.index.lapsed.remove(&inode);
     }
 
+    /// [`KernelCache::touched`], under an admission already held.
+    pub fn touched(&mut self, inode: InodeId) {
+        // Writeback mounts give every entry its attributes.
+        if self.writeback || !self.enabled {
+            return;
+        }
+        if self.index.attributes.contains_key(&inode) {
+            self.index.touched.insert(inode);
+        }
+    }
+
     /// Note that the kernel may cache `inode`'s attributes for `left`.
     pub fn attributes(&mut self, left: Option<Duration>, inode: InodeId) -> Option<Duration> {
         let left = left.filter(|_| self.enabled)?;
@@ -580,14 +591,7 @@ impl KernelCache {
     /// so a listing gives them again (see [`Index::touched`]). Only an inode whose
     /// attributes the kernel was given under a lease is noted (that bounds the set).
     pub fn touched(&self, inode: InodeId) {
-        if self.writeback || !self.enabled.load(Ordering::Acquire) {
-            // Writeback mounts give every entry its attributes.
-            return;
-        }
-        let mut index = self.index();
-        if index.attributes.contains_key(&inode) {
-            index.touched.insert(inode);
-        }
+        self.admit().touched(inode);
     }
 
     /// Note a truncation of `inode` by this mount until the returned guard is dropped.

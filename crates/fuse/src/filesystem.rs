@@ -1289,9 +1289,6 @@ enum Filled {
     Fetch(usize),
 }
 
-/// Add the names of `listing` to a `READDIR` reply from `index` on (it moves along), while
-/// they are fetched. Reaching the end of the listing at the first entry asked for (the
-/// kernel's last call) notes that the kernel read the whole listing.
 /// Entries of a listing from which a closed directory's listing is freed on a runtime
 /// thread, not on the thread that answered the close.
 const LISTING_FREED_ASIDE_MIN: usize = 1024;
@@ -1322,6 +1319,9 @@ enum PlusEntry {
     },
 }
 
+/// Add the names of `listing` to a `READDIR` reply from `index` on (it moves along), while
+/// they are fetched. Reaching the end of the listing at the first entry asked for (the
+/// kernel's last call) notes that the kernel read the whole listing.
 fn fill_names(
     state: &MountState,
     listing: &DirectoryListing,
@@ -2210,10 +2210,6 @@ impl FreeflowFs {
         // size another client has given the file since (see `lookup`). Noted first, before
         // anything slow here: a lookup read after this release may be answered on another
         // thread meanwhile.
-        // Read or written while open: the kernel may have dropped some of its attributes.
-        if self.state.files.take_accessed(inode.0) {
-            self.state.cache.touched(inode.0);
-        }
         let answered = self.state.writeback.then(|| {
             self.state.files.release_began(inode.0);
             ReleaseAnswered {
@@ -2221,6 +2217,10 @@ impl FreeflowFs {
                 inode: inode.0,
             }
         });
+        // Read or written while open: the kernel may have dropped some of its attributes.
+        if self.state.files.take_accessed(inode.0) {
+            self.state.cache.touched(inode.0);
+        }
         if writes(flags.0) {
             let state = &self.state;
             let mut last = false;
@@ -2407,12 +2407,13 @@ impl FreeflowFs {
         reply: ReplyOpen,
     ) {
         self.settle(&[inode.0]);
-        self.state.cache.touched(inode.0);
         // The kernel caches what it reads of a listing (`FOPEN_CACHE_DIR`) and keeps it at
         // this open only while the leases it was read under hold (else it drops it here);
         // its own changes of the directory make it read the listing again. Without the
         // lease cache (`--no-cache`) nothing would take a cached listing back.
         let mut admission = self.state.cache.admit();
+        // Listed, the directory's access time goes from the kernel.
+        admission.touched(inode.0);
         let client = &self.state.client;
         let mut flags = FopenFlags::empty();
         if self.state.cache.enabled() {

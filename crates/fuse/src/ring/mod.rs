@@ -455,6 +455,13 @@ struct Nudge {
     tid: std::sync::atomic::AtomicU32,
 }
 
+/// What a reply answers with: parts to copy into the entry's payload, or bytes written
+/// there already.
+enum Answer<'a> {
+    Parts(&'a [&'a [u8]]),
+    InPlace(usize),
+}
+
 /// The answer to one request that came over a ring: written into the request's entry,
 /// then committed by the queue thread (or, large, by its committer thread). Dropped
 /// unanswered, it answers EIO.
@@ -498,30 +505,14 @@ impl RingReply {
     /// Answers with the first `len` bytes of the payload buffer, written in place
     /// ([`RingReply::payload_mut`]).
     pub fn send_in_place(mut self, len: usize) {
-        self.sent = true;
-        let index = usize::from(self.index);
-        let state = &self.queue.states[index];
-        let len = len.min(PAYLOAD_BYTES);
-        {
-            let mut parked = state.parked.lock().unwrap_or_else(|e| e.into_inner());
-            if state.dispatching.load(Ordering::Acquire) {
-                // Not for such opcodes (see `payload_mut`); if it ever were, the bytes are
-                // kept aside and written back once the handler returned, as any reply.
-                // SAFETY: as in `payload_mut`; only read here.
-                let written = unsafe {
-                    std::slice::from_raw_parts(self.queue.entry(index).payload, len).to_vec()
-                };
-                *parked = Some((0, written));
-                return;
-            }
-        }
-        // SAFETY: this reply holds the entry, its handler returned, and the payload is
-        // written.
-        unsafe { self.queue.write_out_header(index, self.unique, 0, len) };
-        self.commit(len);
+        self.answer(0, Answer::InPlace(len.min(PAYLOAD_BYTES)));
     }
 
     fn finish(&mut self, error: i32, parts: &[&[u8]]) {
+        self.answer(error, Answer::Parts(parts));
+    }
+
+    fn answer(&mut self, error: i32, answer: Answer<'_>) {
         self.sent = true;
         let index = usize::from(self.index);
         let state = &self.queue.states[index];
@@ -529,14 +520,31 @@ impl RingReply {
             let mut parked = state.parked.lock().unwrap_or_else(|e| e.into_inner());
             if state.dispatching.load(Ordering::Acquire) {
                 // The handler may still read the request: the queue thread writes this
-                // in once it returned.
-                *parked = Some((error, parts.concat()));
+                // in once it returned. (Never an answer written in place: only handlers
+                // given no slice of the payload write there, see `payload_mut`.)
+                let bytes = match answer {
+                    Answer::Parts(parts) => parts.concat(),
+                    // SAFETY: as in `payload_mut`; only read here.
+                    Answer::InPlace(len) => unsafe {
+                        std::slice::from_raw_parts(self.queue.entry(index).payload, len).to_vec()
+                    },
+                };
+                *parked = Some((error, bytes));
                 return;
             }
         }
-        // SAFETY: this reply holds the entry, and its handler returned.
-        unsafe { self.queue.write_reply(index, self.unique, error, parts) };
-        let bytes: usize = parts.iter().map(|part| part.len()).sum();
+        // SAFETY: this reply holds the entry, and its handler returned; an answer in place
+        // is written in the payload already.
+        let bytes = match answer {
+            Answer::Parts(parts) => {
+                unsafe { self.queue.write_reply(index, self.unique, error, parts) };
+                parts.iter().map(|part| part.len()).sum()
+            }
+            Answer::InPlace(len) => {
+                unsafe { self.queue.write_out_header(index, self.unique, error, len) };
+                len
+            }
+        };
         self.commit(bytes);
     }
 
