@@ -34,6 +34,15 @@ pub const LOCK_WAITS_MAX: usize = 1024;
 /// Says whether a waiting lock request should give up (its process has a signal to take).
 pub type Interrupted<'a> = &'a (dyn Fn() -> bool + Send + Sync);
 
+/// The error of a wait whose lock's owner unlocked meanwhile (it no longer wants it).
+fn unlocked_while_waiting(inode: InodeId) -> ClientError {
+    ClientError::Inode {
+        inode,
+        code: ErrorCode::WouldBlock,
+        reason: "the lock's owner unlocked while it waited".into(),
+    }
+}
+
 /// A lock to set or release: the kernel's lock owner, the process (reported to others'
 /// `F_GETLK`), the kind (None: unlock) and the inclusive range (`u64::MAX`: to the end).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,6 +159,24 @@ impl Client {
         result
     }
 
+    /// After a round of a wait for `spec`'s lock that did not get it: WouldBlock if its
+    /// owner unlocked meanwhile (`unlocks` counted its unlocks before), not set if
+    /// `interrupted` says so, None to wait on.
+    fn wait_ended(
+        &self,
+        key: (InodeId, u64),
+        unlocks: u64,
+        interrupted: Option<Interrupted<'_>>,
+    ) -> Option<Result<bool, ClientError>> {
+        if self.shared.held_locks().unlocks(key) != unlocks {
+            return Some(Err(unlocked_while_waiting(key.0)));
+        }
+        if interrupted.is_some_and(|interrupted| interrupted()) {
+            return Some(Ok(false));
+        }
+        None
+    }
+
     /// Whether the lock was set (false only when `interrupted` said so).
     async fn set_lock_counted(
         &self,
@@ -171,26 +198,23 @@ impl Client {
             0
         };
         loop {
-            // A turn at the server for a wait; none within a round counts as a round that
+            // A turn at the server for a wait, kept in line across rounds (the semaphore
+            // serves first come, first served); a round without one ends like a round that
             // ended WouldBlock.
             let _turn = if wait_ms == 0 {
                 None
             } else {
                 let round = std::time::Duration::from_millis(u64::from(wait_ms));
-                match tokio::time::timeout(round, self.shared.lock_waits.acquire()).await {
-                    Ok(turn) => turn.ok(),
-                    Err(_) => {
-                        if self.shared.held_locks().unlocks(key) != unlocks {
-                            return Err(ClientError::Inode {
-                                inode,
-                                code: ErrorCode::WouldBlock,
-                                reason: "the lock's owner unlocked while it waited".into(),
-                            });
+                let acquire = self.shared.lock_waits.acquire();
+                tokio::pin!(acquire);
+                loop {
+                    match tokio::time::timeout(round, acquire.as_mut()).await {
+                        Ok(turn) => break turn.ok(),
+                        Err(_) => {
+                            if let Some(ended) = self.wait_ended(key, unlocks, interrupted) {
+                                return ended;
+                            }
                         }
-                        if interrupted.is_some_and(|interrupted| interrupted()) {
-                            return Ok(false);
-                        }
-                        continue;
                     }
                 }
             };
@@ -235,20 +259,13 @@ impl Client {
                         // The owner unlocked while this was on its way: give it back.
                         let release = LockSpec { kind: None, ..spec };
                         Box::pin(self.set_lock(inode, release, false)).await?;
-                        return Err(ClientError::Inode {
-                            inode,
-                            code: ErrorCode::WouldBlock,
-                            reason: "the lock's owner unlocked while it waited".into(),
-                        });
+                        return Err(unlocked_while_waiting(inode));
                     }
                     return Ok(true);
                 }
                 Err(error) if wait_ms > 0 && would_block(&error) => {
-                    if self.shared.held_locks().unlocks(key) != unlocks {
-                        return Err(error);
-                    }
-                    if interrupted.is_some_and(|interrupted| interrupted()) {
-                        return Ok(false);
+                    if let Some(ended) = self.wait_ended(key, unlocks, interrupted) {
+                        return ended;
                     }
                 }
                 Err(error) => return Err(error),

@@ -911,6 +911,8 @@ fn serve_queue(
     // registration.
     let mut fetched = vec![false; RING_MAX_DEPTH];
     let mut first = true;
+    // The queue grew and the nudger's window has not opened for it yet.
+    let mut nudge_pending = false;
     let mut served: u64 = 0;
     loop {
         // Commits of replies given on this thread since the last turn.
@@ -923,21 +925,21 @@ fn serve_queue(
         // held.
         // Free: live entries (failed ones are gone) not holding a request.
         let free = live.saturating_sub(queue.in_hand.load(Ordering::Acquire));
-        if !first && free < GROW_RESERVE {
-            let grew = may_grow && {
-                let before = live;
-                may_grow = grow(queue, &mut live);
-                live > before
-            };
-            // Requests may be queued in the kernel behind held entries (see the module
-            // doc). New entries go to the kernel first: a nudge that came before them
-            // would queue behind the others (the nudger, woken, may run before this
-            // thread's next wait submits them); if they cannot, the window opens next
-            // turn.
-            let submitted = !grew || queue.ring.submit().is_ok();
-            if submitted {
-                queue.nudge();
-            }
+        if !first && free < GROW_RESERVE && may_grow {
+            let before = live;
+            may_grow = grow(queue, &mut live);
+            nudge_pending |= live > before;
+        }
+        // Requests may be queued in the kernel behind held entries, and new entries get
+        // only later ones (see the module doc): after a growth the nudger has commits
+        // hand them over. The new entries go to the kernel first: a nudge that came before
+        // them would queue behind the others (the nudger, woken, may run before this
+        // thread's next wait submits them); if they cannot yet, the window opens once they
+        // could. Without a growth there is nothing to nudge for (a queue at its most, or
+        // that cannot grow, hands a queued request to the next entry that commits).
+        if nudge_pending && queue.ring.submit().is_ok() {
+            nudge_pending = false;
+            queue.nudge();
         }
         if queue.stopping.load(Ordering::Acquire) {
             break;
