@@ -33,8 +33,8 @@
 //!   the most recently freed entry first.
 //! - The kernel gives a newly registered entry only requests that arrive after it; those
 //!   that came while every entry was held stay queued until some entry of that CPU is
-//!   committed, which never happens if every held request is a lock waiter. So whenever a
-//!   queue runs short of free entries, its nudger thread (pinned to the queue's CPU) makes
+//!   committed, which never happens if every held request is a lock waiter. So after each
+//!   growth, its nudger thread (pinned to the queue's CPU) makes
 //!   requests of its own for a while ([`NUDGE_WINDOW`]): a `statfs` of the mount point
 //!   that the queue thread refuses at once (EAGAIN), whose commit hands the entry the
 //!   oldest queued request.
@@ -86,8 +86,8 @@ const PAYLOAD_BYTES: usize = MAX_WRITE_BYTES as usize + 4096;
 /// Replies at least this large given off the queue thread are committed by the queue's
 /// committer thread (see `RingReply::finish`).
 const DIRECT_COMMIT_MIN: usize = 64 << 10;
-/// How long a queue's nudger keeps making requests after the queue last ran short of
-/// free entries, and the pause between two of them.
+/// How long a queue's nudger keeps making requests after the queue last grew, and the
+/// pause between two of them.
 pub const NUDGE_WINDOW: std::time::Duration = std::time::Duration::from_millis(500);
 const NUDGE_PAUSE: std::time::Duration = std::time::Duration::from_micros(200);
 /// `user_data` of the eventfd poll's completions (entries use their index).
