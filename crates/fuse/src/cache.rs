@@ -130,6 +130,40 @@ impl Index {
             self.listed_names -= listing.names.len();
         }
     }
+
+    /// `name` of `directory` stands for `child` now (None: a file not known here), in the
+    /// listing of `directory` if this mount keeps one. `existing`: the name was there
+    /// already (an exchange); a listing without it is not complete after all, and goes.
+    fn set_listed(
+        &mut self,
+        directory: InodeId,
+        name: &str,
+        child: Option<(InodeId, FileKind)>,
+        existing: bool,
+    ) {
+        let Some(listing) = self.listings.get_mut(&directory) else {
+            return;
+        };
+        match listing.names.get_mut(name) {
+            Some(known) => {
+                listing.unknown -= usize::from(known.is_none());
+                *known = child;
+            }
+            None if existing => {
+                self.drop_listing(directory);
+                return;
+            }
+            None => {
+                if self.listed_names >= LISTED_NAMES_MAX {
+                    self.drop_listing(directory);
+                    return;
+                }
+                listing.names.insert(CompactString::from(name), child);
+                self.listed_names += 1;
+            }
+        }
+        listing.unknown += usize::from(child.is_none());
+    }
 }
 
 impl Index {
@@ -370,6 +404,44 @@ impl Admission<'_> {
                 index.listed_names -= 1;
                 listing.unknown -= usize::from(child.is_none());
             }
+        }
+    }
+
+    /// This mount renamed `source` of `source_parent` to `target` of `target_parent`
+    /// (`exchange`: swapped the two). The listings of both directories follow: a moved
+    /// name takes the file its old name stood for, where that is known (else it is
+    /// unknown, and the directory's listing is asked of the meta server again). An
+    /// exchange keeps both names but swaps their files: a listing left showing the old
+    /// file under a name would hand the kernel the wrong inode for it in a `READDIRPLUS`
+    /// (issue 41: a directory exchanged with another then listed the other's entries).
+    pub fn listing_renamed(
+        &mut self,
+        source_parent: InodeId,
+        source: &str,
+        target_parent: InodeId,
+        target: &str,
+        exchange: bool,
+    ) {
+        let index = &mut *self.index;
+        let child_of = |listings: &HashMap<InodeId, Listing>, directory: InodeId, name: &str| {
+            listings
+                .get(&directory)
+                .and_then(|listing| listing.names.get(name).copied())
+                .flatten()
+        };
+        let source_child = child_of(&index.listings, source_parent, source);
+        let target_child = child_of(&index.listings, target_parent, target);
+        if exchange {
+            index.set_listed(source_parent, source, target_child, true);
+            index.set_listed(target_parent, target, source_child, true);
+        } else {
+            if let Some(listing) = index.listings.get_mut(&source_parent) {
+                if let Some(child) = listing.names.remove(source) {
+                    index.listed_names -= 1;
+                    listing.unknown -= usize::from(child.is_none());
+                }
+            }
+            index.set_listed(target_parent, target, source_child, false);
         }
     }
 

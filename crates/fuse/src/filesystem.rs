@@ -761,6 +761,7 @@ impl MountState {
         lease: &Lease,
         made_directory: Option<&Attr>,
     ) {
+        self.directories.changed(&[parent]);
         let mut admission = self.cache.admit();
         let client = &self.client;
         admission.listing_added(parent, name, child, Some(*lease), |lease| {
@@ -792,10 +793,12 @@ impl MountState {
     }
 
     fn note_removed(&self, parent: InodeId, name: &str) {
+        self.directories.changed(&[parent]);
         self.cache.admit().listing_removed(parent, name);
     }
 
     fn note_unsure(&self, directories: &[InodeId]) {
+        self.directories.changed(directories);
         let mut admission = self.cache.admit();
         for directory in directories {
             admission.listing_unsure(*directory);
@@ -913,6 +916,7 @@ impl FreeflowFs {
             None,
             |lease| client.lease_remaining(lease, &[parent]),
         );
+        state.directories.changed(&[parent]);
         state.remember(inode, Some(0));
         let (entry_ttl, attr_ttl) =
             state.entry_time_outs(&mut admission, &lease, parent, name, Some(inode));
@@ -1003,6 +1007,7 @@ impl FreeflowFs {
             return Some(reply);
         };
         admission.listing_removed(parent, name);
+        state.directories.changed(&[parent]);
         reply.ok();
         drop(admission);
         let (remover, state, name) = (self.caller(request), self.state.clone(), name.to_owned());
@@ -1864,11 +1869,14 @@ impl FreeflowFs {
                 .await
             {
                 Ok(()) => {
-                    // An exchange leaves both names in place.
-                    if mode != RenameMode::Exchange {
-                        state.note_removed(parent.0, &source);
-                        state.note_made(new_parent.0, &target, None, &Lease::default(), None);
-                    }
+                    state.cache.admit().listing_renamed(
+                        parent.0,
+                        &source,
+                        new_parent.0,
+                        &target,
+                        mode == RenameMode::Exchange,
+                    );
+                    state.directories.changed(&[parent.0, new_parent.0]);
                     reply.ok();
                     // A writeback mount knows its files by the names it handed out: the
                     // kernel moved the entry, so it is dropped and looked up again under
@@ -2447,6 +2455,7 @@ impl FreeflowFs {
         // What is fetched already (the last, empty call of every listing; a listing this
         // mount knows) is answered here, on the session thread, without a task.
         if let Ok(mut known) = listing.try_lock() {
+            known.follow_changes(offset.saturating_sub(2) as usize);
             self.state.take_known_listing(&mut known);
             let first = offset.saturating_sub(2) as usize;
             if known.known(first).is_some() {
@@ -2458,6 +2467,7 @@ impl FreeflowFs {
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             let mut listing = listing.lock().await;
+            listing.follow_changes(offset.saturating_sub(2) as usize);
             state.take_known_listing(&mut listing);
             let mut index = offset;
             loop {
@@ -2488,6 +2498,7 @@ impl FreeflowFs {
         // Entries fetched already whose attributes this mount holds (a listing it knows,
         // the last call of every listing) are answered here, without a task.
         if let Ok(mut known) = listing.try_lock() {
+            known.follow_changes(offset.saturating_sub(2) as usize);
             self.state.take_known_listing(&mut known);
             let directory = if offset < 2 {
                 self.state
@@ -2510,6 +2521,7 @@ impl FreeflowFs {
         let (client, state) = (self.caller(request), self.state.clone());
         self.spawn(async move {
             let mut listing = listing.lock().await;
+            listing.follow_changes(offset.saturating_sub(2) as usize);
             state.take_known_listing(&mut listing);
             // "." and ".." need attributes too (the kernel ignores them): leased ones do.
             let directory = if offset < 2 {

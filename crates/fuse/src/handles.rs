@@ -13,6 +13,7 @@
 //! the open directory, so `seekdir` back to any offset works.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use freeflow_client::{Client, ClientError, DirEntry, ErrorCode, FileHandle, InodeId, OpenAccess};
@@ -457,6 +458,11 @@ pub struct DirectoryListing {
     /// under (see `KernelCache`'s cached listings).
     pub pages: Vec<freeflow_client::Lease>,
     pub end: bool,
+    /// Counts the changes of the directory's names known here (this mount's own, and
+    /// other clients' through revocations) while it is open ([`OpenDirectories::changed`]).
+    changes: Arc<AtomicU64>,
+    /// `changes` when the entries not yet answered were fetched.
+    seen_changes: u64,
 }
 
 impl DirectoryListing {
@@ -502,6 +508,26 @@ impl DirectoryListing {
         }
     }
 
+    /// Before answering from entry `first` on: if the directory's names changed since its
+    /// entries were fetched, those from `first` on are fetched again (after the last name
+    /// answered: the meta server lists in name order, so none comes twice). A fetched entry
+    /// may name a file that was moved, exchanged or removed since, and a `READDIRPLUS`
+    /// answer links the kernel's name to the inode it gives (issue 41); POSIX leaves it
+    /// open whether names added or removed after the open are listed.
+    pub fn follow_changes(&mut self, first: usize) {
+        let now = self.changes.load(Ordering::Acquire);
+        if now == self.seen_changes {
+            return;
+        }
+        self.seen_changes = now;
+        if first < self.entries.len() || self.end {
+            let first = first.min(self.entries.len());
+            self.entries.truncate(first);
+            self.leases.truncate(first);
+            self.end = false;
+        }
+    }
+
     /// Nothing was fetched yet.
     pub fn untouched(&self) -> bool {
         self.entries.is_empty() && !self.end
@@ -530,8 +556,17 @@ pub struct OpenDirectories {
 struct Directories {
     /// By handle: the directory and its listing.
     listings: HashMap<u64, (InodeId, Arc<tokio::sync::Mutex<DirectoryListing>>)>,
-    /// By directory: how many handles are open, and the newest one.
-    by_inode: HashMap<InodeId, (usize, u64)>,
+    /// By directory: its open handles.
+    by_inode: HashMap<InodeId, Opened>,
+}
+
+/// The open handles of one directory.
+struct Opened {
+    count: usize,
+    newest: u64,
+    /// Changes of its names since the first of them opened (see
+    /// [`DirectoryListing::follow_changes`]).
+    changes: Arc<AtomicU64>,
 }
 
 impl OpenDirectories {
@@ -556,9 +591,16 @@ impl OpenDirectories {
         let handle = self
             .next_handle
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let opens = open.by_inode.entry(inode).or_insert((0, 0));
-        let alone_at_open = opens.0 == 0;
-        *opens = (opens.0 + 1, handle);
+        let opens = open.by_inode.entry(inode).or_insert_with(|| Opened {
+            count: 0,
+            newest: 0,
+            changes: Arc::new(AtomicU64::new(0)),
+        });
+        let alone_at_open = opens.count == 0;
+        opens.count += 1;
+        opens.newest = handle;
+        let changes = opens.changes.clone();
+        let seen_changes = changes.load(Ordering::Acquire);
         let listing = DirectoryListing {
             inode,
             handle,
@@ -568,6 +610,8 @@ impl OpenDirectories {
             leases: Vec::new(),
             pages: Vec::new(),
             end: false,
+            changes,
+            seen_changes,
         };
         open.listings
             .insert(handle, (inode, Arc::new(tokio::sync::Mutex::new(listing))));
@@ -586,7 +630,29 @@ impl OpenDirectories {
     /// open (which dropped the cache unless told to keep it).
     pub fn alone(&self, listing: &DirectoryListing) -> bool {
         listing.alone_at_open
-            && self.lock().by_inode.get(&listing.inode) == Some(&(1, listing.handle))
+            && self
+                .lock()
+                .by_inode
+                .get(&listing.inode)
+                .is_some_and(|opens| opens.count == 1 && opens.newest == listing.handle)
+    }
+
+    /// The names of `directories` changed (0: of every directory): their open listings
+    /// fetch again what they have not answered yet ([`DirectoryListing::follow_changes`]).
+    pub fn changed(&self, directories: &[InodeId]) {
+        let open = self.lock();
+        if open.by_inode.is_empty() {
+            return;
+        }
+        for directory in directories {
+            if *directory == 0 {
+                for opens in open.by_inode.values() {
+                    opens.changes.fetch_add(1, Ordering::AcqRel);
+                }
+            } else if let Some(opens) = open.by_inode.get(directory) {
+                opens.changes.fetch_add(1, Ordering::AcqRel);
+            }
+        }
     }
 
     /// Closes `handle`; returns its listing, for the caller to drop after its reply (a
@@ -596,8 +662,8 @@ impl OpenDirectories {
         let mut open = self.lock();
         let (inode, listing) = open.listings.remove(&handle)?;
         if let Some(opens) = open.by_inode.get_mut(&inode) {
-            opens.0 -= 1;
-            if opens.0 == 0 {
+            opens.count -= 1;
+            if opens.count == 0 {
                 open.by_inode.remove(&inode);
             }
         }

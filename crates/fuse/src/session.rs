@@ -243,9 +243,23 @@ pub fn mount(
         // the meta server leases what this mount reads.
         state.cache.set_notifier(session.notifier());
         let cache = state.cache.clone();
-        state
-            .client
-            .watch_revocations(Arc::new(move |revocations| cache.revoke(revocations)));
+        let mount = Arc::downgrade(&state);
+        state.client.watch_revocations(Arc::new(move |revocations| {
+            // Open listings fetch again what another client changed (`handles.rs`).
+            if let Some(mount) = mount.upgrade() {
+                let changed: Vec<_> = revocations
+                    .iter()
+                    .filter(|revocation| {
+                        revocation.inode == 0
+                            || revocation.whole_directory
+                            || !revocation.names.is_empty()
+                    })
+                    .map(|revocation| revocation.inode)
+                    .collect();
+                mount.directories.changed(&changed);
+            }
+            cache.revoke(revocations)
+        }));
         if options.writeback {
             // Another client's change recalls this mount's writes to a file: the kernel's
             // dirty pages of it go out through the client before the acknowledgement.
