@@ -1878,14 +1878,17 @@ impl FreeflowFs {
                     );
                     state.directories.changed(&[parent.0, new_parent.0]);
                     reply.ok();
-                    // A writeback mount knows its files by the names it handed out: the
-                    // kernel moved the entry, so it is dropped and looked up again under
-                    // the new name (`Index::held`).
-                    if state.writeback {
-                        state.evict_names(new_parent.0, vec![target.clone()]);
-                        if mode == RenameMode::Exchange {
-                            state.evict_names(parent.0, vec![source.clone()]);
-                        }
+                    // The kernel moved its entry to the new name with the time-out it had
+                    // under the old one, a lease on the old directory's names: another
+                    // client's later change of the new directory might not revoke it here
+                    // (a directory left linked at a name it was moved from makes the
+                    // kernel refuse a lookup of its new place with ESTALE while a rename
+                    // runs). So the moved names are dropped and looked up again, under a
+                    // lease of their own; a writeback mount also knows its files by the
+                    // names it handed out (`Index::held`).
+                    state.evict_names(new_parent.0, vec![target.clone()]);
+                    if mode == RenameMode::Exchange {
+                        state.evict_names(parent.0, vec![source.clone()]);
                     }
                 }
                 Err(error) => {
