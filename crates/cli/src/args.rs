@@ -276,6 +276,42 @@ pub enum Command {
         #[arg(long)]
         trace: bool,
     },
+    /// Change a directory tree by a seeded random mix of every namespace call (create,
+    /// mkdir, rmdir, unlink, link, symlink, mknod, rename and renameat2 with
+    /// RENAME_NOREPLACE, RENAME_EXCHANGE and RENAME_WHITEOUT, chmod, chown, utimensat, xattrs,
+    /// truncate, small writes), one worker per PATH, checking every call's result against a
+    /// model of the tree and walking the whole tree on every PATH after each batch. Each PATH
+    /// is a directory showing the same tree: mounts of one cluster, the same local directory
+    /// given again, or `ff:/dir` through the client library (a client each). The tree under
+    /// PATH is removed first.
+    ExerciseNames {
+        /// The directories, one worker each.
+        #[arg(required = true, num_args = 1..=16, value_name = "PATH")]
+        paths: Vec<String>,
+        /// Operations of all workers together.
+        #[arg(long, default_value_t = 10_000)]
+        ops: u64,
+        /// Seed of the run: the same seed with one worker runs the same operations.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Operations of all workers together between two walks of the whole tree.
+        #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(1..))]
+        batch: u64,
+        /// Workers run at once without the model's lock: each call is checked only for an
+        /// errno it can give, and the walks of all paths must agree after each batch.
+        #[arg(long)]
+        concurrent: bool,
+        /// On a failure in serial mode, replay the operations on the first PATH with parts
+        /// left out, at most this many times, and print the shortest list that still fails.
+        #[arg(long, default_value_t = 0)]
+        shrink: usize,
+        /// Leave the tree in place at the end instead of removing it.
+        #[arg(long)]
+        keep: bool,
+        /// Print every operation and its result as it is run.
+        #[arg(long)]
+        trace: bool,
+    },
     /// A live panel of the cluster's servers from their metrics endpoints: MB/s, IOPS,
     /// queue depth and latency per I/O server, the meta server's ops/s. `q` quits.
     Top {

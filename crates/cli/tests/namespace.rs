@@ -23,6 +23,9 @@ use std::path::Path;
 
 use common::mount::{fuse_available, io_uring_available, Mount};
 use common::{Cluster, ClusterOptions};
+use freeflow_exercise::names::library::LibraryTarget;
+use freeflow_exercise::names::posix::PosixTarget;
+use freeflow_exercise::names::{self, walk, NamesOptions, NamesTarget};
 
 /// Lease of the clusters here: long, so that a name linked to the wrong inode stays so
 /// for the rest of the test instead of being looked up again.
@@ -279,5 +282,199 @@ async fn a_listing_read_across_a_rename_links_no_name_to_the_file_it_had_before(
         );
         fs::remove_dir_all(&p).unwrap_or_else(|e| panic!("{what}: rm -rf p: {e}"));
         fs::remove_dir_all(&q).unwrap_or_else(|e| panic!("{what}: rm -rf q: {e}"));
+    }
+}
+
+/// Operations per exerciser run (`FREEFLOW_NAMES_OPS`; 3,000 here, 100,000 for a long run)
+/// and seeds per case (`FREEFLOW_NAMES_SEEDS`; 2 here, 20 for a long run).
+fn exerciser_scale() -> (u64, u64) {
+    let read = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(default)
+    };
+    (
+        read("FREEFLOW_NAMES_OPS", 3_000),
+        read("FREEFLOW_NAMES_SEEDS", 2),
+    )
+}
+
+fn posix_targets(paths: &[std::path::PathBuf]) -> Vec<Box<dyn NamesTarget + Send>> {
+    paths
+        .iter()
+        .map(|path| {
+            fs::create_dir_all(path).unwrap();
+            Box::new(PosixTarget::new(path).expect("a target over the mount"))
+                as Box<dyn NamesTarget + Send>
+        })
+        .collect()
+}
+
+/// Run the exerciser on `targets` off the runtime; panics with its failure report.
+async fn exercise(what: String, targets: Vec<Box<dyn NamesTarget + Send>>, options: NamesOptions) {
+    let report = tokio::task::spawn_blocking(move || {
+        names::run(targets, &options).unwrap_or_else(|failure| panic!("{what}: {failure}"))
+    })
+    .await
+    .expect("exerciser task");
+    eprintln!("{report}");
+}
+
+/// Issue 41's namespace exerciser, every call checked against the model of what Linux
+/// returns: four workers on one mount, two mounts with two workers each (every call on one
+/// checked by the next on the other, caches warm from the walks), the library with two
+/// clients, and two mounts with their workers running at once (results checked for
+/// their kinds, the walks of both mounts compared). The model is held to the local disk
+/// by `crates/exercise/tests/names_local.rs`. Checked to fail without the two fixes of
+/// `cbdff49` (seed 1 of the one-mount case: a name listed with the inode it stood for
+/// before an exchange).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_names_exerciser_finds_nothing_on_mounts_across_mounts_and_on_the_library() {
+    if !fuse_available() {
+        eprintln!("skipped: /dev/fuse is missing");
+        return;
+    }
+    let (operations, seeds) = exerciser_scale();
+    let cluster = Cluster::start(2).await;
+    let left = Mount::start(&cluster, "left", &[]);
+    let right = Mount::start(&cluster, "right", &[]);
+    let options = |seed, concurrent| NamesOptions {
+        seed,
+        operations,
+        batch_operations: (operations / 4).max(250),
+        concurrent,
+        ..NamesOptions::default()
+    };
+    for seed in 1..=seeds {
+        let one = left.path(&format!("one-{seed}"));
+        exercise(
+            format!("one mount, 4 workers, seed {seed}"),
+            posix_targets(&[one.clone(), one.clone(), one.clone(), one]),
+            options(seed, false),
+        )
+        .await;
+        let (on_left, on_right) = (
+            left.path(&format!("two-{seed}")),
+            right.path(&format!("two-{seed}")),
+        );
+        exercise(
+            format!("two mounts, 2 workers each, seed {seed}"),
+            posix_targets(&[on_left.clone(), on_left, on_right.clone(), on_right]),
+            options(seed, false),
+        )
+        .await;
+        let root = format!("/library-{seed}");
+        fs::create_dir(left.path(&root[1..])).unwrap();
+        let mut targets: Vec<Box<dyn NamesTarget + Send>> = Vec::new();
+        for _ in 0..2 {
+            let client = cluster.client().await;
+            let (root, runtime) = (root.clone(), tokio::runtime::Handle::current());
+            let target =
+                tokio::task::spawn_blocking(move || LibraryTarget::new(client, &root, runtime))
+                    .await
+                    .expect("open task")
+                    .expect("a target through the library");
+            targets.push(Box::new(target));
+        }
+        exercise(
+            format!("library, 2 clients, seed {seed}"),
+            targets,
+            options(seed, false),
+        )
+        .await;
+        let (on_left, on_right) = (
+            left.path(&format!("concurrent-{seed}")),
+            right.path(&format!("concurrent-{seed}")),
+        );
+        exercise(
+            format!("two mounts at once, seed {seed}"),
+            posix_targets(&[on_left.clone(), on_left, on_right.clone(), on_right]),
+            options(seed, true),
+        )
+        .await;
+    }
+}
+
+/// Three mounts; two run the exerciser while the third walks the same tree over and over
+/// (its caches warm), is killed with SIGKILL halfway and mounted again. The mount that
+/// came back must see exactly the tree the others made, and the others' changes must not
+/// have waited on the dead one for more than its leases (the run would time out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mount_killed_mid_run_and_mounted_again_sees_the_tree_the_others_made() {
+    if !fuse_available() {
+        eprintln!("skipped: /dev/fuse is missing");
+        return;
+    }
+    let (operations, seeds) = exerciser_scale();
+    let cluster = Cluster::start_with(ClusterOptions {
+        cache_lease_ms: 2_000,
+        ..ClusterOptions::new(2)
+    })
+    .await;
+    let left = Mount::start(&cluster, "left", &[]);
+    let right = Mount::start(&cluster, "right", &[]);
+    let mut third = Some(Mount::start(&cluster, "third", &[]));
+    for seed in 1..=seeds {
+        let tree = format!("killed-{seed}");
+        let paths = [left.path(&tree), right.path(&tree)];
+        let options = NamesOptions {
+            seed,
+            operations,
+            batch_operations: (operations / 4).max(250),
+            remove_at_end: false,
+            ..NamesOptions::default()
+        };
+        let what = format!("two mounts beside a killed one, seed {seed}");
+        let run = tokio::task::spawn_blocking({
+            let targets = posix_targets(&paths);
+            move || names::run(targets, &options).unwrap_or_else(|f| panic!("{what}: {f}"))
+        });
+        let started = std::time::Instant::now();
+        let mut killed = false;
+        while !run.is_finished() {
+            let watcher = third.as_ref().expect("the third mount").path(&tree);
+            // Warm its caches: errors are expected while the tree changes under it.
+            let _ = tokio::task::spawn_blocking(move || {
+                if let Ok(mut target) = PosixTarget::new(&watcher) {
+                    let _ = walk::walk_target(&mut target);
+                }
+            })
+            .await;
+            if !killed && started.elapsed() > std::time::Duration::from_secs(1) {
+                let mut mount = third.take().expect("the third mount");
+                mount.kill9();
+                common::mount::lazy_unmount(&mount.mountpoint);
+                drop(mount);
+                third = Some(Mount::start(&cluster, "third", &[]));
+                killed = true;
+            }
+        }
+        let report = run.await.expect("exerciser task");
+        eprintln!("{report}");
+        assert!(
+            killed,
+            "seed {seed}: the run ended before the third mount was killed; make it longer"
+        );
+        let third_path = third.as_ref().expect("the third mount").path(&tree);
+        let walks = tokio::task::spawn_blocking(move || {
+            [paths[0].clone(), paths[1].clone(), third_path].map(|path| {
+                let mut target = PosixTarget::new(&path).expect("a target");
+                (
+                    path.display().to_string(),
+                    walk::walk_target(&mut target)
+                        .unwrap_or_else(|e| panic!("walk of {}: {e}", path.display())),
+                )
+            })
+        })
+        .await
+        .expect("walk task");
+        for (place, walked) in &walks[1..] {
+            if let Some(difference) =
+                walk::difference(&walks[0].1, walked, &walks[0].0, place, true)
+            {
+                panic!("seed {seed}: {difference}");
+            }
+        }
     }
 }

@@ -18,6 +18,7 @@
 //! directly, without the kernel).
 
 pub mod library;
+pub mod names;
 pub mod posix;
 pub mod random;
 

@@ -3,6 +3,7 @@
 mod bench;
 mod copy;
 mod exercise;
+mod exercise_names;
 mod fsck;
 mod init;
 mod mount;
@@ -127,6 +128,28 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
             count,
             replicas,
         }) => stripe::set(cluster, &path, unit, count, replicas).await,
+        Command::ExerciseNames {
+            paths,
+            ops,
+            seed,
+            batch,
+            concurrent,
+            shrink,
+            keep,
+            trace,
+        } => {
+            let arguments = exercise_names::Arguments {
+                paths,
+                operations: ops,
+                seed,
+                batch_operations: batch,
+                concurrent,
+                shrink_replays_max: shrink,
+                keep,
+                trace,
+            };
+            exercise_names::run(cluster, arguments).await
+        }
         Command::Top {
             once,
             json,
