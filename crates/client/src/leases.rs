@@ -23,21 +23,21 @@
 //! revocation of inode 0), before the server could let another client's change through.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 use tokio::time::Instant;
 
 use freeflow_proto::meta::{LeasesRenewed, RenewLeases, Revocation, WaitRevocations};
 use freeflow_types::InodeId;
 
-use crate::client::Shared;
-use crate::pool::{Lease, Pool};
+use crate::delegation::Delegations;
+use crate::lease::{Lease, HANDLER_WAIT_MS, LEASE_MARGIN_PERCENT};
+use crate::pool::Pool;
 
 /// How long a poll waits at the server for revocations before it asks again (at most half
 /// the call time-out, so that a waiting poll is never mistaken for a lost one).
 const POLL_WAIT_MS: u64 = 20_000;
-/// How long a handler may take before its revocations are acknowledged anyway.
-pub const HANDLER_WAIT_MS: u64 = 100;
 /// How soon a renewal that failed or was not taken is tried again (at most: a fifth of
 /// the lease otherwise).
 const RENEWAL_RETRY: Duration = Duration::from_millis(200);
@@ -50,6 +50,29 @@ pub type RevocationHandler = Arc<dyn Fn(&[Revocation]) + Send + Sync>;
 /// Called with the files whose writes another client's change recalls (see
 /// `Client::watch_recalls`).
 pub type RecallHandler = Arc<dyn Fn(&[InodeId]) + Send + Sync>;
+
+/// What the revocation poll and the renewer need of the client above them: its lease
+/// state, the handlers it was given, and the open files and delegated directories a
+/// revocation recalls. Defined here and implemented by the client, so that this file never
+/// names the client.
+pub(crate) trait LeaseHolder: Send + Sync + 'static {
+    /// Revocations seen.
+    fn revoked(&self) -> MutexGuard<'_, Revoked>;
+    /// The run of lease renewals.
+    fn renewed(&self) -> MutexGuard<'_, Renewed>;
+    /// Who is told of revocations, if anyone.
+    fn revocation_handler(&self) -> Option<RevocationHandler>;
+    /// Who writes back what it holds of a recalled file, if anyone.
+    fn recall_handler(&self) -> Option<RecallHandler>;
+    /// The newest revocation the poll handled, by server epoch (`renew` waits for it).
+    fn handled(&self) -> &tokio::sync::watch::Sender<(u64, u64)>;
+    /// Directories delegated to this client (see `delegation.rs`).
+    fn delegations(&self) -> &Delegations;
+    /// A revocation of `inode`'s attributes arrived: each handle open on it learns it was
+    /// changed elsewhere and waits for the writes it started (another client's truncation
+    /// recalls them).
+    fn recall_writes(&self, inode: InodeId) -> impl Future<Output = ()> + Send + '_;
+}
 
 /// Revocations seen in one server epoch: the newest id by inode.
 #[derive(Default)]
@@ -147,7 +170,7 @@ impl Renewed {
     /// revocation before it handled): the run goes on, or a new one begins now.
     pub fn note(&mut self, epoch: u64, sent_at: Instant, lease_ms: u32) {
         let now = Instant::now();
-        let trusted_ms = u64::from(lease_ms) * (100 - crate::pool::LEASE_MARGIN_PERCENT) / 100;
+        let trusted_ms = u64::from(lease_ms) * (100 - LEASE_MARGIN_PERCENT) / 100;
         let end = sent_at + Duration::from_millis(trusted_ms);
         self.run = match self.run {
             Some((since, previous)) if self.epoch == epoch && now < previous => {
@@ -168,8 +191,8 @@ impl Renewed {
 /// Renew the leases at a fifth of a lease until the client is gone; lapse the run when
 /// renewals stop succeeding (module doc). `handled` says which revocations the poll has
 /// handled, by server epoch.
-pub(crate) async fn renew(
-    shared: Weak<Shared>,
+pub(crate) async fn renew<H: LeaseHolder>(
+    shared: Weak<H>,
     pool: Arc<Pool>,
     mut handled: tokio::sync::watch::Receiver<(u64, u64)>,
 ) {
@@ -189,7 +212,7 @@ pub(crate) async fn renew(
             let Some(client) = shared.upgrade() else {
                 return;
             };
-            lapse(&client);
+            lapse(client.as_ref());
             continue;
         }
         if now < next {
@@ -242,15 +265,10 @@ pub(crate) async fn renew(
 /// only, and take back everything handed out under leases (as after a restart of the meta
 /// server), on a blocking thread nobody waits for: the kernel may hold a directory's lock
 /// for a request of this client that waits for this runtime.
-fn lapse(client: &Shared) {
+fn lapse(client: &impl LeaseHolder) {
     client.renewed().run = None;
     tracing::warn!("the meta server has not renewed this client's leases: dropping its caches");
-    let handler = client
-        .revocation_handler
-        .lock()
-        .expect("not poisoned")
-        .clone();
-    if let Some(handler) = handler {
+    if let Some(handler) = client.revocation_handler() {
         tokio::task::spawn_blocking(move || {
             handler(&[Revocation {
                 id: 0,
@@ -267,7 +285,7 @@ fn lapse(client: &Shared) {
 /// this client has in flight on a file whose attributes are revoked are waited for: a
 /// truncation by another client recalls them this way, so that bytes written here before
 /// it cannot land after its cuts (the meta server waits for the acknowledgement first).
-pub(crate) async fn watch(shared: Weak<Shared>, pool: Arc<Pool>) {
+pub(crate) async fn watch<H: LeaseHolder>(shared: Weak<H>, pool: Arc<Pool>) {
     let (mut acknowledged, mut epoch) = (0u64, 0u64);
     loop {
         if shared.strong_count() == 0 {
@@ -308,8 +326,7 @@ pub(crate) async fn watch(shared: Weak<Shared>, pool: Arc<Pool>) {
             .collect();
         recalled.sort_unstable();
         recalled.dedup();
-        let recall_handler = client.recall_handler.lock().expect("not poisoned").clone();
-        if let Some(handler) = recall_handler.filter(|_| !recalled.is_empty()) {
+        if let Some(handler) = client.recall_handler().filter(|_| !recalled.is_empty()) {
             let inodes = recalled.clone();
             let written = tokio::task::spawn_blocking(move || handler(&inodes));
             let bound = Duration::from_millis(pool.call_timeout_ms());
@@ -321,30 +338,23 @@ pub(crate) async fn watch(shared: Weak<Shared>, pool: Arc<Pool>) {
             }
         }
         for inode in &recalled {
-            for handle in client.open_handles(*inode) {
-                handle.note_changed_elsewhere();
-                handle.wait_for_started_writes().await;
-            }
+            client.recall_writes(*inode).await;
         }
         // A directory's names revoked: no create is answered ahead there any more, and
         // those answered are waited for (the recall of a delegation, see `delegation.rs`).
         let mut directories: Vec<InodeId> = Vec::new();
         for revocation in &revocations {
             if revocation.whole_directory || !revocation.names.is_empty() || revocation.inode == 0 {
-                client.delegations.recall(revocation.inode);
+                client.delegations().recall(revocation.inode);
                 if revocation.inode != 0 {
                     directories.push(revocation.inode);
                 }
             }
         }
         if !directories.is_empty() {
-            client.delegations.settle(&directories).await;
+            client.delegations().settle(&directories).await;
         }
-        let handler = client
-            .revocation_handler
-            .lock()
-            .expect("not poisoned")
-            .clone();
+        let handler = client.revocation_handler();
         drop(client);
         if let Some(handler) = handler {
             let handled = tokio::task::spawn_blocking(move || handler(&revocations));
@@ -353,22 +363,12 @@ pub(crate) async fn watch(shared: Weak<Shared>, pool: Arc<Pool>) {
         }
         acknowledged = acknowledged.max(last.unwrap_or(0));
         if let Some(client) = shared.upgrade() {
-            client.handled.send_replace((epoch, acknowledged));
+            client.handled().send_replace((epoch, acknowledged));
         }
     }
 }
 
-impl Shared {
-    pub(crate) fn revoked(&self) -> std::sync::MutexGuard<'_, Revoked> {
-        self.revoked.lock().expect("revoked not poisoned")
-    }
-
-    pub(crate) fn renewed(&self) -> std::sync::MutexGuard<'_, Renewed> {
-        self.renewed.lock().expect("renewed not poisoned")
-    }
-}
-
-/// Bounded memory of revocations for `Shared`.
+/// Bounded memory of revocations for the client.
 pub(crate) fn new_revoked() -> Mutex<Revoked> {
     Mutex::new(Revoked::default())
 }

@@ -17,6 +17,7 @@ mod config;
 mod delegation;
 mod error;
 mod file;
+mod lease;
 mod leases;
 mod local;
 mod locks;
@@ -38,12 +39,12 @@ pub use config::{
 pub use delegation::AheadOp;
 pub use error::ClientError;
 pub use file::{Allocation, FileHandle, COPY_LENGTH_MAX, READ_LENGTH_MAX};
+pub use lease::Lease;
 pub use leases::{RecallHandler, RevocationHandler};
 pub use local::reads_in_place;
 pub use locks::LockSpec;
 pub use path::{join, normalize};
 pub use paths::{OpenOptions, StripePlacement};
-pub use pool::Lease;
 
 // The request and reply types of the API, so users need not name the proto crate.
 pub use freeflow_proto::io::{ListedObject, ObjectListing, LIST_OBJECTS_MAX};

@@ -18,61 +18,16 @@ use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::io::{ReadObject, SyncObjects, WriteObject};
 use freeflow_proto::meta::{
     is_mutation, CloseSession, GetServiceMap, ListServers, ReplayDone, ReplayOf, ReplyStamp,
-    ServerRecord, ServiceMap, Sync, LEASE_RENEWAL_SPAN_MS,
+    ServerRecord, ServiceMap, Sync,
 };
 use freeflow_proto::{decode, encode, ErrorCode, Request, WireError};
 use freeflow_rpc::{ClusterKey, ConnectOptions, Connection, LeaderSearch, RawFrame, RpcError};
 use freeflow_types::{Attr, InodeId, ServerId};
 
+use crate::lease::{Lease, HANDLER_WAIT_MS};
 use crate::metrics::ClientMetrics;
 use crate::replay::{Kept, KeptLog};
 use crate::ClientError;
-
-/// A lease the meta server granted on what a reply read (issue 9): the client may trust
-/// it until `until` (measured from when the request was sent, less a margin, so the client
-/// always stops before the server forgets it), unless a revocation of one of its inodes
-/// with an id of at least `seq` arrived (see `Client::lease_remaining`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Lease {
-    /// None: no lease (the reply may not be cached).
-    pub until: Option<Instant>,
-    pub seq: u64,
-    /// The server epoch of the grant: leases die with a restart.
-    pub epoch: u64,
-    /// The reply delegated a directory to this client (a mkdir: the new directory), see
-    /// `delegation.rs`.
-    pub delegated: bool,
-    /// The latest time renewals can keep it to (`LEASE_RENEWAL_SPAN_MS` after it was
-    /// sent; see `leases::Renewed`).
-    pub span_until: Option<Instant>,
-}
-
-/// Part of a lease the client gives up to allow for clock rates and scheduling.
-pub(crate) const LEASE_MARGIN_PERCENT: u64 = 10;
-
-impl Lease {
-    /// Whether nothing can keep this lease good any more at `now`, renewals included: past
-    /// its span (or its own end, without one), or no lease at all.
-    pub fn ended_for_good(&self, now: Instant) -> bool {
-        self.span_until
-            .or(self.until)
-            .is_none_or(|until| until <= now)
-    }
-
-    fn from_stamp(stamp: &ReplyStamp, sent_at: Instant) -> Lease {
-        if stamp.lease_ms == 0 {
-            return Lease::default();
-        }
-        let trusted_ms = u64::from(stamp.lease_ms) * (100 - LEASE_MARGIN_PERCENT) / 100;
-        Lease {
-            until: Some(sent_at + Duration::from_millis(trusted_ms)),
-            seq: stamp.lease_seq,
-            epoch: stamp.epoch,
-            delegated: !stamp.delegated.is_empty(),
-            span_until: Some(sent_at + Duration::from_millis(LEASE_RENEWAL_SPAN_MS)),
-        }
-    }
-}
 
 /// A mutation sent patiently and not answered yet (see `Pool::patient`).
 #[derive(Clone)]
@@ -830,7 +785,7 @@ impl Pool {
             // Off the runtime, and waited for a little only: the kernel's invalidations
             // take directory locks that requests waiting here for this replay may hold.
             let dropping = tokio::task::spawn_blocking(move || hook());
-            let wait = Duration::from_millis(crate::leases::HANDLER_WAIT_MS);
+            let wait = Duration::from_millis(HANDLER_WAIT_MS);
             let _ = tokio::time::timeout(wait, dropping).await;
         }
         let hook = self.on_recover.lock().expect("not poisoned").clone();
