@@ -1,5 +1,5 @@
 //! Requests read from `/dev/fuse` by fuser: each `fuser::Filesystem` method hands its
-//! request to the handler of the same name in `filesystem.rs`, with fuser's reply wrapped
+//! request to the handler of the same name in `filesystem/`, with fuser's reply wrapped
 //! in the mount's own reply type. FUSE over io_uring reaches the same handlers from
 //! `ring/dispatch.rs`.
 

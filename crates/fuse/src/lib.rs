@@ -6,7 +6,7 @@
 //! - Requests come over FUSE-over-io_uring rings, a queue per CPU served by a thread
 //!   pinned to it (`ring/`), where the kernel offers them ([`Transport`]), else are read
 //!   from several kernel channels (`clone_fd` threads, fuser); both reach the same
-//!   handlers (`filesystem.rs`). A handler answers at once what it can (a gathered small
+//!   handlers (`filesystem/`). A handler answers at once what it can (a gathered small
 //!   write, attributes under a lease, a lone read) and hands the rest to a task on the
 //!   caller's tokio runtime, so many are in flight at once; the number in flight has a
 //!   bound ([`REQUESTS_IN_FLIGHT_MAX`]).
@@ -32,9 +32,13 @@ mod dev;
 mod filesystem;
 mod handles;
 mod held;
+mod limits;
+mod options;
 mod reply;
 mod ring;
 mod session;
 mod shadow;
 
-pub use session::{mount, FuseError, MountHandle, MountOptions, Transport, REQUESTS_IN_FLIGHT_MAX};
+pub use limits::REQUESTS_IN_FLIGHT_MAX;
+pub use options::{FuseError, MountOptions, Transport};
+pub use session::{mount, MountHandle};

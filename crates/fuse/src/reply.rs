@@ -1,7 +1,7 @@
 //! The mount's replies, one type per kind of answer, whichever way the request came: read
 //! from `/dev/fuse` by fuser (its reply object, which writes the answer back there) or
 //! taken from a ring entry of FUSE over io_uring (`ring.rs`, which encodes the answer into
-//! the entry and commits it). The handlers in `filesystem.rs` answer through these and do
+//! the entry and commits it). The handlers in `filesystem/` answer through these and do
 //! not know which transport carried the request.
 
 use std::ffi::OsStr;

@@ -1,7 +1,10 @@
-//! One request from a ring entry, decoded and handed to its handler in `filesystem.rs`:
+//! One request from a ring entry, decoded and handed to its handler in `filesystem/`:
 //! the opcode's record from the header's `op_in` area, names and data from the payload.
 //! A request that does not parse gets EINVAL, an opcode the mount does not serve ENOSYS
 //! (the kernel then stops asking for it where it can).
+//!
+//! It implements the rings' [`Dispatch`] for [`FreeflowFs`]: `ring/mod.rs` names no handler,
+//! so the handlers (whose replies write into ring entries) stay below the rings.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -15,7 +18,7 @@ use fuser::{
 use zerocopy::FromBytes;
 
 use super::abi::{self, InHeader};
-use super::RingReply;
+use super::{Dispatch, RingReply};
 use crate::filesystem::FreeflowFs;
 use crate::reply::{
     Caller, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty,
@@ -67,13 +70,13 @@ fn offset(value: u64) -> Result<u64, Errno> {
     }
 }
 
-pub(super) fn dispatch(
-    fs: &FreeflowFs,
-    request: &InHeader,
-    op_in: &[u8],
-    payload: &[u8],
-    reply: RingReply,
-) {
+impl Dispatch for FreeflowFs {
+    fn dispatch(&self, request: &InHeader, op_in: &[u8], payload: &[u8], reply: RingReply) {
+        dispatch(self, request, op_in, payload, reply);
+    }
+}
+
+fn dispatch(fs: &FreeflowFs, request: &InHeader, op_in: &[u8], payload: &[u8], reply: RingReply) {
     if let Err((error, reply)) = serve(fs, request, op_in, payload, reply) {
         reply.error(error);
     }

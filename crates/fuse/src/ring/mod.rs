@@ -67,7 +67,7 @@ use fuser::Errno;
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use zerocopy::{FromBytes, IntoBytes};
 
-use crate::filesystem::{FreeflowFs, MAX_WRITE_BYTES};
+use crate::limits::{ENABLE_PARAMETER, MAX_WRITE_BYTES, REQUESTS_IN_FLIGHT_MAX};
 
 /// Entries each queue starts with: requests of one CPU in the mount's hands at once (a
 /// request keeps its entry until answered; more wait in the kernel).
@@ -78,7 +78,7 @@ pub const GROW_RESERVE: usize = 16;
 pub const GROW_STEP: usize = 64;
 /// The most entries a queue grows to: the mount's bound on requests in its hands over
 /// `/dev/fuse` (`REQUESTS_IN_FLIGHT_MAX`), per CPU.
-pub const RING_MAX_DEPTH: usize = crate::session::REQUESTS_IN_FLIGHT_MAX;
+pub const RING_MAX_DEPTH: usize = REQUESTS_IN_FLIGHT_MAX;
 // Entries are named by u16 indices (the commands' user data, the replies' places).
 const _: () = assert!(RING_DEPTH <= RING_MAX_DEPTH && RING_MAX_DEPTH <= u16::MAX as usize);
 /// Payload buffer of an entry: the largest write or read, and a page for the rest.
@@ -92,9 +92,6 @@ pub const NUDGE_WINDOW: std::time::Duration = std::time::Duration::from_millis(5
 const NUDGE_PAUSE: std::time::Duration = std::time::Duration::from_micros(200);
 /// `user_data` of the eventfd poll's completions (entries use their index).
 const WAKE: u64 = u64::MAX;
-
-/// The kernel's `fuse.enable_uring` module parameter.
-pub const ENABLE_PARAMETER: &str = "/sys/module/fuse/parameters/enable_uring";
 
 /// Turns on the kernel's offer of FUSE over io_uring if it is off (root only). An error
 /// names what is missing.
@@ -462,6 +459,16 @@ enum Answer<'a> {
     InPlace(usize),
 }
 
+/// What a queue thread hands each request it takes: decodes it and calls its handler.
+/// `dispatch.rs` implements it for the mount's handlers (`FreeflowFs`), so the rings name
+/// no handler, and the handlers, whose replies write into the rings' entries
+/// ([`RingReply`]), stay below them.
+pub(crate) trait Dispatch: Send + Sync + 'static {
+    /// Serve `request`, with its operation's record `op_in` and its data `payload`,
+    /// answering through `reply`.
+    fn dispatch(&self, request: &abi::InHeader, op_in: &[u8], payload: &[u8], reply: RingReply);
+}
+
 /// The answer to one request that came over a ring: written into the request's entry,
 /// then committed by the queue thread (or, large, by its committer thread). Dropped
 /// unanswered, it answers EIO.
@@ -645,8 +652,8 @@ impl Rings {
     /// keep the mount: the kernel holds its requests until every queue is registered).
     ///
     /// `mountpoint` is where the connection is mounted: the nudgers' requests name it.
-    pub fn start(
-        fs: FreeflowFs,
+    pub fn start<F: Dispatch>(
+        fs: F,
         fuse: &OwnedFd,
         mountpoint: &std::path::Path,
     ) -> std::io::Result<Rings> {
@@ -669,7 +676,7 @@ impl Rings {
                 let (queue, fs) = (queue.clone(), fs.clone());
                 std::thread::Builder::new()
                     .name(format!("fuse-ring-{cpu}"))
-                    .spawn(move || serve_queue(&queue, &fs, cpu, registered_tx))?
+                    .spawn(move || serve_queue(&queue, &*fs, cpu, registered_tx))?
             };
             rings.queues.push(queue.clone());
             rings.threads.push(thread);
@@ -870,9 +877,9 @@ fn connection_gone(result: i32) -> bool {
     .contains(&-result)
 }
 
-fn serve_queue(
+fn serve_queue<F: Dispatch>(
     queue: &Arc<QueueShared>,
-    fs: &FreeflowFs,
+    fs: &F,
     cpu: usize,
     registered: std::sync::mpsc::Sender<std::io::Result<()>>,
 ) {
@@ -1107,7 +1114,7 @@ fn borrows_payload(opcode: u32) -> bool {
 
 /// Decodes the request in entry `index` and calls its handler, then writes in a reply
 /// given while the handler ran.
-fn serve_entry(queue: &Arc<QueueShared>, fs: &FreeflowFs, index: usize) {
+fn serve_entry<F: Dispatch>(queue: &Arc<QueueShared>, fs: &F, index: usize) {
     let buffers = queue.entry(index);
     let state = &queue.states[index];
     // What the handler needs of the header is copied out: a reply may overwrite it.
@@ -1145,7 +1152,7 @@ fn serve_entry(queue: &Arc<QueueShared>, fs: &FreeflowFs, index: usize) {
     } else {
         &[]
     };
-    dispatch::dispatch(fs, &request, &op_in, payload, reply);
+    fs.dispatch(&request, &op_in, payload, reply);
     if !borrows {
         return;
     }
