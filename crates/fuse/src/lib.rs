@@ -15,7 +15,7 @@
 //!
 //! Consistency (DESIGN.md §4, docs/consistency.md): the kernel caches names, missing names
 //! and attributes only under the meta server's leases, for what is left of each lease
-//! (`cache.rs`); before another client's change to them returns, the server revokes them and
+//! (`cache/`); before another client's change to them returns, the server revokes them and
 //! this mount turns the revocation into the kernel's `inval_entry` / `inval_inode`. A reply
 //! that carries no lease is not cached (entry and attribute time-outs 0 by default), and
 //! every open fetches fresh attributes, so data written and closed elsewhere is seen by the

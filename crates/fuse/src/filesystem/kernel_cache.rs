@@ -1,5 +1,5 @@
 //! What the kernel caches of this mount, and the replies that hand it over: entry and
-//! attribute replies with their time-outs under the meta server's leases (`cache.rs`
+//! attribute replies with their time-outs under the meta server's leases (`cache/`
 //! admits them), negative entries, this mount's own listings kept right after its changes
 //! (`note_made`, `note_removed`, `note_unsure`), evictions, the inodes the kernel holds and
 //! the sizes it keeps of them, and on writeback mounts the growth of held-open files

@@ -83,7 +83,7 @@ pub(crate) struct MountState {
     /// Set when the connection is aborted: a read answered on a session thread is given
     /// up, so the thread ends with the session.
     ending: tokio::sync::watch::Sender<bool>,
-    /// What the kernel caches under leases, and how to take it back (`cache.rs`).
+    /// What the kernel caches under leases, and how to take it back (`cache/`).
     pub cache: Arc<KernelCache>,
     /// The kernel's writeback cache is on (`MountOptions::writeback`).
     pub writeback: bool,
@@ -366,7 +366,7 @@ impl FreeflowFs {
         self.state.direct_mmap.store(direct_mmap, Ordering::Relaxed);
         let data_cache = if self.state.writeback {
             // The kernel gathers writes in its page cache and owns sizes and times of the
-            // files it holds; revocations write back and evict them (`cache.rs`). Not with
+            // files it holds; revocations write back and evict them (`cache/`). Not with
             // automatic invalidation: it compares the kernel's own modify time with the
             // meta server's and would write back and drop the pages at every attribute
             // fetch.
