@@ -42,16 +42,38 @@ pub fn describe(error: &anyhow::Error) -> String {
     text
 }
 
+/// A failed `freeflow exercise` or `exercise-names` run: the exerciser's report, with an exit status of its own (data error).
+#[derive(Debug)]
+pub struct ExerciseFailed(pub String);
+
+impl std::error::Error for ExerciseFailed {}
+
+impl std::fmt::Display for ExerciseFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// `freeflow fsck` found problems it did not repair (exit status 65).
+#[derive(Debug)]
+pub struct FsckFound(pub String);
+
+impl std::error::Error for FsckFound {}
+
+impl std::fmt::Display for FsckFound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// The exit status for a failed command.
 pub fn exit_status(error: &anyhow::Error) -> u8 {
     for cause in error.chain() {
         if cause.downcast_ref::<ConfigError>().is_some() {
             return EXIT_CONFIG;
         }
-        if cause
-            .downcast_ref::<crate::commands::ExerciseFailed>()
-            .is_some()
-            || cause.downcast_ref::<crate::commands::FsckFound>().is_some()
+        if cause.downcast_ref::<ExerciseFailed>().is_some()
+            || cause.downcast_ref::<FsckFound>().is_some()
         {
             return EXIT_DATA;
         }

@@ -37,6 +37,17 @@ pub enum DirectIo {
 /// cache must leave room below it for sockets and everything else.
 const PROCESS_OPEN_FILES_LIMIT: usize = 20_000;
 
+/// How long the connection to the metadata leader may stay silent with a call waiting
+/// before it is taken for dead and a leader is searched for again (registration and map
+/// fetches). The shortest the connection allows: a leader cut off by the network keeps its
+/// sockets open, and this server must be registered with the new one (elected about a
+/// second after the cut) well before `server_down_after_ms` from its election, or it puts
+/// this server out of its chains (with the default of three seconds, a cut made both I/O
+/// servers of a test silent for 3-4 s and the new leader put them out). A leader, however
+/// loaded, answers a ping at once.
+/// Chain peers' connections (`replication.rs`) use it too.
+pub const META_LIVENESS_TIMEOUT_MS: u64 = freeflow_rpc::LIVENESS_TIMEOUT_MS_MIN;
+
 /// Memory the I/O server's process holds besides its buffer pool, its connections and the
 /// payloads: the binary's pages, the runtime, the descriptor cache's entries, the links to
 /// the meta server and to replicas, metrics. Release builds hold 16-26 MiB of it idle

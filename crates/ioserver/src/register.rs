@@ -31,15 +31,6 @@ const RETRY_BACKOFF_INITIAL_MS: u64 = 100;
 /// soon after; a delay doubled past this would let it lapse and pause replicated writes
 /// (seen as 2-3 s failover pauses instead of 1.2 s).
 const REPLICATED_RETRY_BACKOFF_MAX_MS: u64 = 200;
-/// How long the connection to the metadata leader may stay silent with a call waiting
-/// before it is taken for dead and a leader is searched for again (registration and map
-/// fetches). The shortest the connection allows: a leader cut off by the network keeps its
-/// sockets open, and this server must be registered with the new one (elected about a
-/// second after the cut) well before `server_down_after_ms` from its election, or it puts
-/// this server out of its chains (with the default of three seconds, a cut made both I/O
-/// servers of a test silent for 3-4 s and the new leader put them out). A leader, however
-/// loaded, answers a ping at once.
-pub const META_LIVENESS_TIMEOUT_MS: u64 = freeflow_rpc::LIVENESS_TIMEOUT_MS_MIN;
 /// Bounds on the heartbeat interval the meta server may ask for.
 const HEARTBEAT_INTERVAL_MIN_MS: u64 = 50;
 const HEARTBEAT_INTERVAL_MAX_MS: u64 = 60_000;
@@ -91,7 +82,7 @@ pub async fn run_registration(
         client_name: format!("io:{}", store.server_id()),
         call_timeout_ms: options.call_timeout_ms,
         connect_timeout_ms: options.connect_timeout_ms,
-        liveness_timeout_ms: META_LIVENESS_TIMEOUT_MS,
+        liveness_timeout_ms: crate::config::META_LIVENESS_TIMEOUT_MS,
         ..ConnectOptions::default()
     };
     let mut connection: Option<Connection> = None;

@@ -78,7 +78,7 @@ impl Replication {
                 client_name: format!("io:{server_id}:chain"),
                 call_timeout_ms,
                 connect_timeout_ms,
-                liveness_timeout_ms: crate::register::META_LIVENESS_TIMEOUT_MS,
+                liveness_timeout_ms: crate::config::META_LIVENESS_TIMEOUT_MS,
                 ..ConnectOptions::default()
             },
             peer_options: ConnectOptions {

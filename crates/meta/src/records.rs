@@ -183,7 +183,7 @@ pub struct TruncationRecord {
     pub cuts: Vec<(u32, u64)>,
 }
 
-/// A client that may hold mutations not durable yet (see `writer.rs`): written durably
+/// A client that may hold mutations not durable yet (see `writer/`): written durably
 /// before its first early reply, removed when its last session ends.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClientRecord {

@@ -10,7 +10,7 @@
 //! in time loses the changes it held, and nothing else is lost.
 //!
 //! A change that any other client saw was made durable first (commit on share,
-//! `writer.rs`), so replays of different clients never depend on each other: each client's
+//! `writer/`), so replays of different clients never depend on each other: each client's
 //! own order is enough.
 
 use std::collections::HashSet;

@@ -1391,41 +1391,8 @@ fn cluster_status(shared: &Shared) -> ClusterReport {
         ready_ms: shared.ready_ms.load(Ordering::Relaxed),
         uptime_ms: shared.started.elapsed().as_millis() as u64,
         meta_metrics_address: shared.metrics_address.clone(),
-        meta_members: meta_members(shared),
+        meta_members: shared.meta_members(),
     }
-}
-
-/// The members of a replicated cluster as this leader sees them: how far each follower's
-/// log matches its own.
-pub(crate) fn meta_members(shared: &Shared) -> Vec<freeflow_proto::meta::MetaMember> {
-    let Some(link) = &shared.raft else {
-        return Vec::new();
-    };
-    let metrics = link.raft.metrics().borrow().clone();
-    let last = metrics.last_log_index.unwrap_or(0);
-    shared
-        .config
-        .peers
-        .iter()
-        .map(|peer| {
-            let matched = if peer.id == link.id {
-                Some(last)
-            } else {
-                metrics
-                    .replication
-                    .as_ref()
-                    .and_then(|replication| replication.get(&peer.id).copied().flatten())
-                    .map(|log_id| log_id.index)
-            };
-            freeflow_proto::meta::MetaMember {
-                id: peer.id,
-                address: peer.address.clone(),
-                leader: peer.id == link.id,
-                term: metrics.current_term,
-                lag_entries: matched.map(|index| last.saturating_sub(index)),
-            }
-        })
-        .collect()
 }
 
 async fn register_server(

@@ -12,14 +12,14 @@ use tokio::sync::{mpsc, oneshot, watch, Notify, OwnedMutexGuard};
 
 use crate::io_peers::IoConnections;
 
+use crate::config::MetaConfig;
 use crate::ops::{OpContext, OpError, OpResult, Placement};
 use crate::registry::Registry;
 use crate::sessions::Sessions;
 use crate::store::{
     MetaStore, RedbRead, RedbStore, RedbWrite, StoreWrite, TouchedInodes, TOUCHED_ALL,
 };
-use crate::writer::{job, WriterMessage};
-use crate::MetaConfig;
+use crate::writer::jobs::{job, Committed, WriterMessage};
 
 /// Per (inode, truncation generation): the (stripe, member) cuts confirmed.
 pub type CutsConfirmed = HashMap<(InodeId, u64), BTreeSet<(u32, ServerId)>>;
@@ -59,7 +59,7 @@ pub struct Shared {
     /// The last transaction known durable; waiters watch it.
     pub durable: watch::Sender<u64>,
     /// The newest transaction whose callers were answered (some before its commit
-    /// finished, `writer.rs`), and the newest committed (visible to new read
+    /// finished, `writer/`), and the newest committed (visible to new read
     /// transactions): a read waits for the one to reach the other ([`Shared::visible`]).
     pub answered_txn: AtomicU64,
     pub visible_txn: watch::Sender<u64>,
@@ -315,7 +315,7 @@ impl Shared {
         client: u64,
         durable: bool,
         operation: F,
-    ) -> Result<(T, crate::writer::Committed), WireError>
+    ) -> Result<(T, Committed), WireError>
     where
         T: Send + 'static,
         F: FnOnce(&mut RedbWrite, &mut OpContext<'_>) -> OpResult<T> + Send + 'static,
@@ -371,7 +371,7 @@ impl Shared {
 
     /// Make everything committed so far durable.
     pub async fn sync(&self) -> Result<u64, WireError> {
-        // Answered includes what is still committing (`writer.rs`): it is made durable too.
+        // Answered includes what is still committing (`writer/`): it is made durable too.
         let through = self
             .last_txn
             .load(Ordering::Acquire)
@@ -506,5 +506,39 @@ impl Shared {
             .filter(|(owner, txn)| other(*owner, *txn))
             .map(|(_, txn)| *txn)
             .max()
+    }
+}
+
+impl Shared {
+    /// The members of a replicated cluster as this leader sees them: how far each follower's
+    /// log matches its own.
+    pub(crate) fn meta_members(&self) -> Vec<freeflow_proto::meta::MetaMember> {
+        let Some(link) = &self.raft else {
+            return Vec::new();
+        };
+        let metrics = link.raft.metrics().borrow().clone();
+        let last = metrics.last_log_index.unwrap_or(0);
+        self.config
+            .peers
+            .iter()
+            .map(|peer| {
+                let matched = if peer.id == link.id {
+                    Some(last)
+                } else {
+                    metrics
+                        .replication
+                        .as_ref()
+                        .and_then(|replication| replication.get(&peer.id).copied().flatten())
+                        .map(|log_id| log_id.index)
+                };
+                freeflow_proto::meta::MetaMember {
+                    id: peer.id,
+                    address: peer.address.clone(),
+                    leader: peer.id == link.id,
+                    term: metrics.current_term,
+                    lag_entries: matched.map(|index| last.saturating_sub(index)),
+                }
+            })
+            .collect()
     }
 }

@@ -7,13 +7,13 @@
 //!
 //! Durability: a write transaction commits either durably (`Durability::Immediate`: one
 //! fsync) or not (`Durability::None`: visible to readers at once, made durable by the next
-//! durable commit, lost by a crash before it). The writer chooses per batch (`writer.rs`).
+//! durable commit, lost by a crash before it). The writer chooses per batch (`writer/`).
 //! Quick repair is on, so an unclean shutdown does not force a scan of the whole file on
 //! the next open.
 //!
 //! Both transaction kinds record the inodes they touch (through any table keyed by inode),
 //! which is how the metadata server sees that a request reads or builds on another
-//! client's change that is not durable yet (commit on share, `writer.rs`).
+//! client's change that is not durable yet (commit on share, `writer/`).
 
 use std::cell::RefCell;
 use std::ops::Bound;

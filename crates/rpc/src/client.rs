@@ -28,8 +28,9 @@ use crate::codec::{
     write_shared_frame, FrameExtras, RawFrame, SharedRef,
 };
 use crate::credit::Window;
+use crate::net::Network;
 use crate::shared::{PayloadArea, SharedPayload, WriteRegion, REGION_SLOTS};
-use crate::transport::{Network, ReadHalf, Transport, WriteHalf};
+use crate::transport::{ReadHalf, Transport, WriteHalf};
 use crate::{ClusterKey, RpcError};
 
 #[derive(Clone, Debug)]

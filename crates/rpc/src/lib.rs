@@ -30,13 +30,13 @@ pub use codec::{
 pub use error::RpcError;
 pub use key::{ClusterKey, KeyError};
 pub use metrics::ServerMetrics;
+pub use net::Network;
 pub use server::{
     handle, serve, serve_connection, serve_with_unix, Frame, PeerInfo, Reply, ServerOptions,
     Service,
 };
 pub use transport::{
-    unix_socket_path, ConnectFuture, Network, ReadHalf, Tcp, Transport, Unix, WriteHalf,
-    UNIX_ADDRESS_PREFIX,
+    unix_socket_path, ConnectFuture, ReadHalf, Tcp, Transport, Unix, WriteHalf, UNIX_ADDRESS_PREFIX,
 };
 
 /// Domain-separation strings for the handshake proofs.

@@ -1,5 +1,5 @@
-//! Where servers listen and where connections go: the host's TCP stack, or a simulated
-//! network installed for one thread.
+//! Where servers listen and where connections go ([`Network`]): the host's TCP stack or
+//! Unix sockets, or a simulated network installed for one thread.
 //!
 //! A simulation (the replication tests under turmoil) runs every simulated host on the
 //! thread that runs the test; [`simulate_on_this_thread`] makes [`bind`] and
@@ -13,7 +13,9 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use crate::transport::{ConnectFuture, ReadHalf, Transport, WriteHalf};
+use crate::transport::{
+    unix_socket_path, ConnectFuture, ReadHalf, Tcp, Transport, Unix, WriteHalf,
+};
 
 /// A connection taken by a listener: its two halves and the peer's address.
 pub type Accepted = (ReadHalf, WriteHalf, String);
@@ -94,4 +96,21 @@ pub(crate) fn connect_simulated(address: &str) -> Option<ConnectFuture<'static>>
     let network = simulated()?;
     let address = address.to_string();
     Some(Box::pin(async move { network.connect(&address).await }))
+}
+
+/// [`Unix`] for `unix:` addresses, [`Tcp`] for the rest; on a thread with a simulated
+/// network ([`simulate_on_this_thread`]), that network.
+pub struct Network;
+
+impl Transport for Network {
+    fn connect<'a>(&'a self, address: &'a str) -> ConnectFuture<'a> {
+        if let Some(simulated) = connect_simulated(address) {
+            return simulated;
+        }
+        if unix_socket_path(address).is_some() {
+            Unix.connect(address)
+        } else {
+            Tcp.connect(address)
+        }
+    }
 }

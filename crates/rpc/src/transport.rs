@@ -1,8 +1,8 @@
 //! The transport adaptation layer (DESIGN.md §6.6; seed 004's swappable transport): the RPC
 //! layer sees a pair of byte streams. [`Tcp`] between hosts; [`Unix`] sockets between
-//! processes of one host (no TCP/IP stack on the way: addresses `unix:/path`); [`Network`]
-//! picks one by the address, and is what connections use. RDMA would fit behind the same
-//! trait.
+//! processes of one host (no TCP/IP stack on the way: addresses `unix:/path`); `net::Network`
+//! picks one by the address (or a simulated network), and is what connections use. RDMA
+//! would fit behind the same trait.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -92,22 +92,5 @@ pub fn widen_send_buffer(stream: &impl std::os::fd::AsRawFd) {
             (&size as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         );
-    }
-}
-
-/// [`Unix`] for `unix:` addresses, [`Tcp`] for the rest; on a thread with a simulated
-/// network (`net::simulate_on_this_thread`), that network.
-pub struct Network;
-
-impl Transport for Network {
-    fn connect<'a>(&'a self, address: &'a str) -> ConnectFuture<'a> {
-        if let Some(simulated) = crate::net::connect_simulated(address) {
-            return simulated;
-        }
-        if unix_socket_path(address).is_some() {
-            Unix.connect(address)
-        } else {
-            Tcp.connect(address)
-        }
     }
 }

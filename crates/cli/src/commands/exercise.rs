@@ -9,6 +9,7 @@ use freeflow_exercise::posix::PosixTarget;
 use freeflow_exercise::{Options, Target};
 
 use crate::failure::ConfigError;
+use crate::failure::ExerciseFailed;
 use crate::paths::{endpoint, parse_size, Endpoint};
 
 pub struct Arguments {
@@ -22,18 +23,6 @@ pub struct Arguments {
     pub copy_range: bool,
     pub progress_every: u64,
     pub trace: bool,
-}
-
-/// A failed run: the exerciser's report, with an exit status of its own (data error).
-#[derive(Debug)]
-pub struct ExerciseFailed(pub String);
-
-impl std::error::Error for ExerciseFailed {}
-
-impl std::fmt::Display for ExerciseFailed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
 }
 
 fn size_flag(flag: &str, text: &str) -> anyhow::Result<u64> {

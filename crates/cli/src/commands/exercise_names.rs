@@ -10,7 +10,7 @@ use freeflow_exercise::names::posix::PosixTarget;
 use freeflow_exercise::names::shrink::reproduction;
 use freeflow_exercise::names::{self, NamesOptions, NamesTarget};
 
-use super::ExerciseFailed;
+use crate::failure::ExerciseFailed;
 use crate::paths::{endpoint, Endpoint};
 
 pub struct Arguments {

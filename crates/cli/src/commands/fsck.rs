@@ -34,6 +34,7 @@ use freeflow_client::{
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cluster_file;
+use crate::failure::FsckFound;
 
 /// Objects asked for in one `ListObjects`.
 pub const PAGE_OBJECTS: u32 = 1024;
@@ -49,18 +50,6 @@ pub struct Options {
     /// Objects written more recently than this are not judged (see the module doc).
     pub grace_ms: u64,
     pub quiet: bool,
-}
-
-/// `freeflow fsck` found problems it did not repair (exit status 65).
-#[derive(Debug)]
-pub struct FsckFound(pub String);
-
-impl std::error::Error for FsckFound {}
-
-impl std::fmt::Display for FsckFound {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
 }
 
 /// What is wrong with one object.

@@ -14,9 +14,6 @@ mod stripe;
 mod top;
 mod up;
 
-pub use exercise::ExerciseFailed;
-pub use fsck::FsckFound;
-
 use crate::args::{Cli, Command, StripeCommand};
 
 pub async fn run(arguments: Cli) -> anyhow::Result<()> {

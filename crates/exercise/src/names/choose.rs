@@ -7,8 +7,8 @@
 //! on is mostly one that exists. Symlinks always say `nowhere/...`, which never exists (the
 //! model takes every symlink to dangle).
 
-use super::driver::NamesOptions;
 use super::model::Model;
+use super::options::NamesOptions;
 use super::{Creator, NodeKind, Operation, OperationKind, RenameFlag, XattrHow};
 use crate::random::SplitMix64;
 

@@ -30,13 +30,15 @@ pub mod choose;
 pub mod driver;
 pub mod library;
 pub mod model;
+pub mod options;
 pub mod posix;
 pub mod shrink;
 pub mod walk;
 
 use std::fmt;
 
-pub use driver::{run, NamesFailure, NamesOptions, NamesReport};
+pub use driver::{run, NamesFailure, NamesReport};
+pub use options::NamesOptions;
 pub use shrink::{replay, shrink};
 
 /// An error number as the system calls return it (`libc::ENOENT`, ...).

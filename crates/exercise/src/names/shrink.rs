@@ -9,10 +9,9 @@
 
 use std::io;
 
-use super::driver::{
-    check_touched, judge, InodeNumbers, NamesFailure, NamesOptions, WhiteoutBehaviour,
-};
+use super::driver::{check_touched, judge, InodeNumbers, NamesFailure, WhiteoutBehaviour};
 use super::model::Model;
+use super::options::NamesOptions;
 use super::walk::{difference, remove_tree, walk_model, walk_target};
 use super::{perform, NamesTarget, Operation};
 

@@ -1,7 +1,7 @@
 //! A batch as the Raft log carries it, and how a server applies it or takes it back.
 //!
 //! The leader runs a batch of mutations in one write transaction as a single server does
-//! (`writer.rs`), with the transaction recording every change and the value it replaced
+//! (`writer/`), with the transaction recording every change and the value it replaced
 //! ([`Change`]). The changes, in order, become the batch's log entry ([`Batch`]): a
 //! follower applies the entry by setting the same keys to the same values, so no
 //! operation needs to be deterministic and a follower never runs one. The replaced values

@@ -23,13 +23,15 @@ use openraft::{BasicNode, ServerState};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::config::{MetaConfig, MetaError, DATABASE_FILE_NAME};
+use crate::ops;
 use crate::raft::batch::{self, Batch};
 use crate::raft::link::RaftLink;
 use crate::raft::log_store::{LogStore, LOG_FILE_NAME};
 use crate::raft::node::{RaftNode, Timing};
 use crate::raft::types::{NodeId, Raft};
+use crate::server::RunningMeta;
 use crate::store::{MetaStore, RedbStore, StoreError, StoreWrite};
-use crate::{ops, MetaConfig, MetaError, RunningMeta, DATABASE_FILE_NAME};
 
 /// What this server is doing now.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -447,5 +449,5 @@ async fn start_leader(
         Ok(Err(error)) => return Err(MetaError::Task(format!("new epoch not committed: {error}"))),
         Err(_) => return Err(MetaError::Task("new epoch not committed in time".into())),
     }
-    crate::launch(config, key, store, state, started, Some(link)).await
+    crate::server::launch(config, key, store, state, started, Some(link)).await
 }
