@@ -143,7 +143,7 @@ impl FileHandle {
         };
         let through = shared.writes_started();
         shared
-            .wait_until(|state| state.writes_done_through(through))
+            .wait_until(|state| state.writes.done_through(through))
             .await;
         // Each stripe's share of a file range is one contiguous range of its object, sent
         // in pieces of at most ALLOCATE_BYTES_MAX (the servers' bound per request).
@@ -202,16 +202,16 @@ impl FileHandle {
         {
             let mut state = shared.lock();
             for (stripe_index, space) in spaces {
-                state.note_space(stripe_index, space);
-                state.unsynced_stripes.insert(stripe_index);
+                state.size.note_space(stripe_index, space);
+                state.writes.unsynced_stripes.insert(stripe_index);
             }
             if grows {
-                state.known_size = state.known_size.max(end);
-                state.written_end = state.written_end.max(end);
-                state.acknowledged_end = state.acknowledged_end.max(end);
+                state.size.known_size = state.size.known_size.max(end);
+                state.size.written_end = state.size.written_end.max(end);
+                state.size.acknowledged_end = state.size.acknowledged_end.max(end);
             }
             // A change like a write: the next flush commits the size and the space.
-            state.writes_started += 1;
+            state.writes.started += 1;
         }
         shared.notify();
         Ok(())
@@ -253,7 +253,7 @@ impl FileHandle {
         for shared in [origin, target] {
             let through = shared.writes_started();
             shared
-                .wait_until(|state| state.writes_done_through(through))
+                .wait_until(|state| state.writes.done_through(through))
                 .await;
         }
         let source_size = origin.local_size();
@@ -340,15 +340,15 @@ impl FileHandle {
         {
             let mut state = target.lock();
             for (stripe_index, space, piece_end) in done.into_iter().flatten() {
-                state.note_space(stripe_index, space);
-                state.unsynced_stripes.insert(stripe_index);
+                state.size.note_space(stripe_index, space);
+                state.writes.unsynced_stripes.insert(stripe_index);
                 // Copied on its server: acknowledged. Pieces written through this client
                 // raise `acknowledged_end` themselves when their writes are answered.
-                state.acknowledged_end = state.acknowledged_end.max(piece_end);
+                state.size.acknowledged_end = state.size.acknowledged_end.max(piece_end);
             }
-            state.known_size = state.known_size.max(end);
-            state.written_end = state.written_end.max(end);
-            state.writes_started += 1;
+            state.size.known_size = state.size.known_size.max(end);
+            state.size.written_end = state.size.written_end.max(end);
+            state.writes.started += 1;
         }
         target.notify();
         Ok(length)

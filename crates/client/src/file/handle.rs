@@ -1,20 +1,17 @@
 //! Opening and closing a handle, and what it tells of itself (ids, access, attributes):
 //! the rest of [`FileHandle`]'s methods are in the rooms of their concern.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use tokio::time::Instant;
 
 use freeflow_proto::meta::{Close, HandleRef, OpenAccess};
 use freeflow_proto::ErrorCode;
 use freeflow_types::{Attr, InodeId, SetAttr};
 use tokio::sync::watch;
 
-use super::pieces::Unsent;
 use super::state::{FileHandle, HandleHost, HandleShared, HandleState};
 use crate::error::ClientError;
-use crate::readahead::ReadAhead;
 
 impl HandleShared {
     /// Flush and close at the meta server; the handle is unusable afterwards. With
@@ -122,27 +119,7 @@ impl FileHandle {
             session_epoch,
             access,
             layout,
-            state: Mutex::new(HandleState {
-                known_size: attr.size_bytes,
-                attr,
-                written_end: 0,
-                acknowledged_end: 0,
-                pending_extension: None,
-                writes_started: 0,
-                writes_committed: 0,
-                last_commit: Instant::now(),
-                commits_running: 0,
-                truncates_pending: 0,
-                truncate_epoch: 0,
-                first_error: None,
-                in_flight: BTreeMap::new(),
-                writes_outstanding: BTreeMap::new(),
-                unsynced_stripes: BTreeSet::new(),
-                stripe_space: BTreeMap::new(),
-                unsent: Unsent::default(),
-                charged_through: BTreeMap::new(),
-                readahead: ReadAhead::default(),
-            }),
+            state: Mutex::new(HandleState::new(attr)),
             send_order: Arc::new(tokio::sync::Mutex::new(())),
             completions,
             closed: AtomicBool::new(false),
@@ -174,7 +151,7 @@ impl FileHandle {
     pub fn attr(&self) -> Attr {
         let state = self.shared.lock();
         let mut attr = state.attr.clone();
-        attr.size_bytes = state.known_size;
+        attr.size_bytes = state.size.known_size;
         attr.allocated_bytes = state.allocated_bytes();
         attr
     }

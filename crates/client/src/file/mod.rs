@@ -3,6 +3,8 @@
 //!
 //! - `state.rs`: the handle, its shared state and the host trait the client implements;
 //! - `pieces.rs`: gathered small writes and parked pieces of stripe units (plain data);
+//! - `flights.rs`: the writes' own state (sequence numbers, requests in flight, failure);
+//! - `sizes.rs`: the size's own state (known, written and acknowledged ends, commits);
 //! - `write.rs`: the write path (gathering, parking, ordering, space, sending);
 //! - `size.rs`: sizes, commits, flush, fsync, growth and truncation;
 //! - `read.rs`: the read path (planning, read-ahead, local reads);
@@ -51,10 +53,12 @@
 //! size survive a crash of any server.
 
 mod change;
+mod flights;
 mod handle;
 mod pieces;
 mod read;
 mod size;
+mod sizes;
 mod state;
 mod write;
 

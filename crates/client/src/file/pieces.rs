@@ -127,7 +127,7 @@ impl GatherBuffer {
 #[derive(Default)]
 pub(super) struct Unsent {
     /// Small writes gathered and not sent yet (see [`GATHER_WRITE_MAX`]);
-    /// not counted in `writes_started` until they are sent.
+    /// not counted in `writes.started` until they are sent.
     pub(super) gathered: Option<Gathered>,
     /// Bumped each time gathering starts, so a timer sends only what it was set for.
     pub(super) gather_generation: u64,
@@ -145,7 +145,7 @@ pub(super) struct Unsent {
     pub(super) park_timer: bool,
     /// Batches of gathered or parked pieces taken from the handle and not yet all started
     /// (`send_pieces_ordered`): between the two, the bytes are neither held here nor
-    /// counted in `writes_started`, and a flush that looked only at those would find
+    /// counted in `writes.started`, and a flush that looked only at those would find
     /// nothing to do and commit no size (a close answered before its write's size
     /// reached the meta server, so the next open saw the file shorter).
     pub(super) batches_in_transit: u32,

@@ -322,7 +322,7 @@ impl HandleShared {
         if state.changing_data() || state.readahead.suspended {
             return;
         }
-        let size = state.known_size;
+        let size = state.size.known_size;
         let mut index = from;
         while index * piece_bytes < window_end.min(size) {
             if let std::collections::btree_map::Entry::Vacant(vacant) =
@@ -407,7 +407,7 @@ impl FileHandle {
             .wait_until(|state| {
                 requests
                     .iter()
-                    .all(|request| !state.overlaps_in_flight(request))
+                    .all(|request| !state.writes.overlaps_in_flight(request))
             })
             .await;
         if shared.client.config().readahead_bytes > 0 {

@@ -29,7 +29,7 @@ pub(super) struct CommitTicket {
     pub(super) size_bytes: u64,
     /// Answered only once durable at the meta server (the commit ending an fsync).
     pub(super) durable: bool,
-    /// `writes_started` it covers (all those writes were acknowledged when computed).
+    /// `writes.started` it covers (all those writes were acknowledged when computed).
     pub(super) covers_writes: u64,
     pub(super) truncate_epoch: u64,
 }
@@ -38,18 +38,18 @@ impl HandleState {
     /// Register a commit of the acknowledged size (the caller checked no truncation is
     /// pending).
     pub(super) fn start_commit(&mut self, covers_writes: u64, durable: bool) -> CommitTicket {
-        if let Some((through, end)) = self.pending_extension {
-            if self.writes_done_through(through) {
-                self.acknowledged_end = self.acknowledged_end.max(end);
-                self.pending_extension = None;
+        if let Some((through, end)) = self.size.pending_extension {
+            if self.writes.done_through(through) {
+                self.size.acknowledged_end = self.size.acknowledged_end.max(end);
+                self.size.pending_extension = None;
             }
         }
-        self.commits_running += 1;
+        self.size.commits_running += 1;
         CommitTicket {
-            size_bytes: self.acknowledged_end,
+            size_bytes: self.size.acknowledged_end,
             durable,
             covers_writes,
-            truncate_epoch: self.truncate_epoch,
+            truncate_epoch: self.size.truncate_epoch,
         }
     }
 }
@@ -71,26 +71,26 @@ impl Truncation {
         }
         let snapshots: Vec<u64> = handles
             .iter()
-            .map(|handle| handle.lock().writes_started)
+            .map(|handle| handle.lock().writes.started)
             .collect();
         for (handle, &sequence) in handles.iter().zip(&snapshots) {
             handle
-                .wait_then(|state| state.writes_done_through(sequence).then_some(()))
+                .wait_then(|state| state.writes.done_through(sequence).then_some(()))
                 .await;
         }
         for handle in &handles {
             let mut state = handle.lock();
-            state.truncates_pending += 1;
-            state.truncate_epoch += 1;
+            state.size.truncates_pending += 1;
+            state.size.truncate_epoch += 1;
             // Charges count from the new size (set in `attr` by the truncation's reply).
-            state.charged_through.clear();
+            state.writes.charged_through.clear();
             state.readahead.clear();
         }
         // Made before the next await, so a cancelled call still lets the commits go.
         let truncation = Truncation { handles };
         for handle in &truncation.handles {
             handle
-                .wait_then(|state| (state.commits_running == 0).then_some(()))
+                .wait_then(|state| (state.size.commits_running == 0).then_some(()))
                 .await;
         }
         truncation
@@ -102,19 +102,20 @@ impl Truncation {
         for handle in std::mem::take(&mut self.handles) {
             {
                 let mut state = handle.lock();
-                state.truncates_pending -= 1;
+                state.size.truncates_pending -= 1;
                 let size = attr.size_bytes;
-                state.known_size = size;
-                state.written_end = state.written_end.min(size);
-                state.acknowledged_end = state.acknowledged_end.min(size);
-                state.pending_extension = state
+                state.size.known_size = size;
+                state.size.written_end = state.size.written_end.min(size);
+                state.size.acknowledged_end = state.size.acknowledged_end.min(size);
+                state.size.pending_extension = state
+                    .size
                     .pending_extension
                     .map(|(through, end)| (through, end.min(size)));
                 // Reports from before the cut are stale; the meta server has the cut's own.
-                state.stripe_space.clear();
+                state.size.stripe_space.clear();
                 state.attr = attr.clone();
                 state.readahead.clear();
-                state.charged_through.clear();
+                state.writes.charged_through.clear();
             }
             handle.notify();
         }
@@ -124,7 +125,7 @@ impl Truncation {
 impl Drop for Truncation {
     fn drop(&mut self) {
         for handle in &self.handles {
-            handle.lock().truncates_pending -= 1;
+            handle.lock().size.truncates_pending -= 1;
             handle.notify();
         }
     }
@@ -139,6 +140,7 @@ impl HandleShared {
         let inode = self.inode;
         let space = self
             .lock()
+            .size
             .stripe_space
             .iter()
             .map(|(&stripe_index, space)| StripeSpace {
@@ -165,12 +167,13 @@ impl HandleShared {
     pub(super) fn finish_commit(&self, ticket: &CommitTicket, result: &Result<Attr, ClientError>) {
         {
             let mut state = self.lock();
-            state.commits_running -= 1;
-            state.last_commit = Instant::now();
+            state.size.commits_running -= 1;
+            state.size.last_commit = Instant::now();
             match result {
-                Ok(attr) if ticket.truncate_epoch == state.truncate_epoch => {
+                Ok(attr) if ticket.truncate_epoch == state.size.truncate_epoch => {
                     state.absorb_attr(attr.clone());
-                    state.writes_committed = state.writes_committed.max(ticket.covers_writes);
+                    state.size.writes_committed =
+                        state.size.writes_committed.max(ticket.covers_writes);
                 }
                 Ok(_) => tracing::debug!(
                     inode = self.inode,
@@ -188,16 +191,16 @@ impl HandleShared {
         let interval = Duration::from_millis(self.client.config().size_commit_interval_ms);
         let ticket = {
             let mut state = self.lock();
-            let due = state.commits_running == 0
-                && state.truncates_pending == 0
-                && state.writes_started != state.writes_committed
-                && state.last_commit.elapsed() >= interval;
+            let due = state.size.commits_running == 0
+                && state.size.truncates_pending == 0
+                && state.writes.started != state.size.writes_committed
+                && state.size.last_commit.elapsed() >= interval;
             if !due {
                 return;
             }
             // Only acknowledged bytes: readers elsewhere should not see a size that covers
             // data still on its way. It covers no new writes: some may still be in flight.
-            let covers_writes = state.writes_committed;
+            let covers_writes = state.size.writes_committed;
             state.start_commit(covers_writes, false)
         };
         let commit = self.spawn_commit(ticket);
@@ -228,7 +231,7 @@ impl HandleShared {
     /// The sequence number of the last write started: what a call that must see every
     /// earlier write waits for.
     pub(super) fn writes_started(&self) -> u64 {
-        self.lock().writes_started
+        self.lock().writes.started
     }
 
     /// Wait for the writes up to sequence `through`, report a failed one, and commit the
@@ -248,14 +251,14 @@ impl HandleShared {
         }
         let ticket = self
             .wait_then(|state| {
-                if !state.writes_done_through(through) || state.truncates_pending > 0 {
+                if !state.writes.done_through(through) || state.size.truncates_pending > 0 {
                     return None;
                 }
-                if let Some(error) = state.earlier_write_error(self.inode) {
+                if let Some(error) = state.writes.earlier_write_error(self.inode) {
                     return Some(Err(error));
                 }
-                let covers_writes = through.min(state.writes_started);
-                if state.writes_committed >= covers_writes {
+                let covers_writes = through.min(state.writes.started);
+                if state.size.writes_committed >= covers_writes {
                     return Some(Ok(None));
                 }
                 Some(Ok(Some(state.start_commit(covers_writes, durable))))
@@ -295,13 +298,13 @@ impl HandleShared {
         // is in the set.
         let stripes = self
             .wait_then(|state| {
-                if !state.writes_done_through(through) {
+                if !state.writes.done_through(through) {
                     return None;
                 }
-                if let Some(error) = state.earlier_write_error(self.inode) {
+                if let Some(error) = state.writes.earlier_write_error(self.inode) {
                     return Some(Err(error));
                 }
-                Some(Ok(std::mem::take(&mut state.unsynced_stripes)))
+                Some(Ok(std::mem::take(&mut state.writes.unsynced_stripes)))
             })
             .await?;
         let syncs = stripes.iter().map(|&stripe_index| {
@@ -325,9 +328,9 @@ impl HandleShared {
             // Bytes acknowledged but not synced may be lost with that server: the handle
             // reports the failure from now on.
             let mut state = self.lock();
-            state.unsynced_stripes.extend(stripes);
-            if state.first_error.is_none() {
-                state.first_error = Some(error.clone());
+            state.writes.unsynced_stripes.extend(stripes);
+            if state.writes.first_error.is_none() {
+                state.writes.first_error = Some(error.clone());
             }
             return Err(error);
         }
@@ -355,16 +358,16 @@ impl FileHandle {
     /// committed appends); never lowers it, so a reply older than this handle's own
     /// truncation or size commit cannot undo them. Returns the known size.
     pub async fn learn_growth(&self) -> Result<u64, ClientError> {
-        let epoch = self.shared.lock().truncate_epoch;
+        let epoch = self.shared.lock().size.truncate_epoch;
         let attr = self.fetch_attr().await?;
         let mut state = self.shared.lock();
         // A truncation through this handle since the request: the reply may predate it.
-        let truncated = state.truncate_epoch != epoch || state.truncates_pending > 0;
-        if attr.size_bytes > state.known_size && !truncated {
+        let truncated = state.size.truncate_epoch != epoch || state.size.truncates_pending > 0;
+        if attr.size_bytes > state.size.known_size && !truncated {
             state.readahead.clear();
-            state.known_size = attr.size_bytes;
+            state.size.known_size = attr.size_bytes;
         }
-        Ok(state.known_size)
+        Ok(state.size.known_size)
     }
 
     /// Fetch the attributes from the meta server again (to see other clients' committed
@@ -377,22 +380,22 @@ impl FileHandle {
             // size commit or truncation): taken, it would set the size back below bytes
             // written and committed here, and reads would stop short of them.
             let mut attr = state.attr.clone();
-            attr.size_bytes = state.known_size;
+            attr.size_bytes = state.size.known_size;
             return Ok(attr);
         }
         // A refresh sees other clients' changes: so must the next read.
         state.readahead.clear();
         state.readahead.suspended = false;
         let uncommitted =
-            state.writes_started != state.writes_committed || state.unsent.holds_unsent();
-        state.known_size = if uncommitted {
-            attr.size_bytes.max(state.written_end)
+            state.writes.started != state.size.writes_committed || state.unsent.holds_unsent();
+        state.size.known_size = if uncommitted {
+            attr.size_bytes.max(state.size.written_end)
         } else {
             attr.size_bytes
         };
         state.attr = attr;
         let mut attr = state.attr.clone();
-        attr.size_bytes = state.known_size;
+        attr.size_bytes = state.size.known_size;
         Ok(attr)
     }
 
@@ -409,15 +412,16 @@ impl FileHandle {
         shared.require_write()?;
         {
             let mut state = shared.lock();
-            state.known_size = state.known_size.max(end);
-            state.written_end = state.written_end.max(end);
+            state.size.known_size = state.size.known_size.max(end);
+            state.size.written_end = state.size.written_end.max(end);
             // A change like a write: the next flush commits the size.
-            state.writes_started += 1;
-            let through = state.writes_started;
+            state.writes.started += 1;
+            let through = state.writes.started;
             let end = state
+                .size
                 .pending_extension
                 .map_or(end, |(_, pending)| pending.max(end));
-            state.pending_extension = Some((through, end));
+            state.size.pending_extension = Some((through, end));
         }
         shared.notify();
         Ok(())
@@ -445,10 +449,10 @@ impl FileHandle {
         }
         let state = self.shared.lock();
         !state.unsent.holds_unsent()
-            && state.writes_outstanding.is_empty()
-            && state.truncates_pending == 0
-            && state.commits_running == 0
-            && state.first_error.is_none()
-            && state.writes_committed >= state.writes_started
+            && state.writes.outstanding.is_empty()
+            && state.size.truncates_pending == 0
+            && state.size.commits_running == 0
+            && state.writes.first_error.is_none()
+            && state.size.writes_committed >= state.writes.started
     }
 }

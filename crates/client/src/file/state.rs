@@ -3,25 +3,24 @@
 //! and [`HandleHost`], what a handle needs of the client that opened it (defined here and
 //! implemented by the client, so the data path never names the client above it).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use tokio::time::Instant;
 
-use freeflow_proto::io::ObjectSpace;
 use freeflow_proto::meta::{HandleRef, OpenAccess};
 use freeflow_proto::ErrorCode;
-use freeflow_types::limits::{FILE_SIZE_MAX, IO_REQUEST_BYTES_MAX};
+use freeflow_types::limits::FILE_SIZE_MAX;
 use freeflow_types::{Attr, FileKind, InodeId, Layout, SetAttr};
 use futures::future::BoxFuture;
 use tokio::sync::{watch, Semaphore};
 
+use super::flights::WriteFlights;
 use super::pieces::Unsent;
+use super::sizes::SizeState;
 use crate::closer::Closer;
 use crate::config::ClientConfig;
 use crate::error::ClientError;
 use crate::local::{LocalObject, LocalReads};
-use crate::plan::ObjectRequest;
 use crate::pool::Pool;
 use crate::readahead::ReadAhead;
 use crate::space::SpaceGrants;
@@ -118,118 +117,53 @@ pub(super) enum LocalStripe {
 
 pub(super) struct HandleState {
     pub(super) attr: Attr,
-    /// The size reads clamp to and appends write at: the meta server's size or this
-    /// handle's own extension, whichever is larger.
-    pub(super) known_size: u64,
-    /// Highest end of any write started through this handle.
-    pub(super) written_end: u64,
-    /// Highest end of any write acknowledged by its server.
-    pub(super) acknowledged_end: u64,
-    /// A growth without bytes (`FileHandle::extend_to`) waiting for the writes started
-    /// before it: (the last of them, the end), joined to `acknowledged_end` once they are
-    /// all acknowledged.
-    pub(super) pending_extension: Option<(u64, u64)>,
-    /// Count of `write_at` calls (the last write's sequence number), and its value when a
-    /// commit last covered all of them.
-    pub(super) writes_started: u64,
-    pub(super) writes_committed: u64,
-    pub(super) last_commit: Instant,
-    /// Size commits sent and not answered yet (background, flush, fsync, close).
-    pub(super) commits_running: u32,
-    /// Truncations by this client between their start and their reply: no commit starts
-    /// while one is pending.
-    pub(super) truncates_pending: u32,
-    /// Bumped when a truncation starts; a commit reply of an older epoch is dropped.
-    pub(super) truncate_epoch: u64,
-    pub(super) first_error: Option<ClientError>,
-    /// Writes in flight: (stripe index, object offset) → object end. Overlapping entries never
-    /// coexist, so the start is a unique key. Bounded by `dirty_bytes_max` / request size.
-    pub(super) in_flight: BTreeMap<(u32, u64), u64>,
-    /// Writes not finished: sequence number → its requests not finished yet. Bounded by the
-    /// writes in flight (each holds dirty bytes) plus the `write_at` calls running.
-    pub(super) writes_outstanding: BTreeMap<u64, usize>,
-    /// Stripes with a write acknowledged since the last successful sync.
-    pub(super) unsynced_stripes: BTreeSet<u32>,
-    /// The newest space report of each stripe this handle changed (stripe → report), sent
-    /// with every size commit so `st_blocks` follows what the servers store. Bounded by the
-    /// stripe count.
-    pub(super) stripe_space: BTreeMap<u32, ObjectSpace>,
+    /// What the handle knows of the file's size, and its commits (see `sizes.rs`).
+    pub(super) size: SizeState,
+    /// Its writes: started, in flight, failed (see `flights.rs`).
+    pub(super) writes: WriteFlights,
     /// Written bytes acknowledged and not sent yet: gathered small writes, parked pieces
     /// of stripe units, and batches of them on their way (see `pieces.rs`).
     pub(super) unsent: Unsent,
-    /// Per stripe, the object end this handle's requests charged space up to (see
-    /// `charge_request`; from the size at open, or at the last truncation). Bounded by the
-    /// stripe count.
-    pub(super) charged_through: BTreeMap<u32, u64>,
     /// What a sequential reader has fetched ahead (see `readahead.rs`).
     pub(super) readahead: ReadAhead,
 }
 
 impl HandleState {
+    pub(super) fn new(attr: Attr) -> HandleState {
+        HandleState {
+            size: SizeState::new(attr.size_bytes),
+            attr,
+            writes: WriteFlights::default(),
+            unsent: Unsent::default(),
+            readahead: ReadAhead::default(),
+        }
+    }
+
     /// Whether a change of the file's data through this handle is under way (gathered or
     /// in flight, a truncation, fallocate or a copy): what is read past the reader's range
     /// now may predate it, so it is not fetched ahead or kept.
     pub(super) fn changing_data(&self) -> bool {
         self.unsent.holds_unsent()
-            || !self.writes_outstanding.is_empty()
-            || self.truncates_pending > 0
+            || !self.writes.outstanding.is_empty()
+            || self.size.truncates_pending > 0
             || self.readahead.changing > 0
-    }
-
-    pub(super) fn overlaps_in_flight(&self, request: &ObjectRequest) -> bool {
-        // No request is longer than IO_REQUEST_BYTES_MAX, so any overlapping one starts
-        // at most that far before this one.
-        let lowest_start = request
-            .object_offset
-            .saturating_sub(u64::from(IO_REQUEST_BYTES_MAX));
-        self.in_flight
-            .range(
-                (request.stripe_index, lowest_start)..(request.stripe_index, request.object_end()),
-            )
-            .any(|(_, &end)| end > request.object_offset)
-    }
-
-    /// Keep `space` as stripe `stripe_index`'s report if it is newer than the one kept.
-    pub(super) fn note_space(&mut self, stripe_index: u32, space: ObjectSpace) {
-        let kept = self.stripe_space.entry(stripe_index).or_default();
-        if space.stamp > kept.stamp {
-            *kept = space;
-        }
     }
 
     /// What this handle knows of the file's allocated bytes: the meta server's figure, or
     /// its own reports where they are newer (a lower bound until the next commit).
     pub(super) fn allocated_bytes(&self) -> u64 {
-        let reported: u64 = self.stripe_space.values().map(|s| s.allocated_bytes).sum();
+        let reported: u64 = self
+            .size
+            .stripe_space
+            .values()
+            .map(|s| s.allocated_bytes)
+            .sum();
         self.attr.allocated_bytes.max(reported)
     }
 
     pub(super) fn absorb_attr(&mut self, attr: Attr) {
-        self.known_size = self.known_size.max(attr.size_bytes);
+        self.size.known_size = self.size.known_size.max(attr.size_bytes);
         self.attr = attr;
-    }
-
-    /// Whether every write with a sequence number up to `sequence` has finished.
-    pub(super) fn writes_done_through(&self, sequence: u64) -> bool {
-        self.writes_outstanding.range(..=sequence).next().is_none()
-    }
-
-    pub(super) fn finish_requests(&mut self, sequence: u64, count: usize) {
-        if let Some(remaining) = self.writes_outstanding.get_mut(&sequence) {
-            *remaining = remaining.saturating_sub(count);
-            if *remaining == 0 {
-                self.writes_outstanding.remove(&sequence);
-            }
-        }
-    }
-
-    pub(super) fn earlier_write_error(&self, inode: InodeId) -> Option<ClientError> {
-        self.first_error
-            .as_ref()
-            .map(|error| ClientError::EarlierWrite {
-                inode,
-                source: Box::new(error.clone()),
-            })
     }
 }
 
@@ -289,7 +223,7 @@ impl HandleShared {
     }
 
     pub(super) fn check_no_failed_write(&self) -> Result<(), ClientError> {
-        match self.lock().earlier_write_error(self.inode) {
+        match self.lock().writes.earlier_write_error(self.inode) {
             Some(error) => Err(error),
             None => Ok(()),
         }
@@ -379,6 +313,6 @@ impl HandleShared {
     }
 
     pub(crate) fn local_size(&self) -> u64 {
-        self.lock().known_size
+        self.lock().size.known_size
     }
 }

@@ -39,6 +39,7 @@ impl Drop for UnsentRequests<'_> {
         if self.count > 0 {
             self.shared
                 .lock()
+                .writes
                 .finish_requests(self.sequence, self.count);
             self.shared.notify();
         }
@@ -51,6 +52,7 @@ impl HandleState {
     pub(super) fn charge_request(&mut self, layout: &Layout, request: &ObjectRequest) -> u64 {
         let size = self.attr.size_bytes;
         let through = self
+            .writes
             .charged_through
             .entry(request.stripe_index)
             .or_insert_with(|| layout.object_length(size, request.stripe_index));
@@ -74,8 +76,8 @@ impl HandleState {
             data: GatherBuffer::new(area, data),
         });
         self.unsent.gather_generation += 1;
-        self.known_size = self.known_size.max(end);
-        self.written_end = self.written_end.max(end);
+        self.size.known_size = self.size.known_size.max(end);
+        self.size.written_end = self.size.written_end.max(end);
         self.unsent.gather_generation
     }
 }
@@ -98,11 +100,11 @@ impl HandleShared {
             let mut state = shared.lock();
             // What was fetched ahead may be older than this write.
             state.readahead.clear();
-            state.known_size = state.known_size.max(end);
-            state.written_end = state.written_end.max(end);
-            state.writes_started += 1;
-            let sequence = state.writes_started;
-            state.writes_outstanding.insert(sequence, requests.len());
+            state.size.known_size = state.size.known_size.max(end);
+            state.size.written_end = state.size.written_end.max(end);
+            state.writes.started += 1;
+            let sequence = state.writes.started;
+            state.writes.outstanding.insert(sequence, requests.len());
             sequence
         };
         let mut unsent = UnsentRequests {
@@ -200,8 +202,8 @@ impl HandleShared {
             return false;
         }
         gathered.data.extend_from_slice(data);
-        state.known_size = state.known_size.max(end);
-        state.written_end = state.written_end.max(end);
+        state.size.known_size = state.size.known_size.max(end);
+        state.size.written_end = state.size.written_end.max(end);
         true
     }
 
@@ -295,8 +297,8 @@ impl HandleShared {
                 }
                 state.unsent.parked_bytes += held;
                 let piece_end = start + piece.len() as u64;
-                state.known_size = state.known_size.max(piece_end);
-                state.written_end = state.written_end.max(piece_end);
+                state.size.known_size = state.size.known_size.max(piece_end);
+                state.size.written_end = state.size.written_end.max(piece_end);
                 state.unsent.parked.insert(
                     start,
                     ParkedPiece {
@@ -442,7 +444,7 @@ impl HandleShared {
         offset: u64,
         end: u64,
     ) -> Vec<(freeflow_types::ServerId, u64)> {
-        let known = self.lock().known_size;
+        let known = self.lock().size.known_size;
         match &self.layout {
             Some(layout) if end > known => crate::space::needs(layout, offset.max(known), end),
             _ => Vec::new(),
@@ -554,7 +556,7 @@ impl HandleShared {
                     ErrorCode::Io,
                     "the runtime stopped while gathered or parked writes were being sent",
                 );
-                self.lock().first_error.get_or_insert(error.clone());
+                self.lock().writes.first_error.get_or_insert(error.clone());
                 let turn = self.send_turn().await;
                 (Err(error), turn)
             }
@@ -573,9 +575,9 @@ impl HandleShared {
             // fetched ahead until the handle learns the change (refresh).
             state.readahead.clear();
             state.readahead.suspended = true;
-            state.writes_started
+            state.writes.started
         };
-        self.wait_then(|state| state.writes_done_through(sequence).then_some(()))
+        self.wait_then(|state| state.writes.done_through(sequence).then_some(()))
             .await;
     }
 
@@ -584,8 +586,8 @@ impl HandleShared {
         loop {
             let mut receiver = {
                 let mut state = self.lock();
-                if !state.overlaps_in_flight(request) {
-                    state.in_flight.insert(
+                if !state.writes.overlaps_in_flight(request) {
+                    state.writes.in_flight.insert(
                         (request.stripe_index, request.object_offset),
                         request.object_end(),
                     );
@@ -644,22 +646,24 @@ impl HandleShared {
         {
             let mut state = self.lock();
             state
+                .writes
                 .in_flight
                 .remove(&(request.stripe_index, request.object_offset));
-            state.finish_requests(sequence, 1);
+            state.writes.finish_requests(sequence, 1);
             match result {
                 Ok((space, _)) => {
                     // The servers of the chain saw the grant in use when this was sent.
-                    state.note_space(request.stripe_index, space);
-                    state.acknowledged_end = state.acknowledged_end.max(request.file_end());
+                    state.size.note_space(request.stripe_index, space);
+                    state.size.acknowledged_end =
+                        state.size.acknowledged_end.max(request.file_end());
                     // Only now: an fsync that took the set before this write landed must not
                     // count it as synced.
-                    state.unsynced_stripes.insert(request.stripe_index);
+                    state.writes.unsynced_stripes.insert(request.stripe_index);
                 }
                 Err(error) => {
-                    if state.first_error.is_none() {
+                    if state.writes.first_error.is_none() {
                         tracing::debug!(inode = self.inode, %error, "write failed; the handle reports it next");
-                        state.first_error = Some(error);
+                        state.writes.first_error = Some(error);
                     }
                 }
             }
@@ -756,13 +760,13 @@ impl FileHandle {
         let length = data.len() as u64;
         let (offset, needs) = {
             let mut state = self.shared.lock();
-            let offset = state.known_size;
+            let offset = state.size.known_size;
             let end = offset.saturating_add(length);
             let needs = match &self.shared.layout {
                 Some(layout) => crate::space::needs(layout, offset, end),
                 None => Vec::new(),
             };
-            state.known_size = end;
+            state.size.known_size = end;
             (offset, needs)
         };
         // The appended bytes are past the size this handle knew: they take space (the
@@ -773,8 +777,8 @@ impl FileHandle {
             .await
         {
             let mut state = self.shared.lock();
-            if state.known_size == offset + length {
-                state.known_size = offset;
+            if state.size.known_size == offset + length {
+                state.size.known_size = offset;
             }
             return Err(error);
         }
