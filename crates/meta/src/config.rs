@@ -79,6 +79,13 @@ pub struct MetaConfig {
     /// Replicated metadata: entries the log keeps behind its last snapshot, for followers
     /// a little behind. Default 2,000.
     pub raft_log_kept_entries: u64,
+    /// Replicated metadata: most bytes of one Raft message this member sends (entries of
+    /// an append, a snapshot chunk) and takes from its peers (plus 64 KiB of the message's
+    /// own fields). A member far behind is sent its entries in parts of at most this; one
+    /// entry larger than a peer takes cannot be sent, so every member should have the same
+    /// value, at least the largest batch (`commit_batch_max` mutations). Between 256 KiB
+    /// and 64 MiB; default 16 MiB.
+    pub raft_message_bytes_max: u32,
 }
 
 /// One metadata server of a replicated cluster.
@@ -122,6 +129,7 @@ impl Default for MetaConfig {
             raft_election_ms: 300,
             raft_snapshot_entries: 20_000,
             raft_log_kept_entries: 2_000,
+            raft_message_bytes_max: 16 << 20,
         }
     }
 }
@@ -184,6 +192,7 @@ impl MetaConfig {
             raft_election_ms,
             raft_snapshot_entries,
             raft_log_kept_entries: _,
+            raft_message_bytes_max,
         } = self;
         if listen_address.is_empty() || !listen_address.contains(':') {
             return Err(invalid(
@@ -337,9 +346,21 @@ impl MetaConfig {
                 "must be at least 1 (entries between snapshots)",
             ));
         }
+        if !(RAFT_MESSAGE_BYTES_MIN..=RAFT_MESSAGE_BYTES_MAX).contains(raft_message_bytes_max) {
+            return Err(invalid(
+                "raft_message_bytes_max",
+                format!(
+                    "{raft_message_bytes_max} is outside {RAFT_MESSAGE_BYTES_MIN}..={RAFT_MESSAGE_BYTES_MAX} bytes"
+                ),
+            ));
+        }
         Ok(())
     }
 }
+
+/// Bounds of `raft_message_bytes_max`.
+pub const RAFT_MESSAGE_BYTES_MIN: u32 = 256 << 10;
+pub const RAFT_MESSAGE_BYTES_MAX: u32 = 64 << 20;
 
 /// The shortest recovery window of a replicated metadata server. The window starts when
 /// the new leader serves; a client whose calls wait on a leader cut off (not killed: its

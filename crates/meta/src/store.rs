@@ -447,6 +447,20 @@ impl RedbWrite {
         Ok(())
     }
 
+    /// Set many keys of one table at once, without recording them (installing a snapshot).
+    pub fn insert_raw_many(&mut self, table: TableId, pairs: &[Pair]) -> Result<(), StoreError> {
+        let mut opened = self
+            .transaction
+            .open_table(table.definition())
+            .map_err(StoreError::backend)?;
+        for (key, value) in pairs {
+            opened
+                .insert(key.as_slice(), value.as_slice())
+                .map_err(StoreError::backend)?;
+        }
+        Ok(())
+    }
+
     /// Delete every key of a table (installing a snapshot).
     pub fn clear_table(&mut self, table: TableId) -> Result<(), StoreError> {
         self.transaction

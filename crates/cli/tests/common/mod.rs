@@ -947,7 +947,7 @@ pub fn replica_digest(data_dir: &Path) -> (Option<String>, u64, u64) {
     let store =
         freeflow_meta::store::RedbStore::open(&data_dir.join("meta.redb")).expect("open a replica");
     let (applied, pairs, hash) =
-        freeflow_meta::raft::state_machine::replicated_digest(&store).expect("digest");
+        freeflow_meta::raft::snapshot::replicated_digest(&store).expect("digest");
     (applied.map(|log_id| log_id.to_string()), pairs, hash)
 }
 

@@ -12,7 +12,8 @@ use freeflow_rpc::{
     handle, ClusterKey, ConnectOptions, Connection, Frame, PeerInfo, Reply, Service,
 };
 use openraft::error::{
-    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+    InstallSnapshotError, NetworkError, PayloadTooLarge, RPCError, RaftError, RemoteError,
+    Unreachable,
 };
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
@@ -23,12 +24,14 @@ use openraft::BasicNode;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::raft::types::{NodeId, Raft, TypeConfig};
+use crate::raft::types::{Entry, NodeId, Raft, TypeConfig};
 
 /// Makes one [`Peer`] per other meta server.
 #[derive(Clone)]
 pub struct Network {
     pub key: ClusterKey,
+    /// Most bytes of one message this member sends (`raft_message_bytes_max`).
+    pub message_bytes_max: u32,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -39,6 +42,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             target,
             node: node.clone(),
             key: self.key.clone(),
+            message_bytes_max: self.message_bytes_max,
             connection: None,
         }
     }
@@ -50,6 +54,7 @@ pub struct Peer {
     target: NodeId,
     node: BasicNode,
     key: ClusterKey,
+    message_bytes_max: u32,
     connection: Option<Connection>,
 }
 
@@ -58,19 +63,12 @@ pub struct Peer {
 struct Failure(String);
 
 impl Peer {
-    async fn send<R, Q, S, E>(
+    /// The connection to the peer, made again when it broke.
+    async fn connection<E: Error>(
         &mut self,
-        header: R,
-        request: &Q,
         option: &RPCOption,
-    ) -> Result<S, RPCError<NodeId, BasicNode, E>>
-    where
-        R: Request<Reply = ()>,
-        Q: Serialize,
-        S: DeserializeOwned,
-        E: DeserializeOwned + Error,
-    {
-        let connection = match &self.connection {
+    ) -> Result<Connection, RPCError<NodeId, BasicNode, E>> {
+        Ok(match &self.connection {
             Some(connection) if !connection.is_closed() => connection.clone(),
             _ => {
                 let options = ConnectOptions {
@@ -90,9 +88,39 @@ impl Peer {
                 self.connection = Some(connection.clone());
                 connection
             }
-        };
+        })
+    }
+
+    async fn send<R, Q, S, E>(
+        &mut self,
+        header: R,
+        request: &Q,
+        option: &RPCOption,
+    ) -> Result<S, RPCError<NodeId, BasicNode, E>>
+    where
+        R: Request<Reply = ()>,
+        Q: Serialize,
+        S: DeserializeOwned,
+        E: DeserializeOwned + Error,
+    {
+        let connection = self.connection(option).await?;
         let payload = postcard::to_allocvec(request)
             .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
+        self.call(&connection, header, payload, option).await
+    }
+
+    async fn call<R, S, E>(
+        &mut self,
+        connection: &Connection,
+        header: R,
+        payload: Vec<u8>,
+        option: &RPCOption,
+    ) -> Result<S, RPCError<NodeId, BasicNode, E>>
+    where
+        R: Request<Reply = ()>,
+        S: DeserializeOwned,
+        E: DeserializeOwned + Error,
+    {
         let call = connection.call(&header, Bytes::from(payload));
         let reply = match tokio::time::timeout(option.hard_ttl(), call).await {
             Ok(Ok((_, reply))) => reply,
@@ -133,7 +161,29 @@ impl RaftNetwork<TypeConfig> for Peer {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
-        self.send(RaftAppend {}, &rpc, &option).await
+        let connection = self.connection(&option).await?;
+        let payload = postcard::to_allocvec(&rpc)
+            .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
+        // Bounded by bytes as well as by entries: a message over the bound goes back to
+        // openraft with how many of its entries fit, and it sends that many (a member far
+        // behind is sent entries of large batches; one message of all of them would pass
+        // the receiver's frame bound and be refused for ever).
+        let bound = message_bound(self.message_bytes_max, connection.payload_length_max());
+        if payload.len() > bound && rpc.entries.len() > 1 {
+            let fit = entries_that_fit(&rpc.entries, bound);
+            tracing::debug!(
+                target = self.target,
+                bytes = payload.len(),
+                entries = rpc.entries.len(),
+                fit,
+                "append entries over the message bound: sent in parts"
+            );
+            return Err(RPCError::PayloadTooLarge(
+                PayloadTooLarge::new_entries_hint(fit),
+            ));
+        }
+        self.call(&connection, RaftAppend {}, payload, &option)
+            .await
     }
 
     async fn install_snapshot(
@@ -207,14 +257,16 @@ impl Service for RaftService {
     }
 }
 
-/// Serve the Raft service on `listener` until the task is aborted.
+/// Serve the Raft service on `listener` until the task is aborted; it takes messages of up
+/// to `message_bytes_max` (and the request's own fields).
 pub fn spawn_service(
     listener: freeflow_rpc::net::Listener,
     key: ClusterKey,
     raft: Raft,
+    message_bytes_max: u32,
 ) -> tokio::task::JoinHandle<std::io::Result<()>> {
     let mut options = freeflow_rpc::ServerOptions::new("meta-raft");
-    options.payload_length_max = RAFT_PAYLOAD_MAX;
+    options.payload_length_max = message_bytes_max.saturating_add(MESSAGE_OVERHEAD_BYTES);
     tokio::spawn(freeflow_rpc::serve(
         listener,
         key,
@@ -223,6 +275,28 @@ pub fn spawn_service(
     ))
 }
 
-/// Largest Raft message: entries are sent at most `max_payload_entries` at a time and
-/// snapshots in chunks well below it.
-pub const RAFT_PAYLOAD_MAX: u32 = 64 << 20;
+/// What a message holds besides its entries or its snapshot chunk (vote, log ids,
+/// membership), on top of `raft_message_bytes_max` in the receiver's frame bound.
+pub const MESSAGE_OVERHEAD_BYTES: u32 = 64 << 10;
+
+/// The bytes an append message may take: this member's own bound, and no more than the
+/// receiver takes (its frame bound, told at the handshake, less the overhead).
+fn message_bound(own: u32, receiver: u32) -> usize {
+    own.min(receiver.saturating_sub(MESSAGE_OVERHEAD_BYTES))
+        .max(1) as usize
+}
+
+/// How many of `entries`, from the first, fit in `bound` bytes once encoded (at least one:
+/// a single entry goes alone, and the receiver's frame bound is the last word on it).
+pub fn entries_that_fit(entries: &[Entry], bound: usize) -> u64 {
+    let mut total = 0usize;
+    let mut fit = 0u64;
+    for entry in entries {
+        total += postcard::experimental::serialized_size(entry).unwrap_or(usize::MAX);
+        if total > bound {
+            break;
+        }
+        fit += 1;
+    }
+    fit.max(1)
+}

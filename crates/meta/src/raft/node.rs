@@ -10,6 +10,7 @@ use tokio::task::JoinHandle;
 
 use crate::raft::log_store::LogStore;
 use crate::raft::network::{spawn_service, Network};
+use crate::raft::snapshot::SnapshotFiles;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{NodeId, Raft};
 use crate::store::RedbStore;
@@ -24,11 +25,25 @@ pub struct Timing {
     pub snapshot_entries: u64,
     /// Entries the log keeps behind a snapshot, for followers a little behind.
     pub log_kept_entries: u64,
+    /// Most bytes of one message (`raft_message_bytes_max`).
+    pub message_bytes_max: u32,
 }
 /// Time for one snapshot chunk to be sent and taken in.
 const SNAPSHOT_CHUNK_TIMEOUT_MS: u64 = 10_000;
-/// Entries in one append message (each a batch of up to `commit_batch_max` mutations).
+/// Entries in one append message (each a batch of up to `commit_batch_max` mutations);
+/// fewer when they pass `message_bytes_max` (`network.rs`).
 const ENTRIES_PER_MESSAGE: u64 = 64;
+/// Largest snapshot chunk (smaller when `message_bytes_max` is).
+const SNAPSHOT_CHUNK_BYTES_MAX: u64 = 4 << 20;
+
+/// What a node keeps on disk: its log (kept open across restarts of the node: openraft's
+/// tasks may hold it a moment after a stop), the namespace store its state machine
+/// applies to, and its snapshot files.
+pub struct Storage {
+    pub log: LogStore,
+    pub store: Arc<RedbStore>,
+    pub snapshots: SnapshotFiles,
+}
 
 /// A running Raft node.
 pub struct RaftNode {
@@ -39,26 +54,31 @@ pub struct RaftNode {
 }
 
 impl RaftNode {
-    /// Start the node on `listener` (its Raft address) with its `log` (kept open across
-    /// restarts of the node: openraft's tasks may hold it a moment after a stop) and the
-    /// namespace `store` as its state machine. A node whose log is empty proposes the
+    /// Start the node on `listener` (its Raft address) with its `storage`. A node whose
+    /// log is empty proposes the
     /// membership `members` (every node may: all propose the same one, and a node that
     /// has joined already refuses).
     pub async fn start(
         id: NodeId,
         members: BTreeMap<NodeId, BasicNode>,
         listener: freeflow_rpc::net::Listener,
-        log: LogStore,
-        store: Arc<RedbStore>,
+        storage: Storage,
         key: ClusterKey,
         timing: Timing,
     ) -> Result<RaftNode, String> {
+        let Storage {
+            log,
+            store,
+            snapshots,
+        } = storage;
         let config = Config {
             cluster_name: "freeflow-meta".to_string(),
             heartbeat_interval: timing.heartbeat_ms,
             election_timeout_min: timing.election_min_ms,
             election_timeout_max: timing.election_max_ms,
             max_payload_entries: ENTRIES_PER_MESSAGE,
+            snapshot_max_chunk_size: u64::from(timing.message_bytes_max)
+                .min(SNAPSHOT_CHUNK_BYTES_MAX),
             snapshot_policy: SnapshotPolicy::LogsSinceLast(timing.snapshot_entries),
             max_in_snapshot_log_to_keep: timing.log_kept_entries,
             // The last chunk of a snapshot rewrites the follower's whole store.
@@ -70,11 +90,15 @@ impl RaftNode {
                 .validate()
                 .map_err(|error| format!("raft configuration: {error}"))?,
         );
-        let state_machine = StateMachine::new(store);
-        let raft = Raft::new(id, config, Network { key: key.clone() }, log, state_machine)
+        let state_machine = StateMachine::new(store, snapshots);
+        let network = Network {
+            key: key.clone(),
+            message_bytes_max: timing.message_bytes_max,
+        };
+        let raft = Raft::new(id, config, network, log, state_machine)
             .await
             .map_err(|error| format!("starting raft node {id}: {error}"))?;
-        let service = spawn_service(listener, key, raft.clone());
+        let service = spawn_service(listener, key, raft.clone(), timing.message_bytes_max);
         let initialized = raft
             .is_initialized()
             .await
@@ -156,6 +180,7 @@ mod tests {
             election_max_ms: 600,
             snapshot_entries: 20_000,
             log_kept_entries: 2_000,
+            message_bytes_max: 16 << 20,
         };
         let mut nodes = Vec::new();
         let mut stores = Vec::new();
@@ -170,8 +195,11 @@ mod tests {
                     id,
                     members.clone(),
                     Box::new(listener),
-                    log,
-                    store,
+                    Storage {
+                        log,
+                        store,
+                        snapshots: SnapshotFiles::open(data.join("raft-snapshots")).unwrap(),
+                    },
                     key.clone(),
                     timing,
                 )

@@ -3,8 +3,8 @@
 //! A follower applies each committed batch by setting the keys it changed (`batch.rs`).
 //! The leader ran its batches already, ahead of their commit: applying one of its own
 //! entries only forgets the batch's undo record. The last applied log id and the
-//! membership live in the `RaftState` table, changed in the same transaction as what they
-//! describe, so the store never claims more or less than it holds.
+//! membership live in the `RaftState` table (`applied.rs`), changed in the same
+//! transaction as what they describe, so the store never claims more or less than it holds.
 //!
 //! Applying commits without an fsync but once a second: the Raft log is the durable copy.
 //! After a crash redb comes back at its last durable commit, with the applied log id of
@@ -12,61 +12,46 @@
 //! Building a snapshot makes the store durable first, so the log is never purged past
 //! what the store durably holds.
 //!
-//! A snapshot is every replicated table's pairs as of the last applied entry, encoded with
-//! postcard and held in memory (the leader's speculative batches are left out by reading
-//! their undo records: see [`build`]).
+//! Snapshots are files, built and installed as streams (`snapshot.rs`); the state machine
+//! keeps the path of the last one, never its bytes.
 
-use std::collections::{BTreeMap, HashMap};
-use std::io::Cursor;
-use std::ops::Bound;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use openraft::storage::{RaftSnapshotBuilder, RaftStateMachine};
 use openraft::{EntryPayload, ErrorSubject, ErrorVerb, StorageError};
-use serde::{Deserialize, Serialize};
 
+use crate::raft::applied::{applied_state, put_membership, put_record, KEY_APPLIED};
 use crate::raft::batch;
 use crate::raft::log_store::storage_error;
+use crate::raft::snapshot::{self, SnapshotFiles};
 use crate::raft::types::{
-    Entry, LogId, NodeId, Snapshot, SnapshotMeta, StoredMembership, TypeConfig,
+    Entry, LogId, NodeId, Snapshot, SnapshotData, SnapshotMeta, StoredMembership, TypeConfig,
 };
-use crate::store::{MetaStore, RedbStore, StoreError, StoreRead, StoreWrite, TableId};
-
-const KEY_APPLIED: &[u8] = b"applied";
-const KEY_MEMBERSHIP: &[u8] = b"membership";
+use crate::store::{MetaStore, RedbStore, StoreError, StoreWrite};
 
 fn sm_error(verb: ErrorVerb, error: impl std::fmt::Display) -> StorageError<NodeId> {
     storage_error(ErrorSubject::StateMachine, verb, error)
 }
 
-/// (table code, key, value).
-type TablePair = (u8, Vec<u8>, Vec<u8>);
+/// The last snapshot: its description and its file.
+type Kept = (SnapshotMeta, PathBuf);
 
-/// What a snapshot holds.
-#[derive(Serialize, Deserialize)]
-struct SnapshotBody {
-    applied: Option<LogId>,
-    membership: StoredMembership,
-    /// Every pair of the replicated tables.
-    pairs: Vec<TablePair>,
-}
-
-/// A snapshot's description and bytes.
-type Built = (SnapshotMeta, Vec<u8>);
-
-/// The state machine; clones share the store and the last snapshot.
+/// The state machine; clones share the store, the snapshot files and the last snapshot.
 #[derive(Clone)]
 pub struct StateMachine {
     store: Arc<RedbStore>,
-    current: Arc<Mutex<Option<Built>>>,
+    files: Arc<SnapshotFiles>,
+    current: Arc<Mutex<Option<Kept>>>,
     /// When applying last made the store durable.
     last_durable: Arc<Mutex<std::time::Instant>>,
 }
 
 impl StateMachine {
-    pub fn new(store: Arc<RedbStore>) -> StateMachine {
+    pub fn new(store: Arc<RedbStore>, files: SnapshotFiles) -> StateMachine {
         StateMachine {
             store,
+            files: Arc::new(files),
             current: Arc::default(),
             last_durable: Arc::new(Mutex::new(std::time::Instant::now())),
         }
@@ -81,38 +66,19 @@ impl StateMachine {
         *last = std::time::Instant::now();
         true
     }
-}
 
-fn read_record<T: serde::de::DeserializeOwned, R: StoreRead>(
-    read: &R,
-    key: &[u8],
-) -> Result<Option<T>, StoreError> {
-    let Some(bytes) = read.get(TableId::RaftState, key)? else {
-        return Ok(None);
-    };
-    postcard::from_bytes(&bytes)
-        .map(Some)
-        .map_err(|error| StoreError::Corrupt {
-            table: "raft_state",
-            reason: error.to_string(),
-        })
-}
-
-fn put_record<T: Serialize>(
-    write: &mut crate::store::RedbWrite,
-    key: &[u8],
-    value: &T,
-) -> Result<(), StoreError> {
-    let bytes = postcard::to_allocvec(value).map_err(StoreError::backend)?;
-    write.apply_raw(TableId::RaftState, key, Some(&bytes))
-}
-
-/// The last applied log id and membership the store holds.
-pub fn applied_state(store: &RedbStore) -> Result<(Option<LogId>, StoredMembership), StoreError> {
-    let read = store.begin_read()?;
-    let applied = read_record::<Option<LogId>, _>(&read, KEY_APPLIED)?.flatten();
-    let membership = read_record(&read, KEY_MEMBERSHIP)?.unwrap_or_default();
-    Ok((applied, membership))
+    /// Keep `path` as the last snapshot; the one it replaces is removed (a sender that
+    /// opened it reads on: the file lives until it is closed).
+    fn keep(&self, meta: SnapshotMeta, path: PathBuf) {
+        let replaced = self
+            .current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace((meta, path));
+        if let Some((_, old)) = replaced {
+            self.files.remove(&old);
+        }
+    }
 }
 
 /// How often applying makes the store durable: what a member applies again from its log
@@ -153,7 +119,7 @@ fn apply_entries(
             }
             EntryPayload::Membership(membership) => {
                 let stored = StoredMembership::new(Some(entry.log_id), membership.clone());
-                put_record(&mut write, KEY_MEMBERSHIP, &stored)?;
+                put_membership(&mut write, &stored)?;
                 responses.push(0);
             }
         }
@@ -166,118 +132,6 @@ fn apply_entries(
     Ok(responses)
 }
 
-/// Build a snapshot of the state as of the last applied entry. The leader's store also
-/// holds batches not applied as committed yet: each key one of them changed is written
-/// with the value it had before the oldest of them (their undo records, read in the same
-/// transaction as the tables).
-fn build(store: &RedbStore) -> Result<(SnapshotMeta, Vec<u8>), StoreError> {
-    let read = store.begin_read()?;
-    // Durable at least up to what is read: the log may be purged up to this snapshot
-    // once it exists.
-    let mut write = store.begin_write()?;
-    write.set_durable(true)?;
-    write.commit()?;
-    let applied = read_record::<Option<LogId>, _>(&read, KEY_APPLIED)?.flatten();
-    let membership: StoredMembership = read_record(&read, KEY_MEMBERSHIP)?.unwrap_or_default();
-    let pairs = applied_pairs(&read)?;
-    let body = SnapshotBody {
-        applied,
-        membership: membership.clone(),
-        pairs,
-    };
-    let bytes = postcard::to_allocvec(&body).map_err(StoreError::backend)?;
-    let snapshot_id = match applied {
-        Some(log_id) => format!("{}-{}-{}", log_id.leader_id.term, log_id.index, bytes.len()),
-        None => format!("empty-{}", bytes.len()),
-    };
-    let meta = SnapshotMeta {
-        last_log_id: applied,
-        last_membership: membership,
-        snapshot_id,
-    };
-    Ok((meta, bytes))
-}
-
-/// Every pair of the replicated tables as of the last applied entry: the store's, except
-/// that a key a batch not applied as committed yet changed (one with an undo record, read
-/// in the same transaction) has the value from before the oldest such batch.
-fn applied_pairs<R: StoreRead>(read: &R) -> Result<Vec<TablePair>, StoreError> {
-    let mut before: HashMap<(u8, Vec<u8>), Option<Vec<u8>>> = HashMap::new();
-    for (_, record) in read.range(
-        TableId::Undo,
-        Bound::Unbounded,
-        Bound::Unbounded,
-        usize::MAX,
-    )? {
-        for (table, key, value) in batch::undo_record(&record)?.before {
-            before.entry((table, key)).or_insert(value);
-        }
-    }
-    let mut pairs = Vec::new();
-    for table in TableId::REPLICATED {
-        let code = table.code();
-        let mut overrides: BTreeMap<Vec<u8>, Option<Vec<u8>>> = before
-            .iter()
-            .filter(|((t, _), _)| *t == code)
-            .map(|((_, key), value)| (key.clone(), value.clone()))
-            .collect();
-        for (key, value) in read.range(table, Bound::Unbounded, Bound::Unbounded, usize::MAX)? {
-            match overrides.remove(&key) {
-                Some(Some(old)) => pairs.push((code, key, old)),
-                Some(None) => {}
-                None => pairs.push((code, key, value)),
-            }
-        }
-        // Keys a batch not applied yet deleted.
-        for (key, value) in overrides {
-            if let Some(value) = value {
-                pairs.push((code, key, value));
-            }
-        }
-    }
-    Ok(pairs)
-}
-
-/// What a replica holds as of its last applied entry: that entry's log id, the number of
-/// pairs of the replicated tables and a digest of them (key order). Equal digests at the
-/// same applied entry: identical replicas.
-pub fn replicated_digest(store: &RedbStore) -> Result<(Option<LogId>, u64, u64), StoreError> {
-    use std::hash::{Hash, Hasher};
-    let read = store.begin_read()?;
-    let applied = read_record::<Option<LogId>, _>(&read, KEY_APPLIED)?.flatten();
-    let mut pairs = applied_pairs(&read)?;
-    pairs.sort();
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    pairs.hash(&mut hasher);
-    Ok((applied, pairs.len() as u64, hasher.finish()))
-}
-
-/// Replace the whole state with a snapshot's.
-fn install(store: &RedbStore, meta: &SnapshotMeta, bytes: &[u8]) -> Result<(), StoreError> {
-    let body: SnapshotBody = postcard::from_bytes(bytes).map_err(|error| StoreError::Corrupt {
-        table: "snapshot",
-        reason: error.to_string(),
-    })?;
-    let mut write = store.begin_write()?;
-    write.set_durable(true)?;
-    for table in TableId::REPLICATED {
-        write.clear_table(table)?;
-    }
-    write.clear_table(TableId::Undo)?;
-    for (code, key, value) in &body.pairs {
-        let table = TableId::from_code(*code)
-            .filter(|table| TableId::REPLICATED.contains(table))
-            .ok_or_else(|| StoreError::Corrupt {
-                table: "snapshot",
-                reason: format!("pair of table {code}, which is not replicated"),
-            })?;
-        write.apply_raw(table, key, Some(value))?;
-    }
-    put_record(&mut write, KEY_APPLIED, &meta.last_log_id)?;
-    put_record(&mut write, KEY_MEMBERSHIP, &meta.last_membership)?;
-    write.commit()
-}
-
 async fn blocking<T: Send + 'static>(
     verb: ErrorVerb,
     work: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
@@ -288,17 +142,26 @@ async fn blocking<T: Send + 'static>(
         .map_err(|error| sm_error(verb, error))
 }
 
+/// Open a snapshot file for openraft to read (sending it) or write (receiving it).
+async fn open_data(path: &std::path::Path) -> Result<Box<SnapshotData>, StorageError<NodeId>> {
+    let file = tokio::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .await
+        .map_err(|error| sm_error(ErrorVerb::Read, format!("{}: {error}", path.display())))?;
+    Ok(Box::new(SnapshotData::new(file, path.to_path_buf())))
+}
+
 impl RaftSnapshotBuilder<TypeConfig> for StateMachine {
     async fn build_snapshot(&mut self) -> Result<Snapshot, StorageError<NodeId>> {
         let store = self.store.clone();
-        let (meta, bytes) = blocking(ErrorVerb::Read, move || build(&store)).await?;
-        tracing::debug!(last_log_id = ?meta.last_log_id, bytes = bytes.len(), "built a snapshot");
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some((meta.clone(), bytes.clone()));
-        Ok(Snapshot {
-            meta,
-            snapshot: Box::new(Cursor::new(bytes)),
-        })
+        let files = self.files.clone();
+        let (meta, path, length) = blocking(ErrorVerb::Read, move || files.build(&store)).await?;
+        tracing::debug!(last_log_id = ?meta.last_log_id, bytes = length, "built a snapshot");
+        let snapshot = open_data(&path).await?;
+        self.keep(meta.clone(), path);
+        Ok(Snapshot { meta, snapshot })
     }
 }
 
@@ -332,29 +195,49 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
     async fn begin_receiving_snapshot(
         &mut self,
-    ) -> Result<Box<Cursor<Vec<u8>>>, StorageError<NodeId>> {
-        Ok(Box::new(Cursor::new(Vec::new())))
+    ) -> Result<Box<SnapshotData>, StorageError<NodeId>> {
+        let (path, file) = self
+            .files
+            .incoming()
+            .map_err(|error| sm_error(ErrorVerb::Write, format!("a snapshot file: {error}")))?;
+        Ok(Box::new(SnapshotData::new(
+            tokio::fs::File::from_std(file),
+            path,
+        )))
     }
 
     async fn install_snapshot(
         &mut self,
         meta: &SnapshotMeta,
-        snapshot: Box<Cursor<Vec<u8>>>,
+        snapshot: Box<SnapshotData>,
     ) -> Result<(), StorageError<NodeId>> {
-        let bytes = snapshot.into_inner();
+        let path = snapshot.path().to_path_buf();
+        // Every chunk written reaches the file before it is read through.
+        snapshot
+            .sync()
+            .await
+            .map_err(|error| sm_error(ErrorVerb::Write, format!("{}: {error}", path.display())))?;
+        drop(snapshot);
         let store = self.store.clone();
         let installed_meta = meta.clone();
-        let kept = bytes.clone();
-        blocking(ErrorVerb::Write, move || {
-            install(&store, &installed_meta, &kept)
+        let reading = path.clone();
+        let installed = blocking(ErrorVerb::Write, move || {
+            snapshot::install(&store, &installed_meta, &reading)
         })
-        .await?;
+        .await;
+        let pairs = match installed {
+            Ok(pairs) => pairs,
+            Err(error) => {
+                self.files.remove(&path);
+                return Err(error);
+            }
+        };
         tracing::info!(
             last_log_id = ?meta.last_log_id,
-            bytes = bytes.len(),
+            pairs,
             "installed a snapshot from the leader"
         );
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some((meta.clone(), bytes));
+        self.keep(meta.clone(), path);
         Ok(())
     }
 
@@ -364,10 +247,13 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        Ok(current.map(|(meta, bytes)| Snapshot {
-            meta,
-            snapshot: Box::new(Cursor::new(bytes)),
-        }))
+        match current {
+            Some((meta, path)) => Ok(Some(Snapshot {
+                meta,
+                snapshot: open_data(&path).await?,
+            })),
+            None => Ok(None),
+        }
     }
 }
 
@@ -377,7 +263,7 @@ mod tests {
 
     use super::*;
     use crate::raft::batch::Batch;
-    use crate::store::{StoreWrite, TableId};
+    use crate::store::{StoreRead, TableId};
 
     fn entry(term: u64, index: u64, batch: Batch) -> Entry {
         Entry {

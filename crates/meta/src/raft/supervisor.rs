@@ -28,7 +28,11 @@ use crate::ops;
 use crate::raft::batch::{self, Batch};
 use crate::raft::link::RaftLink;
 use crate::raft::log_store::{LogStore, LOG_FILE_NAME};
-use crate::raft::node::{RaftNode, Timing};
+
+/// The directory of the data directory where snapshots are built and received.
+pub const SNAPSHOT_DIR_NAME: &str = "raft-snapshots";
+use crate::raft::node::{RaftNode, Storage, Timing};
+use crate::raft::snapshot::SnapshotFiles;
 use crate::raft::types::{NodeId, Raft};
 use crate::server::RunningMeta;
 use crate::store::{MetaStore, RedbStore, StoreError, StoreWrite};
@@ -56,10 +60,10 @@ impl ReplicatedMeta {
     }
 
     /// The replicated state as applied here: the last applied log id, the number of
-    /// pairs and a hash of them (`state_machine::replicated_digest`). Two members at the
+    /// pairs and a hash of them (`snapshot::replicated_digest`). Two members at the
     /// same applied id must agree.
     pub fn digest(&self) -> Result<(Option<crate::raft::types::LogId>, u64, u64), StoreError> {
-        crate::raft::state_machine::replicated_digest(&self.store)
+        crate::raft::snapshot::replicated_digest(&self.store)
     }
 
     /// Stop serving and leave the Raft cluster's work to the others.
@@ -175,13 +179,23 @@ async fn start_node(
         election_max_ms: config.raft_election_ms * 2,
         snapshot_entries: config.raft_snapshot_entries,
         log_kept_entries: config.raft_log_kept_entries,
+        message_bytes_max: config.raft_message_bytes_max,
     };
+    let snapshot_dir = config.data_dir.join(SNAPSHOT_DIR_NAME);
+    let snapshots =
+        SnapshotFiles::open(snapshot_dir.clone()).map_err(|source| MetaError::DataDir {
+            path: snapshot_dir,
+            source,
+        })?;
     RaftNode::start(
         config.node_id,
         members(config),
         listener,
-        log.clone(),
-        store.clone(),
+        Storage {
+            log: log.clone(),
+            store: store.clone(),
+            snapshots,
+        },
         key.clone(),
         timing,
     )

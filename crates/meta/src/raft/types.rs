@@ -1,10 +1,9 @@
 //! openraft's type configuration for the metadata state machine.
 
-use std::io::Cursor;
-
 use openraft::{BasicNode, StorageError};
 
 use crate::raft::batch::Batch;
+use crate::raft::snapshot_file::SnapshotFile;
 
 openraft::declare_raft_types!(
     /// Entries carry a batch's changes; a response is the batch's transaction number
@@ -15,7 +14,7 @@ openraft::declare_raft_types!(
         NodeId = u64,
         Node = BasicNode,
         Entry = openraft::Entry<TypeConfig>,
-        SnapshotData = Cursor<Vec<u8>>,
+        SnapshotData = SnapshotFile,
         AsyncRuntime = openraft::TokioRuntime,
 );
 
@@ -27,4 +26,5 @@ pub type Vote = openraft::Vote<NodeId>;
 pub type StoredMembership = openraft::StoredMembership<NodeId, BasicNode>;
 pub type SnapshotMeta = openraft::SnapshotMeta<NodeId, BasicNode>;
 pub type Snapshot = openraft::Snapshot<TypeConfig>;
+pub type SnapshotData = SnapshotFile;
 pub type RaftError = StorageError<NodeId>;
