@@ -45,6 +45,11 @@ fn vote_error(verb: ErrorVerb, error: impl std::fmt::Display) -> StorageError<No
     storage_error(ErrorSubject::Vote, verb, error)
 }
 
+/// Memory redb may use to cache the log's pages. The log is written once and read back
+/// in order by replication to a follower behind, so a small cache does; redb's default
+/// (1 GiB) filled up as the log grew and was most of a member's resident memory.
+const LOG_CACHE_BYTES: usize = 32 << 20;
+
 /// The log store; clones share the file (the reader openraft's replication tasks use).
 #[derive(Clone)]
 pub struct LogStore {
@@ -53,7 +58,10 @@ pub struct LogStore {
 
 impl LogStore {
     pub fn open(path: &Path) -> Result<LogStore, String> {
-        let database = Database::create(path).map_err(|e| e.to_string())?;
+        let database = Database::builder()
+            .set_cache_size(LOG_CACHE_BYTES)
+            .create(path)
+            .map_err(|e| e.to_string())?;
         let write = database.begin_write().map_err(|e| e.to_string())?;
         write.open_table(ENTRIES).map_err(|e| e.to_string())?;
         write.open_table(STATE).map_err(|e| e.to_string())?;
