@@ -518,6 +518,12 @@ impl Shared {
         };
         let metrics = link.raft.metrics().borrow().clone();
         let last = metrics.last_log_index.unwrap_or(0);
+        let purged = metrics.purged.map_or(0, |log_id| log_id.index);
+        let reports = link
+            .reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         self.config
             .peers
             .iter()
@@ -531,12 +537,22 @@ impl Shared {
                         .and_then(|replication| replication.get(&peer.id).copied().flatten())
                         .map(|log_id| log_id.index)
                 };
+                let report = reports.get(&peer.id).cloned().unwrap_or_default();
+                // Past what the log still holds, the follower is sent a snapshot.
+                let lag_bytes = match matched {
+                    Some(index) if index >= purged => link.log.bytes_between(index, last).ok(),
+                    _ => None,
+                };
                 freeflow_proto::meta::MetaMember {
                     id: peer.id,
                     address: peer.address.clone(),
                     leader: peer.id == link.id,
                     term: metrics.current_term,
                     lag_entries: matched.map(|index| last.saturating_sub(index)),
+                    lag_bytes,
+                    silent_ms: report.last_answer.map(|at| at.elapsed().as_millis() as u64),
+                    last_error: report.last_error,
+                    snapshot: report.snapshot,
                 }
             })
             .collect()

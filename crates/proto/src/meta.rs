@@ -248,6 +248,16 @@ pub struct MetaMember {
     pub term: u64,
     /// Log entries it is behind the leader's last (None: not heard from in this term).
     pub lag_entries: Option<u64>,
+    /// The bytes of those entries in the leader's log (None: not known, or purged: it
+    /// gets a snapshot).
+    pub lag_bytes: Option<u64>,
+    /// Milliseconds since it last answered the leader (None: the leader itself, or never
+    /// in this leadership).
+    pub silent_ms: Option<u64>,
+    /// Why the leader's last message to it failed, if it did.
+    pub last_error: Option<String>,
+    /// A snapshot on its way to it: (bytes sent, bytes in all).
+    pub snapshot: Option<(u64, u64)>,
 }
 
 /// The space one stripe object of a file occupies, as its I/O server last reported it

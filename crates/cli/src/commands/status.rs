@@ -70,11 +70,7 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
             );
             println!("META ADDRESS                ROLE      TERM  BEHIND");
             for member in &report.meta_members {
-                let behind = match member.lag_entries {
-                    Some(0) => "in step".to_string(),
-                    Some(entries) => format!("{entries} entries"),
-                    None => "not heard from".to_string(),
-                };
+                let behind = member_behind(member);
                 println!(
                     "{:<4} {:<22} {:<9} {:<5} {behind}",
                     member.id,
@@ -88,6 +84,41 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
     })
     .await
 }
+
+/// How far a member is behind the leader, as the leader sees it: entries and their bytes,
+/// a snapshot on its way, and whether it answers at all (the last index it matched stays
+/// as it was while every message to it fails, so that alone is not "in step").
+fn member_behind(member: &freeflow_proto::meta::MetaMember) -> String {
+    if member.leader {
+        return "-".to_string();
+    }
+    let mut text = match (member.lag_entries, member.lag_bytes) {
+        (Some(0), _) => "in step".to_string(),
+        (Some(entries), Some(bytes)) => format!("{entries} entries ({})", human_bytes(bytes)),
+        (Some(entries), None) => format!("{entries} entries (past the log: a snapshot)"),
+        (None, _) => "not heard from".to_string(),
+    };
+    if let Some((sent, total)) = member.snapshot {
+        text = format!(
+            "snapshot [{}] {} of {}",
+            progress_bar(sent, total, 20),
+            human_bytes(sent),
+            human_bytes(total)
+        );
+    }
+    match (member.silent_ms, &member.last_error) {
+        (_, Some(error)) => text.push_str(&format!("; failing: {error}")),
+        (Some(ms), None) if ms >= MEMBER_SILENT_MS => {
+            text.push_str(&format!("; silent for {}", human_duration_ms(ms)))
+        }
+        _ => {}
+    }
+    text
+}
+
+/// A member the leader has not heard from for this long is shown as silent (heartbeats go
+/// every `raft_heartbeat_ms`, 100 ms by default).
+const MEMBER_SILENT_MS: u64 = 2_000;
 
 /// How far a syncing server's copy is, from its metrics endpoint, with a bar.
 async fn resync_line(server: &freeflow_proto::meta::ServerRecord) -> String {
@@ -163,6 +194,36 @@ fn human_duration_ms(ms: u64) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_member_matched_long_ago_is_not_shown_in_step_while_it_fails() {
+        let mut member = freeflow_proto::meta::MetaMember {
+            id: 2,
+            address: "h:1".into(),
+            leader: false,
+            term: 4,
+            lag_entries: Some(0),
+            lag_bytes: Some(0),
+            silent_ms: Some(100),
+            last_error: None,
+            snapshot: None,
+        };
+        assert_eq!(super::member_behind(&member), "in step");
+        member.last_error = Some("payload of 168032118 bytes exceeds".into());
+        member.silent_ms = Some(300_000);
+        assert_eq!(
+            super::member_behind(&member),
+            "in step; failing: payload of 168032118 bytes exceeds"
+        );
+        member.last_error = None;
+        assert!(super::member_behind(&member).starts_with("in step; silent for"));
+        member.silent_ms = Some(10);
+        member.lag_entries = Some(5_000);
+        member.lag_bytes = Some(3 << 20);
+        assert!(super::member_behind(&member).starts_with("5000 entries (3"));
+        member.snapshot = Some((1 << 20, 4 << 20));
+        assert!(super::member_behind(&member).starts_with("snapshot [#####---------------]"));
+    }
+
     #[test]
     fn progress_bars() {
         assert_eq!(super::progress_bar(0, 0, 4), "----");

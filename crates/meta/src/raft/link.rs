@@ -6,6 +6,8 @@ use std::time::Duration;
 use tokio::sync::{oneshot, watch};
 
 use crate::raft::batch::Batch;
+use crate::raft::log_store::LogStore;
+use crate::raft::network::PeerReports;
 use crate::raft::types::{NodeId, Raft, TypeConfig};
 use crate::store::Change;
 
@@ -33,6 +35,10 @@ pub struct RaftLink {
     /// Set once this server must stop leading (a proposal failed, a commit did not come
     /// in time, Raft no longer makes it leader); the supervisor and the writer watch it.
     pub deposed: std::sync::Arc<watch::Sender<Option<String>>>,
+    /// What sending to each follower last came to (`freeflow status`).
+    pub reports: PeerReports,
+    /// The log, to count the bytes a follower is behind.
+    pub log: LogStore,
 }
 
 impl RaftLink {

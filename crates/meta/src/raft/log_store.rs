@@ -152,6 +152,25 @@ impl LogStore {
         Ok(entries)
     }
 
+    /// The bytes of the stored entries after `after` through `through` (what a follower
+    /// that matched `after` is behind); reads only their lengths.
+    pub fn bytes_between(&self, after: u64, through: u64) -> Result<u64, String> {
+        let read = self.database.begin_read().map_err(|e| e.to_string())?;
+        let table = read.open_table(ENTRIES).map_err(|e| e.to_string())?;
+        let mut bytes = 0u64;
+        if after >= through {
+            return Ok(0);
+        }
+        for item in table
+            .range((Bound::Excluded(after), Bound::Included(through)))
+            .map_err(|e| e.to_string())?
+        {
+            let (_, value) = item.map_err(|e| e.to_string())?;
+            bytes += value.value().len() as u64;
+        }
+        Ok(bytes)
+    }
+
     fn last_entry_id(&self) -> Result<Option<LogId>, String> {
         let read = self.database.begin_read().map_err(|e| e.to_string())?;
         let table = read.open_table(ENTRIES).map_err(|e| e.to_string())?;

@@ -2,6 +2,7 @@
 //! `freeflow_proto::raft`): the client side openraft calls, and the service each meta
 //! server runs on its `raft_address`.
 
+use std::collections::BTreeMap;
 use std::error::Error;
 use std::sync::Arc;
 
@@ -26,12 +27,29 @@ use serde::Serialize;
 
 use crate::raft::types::{Entry, NodeId, Raft, TypeConfig};
 
+/// What this member, leading, last learnt of sending to one other member: shown by
+/// `freeflow status`, where openraft's own figure (the last index it matched) stays as it
+/// was while every message fails.
+#[derive(Clone, Debug, Default)]
+pub struct PeerReport {
+    /// When it last answered a message.
+    pub last_answer: Option<std::time::Instant>,
+    /// Why the last message failed, if it did.
+    pub last_error: Option<String>,
+    /// A snapshot on its way: (bytes sent, bytes in all).
+    pub snapshot: Option<(u64, u64)>,
+}
+
+/// The reports of every other member, shared by the peers' tasks and the status answer.
+pub type PeerReports = Arc<std::sync::Mutex<BTreeMap<NodeId, PeerReport>>>;
+
 /// Makes one [`Peer`] per other meta server.
 #[derive(Clone)]
 pub struct Network {
     pub key: ClusterKey,
     /// Most bytes of one message this member sends (`raft_message_bytes_max`).
     pub message_bytes_max: u32,
+    pub reports: PeerReports,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -43,6 +61,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             node: node.clone(),
             key: self.key.clone(),
             message_bytes_max: self.message_bytes_max,
+            reports: self.reports.clone(),
             connection: None,
         }
     }
@@ -55,6 +74,7 @@ pub struct Peer {
     node: BasicNode,
     key: ClusterKey,
     message_bytes_max: u32,
+    reports: PeerReports,
     connection: Option<Connection>,
 }
 
@@ -63,6 +83,30 @@ pub struct Peer {
 struct Failure(String);
 
 impl Peer {
+    fn report(&self, update: impl FnOnce(&mut PeerReport)) {
+        let mut reports = self.reports.lock().unwrap_or_else(|p| p.into_inner());
+        update(reports.entry(self.target).or_default());
+    }
+
+    /// Note how a message ended.
+    fn note<T, E: std::fmt::Display>(&self, result: &Result<T, E>) {
+        match result {
+            Ok(_) => self.report(|report| {
+                report.last_answer = Some(std::time::Instant::now());
+                report.last_error = None;
+            }),
+            Err(error) => {
+                let text = error.to_string();
+                self.report(|report| report.last_error = Some(text));
+            }
+        }
+    }
+
+    fn noted<T, E: std::fmt::Display>(&self, result: Result<T, E>) -> Result<T, E> {
+        self.note(&result);
+        result
+    }
+
     /// The connection to the peer, made again when it broke.
     async fn connection<E: Error>(
         &mut self,
@@ -103,13 +147,31 @@ impl Peer {
         S: DeserializeOwned,
         E: DeserializeOwned + Error,
     {
-        let connection = self.connection(option).await?;
+        let connection = self.connection(option).await;
+        let connection = self.noted(connection)?;
         let payload = postcard::to_allocvec(request)
             .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
         self.call(&connection, header, payload, option).await
     }
 
     async fn call<R, S, E>(
+        &mut self,
+        connection: &Connection,
+        header: R,
+        payload: Vec<u8>,
+        option: &RPCOption,
+    ) -> Result<S, RPCError<NodeId, BasicNode, E>>
+    where
+        R: Request<Reply = ()>,
+        S: DeserializeOwned,
+        E: DeserializeOwned + Error,
+    {
+        let result = self.call_once(connection, header, payload, option).await;
+        self.note(&result);
+        result
+    }
+
+    async fn call_once<R, S, E>(
         &mut self,
         connection: &Connection,
         header: R,
@@ -161,7 +223,8 @@ impl RaftNetwork<TypeConfig> for Peer {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
-        let connection = self.connection(&option).await?;
+        let connection = self.connection(&option).await;
+        let connection = self.noted(connection)?;
         let payload = postcard::to_allocvec(&rpc)
             .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
         // Bounded by bytes as well as by entries: a message over the bound goes back to
@@ -194,7 +257,16 @@ impl RaftNetwork<TypeConfig> for Peer {
         InstallSnapshotResponse<NodeId>,
         RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
     > {
-        self.send(RaftSnapshot {}, &rpc, &option).await
+        let sent = rpc.offset + rpc.data.len() as u64;
+        let total = snapshot_length(&rpc.meta.snapshot_id)
+            .unwrap_or(0)
+            .max(sent);
+        let done = rpc.done;
+        let result = self.send(RaftSnapshot {}, &rpc, &option).await;
+        if result.is_ok() {
+            self.report(|report| report.snapshot = (!done).then_some((sent, total)));
+        }
+        result
     }
 
     async fn vote(
@@ -273,6 +345,12 @@ pub fn spawn_service(
         options,
         Arc::new(RaftService { raft }),
     ))
+}
+
+/// The length of a snapshot from its id (`{term}-{index}-{length}` or `empty-{length}`,
+/// `snapshot.rs`).
+fn snapshot_length(id: &str) -> Option<u64> {
+    id.rsplit('-').next()?.parse().ok()
 }
 
 /// What a message holds besides its entries or its snapshot chunk (vote, log ids,

@@ -9,7 +9,7 @@ use openraft::{BasicNode, Config, SnapshotPolicy};
 use tokio::task::JoinHandle;
 
 use crate::raft::log_store::LogStore;
-use crate::raft::network::{spawn_service, Network};
+use crate::raft::network::{spawn_service, Network, PeerReports};
 use crate::raft::snapshot::SnapshotFiles;
 use crate::raft::state_machine::StateMachine;
 use crate::raft::types::{NodeId, Raft};
@@ -50,6 +50,8 @@ pub struct RaftNode {
     pub id: NodeId,
     pub raft: Raft,
     pub members: BTreeMap<NodeId, BasicNode>,
+    /// What sending to each other member last came to (leading).
+    pub reports: PeerReports,
     service: JoinHandle<std::io::Result<()>>,
 }
 
@@ -91,9 +93,11 @@ impl RaftNode {
                 .map_err(|error| format!("raft configuration: {error}"))?,
         );
         let state_machine = StateMachine::new(store, snapshots);
+        let reports = PeerReports::default();
         let network = Network {
             key: key.clone(),
             message_bytes_max: timing.message_bytes_max,
+            reports: reports.clone(),
         };
         let raft = Raft::new(id, config, network, log, state_machine)
             .await
@@ -112,6 +116,7 @@ impl RaftNode {
             id,
             raft,
             members,
+            reports,
             service,
         })
     }

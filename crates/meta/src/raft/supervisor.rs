@@ -329,6 +329,8 @@ async fn supervise(
                 origin: new_origin(node.id, term),
                 runtime: tokio::runtime::Handle::current(),
                 deposed: deposed.clone(),
+                reports: node.reports.clone(),
+                log: log.clone(),
             };
             // A leader that has not heard from a majority for longer than a follower waits
             // before it elects another may be cut off: it stops (openraft 0.9 does not).

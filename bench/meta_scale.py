@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Replicated metadata at scale (issue 42): three members under Raft and one I/O server from
+`freeflow init` configs on this host; N empty files made through the Python package (many
+threads: its calls release the GIL); then
+
+- each member's resident memory (VmRSS) and its peak (VmHWM);
+- a follower rebuilt from an empty disk: killed, its data removed, started again; the time
+  until the leader reports it in step, the leader's peak memory meanwhile (VmHWM reset
+  through /proc/PID/clear_refs first), and whether it installed a snapshot;
+- a follower's start-up: stopped with SIGTERM, started again, the time until the leader
+  reports it in step again.
+
+Usage: bench/meta_scale.py --files 1000000 [--dir /var/tmp/meta-scale] [--threads 32]
+       [--freeflow target/release/freeflow] [--python-path DIR]
+Run it alone on the machine (it measures memory and times). The figures it prints go into a
+note; nothing here is asserted.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+FILES_PER_DIRECTORY = 10_000
+
+
+def memory_kib(pid):
+    """(VmRSS, VmHWM) of a process, KiB."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0])
+    return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
+
+
+def reset_peak(pid):
+    with open(f"/proc/{pid}/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def mib(kib):
+    return f"{kib / 1024:.0f} MiB"
+
+
+class Member:
+    def __init__(self, freeflow, directory, index):
+        self.freeflow = freeflow
+        self.index = index
+        self.config = os.path.join(directory, f"meta-{index}.toml")
+        self.log = os.path.join(directory, f"meta-{index}.log")
+        self.data = os.path.join(directory, "data", f"meta-{index}")
+        self.process = None
+
+    def start(self):
+        log = open(self.log, "a")
+        self.process = subprocess.Popen(
+            [self.freeflow, "meta", "--config", self.config],
+            stdout=log,
+            stderr=log,
+            env={**os.environ, "RUST_LOG": "info,openraft=warn", "NO_COLOR": "1"},
+        )
+
+    def kill(self):
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self):
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+
+    def log_text(self):
+        with open(self.log, errors="replace") as log:
+            return log.read()
+
+
+def status(freeflow, client_toml):
+    """The members as `freeflow status` lists them: {id: (role, behind text)}."""
+    out = subprocess.run(
+        [freeflow, "--cluster", client_toml, "status"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    members = {}
+    for line in out.splitlines():
+        match = re.match(r"^(\d+)\s+\S+\s+(leader|follower)\s+\d+\s+(.*)$", line)
+        if match:
+            members[int(match.group(1))] = (match.group(2), match.group(3).strip())
+    return members
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, required=True)
+    parser.add_argument("--dir", default="/var/tmp/meta-scale")
+    parser.add_argument("--threads", type=int, default=32)
+    parser.add_argument("--freeflow", default="target/release/freeflow")
+    args = parser.parse_args()
+    import freeflow as ff
+
+    freeflow = os.path.abspath(args.freeflow)
+    directory = os.path.abspath(args.dir)
+    shutil.rmtree(directory, ignore_errors=True)
+    subprocess.run(
+        [
+            freeflow, "init", "--out", directory,
+            "--meta-host", "127.0.0.1,127.0.0.1,127.0.0.1",
+            "--io-hosts", "127.0.0.1",
+            "--key-path", os.path.join(directory, "cluster.key"),
+            "--data-root", os.path.join(directory, "data"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    client_toml = os.path.join(directory, "client.toml")
+    members = [Member(freeflow, directory, index) for index in (1, 2, 3)]
+    for member in members:
+        member.start()
+    io_log = open(os.path.join(directory, "io-0.log"), "a")
+    io = subprocess.Popen(
+        [freeflow, "io", "--config", os.path.join(directory, "io-0.toml")],
+        stdout=io_log,
+        stderr=io_log,
+    )
+    try:
+        run(args, ff, freeflow, client_toml, members)
+    finally:
+        for member in members:
+            if member.process and member.process.poll() is None:
+                member.kill()
+        io.kill()
+        io.wait()
+
+
+def run(args, ff, freeflow, client_toml, members):
+    client = None
+    for _ in range(100):
+        try:
+            client = ff.Client(client_toml)
+            client.mkdir("/scale", 0o755)
+            break
+        except OSError:
+            time.sleep(0.2)
+    if client is None:
+        sys.exit("no client could connect")
+    for _ in range(100):
+        out = subprocess.run(
+            [freeflow, "--cluster", client_toml, "status"], capture_output=True, text=True
+        ).stdout
+        if "1 of 1 I/O servers up" in out:
+            break
+        time.sleep(0.2)
+    directories = (args.files + FILES_PER_DIRECTORY - 1) // FILES_PER_DIRECTORY
+    for index in range(directories):
+        client.mkdir(f"/scale/d{index}", 0o755)
+    made = [0]
+    lock = threading.Lock()
+
+    def make(first):
+        end = min(first + FILES_PER_DIRECTORY // 10, args.files)
+        for index in range(first, end):
+            with client.open(f"/scale/d{index // FILES_PER_DIRECTORY}/f{index}", "xb"):
+                pass
+        with lock:
+            made[0] += end - first
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(args.threads) as pool:
+        list(pool.map(make, range(0, args.files, FILES_PER_DIRECTORY // 10)))
+    elapsed = time.monotonic() - started
+    print(f"made {made[0]} files in {elapsed:.0f} s ({made[0] / elapsed:.0f}/s)")
+    time.sleep(3)
+    for member in members:
+        rss, peak = memory_kib(member.process.pid)
+        print(f"member {member.index}: resident {mib(rss)}, peak {mib(peak)}")
+
+    listed = status(freeflow, client_toml)
+    leader = next(i for i, (role, _) in listed.items() if role == "leader")
+    follower = next(m for m in members if m.index != leader)
+    leading = next(m for m in members if m.index == leader)
+    reset_peak(leading.process.pid)
+    follower.kill()
+    shutil.rmtree(follower.data)
+    started = time.monotonic()
+    follower.start()
+    caught_up = None
+    while time.monotonic() - started < 3600:
+        behind = status(freeflow, client_toml).get(follower.index, ("", ""))[1]
+        if behind == "in step" and time.monotonic() - started > 2:
+            caught_up = time.monotonic() - started
+            break
+        time.sleep(0.5)
+    rss, peak = memory_kib(leading.process.pid)
+    snapshot = "installed a snapshot" in follower.log_text()
+    print(
+        f"member {follower.index} rebuilt from empty: "
+        + (f"in step after {caught_up:.1f} s" if caught_up else "NOT in step after an hour")
+        + f", snapshot installed: {snapshot}; the leader meanwhile: peak {mib(peak)}, "
+        f"now {mib(rss)}"
+    )
+    rss, peak = memory_kib(follower.process.pid)
+    print(f"member {follower.index} after its rebuild: resident {mib(rss)}, peak {mib(peak)}")
+
+    follower.stop()
+    started = time.monotonic()
+    follower.start()
+    again = None
+    while time.monotonic() - started < 600:
+        behind = status(freeflow, client_toml).get(follower.index, ("", ""))[1]
+        # The leader's view lags a heartbeat: wait for it to see the member gone first.
+        if behind == "in step" and time.monotonic() - started > 1:
+            again = time.monotonic() - started
+            break
+        time.sleep(0.1)
+    print(f"member {follower.index} stopped and started again: in step after {again} s")
+
+
+if __name__ == "__main__":
+    main()
