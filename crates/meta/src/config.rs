@@ -84,7 +84,9 @@ pub struct MetaConfig {
     /// own fields). A member far behind is sent its entries in parts of at most this; one
     /// entry larger than a peer takes cannot be sent, so every member should have the same
     /// value, at least the largest batch (`commit_batch_max` mutations). Between 256 KiB
-    /// and 64 MiB; default 16 MiB.
+    /// and 64 MiB; default 4 MiB: openraft gives an append one heartbeat interval
+    /// (`raft_heartbeat_ms`) to be answered, and a follower catching up must decode, store
+    /// and fsync what it is sent within it, or the leader backs off and sends it again.
     pub raft_message_bytes_max: u32,
 }
 
@@ -129,7 +131,7 @@ impl Default for MetaConfig {
             raft_election_ms: 300,
             raft_snapshot_entries: 20_000,
             raft_log_kept_entries: 2_000,
-            raft_message_bytes_max: 16 << 20,
+            raft_message_bytes_max: 4 << 20,
         }
     }
 }

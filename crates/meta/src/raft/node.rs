@@ -185,7 +185,7 @@ mod tests {
             election_max_ms: 600,
             snapshot_entries: 20_000,
             log_kept_entries: 2_000,
-            message_bytes_max: 16 << 20,
+            message_bytes_max: 4 << 20,
         };
         let mut nodes = Vec::new();
         let mut stores = Vec::new();
