@@ -103,6 +103,7 @@ def main():
     parser.add_argument("--dir", default="/var/tmp/meta-scale")
     parser.add_argument("--threads", type=int, default=32)
     parser.add_argument("--freeflow", default="target/release/freeflow")
+    parser.add_argument("--rebuild-wait", type=float, default=3600, help="seconds")
     args = parser.parse_args()
     import freeflow as ff
 
@@ -142,12 +143,15 @@ def main():
 
 def run(args, ff, freeflow, client_toml, members):
     client = None
-    for _ in range(100):
+    for attempt in range(100):
         try:
             client = ff.Client(client_toml)
             client.mkdir("/scale", 0o755)
             break
-        except OSError:
+        except OSError as error:
+            client = None
+            if attempt == 99:
+                sys.exit(f"no client could connect: {error}")
             time.sleep(0.2)
     if client is None:
         sys.exit("no client could connect")
@@ -192,7 +196,7 @@ def run(args, ff, freeflow, client_toml, members):
     started = time.monotonic()
     follower.start()
     caught_up = None
-    while time.monotonic() - started < 3600:
+    while time.monotonic() - started < args.rebuild_wait:
         behind = status(freeflow, client_toml).get(follower.index, ("", ""))[1]
         if behind == "in step" and time.monotonic() - started > 2:
             caught_up = time.monotonic() - started
@@ -202,7 +206,11 @@ def run(args, ff, freeflow, client_toml, members):
     snapshot = "installed a snapshot" in follower.log_text()
     print(
         f"member {follower.index} rebuilt from empty: "
-        + (f"in step after {caught_up:.1f} s" if caught_up else "NOT in step after an hour")
+        + (
+            f"in step after {caught_up:.1f} s"
+            if caught_up
+            else f"NOT in step after {args.rebuild_wait:.0f} s"
+        )
         + f", snapshot installed: {snapshot}; the leader meanwhile: peak {mib(peak)}, "
         f"now {mib(rss)}"
     )
