@@ -154,24 +154,8 @@ impl Peer {
         self.call(&connection, header, payload, option).await
     }
 
+    /// Send one message on `connection` and read its answer; how it ended is noted.
     async fn call<R, S, E>(
-        &mut self,
-        connection: &Connection,
-        header: R,
-        payload: Vec<u8>,
-        option: &RPCOption,
-    ) -> Result<S, RPCError<NodeId, BasicNode, E>>
-    where
-        R: Request<Reply = ()>,
-        S: DeserializeOwned,
-        E: DeserializeOwned + Error,
-    {
-        let result = self.call_once(connection, header, payload, option).await;
-        self.note(&result);
-        result
-    }
-
-    async fn call_once<R, S, E>(
         &mut self,
         connection: &Connection,
         header: R,
@@ -185,35 +169,40 @@ impl Peer {
     {
         let call = connection.call(&header, Bytes::from(payload));
         let reply = match tokio::time::timeout(option.hard_ttl(), call).await {
-            Ok(Ok((_, reply))) => reply,
+            Ok(Ok((_, reply))) => Ok(reply),
             Ok(Err(error)) => {
                 self.connection = None;
-                return Err(RPCError::Unreachable(Unreachable::new(&Failure(format!(
+                Err(RPCError::Unreachable(Unreachable::new(&Failure(format!(
                     "meta server {} at {}: {error}",
                     self.target, self.node.addr
-                )))));
+                )))))
             }
             Err(_) => {
                 // A connection that did not answer in time may be half open: a new one next.
                 self.connection = None;
-                return Err(RPCError::Network(NetworkError::new(&Failure(format!(
+                Err(RPCError::Network(NetworkError::new(&Failure(format!(
                     "meta server {} at {} did not answer {} within {:?}",
                     self.target,
                     self.node.addr,
                     R::NAME,
                     option.hard_ttl()
-                )))));
+                )))))
             }
         };
-        let result: Result<S, E> = postcard::from_bytes(&reply)
-            .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
-        result.map_err(|error| {
-            RPCError::RemoteError(RemoteError::new_with_node(
-                self.target,
-                self.node.clone(),
-                error,
-            ))
-        })
+        let result = match reply {
+            Err(error) => Err(error),
+            Ok(reply) => match postcard::from_bytes::<Result<S, E>>(&reply) {
+                Err(error) => Err(RPCError::Network(NetworkError::new(&error))),
+                Ok(answer) => answer.map_err(|error| {
+                    RPCError::RemoteError(RemoteError::new_with_node(
+                        self.target,
+                        self.node.clone(),
+                        error,
+                    ))
+                }),
+            },
+        };
+        self.noted(result)
     }
 }
 
