@@ -618,10 +618,9 @@ async fn a_member_that_lost_its_disk_is_rebuilt_from_the_leader() {
 }
 
 /// Issue 42: a member rebuilt from an empty disk while the cluster made more than one
-/// message can carry is sent a snapshot (a file, in chunks) and then its entries in parts
-/// under the message bound, and ends identical. Each `SetXattr` of 24 KiB is an entry of its
-/// own, so the 64 entries openraft sends at once are 1.5 MiB, past the 256 KiB the members
-/// take: without the bound the leader's appends are refused for ever.
+/// message may carry is sent a snapshot (a file, in chunks) and then its entries in parts
+/// under the message bound (256 KiB here; each `SetXattr` of 24 KiB is an entry of its own,
+/// so the 64 entries openraft sends at once would be 1.5 MiB), and ends identical.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_member_rebuilt_from_empty_gets_a_snapshot_and_its_entries_in_bounded_messages() {
     let mut cluster = ReplicatedCluster::start_configured(

@@ -79,14 +79,13 @@ pub struct MetaConfig {
     /// Replicated metadata: entries the log keeps behind its last snapshot, for followers
     /// a little behind. Default 2,000.
     pub raft_log_kept_entries: u64,
-    /// Replicated metadata: most bytes of one Raft message this member sends (entries of
-    /// an append, a snapshot chunk) and takes from its peers (plus 64 KiB of the message's
-    /// own fields). A member far behind is sent its entries in parts of at most this; one
-    /// entry larger than a peer takes cannot be sent, so every member should have the same
-    /// value, at least the largest batch (`commit_batch_max` mutations). Between 256 KiB
-    /// and 64 MiB; default 4 MiB: openraft gives an append one heartbeat interval
-    /// (`raft_heartbeat_ms`) to be answered, and a follower catching up must decode, store
-    /// and fsync what it is sent within it, or the leader backs off and sends it again.
+    /// Replicated metadata: most bytes of entries one Raft append this member sends, and
+    /// of a snapshot chunk (at most 4 MiB). A member far behind is sent its entries in
+    /// parts of at most this; one entry larger than it goes alone (every member takes
+    /// messages of up to 64 MiB). Between 256 KiB and 64 MiB; default 4 MiB: openraft
+    /// gives an append one heartbeat interval (`raft_heartbeat_ms`) to be answered, and a
+    /// follower catching up must decode, store and fsync what it is sent within it, or the
+    /// leader backs off and sends it again.
     pub raft_message_bytes_max: u32,
 }
 

@@ -54,6 +54,8 @@ const LOG_CACHE_BYTES: usize = 32 << 20;
 #[derive(Clone)]
 pub struct LogStore {
     database: Arc<Database>,
+    /// Most bytes of entries one replication read returns (the Raft message bound).
+    read_bytes_max: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl LogStore {
@@ -68,6 +70,7 @@ impl LogStore {
         write.commit().map_err(|e| e.to_string())?;
         Ok(LogStore {
             database: Arc::new(database),
+            read_bytes_max: Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX)),
         })
     }
 
@@ -171,6 +174,39 @@ impl LogStore {
         Ok(bytes)
     }
 
+    /// Bound what one replication read returns (`raft_message_bytes_max`): openraft sends
+    /// what it reads in one append.
+    pub fn set_read_bytes_max(&self, bytes: usize) {
+        self.read_bytes_max
+            .store(bytes.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The entries from `start` (inclusive) to `end` (exclusive), in order, as many as fit
+    /// in `bytes_max` stored bytes, and at least the first.
+    fn entries_bounded(
+        &self,
+        start: u64,
+        end: u64,
+        bytes_max: usize,
+    ) -> Result<Vec<Entry>, String> {
+        let read = self.database.begin_read().map_err(|e| e.to_string())?;
+        let table = read.open_table(ENTRIES).map_err(|e| e.to_string())?;
+        let mut entries = Vec::new();
+        let mut bytes = 0usize;
+        for item in table.range(start..end).map_err(|e| e.to_string())? {
+            let (index, value) = item.map_err(|e| e.to_string())?;
+            let stored = value.value();
+            if !entries.is_empty() && bytes + stored.len() > bytes_max {
+                break;
+            }
+            bytes += stored.len();
+            let entry: Entry = postcard::from_bytes(stored)
+                .map_err(|e| format!("raft log entry {}: {e}", index.value()))?;
+            entries.push(entry);
+        }
+        Ok(entries)
+    }
+
     fn last_entry_id(&self) -> Result<Option<LogId>, String> {
         let read = self.database.begin_read().map_err(|e| e.to_string())?;
         let table = read.open_table(ENTRIES).map_err(|e| e.to_string())?;
@@ -194,6 +230,22 @@ impl RaftLogReader<TypeConfig> for LogStore {
     ) -> Result<Vec<Entry>, StorageError<NodeId>> {
         let (start, end) = owned(&range);
         self.entries_in(start, end)
+            .map_err(|e| logs_error(ErrorVerb::Read, e))
+    }
+
+    /// What replication sends in one append: entries bounded by bytes as well as by
+    /// `max_payload_entries` (a follower far behind is sent large batches; all of them at
+    /// once passed the receiver's frame bound, 168 MB once, and the leader held them all
+    /// decoded in memory).
+    async fn limited_get_log_entries(
+        &mut self,
+        start: u64,
+        end: u64,
+    ) -> Result<Vec<Entry>, StorageError<NodeId>> {
+        let bytes_max = self
+            .read_bytes_max
+            .load(std::sync::atomic::Ordering::Relaxed);
+        self.entries_bounded(start, end, bytes_max)
             .map_err(|e| logs_error(ErrorVerb::Read, e))
     }
 }
@@ -343,6 +395,40 @@ mod tests {
         let left = store.try_get_log_entries(0..100).await.unwrap();
         let indexes: Vec<u64> = left.iter().map(|e| e.log_id.index).collect();
         assert_eq!(indexes, vec![5, 6, 7, 8]);
+    }
+
+    /// A replication read returns a prefix of the range within the byte bound, never
+    /// nothing: openraft sends what it reads in one append.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replication_reads_are_bounded_by_bytes_and_never_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = LogStore::open(&dir.path().join("log.redb")).unwrap();
+        let big = |index: u64| Entry {
+            log_id: LogId::new(CommittedLeaderId::new(2, 1), index),
+            payload: EntryPayload::Normal(crate::raft::batch::Batch {
+                origin: 1,
+                txn: index,
+                changes: vec![(1, vec![index as u8; 8], Some(vec![7; 10_000]))],
+            }),
+        };
+        store
+            .put_entries((1..=50).map(big).collect())
+            .await
+            .unwrap();
+        let whole = store.limited_get_log_entries(1, 51).await.unwrap();
+        assert_eq!(whole.len(), 50, "unbounded until a bound is set");
+        store.set_read_bytes_max(35_000);
+        let first = store.limited_get_log_entries(1, 51).await.unwrap();
+        let indexes: Vec<u64> = first.iter().map(|e| e.log_id.index).collect();
+        assert_eq!(
+            indexes,
+            vec![1, 2, 3],
+            "three entries of about 10 KB fit in 35,000 bytes"
+        );
+        store.set_read_bytes_max(1);
+        let one = store.limited_get_log_entries(7, 51).await.unwrap();
+        assert_eq!(one.len(), 1, "an entry larger than the bound goes alone");
+        assert_eq!(one[0].log_id.index, 7);
     }
 
     /// Prints what a log holds: `FREEFLOW_RAFT_LOG=path cargo test -p freeflow-meta

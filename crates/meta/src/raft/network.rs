@@ -13,8 +13,7 @@ use freeflow_rpc::{
     handle, ClusterKey, ConnectOptions, Connection, Frame, PeerInfo, Reply, Service,
 };
 use openraft::error::{
-    InstallSnapshotError, NetworkError, PayloadTooLarge, RPCError, RaftError, RemoteError,
-    Unreachable,
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
 };
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
@@ -25,7 +24,7 @@ use openraft::BasicNode;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::raft::types::{Entry, NodeId, Raft, TypeConfig};
+use crate::raft::types::{NodeId, Raft, TypeConfig};
 
 /// What this member, leading, last learnt of sending to one other member: shown by
 /// `freeflow status`, where openraft's own figure (the last index it matched) stays as it
@@ -47,8 +46,6 @@ pub type PeerReports = Arc<std::sync::Mutex<BTreeMap<NodeId, PeerReport>>>;
 #[derive(Clone)]
 pub struct Network {
     pub key: ClusterKey,
-    /// Most bytes of one message this member sends (`raft_message_bytes_max`).
-    pub message_bytes_max: u32,
     pub reports: PeerReports,
 }
 
@@ -60,7 +57,6 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             target,
             node: node.clone(),
             key: self.key.clone(),
-            message_bytes_max: self.message_bytes_max,
             reports: self.reports.clone(),
             connection: None,
         }
@@ -73,7 +69,6 @@ pub struct Peer {
     target: NodeId,
     node: BasicNode,
     key: ClusterKey,
-    message_bytes_max: u32,
     reports: PeerReports,
     connection: Option<Connection>,
 }
@@ -216,24 +211,6 @@ impl RaftNetwork<TypeConfig> for Peer {
         let connection = self.noted(connection)?;
         let payload = postcard::to_allocvec(&rpc)
             .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
-        // Bounded by bytes as well as by entries: a message over the bound goes back to
-        // openraft with how many of its entries fit, and it sends that many (a member far
-        // behind is sent entries of large batches; one message of all of them would pass
-        // the receiver's frame bound and be refused for ever).
-        let bound = message_bound(self.message_bytes_max, connection.payload_length_max());
-        if payload.len() > bound && rpc.entries.len() > 1 {
-            let fit = entries_that_fit(&rpc.entries, bound);
-            tracing::debug!(
-                target = self.target,
-                bytes = payload.len(),
-                entries = rpc.entries.len(),
-                fit,
-                "append entries over the message bound: sent in parts"
-            );
-            return Err(RPCError::PayloadTooLarge(
-                PayloadTooLarge::new_entries_hint(fit),
-            ));
-        }
         self.call(&connection, RaftAppend {}, payload, &option)
             .await
     }
@@ -318,16 +295,18 @@ impl Service for RaftService {
     }
 }
 
-/// Serve the Raft service on `listener` until the task is aborted; it takes messages of up
-/// to `message_bytes_max` (and the request's own fields).
+/// Serve the Raft service on `listener` until the task is aborted. It takes messages of up
+/// to the largest `raft_message_bytes_max` (and the request's own fields), whatever this
+/// member's is: a sender's bound is soft for one entry larger than it (a batch of large
+/// extended attributes), which goes alone.
 pub fn spawn_service(
     listener: freeflow_rpc::net::Listener,
     key: ClusterKey,
     raft: Raft,
-    message_bytes_max: u32,
 ) -> tokio::task::JoinHandle<std::io::Result<()>> {
     let mut options = freeflow_rpc::ServerOptions::new("meta-raft");
-    options.payload_length_max = message_bytes_max.saturating_add(MESSAGE_OVERHEAD_BYTES);
+    options.payload_length_max =
+        crate::config::RAFT_MESSAGE_BYTES_MAX.saturating_add(MESSAGE_OVERHEAD_BYTES);
     tokio::spawn(freeflow_rpc::serve(
         listener,
         key,
@@ -343,27 +322,5 @@ fn snapshot_length(id: &str) -> Option<u64> {
 }
 
 /// What a message holds besides its entries or its snapshot chunk (vote, log ids,
-/// membership), on top of `raft_message_bytes_max` in the receiver's frame bound.
+/// membership), on top of the largest `raft_message_bytes_max` in the frame bound.
 pub const MESSAGE_OVERHEAD_BYTES: u32 = 64 << 10;
-
-/// The bytes an append message may take: this member's own bound, and no more than the
-/// receiver takes (its frame bound, told at the handshake, less the overhead).
-fn message_bound(own: u32, receiver: u32) -> usize {
-    own.min(receiver.saturating_sub(MESSAGE_OVERHEAD_BYTES))
-        .max(1) as usize
-}
-
-/// How many of `entries`, from the first, fit in `bound` bytes once encoded (at least one:
-/// a single entry goes alone, and the receiver's frame bound is the last word on it).
-pub fn entries_that_fit(entries: &[Entry], bound: usize) -> u64 {
-    let mut total = 0usize;
-    let mut fit = 0u64;
-    for entry in entries {
-        total += postcard::experimental::serialized_size(entry).unwrap_or(usize::MAX);
-        if total > bound {
-            break;
-        }
-        fit += 1;
-    }
-    fit.max(1)
-}

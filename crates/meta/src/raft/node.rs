@@ -73,6 +73,8 @@ impl RaftNode {
             store,
             snapshots,
         } = storage;
+        // Entries of one append stay under the bound with room for the request's own fields.
+        log.set_read_bytes_max((timing.message_bytes_max as usize).saturating_sub(16 << 10));
         let config = Config {
             cluster_name: "freeflow-meta".to_string(),
             heartbeat_interval: timing.heartbeat_ms,
@@ -96,13 +98,12 @@ impl RaftNode {
         let reports = PeerReports::default();
         let network = Network {
             key: key.clone(),
-            message_bytes_max: timing.message_bytes_max,
             reports: reports.clone(),
         };
         let raft = Raft::new(id, config, network, log, state_machine)
             .await
             .map_err(|error| format!("starting raft node {id}: {error}"))?;
-        let service = spawn_service(listener, key, raft.clone(), timing.message_bytes_max);
+        let service = spawn_service(listener, key, raft.clone());
         let initialized = raft
             .is_initialized()
             .await
