@@ -210,17 +210,23 @@ impl RaftNetwork<TypeConfig> for Peer {
         // Entries must follow `prev_log_id` at once. A read of a range the leader's log
         // purged behind a new snapshot meanwhile starts at the first entry left: sent, it
         // would leave a hole in the follower's log (seen at 1,000,000 files: a wiped member
-        // sent entries 178,100.. after entry 0 crashed applying them). Failed instead,
-        // openraft plans this follower again from the log as it is now, and sends it the
-        // snapshot.
+        // sent entries 178,100.. after entry 0 crashed applying them). Not sent: answered
+        // as a conflict at `prev_log_id` instead, which makes openraft look below it, where
+        // the log is purged, and send the snapshot (a failure would only be retried with
+        // the same range). Installing a snapshot is right for a follower whatever it holds.
         if let Some(first) = rpc.entries.first() {
             let expected = rpc.prev_log_id.map_or(0, |prev| prev.index + 1);
             if first.log_id.index != expected {
-                let failure = RPCError::Network(NetworkError::new(&Failure(format!(
+                let why = format!(
                     "entries from {} do not follow {expected}: the log was purged under \
-                     the replication, planned again",
+                     the replication; a snapshot goes instead",
                     first.log_id.index
-                ))));
+                );
+                if rpc.prev_log_id.is_some() {
+                    self.report(|report| report.last_error = Some(why));
+                    return Ok(AppendEntriesResponse::Conflict);
+                }
+                let failure = RPCError::Network(NetworkError::new(&Failure(why)));
                 return self.noted(Err(failure));
             }
         }
@@ -368,8 +374,9 @@ mod tests {
     }
 
     /// A follower is never sent entries that leave a hole after `prev_log_id` (the log
-    /// purged under the replication): the append fails before it is sent, and the failure
-    /// is what `status` shows. One that follows is sent (here to a port nobody listens on).
+    /// purged under the replication): the append is answered as a conflict before it is
+    /// sent (openraft then sends the snapshot), and `status` shows why. One that follows is
+    /// sent (here to a port nobody listens on).
     #[tokio::test]
     async fn entries_that_do_not_follow_prev_are_never_sent() {
         let mut network = Network {
@@ -382,9 +389,7 @@ mod tests {
             .append_entries(append(Some(0), 178_100), option())
             .await
         {
-            Err(RPCError::Network(error)) => {
-                assert!(error.to_string().contains("do not follow"), "{error}")
-            }
+            Ok(AppendEntriesResponse::Conflict) => {}
             other => panic!("a hole was not refused: {other:?}"),
         }
         let reported = network.reports.lock().unwrap().get(&2).cloned().unwrap();
