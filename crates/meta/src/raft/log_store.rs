@@ -143,16 +143,7 @@ impl LogStore {
     }
 
     fn entries_in(&self, start: Bound<u64>, end: Bound<u64>) -> Result<Vec<Entry>, String> {
-        let read = self.database.begin_read().map_err(|e| e.to_string())?;
-        let table = read.open_table(ENTRIES).map_err(|e| e.to_string())?;
-        let mut entries = Vec::new();
-        for item in table.range((start, end)).map_err(|e| e.to_string())? {
-            let (index, value) = item.map_err(|e| e.to_string())?;
-            let entry: Entry = postcard::from_bytes(value.value())
-                .map_err(|e| format!("raft log entry {}: {e}", index.value()))?;
-            entries.push(entry);
-        }
-        Ok(entries)
+        self.entries_bounded(start, end, usize::MAX)
     }
 
     /// The bytes of the stored entries after `after` through `through` (what a follower
@@ -181,22 +172,22 @@ impl LogStore {
             .store(bytes.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// The entries from `start` (inclusive) to `end` (exclusive), in order, as many as fit
+    /// The entries between `start` and `end`, in order, as many as fit
     /// in `bytes_max` stored bytes, and at least the first.
     fn entries_bounded(
         &self,
-        start: u64,
-        end: u64,
+        start: Bound<u64>,
+        end: Bound<u64>,
         bytes_max: usize,
     ) -> Result<Vec<Entry>, String> {
         let read = self.database.begin_read().map_err(|e| e.to_string())?;
         let table = read.open_table(ENTRIES).map_err(|e| e.to_string())?;
         let mut entries = Vec::new();
         let mut bytes = 0usize;
-        for item in table.range(start..end).map_err(|e| e.to_string())? {
+        for item in table.range((start, end)).map_err(|e| e.to_string())? {
             let (index, value) = item.map_err(|e| e.to_string())?;
             let stored = value.value();
-            if !entries.is_empty() && bytes + stored.len() > bytes_max {
+            if !entries.is_empty() && bytes.saturating_add(stored.len()) > bytes_max {
                 break;
             }
             bytes += stored.len();
@@ -245,7 +236,7 @@ impl RaftLogReader<TypeConfig> for LogStore {
         let bytes_max = self
             .read_bytes_max
             .load(std::sync::atomic::Ordering::Relaxed);
-        self.entries_bounded(start, end, bytes_max)
+        self.entries_bounded(Bound::Included(start), Bound::Excluded(end), bytes_max)
             .map_err(|e| logs_error(ErrorVerb::Read, e))
     }
 }
