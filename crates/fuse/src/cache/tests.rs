@@ -1,6 +1,7 @@
 //! Tests of the kernel-cache index: revocations, listings, held names and leases.
 
 use super::*;
+use fuser::INodeNo;
 
 fn enabled_cache() -> KernelCache {
     let cache = KernelCache::new(false);
@@ -372,4 +373,107 @@ fn a_writeback_mount_evicts_a_revoked_file_under_every_name_it_was_held_as() {
         .take(&revocation(10, &[], true, false))
         .files
         .is_empty());
+}
+
+/// A kernel whose `inval_entry` waits until let go, as the real one does while this mount's
+/// own request holds the directory's lock; it records what it was asked, in order.
+#[derive(Clone, Default)]
+struct LockedDirectories(Arc<LockedState>);
+
+#[derive(Default)]
+struct LockedState {
+    calls: Mutex<(Vec<String>, bool)>,
+    changed: std::sync::Condvar,
+}
+
+impl LockedDirectories {
+    fn let_go(&self) {
+        self.0.calls.lock().expect("not poisoned").1 = true;
+        self.0.changed.notify_all();
+    }
+
+    /// Waits up to `bound` for a call matching `wanted`.
+    fn saw(&self, wanted: &str, bound: Duration) -> bool {
+        let calls = self.0.calls.lock().expect("not poisoned");
+        let (calls, _) = self
+            .0
+            .changed
+            .wait_timeout_while(calls, bound, |(calls, _)| {
+                !calls.iter().any(|call| call == wanted)
+            })
+            .expect("not poisoned");
+        calls.0.iter().any(|call| call == wanted)
+    }
+}
+
+impl Kernel for LockedDirectories {
+    fn inval_entry(&self, parent: INodeNo, name: &std::ffi::OsStr) -> std::io::Result<()> {
+        let mut calls = self.0.calls.lock().expect("not poisoned");
+        calls
+            .0
+            .push(format!("entry {} {}", parent.0, name.to_string_lossy()));
+        self.0.changed.notify_all();
+        let _released = self
+            .0
+            .changed
+            .wait_while(calls, |(_, released)| !*released)
+            .expect("not poisoned");
+        Ok(())
+    }
+
+    fn inval_inode(&self, inode: INodeNo, offset: i64, length: i64) -> std::io::Result<()> {
+        let mut calls = self.0.calls.lock().expect("not poisoned");
+        calls.0.push(format!("inode {} {offset} {length}", inode.0));
+        self.0.changed.notify_all();
+        Ok(())
+    }
+
+    fn store(&self, inode: INodeNo, offset: u64, _data: &[u8]) -> std::io::Result<()> {
+        let mut calls = self.0.calls.lock().expect("not poisoned");
+        calls.0.push(format!("store {} {offset}", inode.0));
+        Ok(())
+    }
+}
+
+/// Issue 41: one batch held another client's create in directory 20 (a name) and its size
+/// commit of file 21 (attributes). The name waited for the directory's lock; the poll
+/// acknowledged after `HANDLER_WAIT_MS`, the size commit replied, and this kernel kept
+/// answering `stat` of file 21 with the old size until the lock was let go.
+#[test]
+fn a_name_waiting_for_its_directory_lock_holds_back_no_attributes() {
+    let cache = Arc::new(KernelCache::new(false));
+    let kernel = LockedDirectories::default();
+    cache.set_notifier(kernel.clone());
+    let lease = Some(Duration::from_secs(10));
+    {
+        let mut admission = cache.admit();
+        assert_eq!(admission.entry(lease, 20, "f", Some(21)), lease);
+        assert_eq!(admission.entry(lease, 20, "e", Some(22)), lease);
+    }
+    let batch = vec![
+        revocation(20, &["g"], false, false),
+        revocation(21, &[], true, false),
+    ];
+    let revoking = {
+        let cache = cache.clone();
+        std::thread::spawn(move || cache.revoke(&batch))
+    };
+    assert!(
+        kernel.saw("entry 20 g", Duration::from_secs(5)),
+        "the name was asked for"
+    );
+    assert!(
+        kernel.saw("inode 21 -1 0", Duration::from_secs(5)),
+        "file 21's attributes were dropped while the directory's lock was held"
+    );
+    assert!(
+        !cache.index().attributes.contains_key(&21),
+        "and the mount's own record of them"
+    );
+    kernel.let_go();
+    revoking.join().expect("revoke returned");
+    assert!(
+        cache.index().attributes.contains_key(&22),
+        "attributes not revoked stay"
+    );
 }
