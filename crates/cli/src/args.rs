@@ -166,10 +166,15 @@ pub enum Command {
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4))]
         replicas: u32,
     },
-    /// Run a metadata server from a config file.
+    /// Run a metadata server from a config file (`--config FILE`), or change the members of
+    /// a replicated metadata cluster (`add`, `promote`, `remove`, `replace`).
+    #[command(args_conflicts_with_subcommands = true)]
     Meta {
+        /// The metadata server's config file (meta.toml, meta-N.toml).
         #[arg(long, value_name = "FILE")]
-        config: PathBuf,
+        config: Option<PathBuf>,
+        #[command(subcommand)]
+        change: Option<MetaCommand>,
     },
     /// Run an I/O server from a config file.
     Io {
@@ -434,4 +439,49 @@ pub struct BenchArgs {
     /// striping: rate of each server's link in Mbit/s.
     #[arg(long, value_name = "MBIT")]
     pub striping_rate_mbit: Option<u32>,
+}
+
+/// `freeflow meta ...`: changes of a replicated metadata cluster's members, made by its leader
+/// through Raft membership changes. A new member is started first (its config with `join =
+/// true` and a node_id never used), then added: it catches up as a learner, then votes.
+#[derive(Subcommand, Debug)]
+pub enum MetaCommand {
+    /// Add a member: as a learner, then, once it caught up, as a voter.
+    Add {
+        /// Its node id (never used before in this cluster).
+        id: u64,
+        /// Where clients reach it (its `listen_address`).
+        #[arg(long, value_name = "HOST:PORT")]
+        address: String,
+        /// Where the other members reach its Raft service.
+        #[arg(long, value_name = "HOST:PORT")]
+        raft_address: String,
+        /// Leave it a learner (no vote): `freeflow meta promote ID` later.
+        #[arg(long)]
+        learner: bool,
+        /// How long to wait for it to catch up before it votes.
+        #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
+        wait: u64,
+    },
+    /// Make a learner a voter, once it caught up.
+    Promote {
+        id: u64,
+        #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
+        wait: u64,
+    },
+    /// Take a member out of the cluster (it can be stopped then).
+    Remove { id: u64 },
+    /// Give the vote of member OLD (lost, or to be retired) to member NEW in one change:
+    /// NEW is added as a learner if it is not a member yet (give its addresses), catches
+    /// up, then takes OLD's place.
+    Replace {
+        old: u64,
+        new: u64,
+        #[arg(long, value_name = "HOST:PORT", requires = "raft_address")]
+        address: Option<String>,
+        #[arg(long, value_name = "HOST:PORT", requires = "address")]
+        raft_address: Option<String>,
+        #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
+        wait: u64,
+    },
 }

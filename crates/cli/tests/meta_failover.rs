@@ -8,315 +8,15 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::netswitch::NetSwitch;
-use common::{free_port, poll_until, FREEFLOW};
-use freeflow_client::{Client, ClientConfig, ClusterKey, OpenAccess, RenameMode, ROOT_INODE};
-
-struct Node {
-    id: u64,
-    address: String,
-    config: PathBuf,
-    log: PathBuf,
-    data: PathBuf,
-    child: Option<Child>,
-}
-
-struct ReplicatedCluster {
-    dir: tempfile::TempDir,
-    key: ClusterKey,
-    metas: Vec<Node>,
-    io: Vec<Child>,
-    /// With a switch, member i runs in its namespace (host i) and the I/O servers listen
-    /// on this namespace's switch address; without, everything is on loopback.
-    switch: Option<NetSwitch>,
-}
-
-fn spawn(role: &str, config: &Path, log: &Path) -> Child {
-    spawn_as(Command::new(FREEFLOW), role, config, log)
-}
-
-/// Start `command` (the binary, perhaps behind `ip netns exec`) as server `role`.
-fn spawn_as(mut command: Command, role: &str, config: &Path, log: &Path) -> Child {
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .expect("open a server log");
-    let copy = file.try_clone().expect("clone the log handle");
-    command
-        .arg(role)
-        .arg("--config")
-        .arg(config)
-        .env("RUST_LOG", "info,openraft=warn")
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(file))
-        .stderr(Stdio::from(copy))
-        .spawn()
-        .expect("start a server")
-}
-
-impl ReplicatedCluster {
-    fn start(io_count: usize) -> ReplicatedCluster {
-        ReplicatedCluster::start_on(io_count, None)
-    }
-
-    fn start_on(io_count: usize, switch: Option<NetSwitch>) -> ReplicatedCluster {
-        ReplicatedCluster::start_configured(io_count, switch, "")
-    }
-
-    /// Members with `extra` lines in their `[meta]` section.
-    fn start_configured(
-        io_count: usize,
-        switch: Option<NetSwitch>,
-        extra: &str,
-    ) -> ReplicatedCluster {
-        let member_ip = |index: usize| {
-            switch
-                .as_ref()
-                .map_or("127.0.0.1".to_string(), |switch| switch.ip(index))
-        };
-        let io_ip = switch
-            .as_ref()
-            .map_or("127.0.0.1".to_string(), NetSwitch::here_ip);
-        let dir = tempfile::Builder::new()
-            .prefix("freeflow-raft-")
-            .tempdir()
-            .expect("a temporary directory");
-        let key = ClusterKey::generate().expect("a cluster key");
-        key.write_new(&dir.path().join("cluster.key"))
-            .expect("write the key");
-        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
-        let mut peers = String::new();
-        for (index, (client, raft)) in ports.iter().enumerate() {
-            let ip = member_ip(index);
-            peers.push_str(&format!(
-                "\n[[meta.peers]]\nid = {}\naddress = \"{ip}:{client}\"\nraft_address = \"{ip}:{raft}\"\n",
-                index + 1
-            ));
-        }
-        let mut metas = Vec::new();
-        for (index, (client, _)) in ports.iter().enumerate() {
-            let id = index as u64 + 1;
-            let config = dir.path().join(format!("meta-{id}.toml"));
-            let ip = member_ip(index);
-            let text = format!(
-                "key_file = \"cluster.key\"\n\n[meta]\nlisten_address = \"{ip}:{client}\"\n\
-                 data_dir = \"meta-{id}\"\nnode_id = {id}\nserver_down_after_ms = 3000\n\
-                 heartbeat_interval_ms = 500\nrecovery_window_ms = 10000\ncache_lease_ms = 3000\n\
-                 store_cache_bytes = 16777216\n{extra}{peers}"
-            );
-            std::fs::write(&config, text).expect("write a meta config");
-            metas.push(Node {
-                id,
-                address: format!("{ip}:{client}"),
-                log: dir.path().join(format!("meta-{id}.log")),
-                data: dir.path().join(format!("meta-{id}")),
-                config,
-                child: None,
-            });
-        }
-        let meta_addresses = metas
-            .iter()
-            .map(|node| node.address.clone())
-            .collect::<Vec<_>>()
-            .join(",");
-        let mut cluster = ReplicatedCluster {
-            dir,
-            key,
-            metas,
-            io: Vec::new(),
-            switch,
-        };
-        for index in 0..3 {
-            cluster.start_meta(index);
-        }
-        for server in 0..io_count {
-            let config = cluster.dir.path().join(format!("io-{server}.toml"));
-            let text = format!(
-                "key_file = \"cluster.key\"\n\n[io]\nserver_id = {server}\n\
-                 listen_address = \"{io_ip}:{}\"\ndata_dir = \"io-{server}\"\n\
-                 meta_address = \"{meta_addresses}\"\nbuffer_count = 16\nworker_threads = 4\n\
-                 register_backoff_max_ms = 500\n",
-                free_port()
-            );
-            std::fs::write(&config, text).expect("write an io config");
-            let log = cluster.dir.path().join(format!("io-{server}.log"));
-            cluster.io.push(spawn("io", &config, &log));
-        }
-        cluster
-    }
-
-    fn start_meta(&mut self, index: usize) {
-        let command = match &self.switch {
-            Some(switch) => switch.command(index, FREEFLOW),
-            None => Command::new(FREEFLOW),
-        };
-        let node = &mut self.metas[index];
-        assert!(node.child.is_none());
-        node.child = Some(spawn_as(command, "meta", &node.config, &node.log));
-    }
-
-    fn kill_meta(&mut self, index: usize) {
-        let mut child = self.metas[index].child.take().expect("running");
-        child.kill().expect("SIGKILL");
-        child.wait().expect("reaped");
-    }
-
-    /// Stop a metadata server cleanly (SIGTERM) and wait for it.
-    fn stop_meta(&mut self, index: usize) {
-        let mut child = self.metas[index].child.take().expect("running");
-        let _ = Command::new("kill")
-            .arg("-TERM")
-            .arg(child.id().to_string())
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if matches!(child.try_wait(), Ok(Some(_))) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        child.kill().expect("SIGKILL after SIGTERM did not stop it");
-        child.wait().expect("reaped");
-    }
-
-    /// Send a signal (`STOP`, `CONT`) to a metadata server.
-    fn signal_meta(&self, index: usize, signal: &str) {
-        let child = self.metas[index].child.as_ref().expect("running");
-        let status = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(child.id().to_string())
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -{signal}");
-    }
-
-    fn meta_addresses(&self) -> String {
-        self.metas
-            .iter()
-            .map(|node| node.address.clone())
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-
-    fn client_config(&self, name: &str) -> ClientConfig {
-        let mut config = ClientConfig::new(self.meta_addresses(), self.key.clone());
-        config.connect_timeout_ms = 1_000;
-        config.call_timeout_ms = 30_000;
-        config.client_name = name.to_string();
-        config
-    }
-
-    /// The index of the server that leads now: the one whose hello carries an epoch.
-    async fn leader(&self) -> Option<usize> {
-        let running = self
-            .metas
-            .iter()
-            .enumerate()
-            .filter(|(_, node)| node.child.is_some())
-            .map(|(index, node)| (index, node.address.clone()))
-            .collect();
-        common::leading_member(running, &self.key).await
-    }
-
-    fn io_logs(&self) -> String {
-        let mut text = String::new();
-        for server in 0..self.io.len() {
-            let path = self.dir.path().join(format!("io-{server}.log"));
-            let log = std::fs::read_to_string(path).unwrap_or_default();
-            text.push_str(&format!("---- io {server} ----\n{log}\n"));
-        }
-        text
-    }
-
-    fn logs(&self) -> String {
-        let mut text = String::new();
-        for node in &self.metas {
-            let log = std::fs::read_to_string(&node.log).unwrap_or_default();
-            text.push_str(&format!("---- meta {} ----\n{log}\n", node.id));
-        }
-        text
-    }
-}
-
-impl Drop for ReplicatedCluster {
-    fn drop(&mut self) {
-        for node in &mut self.metas {
-            if let Some(mut child) = node.child.take() {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
-        for child in &mut self.io {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-fn content(client: usize, index: usize) -> Bytes {
-    let mut bytes = vec![0u8; 16 << 10];
-    for (offset, byte) in bytes.iter_mut().enumerate() {
-        *byte = (offset as u8) ^ (client as u8).wrapping_mul(31) ^ (index as u8).wrapping_mul(7);
-    }
-    Bytes::from(bytes)
-}
-
-/// One client's work: create, write, fsync, close, and rename every third file. Returns
-/// the names it was answered for, with their contents' seeds.
-async fn work(client: Arc<Client>, which: usize, files: usize) -> Vec<(String, usize)> {
-    let directory = client
-        .mkdir(ROOT_INODE, &format!("client-{which}"), 0o755)
-        .await
-        .expect("mkdir")
-        .inode;
-    let mut done = Vec::new();
-    for index in 0..files {
-        let name = format!("f{index}");
-        let (file, _) = client
-            .create_open(
-                directory,
-                &name,
-                0o644,
-                true,
-                OpenAccess {
-                    read: true,
-                    write: true,
-                },
-            )
-            .await
-            .unwrap_or_else(|error| panic!("client {which} create {name}: {error}"));
-        file.write_at(0, content(which, index))
-            .await
-            .unwrap_or_else(|error| panic!("client {which} write {name}: {error}"));
-        file.fsync()
-            .await
-            .unwrap_or_else(|error| panic!("client {which} fsync {name}: {error}"));
-        file.close()
-            .await
-            .unwrap_or_else(|error| panic!("client {which} close {name}: {error}"));
-        let final_name = if index % 3 == 0 {
-            let renamed = format!("r{index}");
-            client
-                .rename(directory, &name, directory, &renamed, RenameMode::NoReplace)
-                .await
-                .unwrap_or_else(|error| panic!("client {which} rename {name}: {error}"));
-            renamed
-        } else {
-            name
-        };
-        done.push((format!("client-{which}/{final_name}"), index));
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    done
-}
+use common::poll_until;
+use common::replicated::{
+    start_writers, stop_and_compare, writers_done_and_checked, ReplicatedCluster,
+};
+use freeflow_client::{Client, ROOT_INODE};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn killing_the_meta_leader_under_two_writers_loses_nothing_and_replicas_agree() {
@@ -336,150 +36,6 @@ async fn killing_the_meta_leader_under_two_writers_loses_nothing_and_replicas_ag
     tokio::time::sleep(Duration::from_secs(3)).await;
     let digests = stop_and_compare(&mut cluster).await;
     eprintln!("new leader elected {elected_after:?} after the kill; replicas {digests:?}");
-}
-
-const FILES: usize = 60;
-
-/// Wait for a leader and both I/O servers, then start two clients writing (`work`).
-/// Returns the leader's index, the clients and their tasks.
-async fn start_writers(
-    cluster: &ReplicatedCluster,
-) -> (
-    usize,
-    Vec<Arc<Client>>,
-    Vec<tokio::task::JoinHandle<Vec<(String, usize)>>>,
-) {
-    // The clients' own log (their replays, what they send again), with RUST_LOG set.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .try_init();
-    let first = poll_until(20_000, || async { cluster.leader().await })
-        .await
-        .unwrap_or_else(|| panic!("no leader\n{}", cluster.logs()));
-    let mut clients = Vec::new();
-    for which in 0..2 {
-        let config = cluster.client_config(&format!("writer-{which}"));
-        let client = poll_until(20_000, || async {
-            Client::connect(config.clone()).await.ok()
-        })
-        .await
-        .expect("a client connects");
-        clients.push(Arc::new(client));
-    }
-    poll_until(20_000, || async {
-        let servers = clients[0].servers().await.ok()?;
-        (servers.iter().filter(|server| server.up).count() == 2).then_some(())
-    })
-    .await
-    .expect("both I/O servers registered");
-    let writers = clients
-        .iter()
-        .enumerate()
-        .map(|(which, client)| tokio::spawn(work(client.clone(), which, FILES)))
-        .collect();
-    (first, clients, writers)
-}
-
-/// The writers finish without an error, everything they were answered reads back as a new
-/// client sees it, and their clients shut down.
-async fn writers_done_and_checked(
-    cluster: &ReplicatedCluster,
-    clients: Vec<Arc<Client>>,
-    writers: Vec<tokio::task::JoinHandle<Vec<(String, usize)>>>,
-) {
-    let mut answered = Vec::new();
-    for writer in writers {
-        answered.extend(writer.await.expect("a writer finished without an error"));
-    }
-    assert_eq!(answered.len(), 2 * FILES);
-    check_answered(cluster, &answered).await;
-    for client in &clients {
-        client.shutdown().await;
-    }
-}
-
-/// Every answered file is there, byte for byte, as a fresh client sees it.
-async fn check_answered(cluster: &ReplicatedCluster, answered: &[(String, usize)]) {
-    let reader = Client::connect(cluster.client_config("checker"))
-        .await
-        .expect("checker connects");
-    for (path, index) in answered {
-        let (directory, name) = path.split_once('/').expect("dir/name");
-        let which: usize = directory.trim_start_matches("client-").parse().unwrap();
-        let parent = reader
-            .lookup(ROOT_INODE, directory)
-            .await
-            .expect("directory");
-        let attr = reader
-            .lookup(parent.inode, name)
-            .await
-            .unwrap_or_else(|error| {
-                panic!(
-                    "{path} was answered but is gone: {error}\n{}",
-                    cluster.logs()
-                )
-            });
-        let file = reader
-            .open(
-                attr.inode,
-                OpenAccess {
-                    read: true,
-                    write: false,
-                },
-            )
-            .await
-            .expect("open");
-        let bytes = file.read_at(0, 1 << 20).await.expect("read");
-        if bytes != content(which, *index) {
-            let zeros = bytes.iter().filter(|byte| **byte == 0).count();
-            panic!(
-                "{path}: {} bytes read, {zeros} zero, differ from what was written (inode {})\n{}",
-                bytes.len(),
-                attr.inode,
-                cluster.logs()
-            );
-        }
-        file.close().await.expect("close");
-    }
-    reader.shutdown().await;
-}
-
-/// Stop every member (followers first) and compare the replicas.
-async fn stop_and_compare(
-    cluster: &mut ReplicatedCluster,
-) -> Vec<(u64, (Option<String>, u64, u64))> {
-    // The I/O servers first: their registrations are replicated entries too (one back from
-    // a silence changes its chains' state), and one landing while the members stop leaves
-    // a follower an entry behind the leader (seen once after a network cut: the I/O
-    // servers re-registered just as the first follower stopped).
-    for child in &mut cluster.io {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let leader = cluster.leader().await.expect("a leader");
-    // A follower learns that the last entries are committed (and applies them) from the
-    // leader's next heartbeats (every 50 ms): the last answer (a `CloseSession`, which
-    // waits for a majority) may leave one follower an entry behind for that long.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    for index in (0..3).filter(|index| *index != leader) {
-        cluster.stop_meta(index);
-    }
-    cluster.stop_meta(leader);
-    let mut digests = Vec::new();
-    for node in &cluster.metas {
-        digests.push((node.id, common::replica_digest(&node.data)));
-    }
-    let (_, reference) = &digests[0];
-    assert!(reference.1 > 0, "replicas hold nothing");
-    for (id, replica) in &digests {
-        assert_eq!(
-            replica,
-            reference,
-            "replica {id} differs: {digests:?}\n{}",
-            cluster.logs()
-        );
-    }
-    digests
 }
 
 /// A leader that stops answering (SIGSTOP) for longer than an election while two clients
@@ -595,26 +151,72 @@ async fn a_leader_cut_off_by_the_network_steps_down_and_replicas_agree() {
     eprintln!("replicas after the cut: {digests:?}");
 }
 
-/// A follower that loses its disk (killed, its data directory removed, started again under
-/// its id with the same config) while two clients write: the leader sends it the whole log
-/// again, it catches up, and the three replicas end identical; the writers see nothing.
+/// A follower that loses its disk (killed, its data directory removed) while two clients
+/// write: started again under its id it refuses to start (it acknowledged entries and votes
+/// it no longer has, and could help elect a leader without them), saying how to come back;
+/// rebuilt as a new member (`join = true`, a new id) it is added as a learner, catches up
+/// and takes the lost one's vote (`freeflow meta replace`). The writers see nothing, and the
+/// three replicas end identical.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_member_that_lost_its_disk_is_rebuilt_from_the_leader() {
+async fn a_member_that_lost_its_disk_comes_back_as_a_new_member() {
     let mut cluster = ReplicatedCluster::start(2);
     let (first, clients, writers) = start_writers(&cluster).await;
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The leader marks the members that answered it as started.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let wiped = (first + 1) % 3;
+    let old_id = cluster.metas[wiped].id;
     cluster.kill_meta(wiped);
     std::fs::remove_dir_all(&cluster.metas[wiped].data).expect("wipe the member's data");
-    tokio::time::sleep(Duration::from_millis(500)).await;
     cluster.start_meta(wiped);
+    let mut child = cluster.metas[wiped].child.take().expect("started");
+    let refused = common::poll_sync(20_000, || matches!(child.try_wait(), Ok(Some(_))));
+    assert!(
+        refused,
+        "the wiped member started under its old id\n{}",
+        cluster.logs()
+    );
+    let refused = child.wait().expect("reaped");
+    assert!(!refused.success());
+    let log = std::fs::read_to_string(&cluster.metas[wiped].log).unwrap_or_default();
+    assert!(
+        log.contains(&format!("meta replace {old_id} NEW_ID")),
+        "the refusal does not say how to come back:\n{log}"
+    );
+    let new = cluster.new_member(4, Some(wiped));
+    let raft_address = cluster.raft_address(new);
+    let address = cluster.metas[new].address.clone();
+    let output = cluster.cli(&[
+        "meta",
+        "replace",
+        &old_id.to_string(),
+        "4",
+        "--address",
+        &address,
+        "--raft-address",
+        &raft_address,
+    ]);
+    let said = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "meta replace failed: {said}\n{}",
+        cluster.logs()
+    );
+    assert!(
+        said.lines()
+            .any(|line| line.starts_with("4 ") && line.contains("follower")),
+        "member 4 does not vote: {said}"
+    );
+    assert!(
+        !said
+            .lines()
+            .any(|line| line.starts_with(&format!("{old_id} "))),
+        "member {old_id} is still a member: {said}"
+    );
     writers_done_and_checked(&cluster, clients, writers).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let digests = stop_and_compare(&mut cluster).await;
-    eprintln!(
-        "replicas after member {} was rebuilt: {digests:?}",
-        wiped + 1
-    );
+    eprintln!("replicas after member {old_id} was replaced by member 4: {digests:?}");
 }
 
 /// Issue 42: a member rebuilt from an empty disk while the cluster made more than one
@@ -679,14 +281,30 @@ async fn a_member_rebuilt_from_empty_gets_a_snapshot_and_its_entries_in_bounded_
             .expect("set_xattr");
         inodes.push(attr.inode);
     }
-    cluster.start_meta(wiped);
+    // Rebuilt as a new member (`join = true`), added as a learner: a snapshot first.
+    let old_id = cluster.metas[wiped].id;
+    let new = cluster.new_member(4, Some(wiped));
+    let raft_address = cluster.raft_address(new);
+    let address = cluster.metas[new].address.clone();
+    let output = cluster.cli(&[
+        "meta",
+        "add",
+        "4",
+        "--learner",
+        "--address",
+        &address,
+        "--raft-address",
+        &raft_address,
+    ]);
+    assert!(
+        output.status.success(),
+        "meta add failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     // Caught up: the leader sees it with no entry to send.
     let caught_up = poll_until(60_000, || async {
         let report = client.cluster_status().await.ok()?;
-        let member = report
-            .meta_members
-            .iter()
-            .find(|member| member.id == cluster.metas[wiped].id)?;
+        let member = report.meta_members.iter().find(|member| member.id == 4)?;
         (member.lag_entries == Some(0)).then_some(())
     })
     .await;
@@ -707,10 +325,13 @@ async fn a_member_rebuilt_from_empty_gets_a_snapshot_and_its_entries_in_bounded_
             .expect("get_xattr");
         assert_eq!(read, value(index), "inode {inode}");
     }
+    let output = cluster.cli(&["meta", "replace", &old_id.to_string(), "4"]);
+    assert!(
+        output.status.success(),
+        "meta replace failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     client.shutdown().await;
     let digests = stop_and_compare(&mut cluster).await;
-    eprintln!(
-        "replicas after member {} was rebuilt: {digests:?}",
-        wiped + 1
-    );
+    eprintln!("replicas after member {old_id} was rebuilt as member 4: {digests:?}");
 }

@@ -50,7 +50,8 @@ pub use paths::{OpenOptions, StripePlacement};
 pub use freeflow_proto::io::{ListedObject, ObjectListing, LIST_OBJECTS_MAX};
 pub use freeflow_proto::meta::{
     Caller, ClusterReport, DirEntry, DirPage, FsStats, HandleRef, InodeFacts, LockConflict,
-    OpenAccess, RenameMode, Revocation, ServerRecord, XattrSetMode, INSPECT_INODES_MAX,
+    MetaMember, MetaMemberChange, OpenAccess, RenameMode, Revocation, ServerRecord, XattrSetMode,
+    INSPECT_INODES_MAX,
 };
 pub use freeflow_proto::ErrorCode;
 pub use freeflow_rpc::ClusterKey;

@@ -109,11 +109,9 @@ impl Endpoint {
         if let Some(connection) = self.open_connection() {
             return Ok(connection);
         }
-        let connection = if self.replicated() {
-            self.leader.connect(key, options).await?
-        } else {
-            Connection::connect(&self.address, key, options).await?
-        };
+        // One address or several: a replicated metadata cluster's leader names its members
+        // when connected to, and the search takes them (members come and go).
+        let connection = self.leader.connect(key, options).await?;
         if connection.identity() != self.identity {
             return Err(RpcError::Protocol {
                 address: self.address.clone(),
@@ -142,7 +140,7 @@ impl Endpoint {
 
     /// Several addresses: the members of a replicated metadata cluster.
     fn replicated(&self) -> bool {
-        self.address.contains(',')
+        self.leader.several()
     }
 
     /// Stop using `connection` (its server no longer leads): the next call finds the

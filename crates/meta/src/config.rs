@@ -87,6 +87,11 @@ pub struct MetaConfig {
     /// follower catching up must decode, store and fsync what it is sent within it, or the
     /// leader backs off and sends it again.
     pub raft_message_bytes_max: u32,
+    /// Replicated metadata: this member joins a cluster that runs already (`freeflow meta
+    /// add`), so with an empty log it never proposes a membership; it waits for the leader
+    /// to add it. `peers` must name it (its addresses); the others there are asked who
+    /// leads. Default false: the members of `peers` form the cluster at its first start.
+    pub join: bool,
 }
 
 /// One metadata server of a replicated cluster.
@@ -131,6 +136,7 @@ impl Default for MetaConfig {
             raft_snapshot_entries: 20_000,
             raft_log_kept_entries: 2_000,
             raft_message_bytes_max: 4 << 20,
+            join: false,
         }
     }
 }
@@ -194,6 +200,7 @@ impl MetaConfig {
             raft_snapshot_entries,
             raft_log_kept_entries: _,
             raft_message_bytes_max,
+            join,
         } = self;
         if listen_address.is_empty() || !listen_address.contains(':') {
             return Err(invalid(
@@ -287,6 +294,12 @@ impl MetaConfig {
             ));
         }
         if *node_id == 0 {
+            if *join {
+                return Err(invalid(
+                    "join",
+                    "a member joining a replicated cluster needs its node_id and peers",
+                ));
+            }
             if !peers.is_empty() {
                 return Err(invalid(
                     "node_id",

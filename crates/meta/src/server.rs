@@ -189,6 +189,10 @@ pub(crate) async fn launch(
 
     let mut options = ServerOptions::new("meta");
     options.epoch = shared.boot_epoch;
+    options.members = shared
+        .raft
+        .as_ref()
+        .map(|link| crate::raft::members::client_addresses(&link.raft));
     options.window_bytes = shared.config.window_bytes;
     options.requests_in_flight_max = shared.config.requests_in_flight_max;
     // Lock waits and revocation polls wait for other clients, not for this server: apart

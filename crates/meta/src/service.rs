@@ -18,12 +18,12 @@ use tokio::time::Instant;
 use bytes::Bytes;
 use freeflow_proto::frame::{FLAG_REPLAY, FLAG_RESEND};
 use freeflow_proto::meta::{
-    is_mutation, Close, CloseHandles, CloseSession, ClusterReport, ClusterStatus, CommitSize,
-    Create, CreateReply, FsStats, GetAttr, GetLock, GetServiceMap, GetXattr, InodeFacts,
-    InodeRange, InspectInodes, LeasesRenewed, Link, ListServers, ListXattr, LockConflict, Lookup,
-    LookupEntry, MemberState, Mkdir, Open, OpenGrant, OpenSession, ReadDir, ReadLink,
-    ReclaimSession, RegisterReply, RegisterServer, RemoveXattr, Rename, RenewLeases, RenewSession,
-    ReplayDone, ReplayOf, ReplyStamp, ReserveInodes, ResyncDone, Rmdir, SessionGrant,
+    is_mutation, ChangeMetaMembers, Close, CloseHandles, CloseSession, ClusterReport,
+    ClusterStatus, CommitSize, Create, CreateReply, FsStats, GetAttr, GetLock, GetServiceMap,
+    GetXattr, InodeFacts, InodeRange, InspectInodes, LeasesRenewed, Link, ListServers, ListXattr,
+    LockConflict, Lookup, LookupEntry, MemberState, Mkdir, Open, OpenGrant, OpenSession, ReadDir,
+    ReadLink, ReclaimSession, RegisterReply, RegisterServer, RemoveXattr, Rename, RenewLeases,
+    RenewSession, ReplayDone, ReplayOf, ReplyStamp, ReserveInodes, ResyncDone, Rmdir, SessionGrant,
     SetAttributes, SetDirLayout, SetLock, SetXattr, StatFs, Symlink, Sync, Unlink, WaitRevocations,
     INSPECT_INODES_MAX, RECLAIM_HANDLES_MAX,
 };
@@ -92,6 +92,7 @@ fn served_while_recovering(opcode: u16) -> bool {
             | ResyncDone::OPCODE
             | ListServers::OPCODE
             | ClusterStatus::OPCODE
+            | ChangeMetaMembers::OPCODE
             | StatFs::OPCODE
             | Sync::OPCODE
             | ReplayDone::OPCODE
@@ -645,6 +646,13 @@ impl Service for MetaService {
                 handle(frame, |request: InspectInodes, _| {
                     let result = inspect_inodes(shared, &request);
                     async move { unstamped(shared, result) }
+                })
+                .await
+            }
+            ChangeMetaMembers::OPCODE => {
+                handle(frame, |request: ChangeMetaMembers, _| async move {
+                    let result = shared.change_meta_members(&request.change).await;
+                    unstamped(shared, result)
                 })
                 .await
             }

@@ -524,37 +524,62 @@ impl Shared {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        self.config
-            .peers
+        // Raft's membership, not the configuration: members come and go (`members.rs`).
+        let members = crate::raft::members::seen(&link.raft);
+        members
+            .nodes
             .iter()
-            .map(|peer| {
-                let matched = if peer.id == link.id {
+            .map(|(id, node)| {
+                let matched = if *id == link.id {
                     Some(last)
                 } else {
                     metrics
                         .replication
                         .as_ref()
-                        .and_then(|replication| replication.get(&peer.id).copied().flatten())
+                        .and_then(|replication| replication.get(id).copied().flatten())
                         .map(|log_id| log_id.index)
                 };
-                let report = reports.get(&peer.id).cloned().unwrap_or_default();
+                let report = reports.get(id).cloned().unwrap_or_default();
                 // Past what the log still holds, the follower is sent a snapshot.
                 let lag_bytes = match matched {
                     Some(index) if index >= purged => link.log.bytes_between(index, last).ok(),
                     _ => None,
                 };
                 freeflow_proto::meta::MetaMember {
-                    id: peer.id,
-                    address: peer.address.clone(),
-                    leader: peer.id == link.id,
+                    id: *id,
+                    address: node.address.clone(),
+                    leader: *id == link.id,
                     term: metrics.current_term,
                     lag_entries: matched.map(|index| last.saturating_sub(index)),
                     lag_bytes,
                     silent_ms: report.last_answer.map(|at| at.elapsed().as_millis() as u64),
                     last_error: report.last_error,
                     snapshot: report.snapshot,
+                    voter: members.voters.contains(id),
                 }
             })
             .collect()
+    }
+
+    /// An operator's change of the metadata cluster's members (`freeflow meta ...`),
+    /// answered with the members once it is committed.
+    pub(crate) async fn change_meta_members(
+        &self,
+        change: &freeflow_proto::meta::MetaMemberChange,
+    ) -> Result<Vec<freeflow_proto::meta::MetaMember>, freeflow_proto::WireError> {
+        let Some(link) = &self.raft else {
+            return Err(freeflow_proto::WireError::new(
+                freeflow_proto::ErrorCode::NotSupported,
+                "a single metadata server has no members to change (a replicated cluster is \
+                 made with `freeflow init --meta-servers 3`)",
+            ));
+        };
+        crate::raft::members::change(&link.raft, change)
+            .await
+            .map_err(|reason| {
+                freeflow_proto::WireError::new(freeflow_proto::ErrorCode::InvalidArgument, reason)
+            })?;
+        tracing::info!(?change, "metadata members changed");
+        Ok(self.meta_members())
     }
 }

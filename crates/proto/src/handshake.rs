@@ -35,4 +35,8 @@ pub struct Authenticate {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServerProof {
     pub proof: [u8; 32],
+    /// Where clients reach every member of the service, when it has several (a replicated
+    /// metadata cluster's members, as its membership has them now); empty otherwise. Sent
+    /// after authentication only, so clients learn members added since they started.
+    pub members: Vec<String>,
 }

@@ -258,7 +258,35 @@ pub struct MetaMember {
     pub last_error: Option<String>,
     /// A snapshot on its way to it: (bytes sent, bytes in all).
     pub snapshot: Option<(u64, u64)>,
+    /// It votes; false: a learner, catching up before it is promoted.
+    pub voter: bool,
 }
+
+/// A change of the metadata cluster's members (`freeflow meta add|promote|remove|replace`),
+/// made by the leader through Raft membership changes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MetaMemberChange {
+    /// A new member as a learner: it is sent the namespace and follows the log, without a
+    /// vote. Its id must be new (a member that lost its disk comes back under a new id).
+    AddLearner {
+        id: u64,
+        /// Where clients reach it.
+        address: String,
+        /// Where the other members reach its Raft service.
+        raft_address: String,
+    },
+    /// A learner becomes a voter (refused while it is further behind than
+    /// `PROMOTE_LAG_ENTRIES_MAX`).
+    Promote { id: u64 },
+    /// A member leaves (a voter or a learner); the last voter cannot.
+    Remove { id: u64 },
+    /// The voter `old` leaves and the learner `new` takes its vote, in one change.
+    Replace { old: u64, new: u64 },
+}
+
+/// Most entries a learner may be behind the leader to be promoted: a voter far behind
+/// would slow every commit that needs it.
+pub const PROMOTE_LAG_ENTRIES_MAX: u64 = 1_000;
 
 /// The space one stripe object of a file occupies, as its I/O server last reported it
 /// (see `io::ObjectSpace`); writers send what they learnt with their size commits.
@@ -531,6 +559,9 @@ requests! {
     /// [`LEASE_RENEWAL_SPAN_MS`] after its grant (see [`LeasesRenewed`]). Sent at a
     /// fraction of the lease, so a warm cache outlives one lease while the client lives.
     RenewLeases = 146 => LeasesRenewed {}
+    /// Change the metadata cluster's members (leader only); replies with the members after
+    /// the change is committed.
+    ChangeMetaMembers = 147 => Vec<MetaMember> { change: MetaMemberChange }
 }
 
 /// How long after its grant a lease can be kept by renewals ([`RenewLeases`]); past it the

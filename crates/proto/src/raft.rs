@@ -1,4 +1,4 @@
-//! The metadata servers' Raft service (issue 11): openraft's three peer calls, on each
+//! The metadata servers' Raft service (issue 11): openraft's three peer calls and a membership probe, on each
 //! meta server's `raft_address`.
 //!
 //! Each request's payload is openraft's request encoded with postcard, and each reply's
@@ -17,4 +17,7 @@ requests! {
     /// Payload: `InstallSnapshotRequest` (one chunk); reply payload:
     /// `Result<InstallSnapshotResponse, RaftError<InstallSnapshotError>>`.
     RaftSnapshot = 402 => () {}
+    /// The membership as this member knows it (a starting member asks its peers before
+    /// it proposes one). Reply payload: the meta crate's `MembersSeen`.
+    RaftMembers = 403 => () {}
 }

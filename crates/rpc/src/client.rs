@@ -139,6 +139,8 @@ struct Inner {
     call_timeout_ms: u64,
     /// The region large write payloads are placed in, if one is shared with the server.
     region: Option<Arc<WriteRegion>>,
+    /// The service's members as the server named them (`ServerProof::members`).
+    members: Vec<String>,
 }
 
 /// How long the member that led last is asked alone before the others are asked too.
@@ -148,25 +150,37 @@ const LEADER_HEAD_START_MS: u64 = 50;
 /// reached, so the next connection tries that one first (`Connection::connect_leader`).
 #[derive(Debug)]
 pub struct LeaderSearch {
-    addresses: String,
+    /// Comma separated; replaced by the members a leader names at each connection (members
+    /// are added and removed while clients run).
+    addresses: std::sync::RwLock<String>,
     preferred: std::sync::atomic::AtomicUsize,
 }
 
 impl LeaderSearch {
     pub fn new(addresses: impl Into<String>) -> LeaderSearch {
         LeaderSearch {
-            addresses: addresses.into(),
+            addresses: std::sync::RwLock::new(addresses.into()),
             preferred: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
-    pub fn addresses(&self) -> &str {
-        &self.addresses
+    /// The members' addresses, comma separated.
+    pub fn addresses(&self) -> String {
+        self.addresses
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    /// Several members (a replicated metadata cluster) are known.
+    pub fn several(&self) -> bool {
+        self.addresses().contains(',')
     }
 
     /// Whether `address` is the member found leading last (the first tried next time).
     pub fn is_preferred(&self, address: &str) -> bool {
-        let list = member_addresses(&self.addresses);
+        let addresses = self.addresses();
+        let list = member_addresses(&addresses);
         if list.len() <= 1 {
             return true;
         }
@@ -178,17 +192,49 @@ impl LeaderSearch {
         self.preferred.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Connect to the member that leads, trying first the one that led last time.
+    /// Connect to the member that leads, trying first the one that led last time. The
+    /// members the leader names replace those known (with the leader first next time).
     pub async fn connect(
         &self,
         key: &ClusterKey,
         options: &ConnectOptions,
     ) -> Result<Connection, RpcError> {
         let first = self.preferred.load(Ordering::Relaxed);
+        let addresses = self.addresses();
         let (connection, index) =
-            Connection::connect_leader(&self.addresses, first, key, options).await?;
+            Connection::connect_leader(&addresses, first, key, options).await?;
         self.preferred.store(index, Ordering::Relaxed);
+        self.learn(&connection);
         Ok(connection)
+    }
+
+    /// Take the members `connection`'s server named, if it named any.
+    pub fn learn(&self, connection: &Connection) {
+        let named = connection.members();
+        if named.is_empty() {
+            return;
+        }
+        let mut addresses = self
+            .addresses
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let known: std::collections::BTreeSet<&str> =
+            member_addresses(&addresses).into_iter().collect();
+        let told: std::collections::BTreeSet<&str> = named.iter().map(String::as_str).collect();
+        if known == told {
+            return;
+        }
+        tracing::info!(
+            before = %addresses,
+            now = %named.join(","),
+            "the metadata cluster's members changed"
+        );
+        let leader = named
+            .iter()
+            .position(|address| address == connection.address())
+            .unwrap_or(0);
+        *addresses = named.join(",");
+        self.preferred.store(leader, Ordering::Relaxed);
     }
 }
 
@@ -264,10 +310,17 @@ impl Connection {
         // A member that refuses our key is misconfigured (or not ours): said if no other
         // member leads, but it does not stop the search.
         let mut refused = None;
+        // Members the followers named that are not in `list` (added since it was made).
+        let mut named: Vec<String> = Vec::new();
         while let Some((index, result)) = futures::StreamExt::next(&mut asked).await {
             match result {
                 Ok(connection) if connection.epoch() == 0 => {
                     failures.push(format!("{}: not the leader", list[index]));
+                    for member in connection.members() {
+                        if !list.contains(&member.as_str()) && !named.contains(member) {
+                            named.push(member.clone());
+                        }
+                    }
                 }
                 Ok(connection) => return Ok((connection, index)),
                 Err(error @ RpcError::Refused { .. }) => {
@@ -275,6 +328,20 @@ impl Connection {
                     refused.get_or_insert(error);
                 }
                 Err(error) => failures.push(error.to_string()),
+            }
+        }
+        if !named.is_empty() {
+            // The leader may be among members added since: ask them too, once.
+            let mut wider: Vec<String> = list.iter().map(|address| address.to_string()).collect();
+            wider.extend(named);
+            let wider = wider.join(",");
+            let found = Box::pin(Connection::connect_leader(&wider, first, key, options)).await;
+            if let Ok((connection, _)) = found {
+                let index = member_addresses(addresses)
+                    .iter()
+                    .position(|address| *address == connection.address())
+                    .unwrap_or(0);
+                return Ok((connection, index));
             }
         }
         if let Some(error) = refused {
@@ -310,11 +377,11 @@ impl Connection {
         };
         let mut reader = BufReader::with_capacity(64 << 10, read);
         let mut writer = BufWriter::with_capacity(64 << 10, write);
-        let hello =
+        let (hello, members) =
             match tokio::time::timeout(timeout, handshake(&mut reader, &mut writer, key, options))
                 .await
             {
-                Ok(Ok(hello)) => hello,
+                Ok(Ok(answered)) => answered,
                 Ok(Err(HandshakeFailure::Refused(reason))) => {
                     return Err(RpcError::Refused {
                         address: address.to_owned(),
@@ -406,6 +473,7 @@ impl Connection {
                 payload_length_max: hello.payload_length_max,
                 call_timeout_ms: options.call_timeout_ms,
                 region,
+                members,
             }),
         })
     }
@@ -417,6 +485,12 @@ impl Connection {
 
     pub fn identity(&self) -> &str {
         &self.inner.identity
+    }
+
+    /// Where clients reach each member of the service, as the server named them when this
+    /// connection was made (empty: a service of one server).
+    pub fn members(&self) -> &[String] {
+        &self.inner.members
     }
 
     pub fn address(&self) -> &str {
@@ -721,7 +795,7 @@ async fn handshake(
     writer: &mut BufWriter<WriteHalf>,
     key: &ClusterKey,
     options: &ConnectOptions,
-) -> Result<Hello, HandshakeFailure> {
+) -> Result<(Hello, Vec<String>), HandshakeFailure> {
     let frame = read_frame(reader, 0)
         .await
         .map_err(|error| error.to_string())?;
@@ -770,7 +844,7 @@ async fn handshake(
             "the server does not hold this cluster's key".to_string(),
         ));
     }
-    Ok(hello)
+    Ok((hello, server_proof.members))
 }
 
 async fn writer_loop(

@@ -32,8 +32,8 @@ pub use key::{ClusterKey, KeyError};
 pub use metrics::ServerMetrics;
 pub use net::Network;
 pub use server::{
-    handle, serve, serve_connection, serve_with_unix, Frame, PeerInfo, Reply, ServerOptions,
-    Service,
+    handle, serve, serve_connection, serve_with_unix, Frame, MemberList, PeerInfo, Reply,
+    ServerOptions, Service,
 };
 pub use transport::{
     unix_socket_path, ConnectFuture, ReadHalf, Tcp, Transport, Unix, WriteHalf, UNIX_ADDRESS_PREFIX,

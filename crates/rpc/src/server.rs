@@ -155,6 +155,19 @@ pub struct ServerOptions {
     /// Regions clients on this host shared for their write payloads (`crate::shared`);
     /// None: a frame with a shared payload closes its connection.
     pub shared_regions: Option<Arc<SharedRegions>>,
+    /// The service's members, sent to each client once it is authenticated (see
+    /// `ServerProof::members`); None: none sent.
+    pub members: Option<MemberList>,
+}
+
+/// Where clients reach each member of a service with several, asked at every handshake.
+#[derive(Clone)]
+pub struct MemberList(pub Arc<dyn Fn() -> Vec<String> + Send + Sync>);
+
+impl std::fmt::Debug for MemberList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("MemberList").field(&(self.0)()).finish()
+    }
 }
 
 impl ServerOptions {
@@ -174,6 +187,7 @@ impl ServerOptions {
             metrics: None,
             epoch: 0,
             shared_regions: None,
+            members: None,
         }
     }
 }
@@ -816,6 +830,11 @@ async fn handshake(
     let outcome = if crate::proofs_equal(&expected, &authenticate.proof) {
         Ok(ServerProof {
             proof: crate::proof(key, crate::SERVER_PROOF_DOMAIN, &authenticate.client_nonce),
+            members: options
+                .members
+                .as_ref()
+                .map(|members| (members.0)())
+                .unwrap_or_default(),
         })
     } else {
         Err(WireError::new(

@@ -358,6 +358,7 @@ async fn a_lost_server_fails_waiting_calls_at_once() {
         hasher.update(&authenticate.client_nonce);
         let outcome: Result<_, WireError> = Ok(freeflow_proto::handshake::ServerProof {
             proof: *hasher.finalize().as_bytes(),
+            members: Vec::new(),
         });
         freeflow_rpc::write_frame(
             &mut stream,

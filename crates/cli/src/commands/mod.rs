@@ -6,6 +6,7 @@ mod exercise;
 mod exercise_names;
 mod fsck;
 mod init;
+mod members;
 mod mount;
 mod namespace;
 mod servers;
@@ -64,7 +65,23 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
             data_root,
             replicas,
         } => init::run(&out, &meta_host, &io_hosts, &key_path, &data_root, replicas),
-        Command::Meta { config } => servers::run_meta(&config).await,
+        Command::Meta {
+            config: Some(config),
+            change: None,
+        } => servers::run_meta(&config).await,
+        Command::Meta {
+            change: Some(change),
+            ..
+        } => members::run(cluster, change).await,
+        Command::Meta {
+            config: None,
+            change: None,
+        } => Err(crate::failure::ConfigError(
+            "freeflow meta: give --config FILE to run a metadata server, or a change \
+             (add, promote, remove, replace)"
+                .to_string(),
+        )
+        .into()),
         Command::Io { config } => servers::run_io(&config).await,
         Command::Status => status::run(cluster).await,
         Command::Fsck {

@@ -68,21 +68,31 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
                 report.ready_ms,
                 human_duration_ms(report.uptime_ms)
             );
-            println!("META ADDRESS                ROLE      TERM  BEHIND");
-            for member in &report.meta_members {
-                let behind = member_behind(member);
-                println!(
-                    "{:<4} {:<22} {:<9} {:<5} {behind}",
-                    member.id,
-                    member.address,
-                    if member.leader { "leader" } else { "follower" },
-                    member.term
-                );
-            }
+            print_meta_members(&report.meta_members);
         }
         Ok(())
     })
     .await
+}
+
+/// The metadata members as the leader sees them, one line each.
+pub fn print_meta_members(members: &[freeflow_proto::meta::MetaMember]) {
+    println!("META ADDRESS                ROLE      TERM  BEHIND");
+    for member in members {
+        let role = match (member.leader, member.voter) {
+            (true, _) => "leader",
+            (false, true) => "follower",
+            (false, false) => "learner",
+        };
+        println!(
+            "{:<4} {:<22} {:<9} {:<5} {}",
+            member.id,
+            member.address,
+            role,
+            member.term,
+            member_behind(member)
+        );
+    }
 }
 
 /// How far a member is behind the leader, as the leader sees it: entries and their bytes,
@@ -206,6 +216,7 @@ mod tests {
             silent_ms: Some(100),
             last_error: None,
             snapshot: None,
+            voter: true,
         };
         assert_eq!(super::member_behind(&member), "in step");
         member.last_error = Some("payload of 168032118 bytes exceeds".into());

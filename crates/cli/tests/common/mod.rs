@@ -10,6 +10,7 @@
 pub mod mount;
 pub mod netswitch;
 pub mod raw;
+pub mod replicated;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -748,4 +748,16 @@ impl Client {
         self.meta(&ClusterStatus {}, || "of the cluster".to_string())
             .await
     }
+
+    /// Change the metadata cluster's members (`freeflow meta add|promote|remove|replace`);
+    /// the members after the change.
+    pub async fn change_meta_members(
+        &self,
+        change: freeflow_proto::meta::MetaMemberChange,
+    ) -> Result<Vec<freeflow_proto::meta::MetaMember>, ClientError> {
+        self.meta(&freeflow_proto::meta::ChangeMetaMembers { change }, || {
+            "of the metadata members".to_string()
+        })
+        .await
+    }
 }

@@ -18,7 +18,7 @@ pub const COMMIT_WAIT: Duration = Duration::from_secs(10);
 pub type CommitReceiver = oneshot::Receiver<
     Result<
         openraft::raft::ClientWriteResponse<TypeConfig>,
-        openraft::error::ClientWriteError<NodeId, openraft::BasicNode>,
+        openraft::error::ClientWriteError<NodeId, crate::raft::types::MetaNode>,
     >,
 >;
 
@@ -116,7 +116,7 @@ pub fn depose(deposed: &watch::Sender<Option<String>>, reason: String) {
 type Outcome = Result<
     Result<
         openraft::raft::ClientWriteResponse<TypeConfig>,
-        openraft::error::ClientWriteError<NodeId, openraft::BasicNode>,
+        openraft::error::ClientWriteError<NodeId, crate::raft::types::MetaNode>,
     >,
     oneshot::error::RecvError,
 >;

@@ -25,6 +25,11 @@ const STATE: TableDefinition<'static, &'static str, &'static [u8]> = TableDefini
 const KEY_VOTE: &str = "vote";
 const KEY_PURGED: &str = "last_purged";
 const KEY_COMMITTED: &str = "committed";
+/// The layout of what the log holds. 2: members carry their client address (`MetaNode`).
+/// A log without it was written with members as Raft addresses alone (layout 1), which
+/// this version cannot read.
+const KEY_FORMAT: &str = "format";
+const FORMAT: u32 = 2;
 
 /// A storage error of openraft's kind about `subject`.
 pub fn storage_error(
@@ -65,8 +70,36 @@ impl LogStore {
             .create(path)
             .map_err(|e| e.to_string())?;
         let write = database.begin_write().map_err(|e| e.to_string())?;
-        write.open_table(ENTRIES).map_err(|e| e.to_string())?;
-        write.open_table(STATE).map_err(|e| e.to_string())?;
+        {
+            let entries = write.open_table(ENTRIES).map_err(|e| e.to_string())?;
+            let mut state = write.open_table(STATE).map_err(|e| e.to_string())?;
+            let format: Option<u32> = match state.get(KEY_FORMAT).map_err(|e| e.to_string())? {
+                Some(value) => Some(
+                    postcard::from_bytes(value.value())
+                        .map_err(|e| format!("raft log state {KEY_FORMAT}: {e}"))?,
+                ),
+                None => None,
+            };
+            let used = entries.first().map_err(|e| e.to_string())?.is_some()
+                || state.get(KEY_VOTE).map_err(|e| e.to_string())?.is_some();
+            match format {
+                Some(FORMAT) => {}
+                None if !used => {
+                    let bytes = postcard::to_allocvec(&FORMAT).map_err(|e| e.to_string())?;
+                    state
+                        .insert(KEY_FORMAT, bytes.as_slice())
+                        .map_err(|e| e.to_string())?;
+                }
+                found => {
+                    return Err(format!(
+                        "it holds layout {} and this version reads layout {FORMAT} only \
+                         (members with their client addresses); rebuild this member from \
+                         empty under a new node_id (docs/operations.md)",
+                        found.unwrap_or(1)
+                    ))
+                }
+            }
+        }
         write.commit().map_err(|e| e.to_string())?;
         Ok(LogStore {
             database: Arc::new(database),
@@ -196,6 +229,12 @@ impl LogStore {
             entries.push(entry);
         }
         Ok(entries)
+    }
+
+    /// Nothing was ever appended (or installed): a new member, or one whose disk was lost.
+    pub fn is_empty(&self) -> Result<bool, String> {
+        let purged: Option<LogId> = self.read_state(KEY_PURGED)?;
+        Ok(purged.is_none() && self.last_entry_id()?.is_none())
     }
 
     fn last_entry_id(&self) -> Result<Option<LogId>, String> {

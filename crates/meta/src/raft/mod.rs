@@ -8,6 +8,7 @@ pub mod applied;
 pub mod batch;
 pub mod link;
 pub mod log_store;
+pub mod members;
 pub mod network;
 pub mod node;
 pub mod snapshot;

@@ -7,7 +7,7 @@ use std::error::Error;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use freeflow_proto::raft::{RaftAppend, RaftSnapshot, RaftVote};
+use freeflow_proto::raft::{RaftAppend, RaftMembers, RaftSnapshot, RaftVote};
 use freeflow_proto::{Request, WireError};
 use freeflow_rpc::{
     handle, ClusterKey, ConnectOptions, Connection, Frame, PeerInfo, Reply, Service,
@@ -20,11 +20,10 @@ use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
-use openraft::BasicNode;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::raft::types::{NodeId, Raft, TypeConfig};
+use crate::raft::types::{MetaNode, NodeId, Raft, TypeConfig};
 
 /// What this member, leading, last learnt of sending to one other member: shown by
 /// `freeflow status`, where openraft's own figure (the last index it matched) stays as it
@@ -52,7 +51,7 @@ pub struct Network {
 impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = Peer;
 
-    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> Peer {
+    async fn new_client(&mut self, target: NodeId, node: &MetaNode) -> Peer {
         Peer {
             target,
             node: node.clone(),
@@ -67,7 +66,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 /// again after it broke.
 pub struct Peer {
     target: NodeId,
-    node: BasicNode,
+    node: MetaNode,
     key: ClusterKey,
     reports: PeerReports,
     connection: Option<Connection>,
@@ -106,7 +105,7 @@ impl Peer {
     async fn connection<E: Error>(
         &mut self,
         option: &RPCOption,
-    ) -> Result<Connection, RPCError<NodeId, BasicNode, E>> {
+    ) -> Result<Connection, RPCError<NodeId, MetaNode, E>> {
         Ok(match &self.connection {
             Some(connection) if !connection.is_closed() => connection.clone(),
             _ => {
@@ -116,12 +115,12 @@ impl Peer {
                     connect_timeout_ms: option.hard_ttl().as_millis().clamp(50, 2000) as u64,
                     ..ConnectOptions::default()
                 };
-                let connection = Connection::connect(&self.node.addr, &self.key, &options)
+                let connection = Connection::connect(&self.node.raft_address, &self.key, &options)
                     .await
                     .map_err(|error| {
                         RPCError::Unreachable(Unreachable::new(&Failure(format!(
                             "meta server {} at {}: {error}",
-                            self.target, self.node.addr
+                            self.target, self.node.raft_address
                         ))))
                     })?;
                 self.connection = Some(connection.clone());
@@ -135,7 +134,7 @@ impl Peer {
         header: R,
         request: &Q,
         option: &RPCOption,
-    ) -> Result<S, RPCError<NodeId, BasicNode, E>>
+    ) -> Result<S, RPCError<NodeId, MetaNode, E>>
     where
         R: Request<Reply = ()>,
         Q: Serialize,
@@ -156,7 +155,7 @@ impl Peer {
         header: R,
         payload: Vec<u8>,
         option: &RPCOption,
-    ) -> Result<S, RPCError<NodeId, BasicNode, E>>
+    ) -> Result<S, RPCError<NodeId, MetaNode, E>>
     where
         R: Request<Reply = ()>,
         S: DeserializeOwned,
@@ -169,7 +168,7 @@ impl Peer {
                 self.connection = None;
                 Err(RPCError::Unreachable(Unreachable::new(&Failure(format!(
                     "meta server {} at {}: {error}",
-                    self.target, self.node.addr
+                    self.target, self.node.raft_address
                 )))))
             }
             Err(_) => {
@@ -178,7 +177,7 @@ impl Peer {
                 Err(RPCError::Network(NetworkError::new(&Failure(format!(
                     "meta server {} at {} did not answer {} within {:?}",
                     self.target,
-                    self.node.addr,
+                    self.node.raft_address,
                     R::NAME,
                     option.hard_ttl()
                 )))))
@@ -206,7 +205,7 @@ impl RaftNetwork<TypeConfig> for Peer {
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
-    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, MetaNode, RaftError<NodeId>>> {
         // Entries must follow `prev_log_id` at once. A read of a range the leader's log
         // purged behind a new snapshot meanwhile starts at the first entry left: sent, it
         // would leave a hole in the follower's log (seen at 1,000,000 files: a wiped member
@@ -244,7 +243,7 @@ impl RaftNetwork<TypeConfig> for Peer {
         option: RPCOption,
     ) -> Result<
         InstallSnapshotResponse<NodeId>,
-        RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
+        RPCError<NodeId, MetaNode, RaftError<NodeId, InstallSnapshotError>>,
     > {
         let sent = rpc.offset + rpc.data.len() as u64;
         let total = snapshot_length(&rpc.meta.snapshot_id)
@@ -262,7 +261,7 @@ impl RaftNetwork<TypeConfig> for Peer {
         &mut self,
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
-    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, MetaNode, RaftError<NodeId>>> {
         self.send(RaftVote {}, &rpc, &option).await
     }
 }
@@ -310,6 +309,12 @@ impl Service for RaftService {
                     let request: InstallSnapshotRequest<TypeConfig> =
                         postcard::from_bytes(&payload).map_err(malformed)?;
                     encoded(&raft.install_snapshot(request).await)
+                })
+                .await
+            }
+            RaftMembers::OPCODE => {
+                handle::<RaftMembers, _, _>(frame, |_, _| async move {
+                    encoded(&crate::raft::members::seen(&raft))
                 })
                 .await
             }
@@ -383,7 +388,9 @@ mod tests {
             key: ClusterKey::generate().unwrap(),
             reports: PeerReports::default(),
         };
-        let mut peer = network.new_client(2, &BasicNode::new("127.0.0.1:1")).await;
+        let mut peer = network
+            .new_client(2, &MetaNode::new("127.0.0.1:1", ""))
+            .await;
         let option = || RPCOption::new(Duration::from_millis(200));
         match peer
             .append_entries(append(Some(0), 178_100), option())

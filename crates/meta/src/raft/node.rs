@@ -5,14 +5,14 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use freeflow_rpc::ClusterKey;
-use openraft::{BasicNode, Config, SnapshotPolicy};
+use openraft::{Config, SnapshotPolicy};
 use tokio::task::JoinHandle;
 
 use crate::raft::log_store::LogStore;
 use crate::raft::network::{spawn_service, Network, PeerReports};
 use crate::raft::snapshot::SnapshotFiles;
 use crate::raft::state_machine::StateMachine;
-use crate::raft::types::{NodeId, Raft};
+use crate::raft::types::{MetaNode, NodeId, Raft};
 use crate::store::RedbStore;
 
 /// Timing of elections and heartbeats (milliseconds), and of snapshots (entries).
@@ -49,7 +49,7 @@ pub struct Storage {
 pub struct RaftNode {
     pub id: NodeId,
     pub raft: Raft,
-    pub members: BTreeMap<NodeId, BasicNode>,
+    pub members: BTreeMap<NodeId, MetaNode>,
     /// What sending to each other member last came to (leading).
     pub reports: PeerReports,
     service: JoinHandle<std::io::Result<()>>,
@@ -57,12 +57,13 @@ pub struct RaftNode {
 
 impl RaftNode {
     /// Start the node on `listener` (its Raft address) with its `storage`. A node whose
-    /// log is empty proposes the
-    /// membership `members` (every node may: all propose the same one, and a node that
-    /// has joined already refuses).
+    /// log is empty proposes the membership `members` if `propose` (at a cluster's first
+    /// start every node may: all propose the same one, and a node that has joined already
+    /// refuses); otherwise it waits for a leader to add it (`members.rs`).
     pub async fn start(
         id: NodeId,
-        members: BTreeMap<NodeId, BasicNode>,
+        members: BTreeMap<NodeId, MetaNode>,
+        propose: bool,
         listener: freeflow_rpc::net::Listener,
         storage: Storage,
         key: ClusterKey,
@@ -108,7 +109,7 @@ impl RaftNode {
             .is_initialized()
             .await
             .map_err(|error| format!("raft node {id}: {error}"))?;
-        if !initialized {
+        if !initialized && propose {
             if let Err(error) = raft.initialize(members.clone()).await {
                 tracing::info!(%error, id, "raft membership proposed by another node");
             }
@@ -176,7 +177,7 @@ mod tests {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             members.insert(
                 id,
-                BasicNode::new(listener.local_addr().unwrap().to_string()),
+                MetaNode::new(listener.local_addr().unwrap().to_string(), ""),
             );
             listeners.push(listener);
         }
@@ -200,6 +201,7 @@ mod tests {
                 RaftNode::start(
                     id,
                     members.clone(),
+                    true,
                     Box::new(listener),
                     Storage {
                         log,

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use freeflow_proto::{encode, ErrorCode, WireError};
 use freeflow_rpc::{ClusterKey, Frame, PeerInfo, Reply, Service};
-use openraft::{BasicNode, ServerState};
+use openraft::ServerState;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -28,12 +28,13 @@ use crate::ops;
 use crate::raft::batch::{self, Batch};
 use crate::raft::link::RaftLink;
 use crate::raft::log_store::{LogStore, LOG_FILE_NAME};
+use crate::raft::members::{self, Bootstrap};
 
 /// The directory of the data directory where snapshots are built and received.
 pub const SNAPSHOT_DIR_NAME: &str = "raft-snapshots";
 use crate::raft::node::{RaftNode, Storage, Timing};
 use crate::raft::snapshot::SnapshotFiles;
-use crate::raft::types::{NodeId, Raft};
+use crate::raft::types::{MetaNode, NodeId, Raft};
 use crate::server::RunningMeta;
 use crate::store::{MetaStore, RedbStore, StoreError, StoreWrite};
 
@@ -134,11 +135,16 @@ fn take_back(store: &RedbStore) -> Result<(), StoreError> {
     Ok(())
 }
 
-fn members(config: &MetaConfig) -> BTreeMap<NodeId, BasicNode> {
+fn members(config: &MetaConfig) -> BTreeMap<NodeId, MetaNode> {
     config
         .peers
         .iter()
-        .map(|peer| (peer.id, BasicNode::new(peer.raft_address.clone())))
+        .map(|peer| {
+            (
+                peer.id,
+                MetaNode::new(peer.raft_address.clone(), peer.address.clone()),
+            )
+        })
         .collect()
 }
 
@@ -187,9 +193,32 @@ async fn start_node(
             path: snapshot_dir,
             source,
         })?;
+    // An empty log: propose the configured membership, wait to be added, or refuse (a
+    // member that lost its disk, `members.rs`).
+    let propose = if log.is_empty().map_err(MetaError::Task)? {
+        let others: Vec<(NodeId, String)> = config
+            .peers
+            .iter()
+            .filter(|peer| peer.id != config.node_id)
+            .map(|peer| (peer.id, peer.raft_address.clone()))
+            .collect();
+        let decided = members::bootstrap(config.node_id, config.join, &others, key)
+            .await
+            .map_err(MetaError::Task)?;
+        if decided == Bootstrap::Wait {
+            tracing::info!(
+                node = config.node_id,
+                "the raft log is empty and the cluster runs: waiting to be added (`freeflow meta add`)"
+            );
+        }
+        decided == Bootstrap::Propose
+    } else {
+        false
+    };
     RaftNode::start(
         config.node_id,
         members(config),
+        propose,
         listener,
         Storage {
             log: log.clone(),
@@ -206,13 +235,13 @@ async fn start_node(
 /// Answers every request with `NotLeader`, naming the leader's client address if known.
 struct NotLeaderService {
     raft: Raft,
-    addresses: BTreeMap<NodeId, String>,
 }
 
 impl Service for NotLeaderService {
     async fn call(&self, _frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
-        let leader = self.raft.metrics().borrow().current_leader;
-        let message = match leader.and_then(|id| self.addresses.get(&id)) {
+        let members = members::seen(&self.raft);
+        let leader = members.leader.and_then(|id| members.nodes.get(&id));
+        let message = match leader.map(|node| &node.address) {
             Some(address) => format!("not the metadata leader; leader: {address}"),
             None => "not the metadata leader; no leader known yet".to_string(),
         };
@@ -233,24 +262,19 @@ async fn supervise(
     mut stop: watch::Receiver<bool>,
     role: watch::Sender<Role>,
 ) {
-    let addresses: BTreeMap<NodeId, String> = config
-        .peers
-        .iter()
-        .map(|peer| (peer.id, peer.address.clone()))
-        .collect();
     loop {
         // Following: answer NotLeader until this node leads.
         let follower = match bind_retrying(&config.listen_address).await {
             Ok(listener) => {
                 let mut options = freeflow_rpc::ServerOptions::new("meta");
                 options.epoch = 0;
+                options.members = Some(members::client_addresses(&node.raft));
                 Some(tokio::spawn(freeflow_rpc::serve(
                     listener,
                     key.clone(),
                     options,
                     Arc::new(NotLeaderService {
                         raft: node.raft.clone(),
-                        addresses: addresses.clone(),
                     }),
                 )))
             }
@@ -342,6 +366,7 @@ async fn supervise(
                 Ok(running) => {
                     role.send_replace(Role::Leading { term });
                     tracing::info!(term, node = node.id, "leading the metadata cluster");
+                    let marking = tokio::spawn(mark_members(node.raft.clone(), node.id));
                     let mut metrics = node.raft.metrics();
                     reason = loop {
                         {
@@ -382,6 +407,7 @@ async fn supervise(
                     if let Some(reason) = &reason {
                         crate::raft::link::depose(&deposed, reason.clone());
                     }
+                    marking.abort();
                     running.shutdown().await;
                 }
                 Err(error) => reason = Some(format!("cannot start leading: {error}")),
@@ -411,6 +437,22 @@ async fn supervise(
     node.stop().await;
     role.send_replace(Role::Stopped);
 }
+
+/// Leading: mark the members that answered as started (`members::mark_started`), now and
+/// whenever one more answers.
+async fn mark_members(raft: Raft, me: NodeId) {
+    let mut tick = tokio::time::interval(MARK_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(error) = members::mark_started(&raft, me).await {
+            tracing::debug!(%error, "marking members as started failed; trying again");
+        }
+    }
+}
+
+/// How often a leader looks for members to mark as started.
+const MARK_INTERVAL: Duration = Duration::from_millis(500);
 
 /// A number for one leadership of this node in `term`, different from every other (random,
 /// mixed with the node and the term).

@@ -1,0 +1,127 @@
+//! Issue 42: the metadata cluster's members change while clients write, with real
+//! processes from config files: two members join (`join = true`, then `freeflow meta
+//! add`: learners that catch up, then vote), the leader is removed (`freeflow meta
+//! remove`), and a client that knew only the first three members finds the leader among
+//! the new ones. The writers see no error, everything answered reads back byte for byte,
+//! and the members left end identical.
+
+mod common;
+
+use std::time::Duration;
+
+use common::poll_until;
+use common::replicated::ReplicatedCluster;
+use common::replicated::{start_writers, stop_and_compare, writers_done_and_checked};
+use freeflow_client::{Client, ClientConfig};
+
+/// `freeflow meta ARGS` through the cluster's client file; its output, or a panic with the
+/// servers' logs.
+fn meta(cluster: &ReplicatedCluster, args: &[&str]) -> String {
+    let mut all = vec!["meta"];
+    all.extend_from_slice(args);
+    let output = cluster.cli(&all);
+    let said = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "freeflow meta {args:?} failed: {said}\n{}",
+        cluster.logs()
+    );
+    said
+}
+
+/// Start member `id` (`join = true`) and add it: it votes once caught up.
+fn add(cluster: &mut ReplicatedCluster, id: u64) -> String {
+    let index = cluster.new_member(id, None);
+    let address = cluster.metas[index].address.clone();
+    let raft_address = cluster.raft_address(index);
+    meta(
+        cluster,
+        &[
+            "add",
+            &id.to_string(),
+            "--address",
+            &address,
+            "--raft-address",
+            &raft_address,
+        ],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn members_join_and_the_leader_leaves_under_writers_with_nothing_lost() {
+    let mut cluster = ReplicatedCluster::start(2);
+    let (first, clients, writers) = start_writers(&cluster).await;
+    let first_addresses = cluster.meta_addresses();
+    add(&mut cluster, 4);
+    let said = add(&mut cluster, 5);
+    for id in 1..=5 {
+        assert!(
+            said.lines().any(|line| line.starts_with(&format!("{id} "))
+                && (line.contains("follower") || line.contains("leader"))),
+            "member {id} does not vote after the adds: {said}"
+        );
+    }
+    // Bad changes are refused with the reason, and change nothing.
+    let output = cluster.cli(&["meta", "remove", "9"]);
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("member 9 is not in the cluster"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let taken = cluster.metas[0].address.clone();
+    let output = cluster.cli(&[
+        "meta",
+        "add",
+        "6",
+        "--learner",
+        "--address",
+        &taken,
+        "--raft-address",
+        "127.0.0.1:1",
+    ]);
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("already uses address"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // The leader leaves; the other four elect one among them.
+    let leader_id = cluster.metas[first].id;
+    meta(&cluster, &["remove", &leader_id.to_string()]);
+    let second = poll_until(30_000, || async {
+        let leader = cluster.leader().await?;
+        (leader != first).then_some(leader)
+    })
+    .await
+    .unwrap_or_else(|| panic!("no leader after the removal\n{}", cluster.logs()));
+    cluster.stop_meta(first);
+    writers_done_and_checked(&cluster, clients, writers).await;
+    // A client that knows only the first three members (one of them gone) finds the
+    // leader, wherever it is now, through the members they name.
+    let mut config = ClientConfig::new(first_addresses, cluster.key.clone());
+    config.connect_timeout_ms = 1_000;
+    let late = poll_until(20_000, || async {
+        Client::connect(config.clone()).await.ok()
+    })
+    .await
+    .expect("a client knowing only the first members connects");
+    let report = late.cluster_status().await.expect("status");
+    assert_eq!(
+        report
+            .meta_members
+            .iter()
+            .map(|member| member.id)
+            .collect::<Vec<_>>(),
+        (1..=5).filter(|id| *id != leader_id).collect::<Vec<_>>(),
+        "members after the removal"
+    );
+    late.shutdown().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let digests = stop_and_compare(&mut cluster).await;
+    eprintln!(
+        "members after growing to five and removing leader {leader_id} (new leader: member {}): {digests:?}",
+        cluster.metas[second].id
+    );
+}
