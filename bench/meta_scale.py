@@ -4,7 +4,8 @@
 threads: its calls release the GIL); then
 
 - each member's resident memory (VmRSS) and its peak (VmHWM);
-- a follower rebuilt from an empty disk: killed, its data removed, started again; the time
+- a follower rebuilt from an empty disk: killed, its data removed, started again as a new
+  member (a new id, `join = true`, `freeflow meta add --learner`, then `meta replace`); the time
   until the leader reports it in step, the leader's peak memory meanwhile (VmHWM reset
   through /proc/PID/clear_refs first), and whether it installed a snapshot;
 - a follower's start-up: stopped with SIGTERM, started again, the time until the leader
@@ -20,6 +21,7 @@ import argparse
 import os
 import re
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -81,6 +83,35 @@ class Member:
             return log.read()
 
 
+NEW_ID = 4
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rebuilt_as_new_member(freeflow, old, new_id):
+    """A config for member `new_id` in place of `old` (new ports, `join = true`)."""
+    directory = os.path.dirname(old.config)
+    with open(old.config) as text:
+        config = text.read()
+    member = Member(freeflow, directory, new_id)
+    member.address = f"127.0.0.1:{free_port()}"
+    member.raft_address = f"127.0.0.1:{free_port()}"
+    config = re.sub(r"(?m)^node_id = \d+$", f"node_id = {new_id}\njoin = true", config)
+    config = re.sub(r'(?m)^listen_address = ".*"$', f'listen_address = "{member.address}"', config)
+    config = re.sub(r'(?m)^data_dir = ".*"$', f'data_dir = "{member.data}"', config)
+    config += (
+        f'\n[[meta.peers]]\nid = {new_id}\naddress = "{member.address}"\n'
+        f'raft_address = "{member.raft_address}"\n'
+    )
+    with open(member.config, "w") as text:
+        text.write(config)
+    return member
+
+
 def status(freeflow, client_toml):
     """The members as `freeflow status` lists them: {id: (role, behind text)}."""
     out = subprocess.run(
@@ -91,7 +122,7 @@ def status(freeflow, client_toml):
     ).stdout
     members = {}
     for line in out.splitlines():
-        match = re.match(r"^(\d+)\s+\S+\s+(leader|follower)\s+\d+\s+(.*)$", line)
+        match = re.match(r"^(\d+)\s+\S+\s+(leader|follower|learner)\s+\d+\s+(.*)$", line)
         if match:
             members[int(match.group(1))] = (match.group(2), match.group(3).strip())
     return members
@@ -193,8 +224,21 @@ def run(args, ff, freeflow, client_toml, members):
     reset_peak(leading.process.pid)
     follower.kill()
     shutil.rmtree(follower.data)
+    # A member that lost its disk comes back under a new id, as a learner (docs/operations.md).
+    old_index = follower.index
+    follower = rebuilt_as_new_member(freeflow, follower, NEW_ID)
+    members.append(follower)
     started = time.monotonic()
     follower.start()
+    subprocess.run(
+        [
+            freeflow, "--cluster", client_toml, "meta", "add", str(NEW_ID), "--learner",
+            "--address", follower.address, "--raft-address", follower.raft_address,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     caught_up = None
     while time.monotonic() - started < args.rebuild_wait:
         behind = status(freeflow, client_toml).get(follower.index, ("", ""))[1]
@@ -202,6 +246,13 @@ def run(args, ff, freeflow, client_toml, members):
             caught_up = time.monotonic() - started
             break
         time.sleep(0.5)
+    if caught_up:
+        subprocess.run(
+            [freeflow, "--cluster", client_toml, "meta", "replace", str(old_index), str(NEW_ID)],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
     rss, peak = memory_kib(leading.process.pid)
     snapshot = "installed a snapshot" in follower.log_text()
     print(

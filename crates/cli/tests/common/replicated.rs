@@ -158,7 +158,28 @@ impl ReplicatedCluster {
     /// added) and start it; its index in `metas` is returned. `replacing`: it takes that
     /// index (a member whose disk was lost, removed from the list), else it is appended.
     pub fn new_member(&mut self, id: u64, replacing: Option<usize>) -> usize {
-        let (client, raft) = (free_port(), free_port());
+        self.new_member_at(id, replacing, (free_port(), free_port()))
+    }
+
+    /// [`ReplicatedCluster::new_member`] on the lost member's own ports (the same host and
+    /// config, a new id and an empty disk).
+    pub fn new_member_in_place(&mut self, id: u64, replacing: usize) -> usize {
+        let port = |address: &str| -> u16 {
+            address
+                .rsplit(':')
+                .next()
+                .and_then(|port| port.parse().ok())
+                .expect("a port")
+        };
+        let ports = (
+            port(&self.metas[replacing].address),
+            port(&self.raft_address(replacing)),
+        );
+        self.new_member_at(id, Some(replacing), ports)
+    }
+
+    fn new_member_at(&mut self, id: u64, replacing: Option<usize>, ports: (u16, u16)) -> usize {
+        let (client, raft) = ports;
         let config = self.dir.path().join(format!("meta-{id}.toml"));
         let text = format!(
             "key_file = \"cluster.key\"\n\n[meta]\nlisten_address = \"127.0.0.1:{client}\"\n\
