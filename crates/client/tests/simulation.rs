@@ -4,7 +4,9 @@
 //! copies of every stripe (chains, the service map, the resync) and two real library
 //! clients run as simulated hosts; a seed draws the faults: a meta member crashed and
 //! restarted (the leader most often), the leader cut off from the other members, a client
-//! cut off from the leader, messages between two members held back and then let through,
+//! cut off from the leader, messages between two members held back and then let through, a
+//! member's disk lost (it comes back under a new id and an admin client replaces the old
+//! one in the membership: remove, add as a learner, promote once caught up),
 //! an I/O server crashed and restarted or cut off from every other host, and latency on
 //! every message.
 //!
@@ -142,6 +144,9 @@ fn member(index: usize) -> String {
 #[derive(Debug)]
 enum Fault {
     Crashed(usize),
+    /// Crashed with its data lost; it comes back under a new node id (`join`), and the
+    /// admin client takes the old id out and the new one in (`replace_members`).
+    Replaced(usize),
     LeaderCutOff(usize),
     ClientCutOff(usize),
     Held(usize, usize),
@@ -431,10 +436,12 @@ fn io_config(index: usize, data: &Path) -> IoConfig {
     }
 }
 
-fn meta_config(index: usize, data: &Path) -> MetaConfig {
+/// Member `index`'s config; `ids` are the members' node ids by host now (a member whose
+/// disk was lost comes back under a new id, `join`ing: `Fault::Replaced`).
+fn meta_config(index: usize, data: &Path, ids: &[u64]) -> MetaConfig {
     let peers: Vec<MetaPeer> = (0..MEMBERS)
         .map(|peer| MetaPeer {
-            id: peer as u64 + 1,
+            id: ids[peer],
             address: format!("{}:{CLIENT_PORT}", member(peer)),
             raft_address: format!("{}:{RAFT_PORT}", member(peer)),
         })
@@ -443,7 +450,8 @@ fn meta_config(index: usize, data: &Path) -> MetaConfig {
         listen_address: peers[index].address.clone(),
         data_dir: data.join(member(index)),
         metrics_address: None,
-        node_id: index as u64 + 1,
+        node_id: ids[index],
+        join: ids[index] > MEMBERS as u64,
         peers,
         raft_heartbeat_ms: 100,
         raft_election_ms: 300,
@@ -488,11 +496,13 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
         .enable_random_order()
         .build();
     let members: Members = Rc::new(RefCell::new((0..MEMBERS).map(|_| None).collect()));
+    let ids: Rc<RefCell<Vec<u64>>> = Rc::new(RefCell::new((1..=MEMBERS as u64).collect()));
     for index in 0..MEMBERS {
-        let config = meta_config(index, dir.path());
-        let (key, members) = (key.clone(), members.clone());
+        let (key, members, ids) = (key.clone(), members.clone(), ids.clone());
+        let data = dir.path().to_path_buf();
         sim.host(member(index), move || {
-            let (config, key, members) = (config.clone(), key.clone(), members.clone());
+            let config = meta_config(index, &data, &ids.borrow());
+            let (key, members) = (key.clone(), members.clone());
             async move {
                 // A crashed instance's writer thread may hold the store a moment longer.
                 let mut tries = 0;
@@ -568,6 +578,14 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
         });
     }
 
+    {
+        let key = key.clone();
+        sim.client("admin", async move {
+            replace_members(key).await;
+            Ok(())
+        });
+    }
+
     let mut draw = Draw(seed ^ 0x5eed);
     let mut fault: Option<Fault> = None;
     let mut faults = 0;
@@ -597,9 +615,10 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
             break;
         }
         let working = answers.borrow().done < 2;
-        if now >= next_change {
+        let replacing = REPLACEMENT.with(|job| job.borrow().is_some());
+        if now >= next_change && !replacing {
             if let Some(ended) = fault.take() {
-                heal(&mut sim, &members, ended);
+                heal(&mut sim, &members, &ids, dir.path(), ended);
                 next_change = now + draw.millis(300, 1_500);
             } else if working {
                 let leader = leader_of(&members);
@@ -608,6 +627,11 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
                     // it comes back by installing a snapshot.
                     let follower = leader.map_or(0, |leader| (leader + 1) % MEMBERS);
                     (Fault::Crashed(follower), Duration::from_secs(4))
+                } else if faults == 1 {
+                    // Then a member (the leader or not, as drawn) loses its disk and comes
+                    // back under a new id: the admin client replaces it.
+                    let lost = draw.below(MEMBERS as u64) as usize;
+                    (Fault::Replaced(lost), draw.millis(300, 2_000))
                 } else {
                     let mut chosen = choose(&mut draw, leader);
                     // One I/O server failure at a time, as the promise says: another only
@@ -627,6 +651,7 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
                 next_change = now + lasting;
             } else {
                 set_healing_pending(false);
+                ADMIN_DONE.with(|done| done.set(true));
             }
         }
         if now > Duration::from_secs(400) {
@@ -669,10 +694,12 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
         return Err("the members never applied the same entry".into());
     }
     let names = answers.borrow().names.len();
-    // Not vacuous: the clients changed things, and the schedule did its work.
-    if names == 0 || faults < 3 {
+    // Not vacuous: the clients changed things, and the schedule did its work (the second
+    // fault replaces a member).
+    let replaced = REPLACED.with(|count| count.get());
+    if names == 0 || faults < 3 || replaced != 1 {
         return Err(format!(
-            "a seed that tested little: {names} names, {faults} faults"
+            "a seed that tested little: {names} names, {faults} faults, {replaced} members replaced"
         ));
     }
     let files = answers
@@ -696,9 +723,67 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
 }
 
 thread_local! {
+    /// A member replaced: (old id, new id, host index), until the admin client has made
+    /// the change (`replace_members`).
+    static REPLACEMENT: RefCell<Option<(u64, u64, usize)>> = const { RefCell::new(None) };
+    /// No fault is left to come: the admin client ends.
+    static ADMIN_DONE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Members replaced in this seed (the admin client's changes all made).
+    static REPLACED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     /// I/O servers in service as the meta leader last said (`watch_io_servers`).
     static IO_IN_SERVICE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     static HEALING_PENDING: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+}
+
+/// The operator of `Fault::Replaced`: once the member is back under its new id (on the old
+/// one's address), it is added as a learner and takes the old one's vote once caught up, as
+/// `freeflow meta replace` does. Each step is sent again until it is done (a leader
+/// change may lose it); a step found done already counts.
+async fn replace_members(key: ClusterKey) {
+    use freeflow_proto::meta::MetaMemberChange;
+    let Ok(client) = Client::connect(client_config(&key, "admin")).await else {
+        return;
+    };
+    let again = || tokio::time::sleep(Duration::from_millis(200));
+    while !ADMIN_DONE.with(|done| done.get()) {
+        let Some((old, new, index)) = REPLACEMENT.with(|job| job.borrow().clone()) else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let steps = [
+            MetaMemberChange::AddLearner {
+                id: new,
+                address: format!("{}:{CLIENT_PORT}", member(index)),
+                raft_address: format!("{}:{RAFT_PORT}", member(index)),
+                replaces: Some(old),
+            },
+            MetaMemberChange::Replace { old, new },
+        ];
+        for step in steps {
+            loop {
+                match client.change_meta_members(step.clone()).await {
+                    Ok(_) => break,
+                    Err(error) => {
+                        let text = error.to_string();
+                        // Done already (a change resent after a leader change).
+                        let done = text
+                            .contains(&format!("member {new} is already in the cluster"))
+                            || text.contains(&format!("member {new} votes already"))
+                            || text.contains(&format!("member {old} is not a voter"));
+                        if done {
+                            break;
+                        }
+                        tracing::info!(?step, %error, "membership change not made yet");
+                        again().await;
+                    }
+                }
+            }
+            tracing::info!(?step, "membership changed");
+        }
+        REPLACEMENT.with(|job| *job.borrow_mut() = None);
+        REPLACED.with(|count| count.set(count.get() + 1));
+    }
+    client.shutdown().await;
 }
 
 /// Whether I/O faults may come while another I/O server is not back in service yet.
@@ -750,7 +835,7 @@ fn others(index: usize) -> impl Iterator<Item = usize> {
 fn inflict(sim: &mut turmoil::Sim, members: &Members, fault: &Fault) {
     tracing::info!(?fault, "fault");
     match *fault {
-        Fault::Crashed(index) => {
+        Fault::Crashed(index) | Fault::Replaced(index) => {
             members.borrow_mut()[index] = None;
             sim.crash(member(index));
         }
@@ -780,12 +865,29 @@ fn io_peers(index: usize) -> Vec<String> {
     peers
 }
 
-fn heal(sim: &mut turmoil::Sim, members: &Members, fault: Fault) {
+fn heal(
+    sim: &mut turmoil::Sim,
+    members: &Members,
+    ids: &RefCell<Vec<u64>>,
+    data: &Path,
+    fault: Fault,
+) {
     tracing::info!(?fault, "healed");
     match fault {
         Fault::Crashed(index) => {
             members.borrow_mut()[index] = None;
             sim.bounce(member(index));
+        }
+        Fault::Replaced(index) => {
+            members.borrow_mut()[index] = None;
+            // The disk is gone (a crashed instance's threads may still hold a file open:
+            // removing it leaves them nothing the new one sees).
+            let _ = std::fs::remove_dir_all(data.join(member(index)));
+            let old = ids.borrow()[index];
+            let new = ids.borrow().iter().max().copied().unwrap_or(0) + 1;
+            ids.borrow_mut()[index] = new;
+            sim.bounce(member(index));
+            REPLACEMENT.with(|job| *job.borrow_mut() = Some((old, new, index)));
         }
         Fault::LeaderCutOff(index) => {
             for other in others(index) {
@@ -855,14 +957,31 @@ fn replicated_metadata_keeps_every_answer_under_simulated_faults() {
         .with(log)
         .with(count)
         .try_init();
+    // A panic anywhere (a member's Raft task, a server task) is a failure of its seed, even
+    // where the task's owner carries on.
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICS.fetch_add(1, Ordering::Relaxed);
+        previous(info);
+    }));
     let mut snapshots = 0;
     let mut failed = Vec::new();
     for seed in seeds() {
+        let panics_before = PANICS.load(Ordering::Relaxed);
         set_healing_pending(true);
         IO_IN_SERVICE.with(|count| count.set(0));
+        ADMIN_DONE.with(|done| done.set(false));
+        REPLACEMENT.with(|job| *job.borrow_mut() = None);
+        REPLACED.with(|count| count.set(0));
         let started = std::time::Instant::now();
         let installed_before = SNAPSHOTS_INSTALLED.load(Ordering::Relaxed);
         match run_seed(seed) {
+            Ok(_) if PANICS.load(Ordering::Relaxed) > panics_before => {
+                freeflow_rpc::net::simulate_on_this_thread(None);
+                let panics = PANICS.load(Ordering::Relaxed) - panics_before;
+                eprintln!("seed {seed} FAILED: {panics} panics");
+                failed.push(format!("seed {seed}: {panics} panics (above)"));
+            }
             Ok(outcome) => {
                 let installed = SNAPSHOTS_INSTALLED.load(Ordering::Relaxed) - installed_before;
                 snapshots += installed;
@@ -899,6 +1018,9 @@ fn replicated_metadata_keeps_every_answer_under_simulated_faults() {
 }
 
 /// Snapshots installed by members, counted from their log events.
+/// Panics seen by the hook `replicated_metadata_keeps_every_answer_under_simulated_faults` sets.
+static PANICS: AtomicU64 = AtomicU64::new(0);
+
 static SNAPSHOTS_INSTALLED: AtomicU64 = AtomicU64::new(0);
 
 struct CountSnapshots;

@@ -274,6 +274,9 @@ pub enum MetaMemberChange {
         address: String,
         /// Where the other members reach its Raft service.
         raft_address: String,
+        /// The member it is to replace, whose addresses it may take (the same host and
+        /// ports with a new disk); any other member's addresses are refused.
+        replaces: Option<u64>,
     },
     /// A learner becomes a voter (refused while it is further behind than
     /// `PROMOTE_LAG_ENTRIES_MAX`).

@@ -10,13 +10,14 @@ use crate::requests;
 
 requests! {
     /// Payload: `AppendEntriesRequest`; reply payload: `Result<AppendEntriesResponse,
-    /// RaftError>`.
-    RaftAppend = 400 => () {}
+    /// RaftError>`. `target`: the node id the sender means (openraft's messages name none):
+    /// a member answering at an address another member had refuses it.
+    RaftAppend = 400 => () { target: u64 }
     /// Payload: `VoteRequest`; reply payload: `Result<VoteResponse, RaftError>`.
-    RaftVote = 401 => () {}
+    RaftVote = 401 => () { target: u64 }
     /// Payload: `InstallSnapshotRequest` (one chunk); reply payload:
     /// `Result<InstallSnapshotResponse, RaftError<InstallSnapshotError>>`.
-    RaftSnapshot = 402 => () {}
+    RaftSnapshot = 402 => () { target: u64 }
     /// The membership as this member knows it (a starting member asks its peers before
     /// it proposes one). Reply payload: the meta crate's `MembersSeen`.
     RaftMembers = 403 => () {}

@@ -83,6 +83,7 @@ fn every_meta_message(bytes: &[u8]) {
         ResyncDone,
         ReclaimSession,
         RenewLeases,
+        ChangeMetaMembers,
     );
 }
 
@@ -127,6 +128,14 @@ fn samples() -> Vec<Vec<u8>> {
         stripe_index: 3,
     };
     vec![
+        encode(&ChangeMetaMembers {
+            change: meta::MetaMemberChange::AddLearner {
+                id: 4,
+                address: "10.0.0.4:7700".into(),
+                raft_address: "10.0.0.4:7774".into(),
+                replaces: Some(2),
+            },
+        }),
         encode(&Create {
             caller: caller.clone(),
             parent: 1,

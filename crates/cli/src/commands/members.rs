@@ -31,6 +31,7 @@ pub async fn run(cluster: Option<PathBuf>, command: MetaCommand) -> anyhow::Resu
                         id,
                         address,
                         raft_address,
+                        replaces: None,
                     })
                     .await?;
                 if learner {
@@ -68,38 +69,12 @@ pub async fn run(cluster: Option<PathBuf>, command: MetaCommand) -> anyhow::Resu
                              --raft-address to add it"
                         );
                     };
-                    // The new member on the lost one's host and ports: two members may not
-                    // share an address (one would take the other's messages), so the lost one
-                    // leaves first, and the voters are one fewer until the new one votes.
-                    if members
-                        .iter()
-                        .any(|member| member.id == old && member.address == address)
-                    {
-                        eprintln!(
-                            "member {new} takes member {old}'s address: removing member {old} first"
-                        );
-                        client
-                            .change_meta_members(MetaMemberChange::Remove { id: old })
-                            .await?;
-                        client
-                            .change_meta_members(MetaMemberChange::AddLearner {
-                                id: new,
-                                address,
-                                raft_address,
-                            })
-                            .await?;
-                        caught_up(client, new, Duration::from_secs(wait)).await?;
-                        let members = client
-                            .change_meta_members(MetaMemberChange::Promote { id: new })
-                            .await?;
-                        print_meta_members(&members);
-                        return Ok(());
-                    }
                     client
                         .change_meta_members(MetaMemberChange::AddLearner {
                             id: new,
                             address,
                             raft_address,
+                            replaces: Some(old),
                         })
                         .await?;
                 }

@@ -165,9 +165,7 @@ pub async fn mark_started(raft: &Raft, me: NodeId) -> Result<bool, String> {
     if marked.is_empty() {
         return Ok(false);
     }
-    raft.change_membership(ChangeMembers::SetNodes(marked), true)
-        .await
-        .map_err(|error| error.to_string())?;
+    changed(raft, ChangeMembers::SetNodes(marked), true).await?;
     Ok(true)
 }
 
@@ -190,6 +188,7 @@ pub async fn change(raft: &Raft, change: &MetaMemberChange) -> Result<(), String
             id,
             address,
             raft_address,
+            replaces,
         } => {
             if *id == 0 {
                 return Err("member ids start at 1".into());
@@ -197,11 +196,17 @@ pub async fn change(raft: &Raft, change: &MetaMemberChange) -> Result<(), String
             if now.nodes.contains_key(id) {
                 return Err(format!("member {id} is already in the cluster"));
             }
-            if let Some((other, _)) = now
-                .nodes
-                .iter()
-                .find(|(_, node)| node.address == *address || node.raft_address == *raft_address)
-            {
+            if let Some(old) = replaces.filter(|old| !now.voters.contains(old)) {
+                return Err(format!(
+                    "member {old} is not a voter, so it cannot be replaced"
+                ));
+            }
+            // Sharing an address with the member it replaces is safe: every Raft message
+            // names the member it is for, and the new one refuses the old one's.
+            if let Some((other, _)) = now.nodes.iter().find(|(other, node)| {
+                Some(**other) != *replaces
+                    && (node.address == *address || node.raft_address == *raft_address)
+            }) {
                 return Err(format!(
                     "member {other} already uses address {address} or raft address {raft_address}"
                 ));
@@ -213,9 +218,11 @@ pub async fn change(raft: &Raft, change: &MetaMemberChange) -> Result<(), String
             {
                 return Err(format!("raft address {raft_address:?} is not host:port"));
             }
-            raft.add_learner(*id, MetaNode::new(raft_address, address), false)
+            let node = MetaNode::new(raft_address, address);
+            let nodes = BTreeMap::from([(*id, node)]);
+            changed(raft, ChangeMembers::AddNodes(nodes), true)
                 .await
-                .map_err(|error| failed(error.to_string()))?;
+                .map_err(failed)?;
         }
         MetaMemberChange::Promote { id } => {
             if now.voters.contains(id) {
@@ -225,9 +232,13 @@ pub async fn change(raft: &Raft, change: &MetaMemberChange) -> Result<(), String
                 return Err(format!("member {id} is not in the cluster (add it first)"));
             }
             check_caught_up(*id, lag(*id))?;
-            raft.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([*id])), false)
-                .await
-                .map_err(|error| failed(error.to_string()))?;
+            changed(
+                raft,
+                ChangeMembers::AddVoterIds(BTreeSet::from([*id])),
+                false,
+            )
+            .await
+            .map_err(failed)?;
         }
         MetaMemberChange::Remove { id } => {
             if !now.nodes.contains_key(id) {
@@ -237,13 +248,21 @@ pub async fn change(raft: &Raft, change: &MetaMemberChange) -> Result<(), String
                 if now.voters.len() == 1 {
                     return Err(format!("member {id} is the last voter"));
                 }
-                raft.change_membership(ChangeMembers::RemoveVoters(BTreeSet::from([*id])), false)
-                    .await
-                    .map_err(|error| failed(error.to_string()))?;
+                changed(
+                    raft,
+                    ChangeMembers::RemoveVoters(BTreeSet::from([*id])),
+                    false,
+                )
+                .await
+                .map_err(failed)?;
             } else {
-                raft.change_membership(ChangeMembers::RemoveNodes(BTreeSet::from([*id])), false)
-                    .await
-                    .map_err(|error| failed(error.to_string()))?;
+                changed(
+                    raft,
+                    ChangeMembers::RemoveNodes(BTreeSet::from([*id])),
+                    false,
+                )
+                .await
+                .map_err(failed)?;
             }
         }
         MetaMemberChange::Replace { old, new } => {
@@ -262,13 +281,40 @@ pub async fn change(raft: &Raft, change: &MetaMemberChange) -> Result<(), String
             let mut voters = now.voters.clone();
             voters.remove(old);
             voters.insert(*new);
-            raft.change_membership(ChangeMembers::ReplaceAllVoters(voters), false)
+            changed(raft, ChangeMembers::ReplaceAllVoters(voters), false)
                 .await
-                .map_err(|error| failed(error.to_string()))?;
+                .map_err(failed)?;
         }
     }
     Ok(())
 }
+
+/// Make one membership change, waiting for one in progress (the leader's own marking of
+/// started members, or another operator's change) to end first, for a few seconds at most.
+async fn changed(
+    raft: &Raft,
+    changes: ChangeMembers<NodeId, MetaNode>,
+    retain: bool,
+) -> Result<(), String> {
+    let mut tries = 0;
+    loop {
+        match raft.change_membership(changes.clone(), retain).await {
+            Ok(_) => return Ok(()),
+            Err(openraft::error::RaftError::APIError(
+                openraft::error::ClientWriteError::ChangeMembershipError(
+                    openraft::error::ChangeMembershipError::InProgress(_),
+                ),
+            )) if tries < IN_PROGRESS_TRIES => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(error) => return Err(error.to_string()),
+        }
+    }
+}
+
+/// How many times a change waits 100 ms for one in progress.
+const IN_PROGRESS_TRIES: u32 = 50;
 
 fn check_caught_up(id: NodeId, lag: Option<u64>) -> Result<(), String> {
     match lag {

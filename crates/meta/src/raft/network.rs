@@ -233,7 +233,8 @@ impl RaftNetwork<TypeConfig> for Peer {
         let connection = self.noted(connection)?;
         let payload = postcard::to_allocvec(&rpc)
             .map_err(|error| RPCError::Network(NetworkError::new(&error)))?;
-        self.call(&connection, RaftAppend {}, payload, &option)
+        let target = self.target;
+        self.call(&connection, RaftAppend { target }, payload, &option)
             .await
     }
 
@@ -250,7 +251,8 @@ impl RaftNetwork<TypeConfig> for Peer {
             .unwrap_or(0)
             .max(sent);
         let done = rpc.done;
-        let result = self.send(RaftSnapshot {}, &rpc, &option).await;
+        let target = self.target;
+        let result = self.send(RaftSnapshot { target }, &rpc, &option).await;
         if result.is_ok() {
             self.report(|report| report.snapshot = (!done).then_some((sent, total)));
         }
@@ -262,13 +264,29 @@ impl RaftNetwork<TypeConfig> for Peer {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, MetaNode, RaftError<NodeId>>> {
-        self.send(RaftVote {}, &rpc, &option).await
+        let target = self.target;
+        self.send(RaftVote { target }, &rpc, &option).await
     }
 }
 
 /// The Raft service a meta server runs for its peers.
 pub struct RaftService {
     pub raft: Raft,
+    /// This member's node id: a message meant for another is refused.
+    pub id: NodeId,
+}
+
+/// A message meant for node `target` reached node `id`: a member that took the address of
+/// another (replaced on the same host and ports) must not answer for it, or the leader
+/// would count its answers as the other's.
+fn check_target(id: NodeId, target: u64) -> Result<(), WireError> {
+    if target == id {
+        return Ok(());
+    }
+    Err(WireError::new(
+        freeflow_proto::ErrorCode::InvalidArgument,
+        format!("this is metadata member {id}, not member {target}"),
+    ))
 }
 
 fn malformed(error: postcard::Error) -> WireError {
@@ -286,10 +304,11 @@ fn encoded<T: Serialize>(value: &T) -> Result<((), Bytes), WireError> {
 
 impl Service for RaftService {
     async fn call(&self, frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
-        let raft = self.raft.clone();
+        let (raft, id) = (self.raft.clone(), self.id);
         match frame.opcode {
             RaftAppend::OPCODE => {
-                handle::<RaftAppend, _, _>(frame, |_, payload| async move {
+                handle::<RaftAppend, _, _>(frame, |header, payload| async move {
+                    check_target(id, header.target)?;
                     let request: AppendEntriesRequest<TypeConfig> =
                         postcard::from_bytes(&payload).map_err(malformed)?;
                     encoded(&raft.append_entries(request).await)
@@ -297,7 +316,8 @@ impl Service for RaftService {
                 .await
             }
             RaftVote::OPCODE => {
-                handle::<RaftVote, _, _>(frame, |_, payload| async move {
+                handle::<RaftVote, _, _>(frame, |header, payload| async move {
+                    check_target(id, header.target)?;
                     let request: VoteRequest<NodeId> =
                         postcard::from_bytes(&payload).map_err(malformed)?;
                     encoded(&raft.vote(request).await)
@@ -305,7 +325,8 @@ impl Service for RaftService {
                 .await
             }
             RaftSnapshot::OPCODE => {
-                handle::<RaftSnapshot, _, _>(frame, |_, payload| async move {
+                handle::<RaftSnapshot, _, _>(frame, |header, payload| async move {
+                    check_target(id, header.target)?;
                     let request: InstallSnapshotRequest<TypeConfig> =
                         postcard::from_bytes(&payload).map_err(malformed)?;
                     encoded(&raft.install_snapshot(request).await)
@@ -331,6 +352,7 @@ pub fn spawn_service(
     listener: freeflow_rpc::net::Listener,
     key: ClusterKey,
     raft: Raft,
+    id: NodeId,
 ) -> tokio::task::JoinHandle<std::io::Result<()>> {
     let mut options = freeflow_rpc::ServerOptions::new("meta-raft");
     options.payload_length_max =
@@ -339,7 +361,7 @@ pub fn spawn_service(
         listener,
         key,
         options,
-        Arc::new(RaftService { raft }),
+        Arc::new(RaftService { raft, id }),
     ))
 }
 

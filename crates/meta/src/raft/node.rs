@@ -104,7 +104,7 @@ impl RaftNode {
         let raft = Raft::new(id, config, network, log, state_machine)
             .await
             .map_err(|error| format!("starting raft node {id}: {error}"))?;
-        let service = spawn_service(listener, key, raft.clone());
+        let service = spawn_service(listener, key, raft.clone(), id);
         let initialized = raft
             .is_initialized()
             .await
