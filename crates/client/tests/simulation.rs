@@ -746,7 +746,7 @@ async fn replace_members(key: ClusterKey) {
     };
     let again = || tokio::time::sleep(Duration::from_millis(200));
     while !ADMIN_DONE.with(|done| done.get()) {
-        let Some((old, new, index)) = REPLACEMENT.with(|job| job.borrow().clone()) else {
+        let Some((old, new, index)) = REPLACEMENT.with(|job| *job.borrow()) else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
