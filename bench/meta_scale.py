@@ -100,7 +100,9 @@ def rebuilt_as_new_member(freeflow, old, new_id):
     member = Member(freeflow, directory, new_id)
     member.address = f"127.0.0.1:{free_port()}"
     member.raft_address = f"127.0.0.1:{free_port()}"
-    config = re.sub(r"(?m)^node_id = \d+$", f"node_id = {new_id}\njoin = true", config)
+    config = re.sub(r"(?m)^node_id = \d+$", f"node_id = {new_id}", config)
+    config = re.sub(r"(?m)^join = \w+\n", "", config)
+    config = config.replace("[meta]\n", "[meta]\njoin = true\n", 1)
     config = re.sub(r'(?m)^listen_address = ".*"$', f'listen_address = "{member.address}"', config)
     config = re.sub(r'(?m)^data_dir = ".*"$', f'data_dir = "{member.data}"', config)
     config += (
@@ -241,6 +243,8 @@ def run(args, ff, freeflow, client_toml, members):
     )
     caught_up = None
     while time.monotonic() - started < args.rebuild_wait:
+        if follower.process.poll() is not None:
+            sys.exit(f"member {follower.index} stopped:\n{follower.log_text()[-2000:]}")
         behind = status(freeflow, client_toml).get(follower.index, ("", ""))[1]
         if behind == "in step" and time.monotonic() - started > 2:
             caught_up = time.monotonic() - started
