@@ -50,7 +50,8 @@ fn add(cluster: &mut ReplicatedCluster, id: u64) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn members_join_and_the_leader_leaves_under_writers_with_nothing_lost() {
-    let mut cluster = ReplicatedCluster::start(2);
+    let mut cluster =
+        ReplicatedCluster::start_configured(2, None, "metrics_address = \"127.0.0.1:0\"\n");
     let (first, clients, writers) = start_writers(&cluster).await;
     let first_addresses = cluster.meta_addresses();
     add(&mut cluster, 4);
@@ -60,6 +61,25 @@ async fn members_join_and_the_leader_leaves_under_writers_with_nothing_lost() {
             said.lines().any(|line| line.starts_with(&format!("{id} "))
                 && (line.contains("follower") || line.contains("leader"))),
             "member {id} does not vote after the adds: {said}"
+        );
+    }
+    // The leader's metrics count the voters and give each other member's lag.
+    let report = clients[0].cluster_status().await.expect("status");
+    let address = report
+        .meta_metrics_address
+        .expect("the leader serves metrics");
+    let text = freeflow_metrics::scrape(&address, Duration::from_secs(5))
+        .await
+        .expect("scrape the leader");
+    let metrics = freeflow_metrics::text::Snapshot::parse(&text);
+    assert_eq!(metrics.value("freeflow_meta_raft_voters", &[]), Some(5.0));
+    assert_eq!(metrics.value("freeflow_meta_raft_learners", &[]), Some(0.0));
+    for id in ["4", "5"] {
+        assert!(
+            metrics
+                .value("freeflow_meta_raft_follower_lag_entries", &[("member", id)])
+                .is_some(),
+            "no lag for member {id}:\n{text}"
         );
     }
     // Bad changes are refused with the reason, and change nothing.

@@ -10,11 +10,13 @@ use freeflow_metrics::Registry;
 
 use crate::shared::Shared;
 
-const MEMBER_LABELS: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
-
 /// Registers the gauges read from the server's state at each scrape. Holds it weakly, so a
 /// stopped server is freed.
-pub fn register_state_gauges(registry: &Registry, shared: &Arc<Shared>, inode_count_at_start: u64) {
+pub fn register_state_gauges(
+    registry: &Arc<Registry>,
+    shared: &Arc<Shared>,
+    inode_count_at_start: u64,
+) {
     let inodes = registry.gauge("freeflow_meta_inodes", "Inodes in use.", &[]);
     let orphans = registry.gauge(
         "freeflow_meta_orphans",
@@ -70,23 +72,25 @@ pub fn register_state_gauges(registry: &Registry, shared: &Arc<Shared>, inode_co
             &[],
         )
         .set(inode_count_at_start);
-    // Replicated metadata: how far each follower's log is behind the leader's.
-    let mut lags = Vec::new();
-    for peer in &shared.config.peers {
-        if peer.id == shared.config.node_id {
-            continue;
-        }
-        // Label values are static: members 1 to 9 (a cluster has 3 or 5).
-        let Some(id) = MEMBER_LABELS.get(peer.id as usize) else {
-            continue;
-        };
-        let gauge = registry.gauge(
-            "freeflow_meta_raft_follower_lag_entries",
-            "Log entries a follower of this leader is behind it (replicated metadata).",
-            &[("member", id)],
-        );
-        lags.push((peer.id, gauge));
-    }
+    // Replicated metadata: how far each other member's log is behind the leader's, by
+    // member as the membership has them (members come and go: a gauge is registered for
+    // each member id when it is first seen; one that left keeps its last value).
+    let lags: std::sync::Mutex<Vec<(u64, freeflow_metrics::Gauge)>> = Default::default();
+    let member_registry: Weak<Registry> = Arc::downgrade(registry);
+    let voters = shared.raft.as_ref().map(|_| {
+        registry.gauge(
+            "freeflow_meta_raft_voters",
+            "Members that vote (replicated metadata).",
+            &[],
+        )
+    });
+    let learners = shared.raft.as_ref().map(|_| {
+        registry.gauge(
+            "freeflow_meta_raft_learners",
+            "Members catching up without a vote (replicated metadata).",
+            &[],
+        )
+    });
     let term = shared.raft.as_ref().map(|_| {
         registry.gauge(
             "freeflow_meta_raft_term",
@@ -119,13 +123,35 @@ pub fn register_state_gauges(registry: &Registry, shared: &Arc<Shared>, inode_co
             .commit_queue_max
             .saturating_sub(shared.writer.capacity());
         writer_queue.set(queued as u64);
-        for member in shared.meta_members() {
+        let members = shared.meta_members();
+        let mut lags = lags.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for member in members.iter().filter(|member| !member.leader) {
+            if !lags.iter().any(|(id, _)| *id == member.id) {
+                let Some(registry) = member_registry.upgrade() else {
+                    continue;
+                };
+                // Label values must be static: one small string per member id ever seen.
+                let label: &'static str = Box::leak(member.id.to_string().into_boxed_str());
+                let gauge = registry.gauge(
+                    "freeflow_meta_raft_follower_lag_entries",
+                    "Log entries a follower or learner of this leader is behind it (replicated metadata).",
+                    &[("member", label)],
+                );
+                lags.push((member.id, gauge));
+            }
             if let Some((_, gauge)) = lags.iter().find(|(id, _)| *id == member.id) {
                 gauge.set(member.lag_entries.unwrap_or(u64::MAX));
             }
-            if let Some(term) = &term {
+        }
+        if let Some(term) = &term {
+            if let Some(member) = members.first() {
                 term.set(member.term);
             }
+        }
+        if let (Some(voters), Some(learners)) = (&voters, &learners) {
+            let voting = members.iter().filter(|member| member.voter).count() as u64;
+            voters.set(voting);
+            learners.set(members.len() as u64 - voting);
         }
     });
 }
