@@ -116,8 +116,35 @@ async fn members_join_and_the_leader_leaves_under_writers_with_nothing_lost() {
     })
     .await
     .unwrap_or_else(|| panic!("no leader after the removal\n{}", cluster.logs()));
-    cluster.stop_meta(first);
+    // The removed member is left running while the writers finish: it must disturb
+    // nothing (no election of its own that deposes the new leader).
+    let term_after_removal = clients[0]
+        .cluster_status()
+        .await
+        .expect("status")
+        .meta_members
+        .first()
+        .map(|member| member.term);
     writers_done_and_checked(&cluster, clients, writers).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let status = Client::connect(cluster.client_config("after"))
+        .await
+        .expect("connect");
+    let term_now = status
+        .cluster_status()
+        .await
+        .expect("status")
+        .meta_members
+        .first()
+        .map(|member| member.term);
+    status.shutdown().await;
+    assert_eq!(
+        term_now,
+        term_after_removal,
+        "the term changed after the removal: the removed member disturbed the others\n{}",
+        cluster.logs()
+    );
+    cluster.stop_meta(first);
     // A client that knows only the first three members (one of them gone) finds the
     // leader, wherever it is now, through the members they name.
     let mut config = ClientConfig::new(first_addresses, cluster.key.clone());
