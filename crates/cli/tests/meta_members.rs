@@ -1,4 +1,5 @@
-//! Issue 42: the metadata cluster's members change while clients write, with real
+//! Issue 42: the metadata cluster's members change while clients write (two library
+//! writers and a writer through a FUSE mount, each checking every byte), with real
 //! processes from config files: two members join (`join = true`, then `freeflow meta
 //! add`: learners that catch up, then vote), the leader is removed (`freeflow meta
 //! remove`), and a client that knew only the first three members finds the leader among
@@ -9,10 +10,40 @@ mod common;
 
 use std::time::Duration;
 
+use common::mount::{fuse_available, Mount};
 use common::poll_until;
 use common::replicated::ReplicatedCluster;
 use common::replicated::{start_writers, stop_and_compare, writers_done_and_checked};
 use freeflow_client::{Client, ClientConfig};
+
+/// Files the mount writer makes: `m/f{index}`, each `MOUNT_FILE_BYTES` of its own pattern.
+const MOUNT_FILES: usize = 100;
+const MOUNT_FILE_BYTES: usize = 96 << 10;
+
+fn mount_bytes(index: usize) -> Vec<u8> {
+    (0..MOUNT_FILE_BYTES)
+        .map(|offset| (offset as u8).wrapping_mul(13) ^ (index as u8).wrapping_mul(29))
+        .collect()
+}
+
+/// Write, fsync and close every file through the mount, a little apart; any error is one an
+/// application would have seen.
+fn mount_writer(mount: &std::path::Path) {
+    use std::io::Write;
+    let directory = mount.join("m");
+    std::fs::create_dir(&directory).expect("mkdir through the mount");
+    for index in 0..MOUNT_FILES {
+        let path = directory.join(format!("f{index}"));
+        let mut file = std::fs::File::create(&path)
+            .unwrap_or_else(|error| panic!("create {}: {error}", path.display()));
+        file.write_all(&mount_bytes(index))
+            .unwrap_or_else(|error| panic!("write {}: {error}", path.display()));
+        file.sync_all()
+            .unwrap_or_else(|error| panic!("fsync {}: {error}", path.display()));
+        drop(file);
+        std::thread::sleep(Duration::from_millis(40));
+    }
+}
 
 /// `freeflow meta ARGS` through the cluster's client file; its output, or a panic with the
 /// servers' logs.
@@ -54,6 +85,20 @@ async fn members_join_and_the_leader_leaves_under_writers_with_nothing_lost() {
         ReplicatedCluster::start_configured(2, None, "metrics_address = \"127.0.0.1:0\"\n");
     let (first, clients, writers) = start_writers(&cluster).await;
     let first_addresses = cluster.meta_addresses();
+    // A mount whose cluster file names only the first three members.
+    let mount = fuse_available().then(|| {
+        let file = cluster.dir.path().join("mount-client.toml");
+        std::fs::write(
+            &file,
+            format!("meta_address = \"{first_addresses}\"\nkey_file = \"cluster.key\"\n"),
+        )
+        .expect("write the mount's cluster file");
+        Mount::start_in(cluster.dir.path(), &file, "mnt", &[])
+    });
+    let mount_writing = mount.as_ref().map(|mount| {
+        let root = mount.mountpoint.clone();
+        std::thread::spawn(move || mount_writer(&root))
+    });
     add(&mut cluster, 4);
     let said = add(&mut cluster, 5);
     for id in 1..=5 {
@@ -126,6 +171,31 @@ async fn members_join_and_the_leader_leaves_under_writers_with_nothing_lost() {
         .first()
         .map(|member| member.term);
     writers_done_and_checked(&cluster, clients, writers).await;
+    if let (Some(mount), Some(writing)) = (&mount, mount_writing) {
+        if let Err(panic) = writing.join() {
+            panic!(
+                "the mount writer failed: {panic:?}\n{}\n{}",
+                mount.log_text(),
+                cluster.logs()
+            );
+        }
+        for index in 0..MOUNT_FILES {
+            let path = mount.path(&format!("m/f{index}"));
+            let read = std::fs::read(&path)
+                .unwrap_or_else(|error| panic!("read {}: {error}", path.display()));
+            assert!(read == mount_bytes(index), "{} differs", path.display());
+        }
+        // The mount, whose cluster file names the removed leader and two others, works on
+        // with the new leader.
+        let after = mount.path("m/after-the-removal");
+        std::fs::write(&after, b"written after the leader left").unwrap_or_else(|error| {
+            panic!("write through the mount: {error}\n{}", mount.log_text())
+        });
+        assert_eq!(
+            std::fs::read(&after).expect("read it back"),
+            b"written after the leader left"
+        );
+    }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let status = Client::connect(cluster.client_config("after"))
         .await
@@ -165,6 +235,13 @@ async fn members_join_and_the_leader_leaves_under_writers_with_nothing_lost() {
         "members after the removal"
     );
     late.shutdown().await;
+    if let Some(mut mount) = mount {
+        assert!(
+            mount.stop(),
+            "the mount did not stop cleanly:\n{}",
+            mount.log_text()
+        );
+    }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let digests = stop_and_compare(&mut cluster).await;
     eprintln!(
