@@ -45,6 +45,12 @@ fn mount_writer(mount: &std::path::Path) {
     }
 }
 
+/// The term the leader leads in, as `status` tells it.
+async fn leader_term(client: &Client) -> Option<u64> {
+    let report = client.cluster_status().await.expect("status");
+    report.meta_members.first().map(|member| member.term)
+}
+
 /// `freeflow meta ARGS` through the cluster's client file; its output, or a panic with the
 /// servers' logs.
 fn meta(cluster: &ReplicatedCluster, args: &[&str]) -> String {
@@ -163,13 +169,7 @@ async fn members_join_and_the_leader_leaves_under_writers_with_nothing_lost() {
     .unwrap_or_else(|| panic!("no leader after the removal\n{}", cluster.logs()));
     // The removed member is left running while the writers finish: it must disturb
     // nothing (no election of its own that deposes the new leader).
-    let term_after_removal = clients[0]
-        .cluster_status()
-        .await
-        .expect("status")
-        .meta_members
-        .first()
-        .map(|member| member.term);
+    let term_after_removal = leader_term(&clients[0]).await;
     writers_done_and_checked(&cluster, clients, writers).await;
     if let (Some(mount), Some(writing)) = (&mount, mount_writing) {
         if let Err(panic) = writing.join() {
@@ -200,13 +200,7 @@ async fn members_join_and_the_leader_leaves_under_writers_with_nothing_lost() {
     let status = Client::connect(cluster.client_config("after"))
         .await
         .expect("connect");
-    let term_now = status
-        .cluster_status()
-        .await
-        .expect("status")
-        .meta_members
-        .first()
-        .map(|member| member.term);
+    let term_now = leader_term(&status).await;
     status.shutdown().await;
     assert_eq!(
         term_now,
