@@ -187,8 +187,7 @@ async fn a_member_that_lost_its_disk_comes_back_as_a_new_member() {
     let new = cluster.new_member_in_place(4, wiped);
     let raft_address = cluster.raft_address(new);
     let address = cluster.metas[new].address.clone();
-    let output = cluster.cli(&[
-        "meta",
+    let said = cluster.meta(&[
         "replace",
         &old_id.to_string(),
         "4",
@@ -197,13 +196,6 @@ async fn a_member_that_lost_its_disk_comes_back_as_a_new_member() {
         "--raft-address",
         &raft_address,
     ]);
-    let said = String::from_utf8_lossy(&output.stdout).to_string()
-        + &String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "meta replace failed: {said}\n{}",
-        cluster.logs()
-    );
     assert!(
         said.lines()
             .any(|line| line.starts_with("4 ") && line.contains("follower")),
@@ -288,8 +280,7 @@ async fn a_member_rebuilt_from_empty_gets_a_snapshot_and_its_entries_in_bounded_
     let new = cluster.new_member(4, Some(wiped));
     let raft_address = cluster.raft_address(new);
     let address = cluster.metas[new].address.clone();
-    let output = cluster.cli(&[
-        "meta",
+    cluster.meta(&[
         "add",
         "4",
         "--learner",
@@ -298,11 +289,6 @@ async fn a_member_rebuilt_from_empty_gets_a_snapshot_and_its_entries_in_bounded_
         "--raft-address",
         &raft_address,
     ]);
-    assert!(
-        output.status.success(),
-        "meta add failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
     // Caught up: the leader sees it with no entry to send.
     let caught_up = poll_until(60_000, || async {
         let report = client.cluster_status().await.ok()?;
@@ -327,12 +313,7 @@ async fn a_member_rebuilt_from_empty_gets_a_snapshot_and_its_entries_in_bounded_
             .expect("get_xattr");
         assert_eq!(read, value(index), "inode {inode}");
     }
-    let output = cluster.cli(&["meta", "replace", &old_id.to_string(), "4"]);
-    assert!(
-        output.status.success(),
-        "meta replace failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    cluster.meta(&["replace", &old_id.to_string(), "4"]);
     client.shutdown().await;
     let digests = stop_and_compare(&mut cluster).await;
     eprintln!("replicas after member {old_id} was rebuilt as member 4: {digests:?}");

@@ -51,38 +51,19 @@ async fn leader_term(client: &Client) -> Option<u64> {
     report.meta_members.first().map(|member| member.term)
 }
 
-/// `freeflow meta ARGS` through the cluster's client file; its output, or a panic with the
-/// servers' logs.
-fn meta(cluster: &ReplicatedCluster, args: &[&str]) -> String {
-    let mut all = vec!["meta"];
-    all.extend_from_slice(args);
-    let output = cluster.cli(&all);
-    let said = String::from_utf8_lossy(&output.stdout).to_string()
-        + &String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "freeflow meta {args:?} failed: {said}\n{}",
-        cluster.logs()
-    );
-    said
-}
-
 /// Start member `id` (`join = true`) and add it: it votes once caught up.
 fn add(cluster: &mut ReplicatedCluster, id: u64) -> String {
     let index = cluster.new_member(id, None);
     let address = cluster.metas[index].address.clone();
     let raft_address = cluster.raft_address(index);
-    meta(
-        cluster,
-        &[
-            "add",
-            &id.to_string(),
-            "--address",
-            &address,
-            "--raft-address",
-            &raft_address,
-        ],
-    )
+    cluster.meta(&[
+        "add",
+        &id.to_string(),
+        "--address",
+        &address,
+        "--raft-address",
+        &raft_address,
+    ])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -160,7 +141,7 @@ async fn members_join_and_the_leader_leaves_under_writers_with_nothing_lost() {
     );
     // The leader leaves; the other four elect one among them.
     let leader_id = cluster.metas[first].id;
-    meta(&cluster, &["remove", &leader_id.to_string()]);
+    cluster.meta(&["remove", &leader_id.to_string()]);
     let second = poll_until(30_000, || async {
         let leader = cluster.leader().await?;
         (leader != first).then_some(leader)

@@ -143,6 +143,9 @@ struct Inner {
     members: Vec<String>,
 }
 
+/// Most members the followers name that a leader search adds to those it knows.
+const NAMED_MEMBERS_MAX: usize = 16;
+
 /// How long the member that led last is asked alone before the others are asked too.
 const LEADER_HEAD_START_MS: u64 = 50;
 
@@ -288,6 +291,18 @@ impl Connection {
         key: &ClusterKey,
         options: &ConnectOptions,
     ) -> Result<(Connection, usize), RpcError> {
+        Connection::connect_leader_among(addresses, first, key, options, true).await
+    }
+
+    /// [`Connection::connect_leader`]; `widen`: when no member leads, ask once more with the
+    /// members the followers named (at most `NAMED_MEMBERS_MAX` more), never further.
+    async fn connect_leader_among(
+        addresses: &str,
+        first: usize,
+        key: &ClusterKey,
+        options: &ConnectOptions,
+        widen: bool,
+    ) -> Result<(Connection, usize), RpcError> {
         let list = member_addresses(addresses);
         if list.len() <= 1 {
             let connection = Connection::connect(addresses.trim(), key, options).await?;
@@ -317,7 +332,10 @@ impl Connection {
                 Ok(connection) if connection.epoch() == 0 => {
                     failures.push(format!("{}: not the leader", list[index]));
                     for member in connection.members() {
-                        if !list.contains(&member.as_str()) && !named.contains(member) {
+                        if named.len() < NAMED_MEMBERS_MAX
+                            && !list.contains(&member.as_str())
+                            && !named.contains(member)
+                        {
                             named.push(member.clone());
                         }
                     }
@@ -330,12 +348,15 @@ impl Connection {
                 Err(error) => failures.push(error.to_string()),
             }
         }
-        if !named.is_empty() {
+        if widen && !named.is_empty() {
             // The leader may be among members added since: ask them too, once.
             let mut wider: Vec<String> = list.iter().map(|address| address.to_string()).collect();
             wider.extend(named);
             let wider = wider.join(",");
-            let found = Box::pin(Connection::connect_leader(&wider, first, key, options)).await;
+            let found = Box::pin(Connection::connect_leader_among(
+                &wider, first, key, options, false,
+            ))
+            .await;
             if let Ok((connection, _)) = found {
                 let index = member_addresses(addresses)
                     .iter()

@@ -256,6 +256,22 @@ impl ReplicatedCluster {
             .expect("run freeflow")
     }
 
+    /// `freeflow meta ARGS` through the cluster's client file: its output (stdout, then
+    /// stderr), or a panic with the servers' logs.
+    pub fn meta(&self, args: &[&str]) -> String {
+        let mut all = vec!["meta"];
+        all.extend_from_slice(args);
+        let output = self.cli(&all);
+        let said = String::from_utf8_lossy(&output.stdout).to_string()
+            + &String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success(),
+            "freeflow meta {args:?} failed: {said}\n{}",
+            self.logs()
+        );
+        said
+    }
+
     pub fn start_meta(&mut self, index: usize) {
         let command = match &self.switch {
             Some(switch) => switch.command(index, FREEFLOW),

@@ -211,12 +211,10 @@ pub async fn change(raft: &Raft, change: &MetaMemberChange) -> Result<(), String
                     "member {other} already uses address {address} or raft address {raft_address}"
                 ));
             }
-            if address.parse::<std::net::SocketAddr>().is_err() && !address.contains(':') {
-                return Err(format!("address {address:?} is not host:port"));
-            }
-            if raft_address.parse::<std::net::SocketAddr>().is_err() && !raft_address.contains(':')
-            {
-                return Err(format!("raft address {raft_address:?} is not host:port"));
+            for (what, given) in [("address", address), ("raft address", raft_address)] {
+                if !given.contains(':') {
+                    return Err(format!("{what} {given:?} is not host:port"));
+                }
             }
             let node = MetaNode::new(raft_address, address);
             let nodes = BTreeMap::from([(*id, node)]);
@@ -244,26 +242,15 @@ pub async fn change(raft: &Raft, change: &MetaMemberChange) -> Result<(), String
             if !now.nodes.contains_key(id) {
                 return Err(format!("member {id} is not in the cluster"));
             }
-            if now.voters.contains(id) {
+            let changes = if now.voters.contains(id) {
                 if now.voters.len() == 1 {
                     return Err(format!("member {id} is the last voter"));
                 }
-                changed(
-                    raft,
-                    ChangeMembers::RemoveVoters(BTreeSet::from([*id])),
-                    false,
-                )
-                .await
-                .map_err(failed)?;
+                ChangeMembers::RemoveVoters(BTreeSet::from([*id]))
             } else {
-                changed(
-                    raft,
-                    ChangeMembers::RemoveNodes(BTreeSet::from([*id])),
-                    false,
-                )
-                .await
-                .map_err(failed)?;
-            }
+                ChangeMembers::RemoveNodes(BTreeSet::from([*id]))
+            };
+            changed(raft, changes, false).await.map_err(failed)?;
         }
         MetaMemberChange::Replace { old, new } => {
             if !now.voters.contains(old) {
