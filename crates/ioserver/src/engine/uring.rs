@@ -49,7 +49,7 @@
 //! the socket, so the pool also bounds the memory of replies waiting to be sent. A read
 //! longer than one buffer is done in buffer-sized pieces copied into one reply. Syncs are
 //! `Fsync` with `DATASYNC`. With `direct_io` the store hands large aligned writes (and, with
-//! `all`, reads) a descriptor opened with O_DIRECT (`store.rs`, `DirectIo`): a write's
+//! `all`, reads) a descriptor opened with O_DIRECT (`store/mod.rs`, `DirectIo`): a write's
 //! payload is already page aligned, as the RPC layer reads large payloads to a page
 //! boundary, and the registered buffers reads land in are page aligned.
 //!
