@@ -12,7 +12,11 @@ threads: its calls release the GIL); then
   reports it in step again.
 
 Usage: bench/meta_scale.py --files 1000000 [--dir /var/tmp/meta-scale] [--threads 32]
-       [--freeflow target/release/freeflow] [--python-path DIR]
+       [--freeflow target/release/freeflow] [--sample SECONDS] [--create-only]
+       [--wrap 'N=heaptrack -o /var/tmp/meta-heap'] [--member-env 'N=MALLOC_ARENA_MAX=2']
+`--sample` prints every member's resident memory that often while the files are made;
+`--wrap` starts member N under a profiler, `--member-env` with extra environment (to compare
+members of one run); `--create-only` stops after the files are made and measured.
 Run it alone on the machine (it measures memory and times). The figures it prints go into a
 note; nothing here is asserted.
 """
@@ -53,7 +57,9 @@ def mib(kib):
 
 
 class Member:
-    def __init__(self, freeflow, directory, index):
+    def __init__(self, freeflow, directory, index, wrap=(), env=None):
+        self.wrap = list(wrap)
+        self.env = dict(env or {})
         self.freeflow = freeflow
         self.index = index
         self.config = os.path.join(directory, f"meta-{index}.toml")
@@ -64,11 +70,28 @@ class Member:
     def start(self):
         log = open(self.log, "a")
         self.process = subprocess.Popen(
-            [self.freeflow, "meta", "--config", self.config],
+            [*self.wrap, self.freeflow, "meta", "--config", self.config],
             stdout=log,
             stderr=log,
-            env={**os.environ, "RUST_LOG": "info,openraft=warn", "NO_COLOR": "1"},
+            env={**os.environ, "RUST_LOG": "info,openraft=warn", "NO_COLOR": "1", **self.env},
         )
+
+    @property
+    def pid(self):
+        """The member's own process (under `--wrap`, a child of the wrapper's)."""
+        if not self.wrap:
+            return self.process.pid
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    words = cmdline.read().split(b"\0")
+            except OSError:
+                continue
+            if words[0] == self.freeflow.encode() and self.config.encode() in words:
+                return int(entry)
+        return self.process.pid
 
     def kill(self):
         self.process.kill()
@@ -137,7 +160,16 @@ def main():
     parser.add_argument("--threads", type=int, default=32)
     parser.add_argument("--freeflow", default="target/release/freeflow")
     parser.add_argument("--rebuild-wait", type=float, default=3600, help="seconds")
+    parser.add_argument("--sample", type=float, default=0, help="seconds between samples")
+    parser.add_argument("--create-only", action="store_true")
+    parser.add_argument("--wrap", action="append", default=[], help="N=COMMAND")
+    parser.add_argument("--member-env", action="append", default=[], help="N=NAME=VALUE")
     args = parser.parse_args()
+    wraps = {int(n): command.split() for n, command in (w.split("=", 1) for w in args.wrap)}
+    envs = {}
+    for item in args.member_env:
+        n, name, value = item.split("=", 2)
+        envs.setdefault(int(n), {})[name] = value
     import freeflow as ff
 
     freeflow = os.path.abspath(args.freeflow)
@@ -155,7 +187,10 @@ def main():
         capture_output=True,
     )
     client_toml = os.path.join(directory, "client.toml")
-    members = [Member(freeflow, directory, index) for index in (1, 2, 3)]
+    members = [
+        Member(freeflow, directory, index, wraps.get(index, ()), envs.get(index))
+        for index in (1, 2, 3)
+    ]
     for member in members:
         member.start()
     io_log = open(os.path.join(directory, "io-0.log"), "a")
@@ -209,21 +244,38 @@ def run(args, ff, freeflow, client_toml, members):
         with lock:
             made[0] += end - first
 
+    def sample(done):
+        while not done.wait(args.sample):
+            with lock:
+                count = made[0]
+            line = ", ".join(f"{m.index}: {mib(memory_kib(m.pid)[0])}" for m in members)
+            print(f"{time.monotonic() - started:.0f} s, {count} files: {line}", flush=True)
+
+    done = threading.Event()
     started = time.monotonic()
+    if args.sample > 0:
+        threading.Thread(target=sample, args=(done,), daemon=True).start()
     with ThreadPoolExecutor(args.threads) as pool:
         list(pool.map(make, range(0, args.files, FILES_PER_DIRECTORY // 10)))
+    done.set()
     elapsed = time.monotonic() - started
     print(f"made {made[0]} files in {elapsed:.0f} s ({made[0] / elapsed:.0f}/s)")
     time.sleep(3)
     for member in members:
-        rss, peak = memory_kib(member.process.pid)
+        rss, peak = memory_kib(member.pid)
         print(f"member {member.index}: resident {mib(rss)}, peak {mib(peak)}")
+    if args.create_only:
+        for member in members:
+            os.kill(member.pid, signal.SIGTERM)
+        for member in members:
+            member.process.wait(timeout=600)
+        return
 
     listed = status(freeflow, client_toml)
     leader = next(i for i, (role, _) in listed.items() if role == "leader")
     follower = next(m for m in members if m.index != leader)
     leading = next(m for m in members if m.index == leader)
-    reset_peak(leading.process.pid)
+    reset_peak(leading.pid)
     follower.kill()
     shutil.rmtree(follower.data)
     # A member that lost its disk comes back under a new id, as a learner (docs/operations.md).
@@ -257,7 +309,7 @@ def run(args, ff, freeflow, client_toml, members):
             capture_output=True,
             timeout=600,
         )
-    rss, peak = memory_kib(leading.process.pid)
+    rss, peak = memory_kib(leading.pid)
     snapshot = "installed a snapshot" in follower.log_text()
     print(
         f"member {follower.index} rebuilt from empty: "
@@ -269,7 +321,7 @@ def run(args, ff, freeflow, client_toml, members):
         + f", snapshot installed: {snapshot}; the leader meanwhile: peak {mib(peak)}, "
         f"now {mib(rss)}"
     )
-    rss, peak = memory_kib(follower.process.pid)
+    rss, peak = memory_kib(follower.pid)
     print(f"member {follower.index} after its rebuild: resident {mib(rss)}, peak {mib(peak)}")
 
     follower.stop()
