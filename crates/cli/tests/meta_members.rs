@@ -148,6 +148,16 @@ async fn members_join_and_the_leader_leaves_under_writers_with_nothing_lost() {
     })
     .await
     .unwrap_or_else(|| panic!("no leader after the removal\n{}", cluster.logs()));
+    // The removed member knows it: it says so in its log (and to any client that asks it).
+    let removed_log = cluster.metas[first].log.clone();
+    poll_until(10_000, || async {
+        std::fs::read_to_string(&removed_log)
+            .ok()?
+            .contains("this member was removed from the metadata cluster")
+            .then_some(())
+    })
+    .await
+    .unwrap_or_else(|| panic!("the removed member does not know it\n{}", cluster.logs()));
     // The removed member is left running while the writers finish: it must disturb
     // nothing (no election of its own that deposes the new leader).
     let term_after_removal = leader_term(&clients[0]).await;

@@ -33,6 +33,15 @@ pub struct MembersSeen {
     pub nodes: BTreeMap<NodeId, MetaNode>,
 }
 
+impl MembersSeen {
+    /// This member was taken out (`freeflow meta remove`, or replaced): it holds a
+    /// membership that does not name it. A member waiting to be added (`join = true`)
+    /// holds none yet, so it is not taken for removed.
+    pub fn left_out(&self, me: NodeId) -> bool {
+        self.initialized && !self.nodes.contains_key(&me)
+    }
+}
+
 /// The membership as `raft` has it now.
 pub fn seen(raft: &Raft) -> MembersSeen {
     let metrics = raft.metrics().borrow().clone();
@@ -337,6 +346,15 @@ mod tests {
             seen.nodes.insert(2, node);
         }
         seen
+    }
+
+    /// A member is left out once a membership it holds does not name it, never while it
+    /// holds none (waiting to be added).
+    #[test]
+    fn a_member_is_left_out_only_by_a_membership_without_it() {
+        assert!(!seen_with(Some(true)).left_out(2));
+        assert!(seen_with(None).left_out(2));
+        assert!(!MembersSeen::default().left_out(2));
     }
 
     /// A member with an empty log proposes only when no peer knows a cluster; it waits to

@@ -233,8 +233,10 @@ async fn start_node(
 }
 
 /// Answers every request with `NotLeader`, naming the leader's client address if known.
+/// A member taken out of the cluster says so.
 struct NotLeaderService {
     raft: Raft,
+    id: NodeId,
 }
 
 impl Service for NotLeaderService {
@@ -242,6 +244,10 @@ impl Service for NotLeaderService {
         let members = members::seen(&self.raft);
         let leader = members.leader.and_then(|id| members.nodes.get(&id));
         let message = match leader.map(|node| &node.address) {
+            _ if members.left_out(self.id) => format!(
+                "metadata member {} was removed from the cluster: it serves nothing (stop it)",
+                self.id
+            ),
             Some(address) => format!("not the metadata leader; leader: {address}"),
             None => "not the metadata leader; no leader known yet".to_string(),
         };
@@ -275,6 +281,7 @@ async fn supervise(
                     options,
                     Arc::new(NotLeaderService {
                         raft: node.raft.clone(),
+                        id: node.id,
                     }),
                 )))
             }
@@ -285,6 +292,7 @@ async fn supervise(
         };
         let term = {
             let mut metrics = node.raft.metrics();
+            let mut told_removed = false;
             loop {
                 let (state, term, leader) = {
                     let now = metrics.borrow();
@@ -292,6 +300,13 @@ async fn supervise(
                 };
                 if state == ServerState::Leader {
                     break Some(term);
+                }
+                if !told_removed && members::seen(&node.raft).left_out(node.id) {
+                    told_removed = true;
+                    tracing::warn!(
+                        node = node.id,
+                        "this member was removed from the metadata cluster: it takes no part and serves nothing; stop this process"
+                    );
                 }
                 role.send_if_modified(|current| {
                     let following = Role::Following { leader };
