@@ -185,11 +185,11 @@ pub(super) fn allocate_range(
 }
 
 /// Bytes of zeros written at a time where a hole cannot be punched.
-pub(super) const ZERO_CHUNK_BYTES: usize = 1 << 20;
+const ZERO_CHUNK_BYTES: usize = 1 << 20;
 
 /// Write zeros over a range, but only up to the object's end: a hole past it reads as
 /// zeros already, and the object must not grow.
-pub(super) fn write_zeros(file: &File, offset: u64, length: u64) -> io::Result<()> {
+fn write_zeros(file: &File, offset: u64, length: u64) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
     let end = offset.saturating_add(length).min(file.metadata()?.len());
     let zeros = vec![0u8; ZERO_CHUNK_BYTES];

@@ -243,13 +243,15 @@ impl Service for NotLeaderService {
     async fn call(&self, _frame: Frame, _peer: &PeerInfo) -> Result<Reply, String> {
         let members = members::seen(&self.raft);
         let leader = members.leader.and_then(|id| members.nodes.get(&id));
-        let message = match leader.map(|node| &node.address) {
-            _ if members.left_out(self.id) => format!(
+        let message = if members.left_out(self.id) {
+            format!(
                 "metadata member {} was removed from the cluster: it serves nothing (stop it)",
                 self.id
-            ),
-            Some(address) => format!("not the metadata leader; leader: {address}"),
-            None => "not the metadata leader; no leader known yet".to_string(),
+            )
+        } else if let Some(address) = leader.map(|node| &node.address) {
+            format!("not the metadata leader; leader: {address}")
+        } else {
+            "not the metadata leader; no leader known yet".to_string()
         };
         let error = WireError::new(ErrorCode::NotLeader, message);
         Ok(Reply {
@@ -292,21 +294,26 @@ async fn supervise(
         };
         let term = {
             let mut metrics = node.raft.metrics();
-            let mut told_removed = false;
+            // The membership last looked at: whether it leaves this member out is asked
+            // once per membership, not at every change of the metrics.
+            let mut membership_seen = None;
             loop {
-                let (state, term, leader) = {
+                let (state, term, leader, membership) = {
                     let now = metrics.borrow();
-                    (now.state, now.current_term, now.current_leader)
+                    let membership = *now.membership_config.log_id();
+                    (now.state, now.current_term, now.current_leader, membership)
                 };
                 if state == ServerState::Leader {
                     break Some(term);
                 }
-                if !told_removed && members::seen(&node.raft).left_out(node.id) {
-                    told_removed = true;
-                    tracing::warn!(
-                        node = node.id,
-                        "this member was removed from the metadata cluster: it takes no part and serves nothing; stop this process"
-                    );
+                if membership != membership_seen {
+                    membership_seen = membership;
+                    if members::seen(&node.raft).left_out(node.id) {
+                        tracing::warn!(
+                            node = node.id,
+                            "this member was removed from the metadata cluster: it takes no part and serves nothing; stop this process"
+                        );
+                    }
                 }
                 role.send_if_modified(|current| {
                     let following = Role::Following { leader };

@@ -51,8 +51,8 @@ pub struct MetaService {
     pub shared: Arc<Shared>,
 }
 
-/// The stamp of a reply: the transaction of a mutation (0 for anything else) and the
-/// lease granted on what it read or changed.
+/// Requests served during the recovery window (the rest wait for its end): sessions, the
+/// servers' registrations and status, and what replaying clients need.
 fn served_while_recovering(opcode: u16) -> bool {
     matches!(
         opcode,

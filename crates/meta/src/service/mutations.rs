@@ -27,7 +27,7 @@ use crate::shared::{Answered, Shared};
 use crate::store::{RedbWrite, StoreRead, StoreWrite, TableId};
 
 /// Record the reply to mutation (`client`, `request_id`) in the transaction that applies it.
-pub(super) fn record_reply<T: Serialize>(
+fn record_reply<T: Serialize>(
     write: &mut RedbWrite,
     client: u64,
     request_id: u64,
@@ -68,7 +68,7 @@ pub(super) struct MutationId {
 }
 
 /// A mutation through the writer, its reply recorded in its transaction.
-pub(super) async fn mutation<R, F>(
+async fn mutation<R, F>(
     shared: &Arc<Shared>,
     frame: Frame,
     id: MutationId,
@@ -99,13 +99,13 @@ where
 /// The inodes a mutation request acts on, by number or by name: a directory among them
 /// delegated to another client is recalled before the mutation is applied (that client may
 /// have answered creates there that this server does not have yet).
-pub(super) trait NamesInodes {
+trait NamesInodes {
     fn named(&self, shared: &Shared) -> Vec<InodeId>;
 }
 
 /// The inodes `names` (directory, name) stand for now, as far as they exist: a directory
 /// removed or replaced by name is delegated under its own number.
-pub(super) fn named_children(shared: &Shared, names: &[(InodeId, &str)]) -> Vec<InodeId> {
+fn named_children(shared: &Shared, names: &[(InodeId, &str)]) -> Vec<InodeId> {
     if !shared.leases.has_delegations() {
         return Vec::new();
     }
@@ -181,7 +181,7 @@ impl NamesInodes for Link {
 
 /// Recall the delegations other clients than `client` hold on `inodes`, and wait until
 /// their holders have answered what they made there (or one lease).
-pub(super) async fn recall_delegations(shared: &Shared, client: u64, inodes: Vec<InodeId>) {
+async fn recall_delegations(shared: &Shared, client: u64, inodes: Vec<InodeId>) {
     let bound = Duration::from_millis(u64::from(shared.config.lease_ms));
     let pending = shared.leases.recall_delegations(client, &inodes, bound);
     if !pending.is_empty() {
@@ -192,12 +192,12 @@ pub(super) async fn recall_delegations(shared: &Shared, client: u64, inodes: Vec
 }
 
 /// The durability wish of most mutations: none (durable within the commit interval).
-pub(super) fn not_durable<R>(_: &R) -> bool {
+fn not_durable<R>(_: &R) -> bool {
     false
 }
 
 /// Marks a mutation as being applied; a copy of it waits until the first is done.
-pub(super) struct InProgress<'a> {
+struct InProgress<'a> {
     shared: &'a Shared,
     key: (u64, u64),
 }
@@ -213,7 +213,7 @@ impl Drop for InProgress<'_> {
     }
 }
 
-pub(super) async fn begin_mutation(shared: &Shared, key: (u64, u64)) -> InProgress<'_> {
+async fn begin_mutation(shared: &Shared, key: (u64, u64)) -> InProgress<'_> {
     loop {
         let finished = shared.mutation_finished.notified();
         {
@@ -230,7 +230,7 @@ pub(super) async fn begin_mutation(shared: &Shared, key: (u64, u64)) -> InProgre
 }
 
 /// The reply recorded for mutation (`client`, `request_id`), if it was applied.
-pub(super) fn recorded_reply(
+fn recorded_reply(
     shared: &Shared,
     client: u64,
     request_id: u64,
@@ -249,7 +249,7 @@ pub(super) fn recorded_reply(
 /// client's session is here and the handle is not, the file is opened again in it and the
 /// reply names the new handle, so the client's handle is known here and its close works;
 /// otherwise the record is answered as it is (the client finds its session gone).
-pub(super) fn opened_again(shared: &Shared, frame: &Frame, client: u64, reply: Vec<u8>) -> Vec<u8> {
+fn opened_again(shared: &Shared, frame: &Frame, client: u64, reply: Vec<u8>) -> Vec<u8> {
     // A replay's reply is not used by its client (which reclaims the handles it still
     // holds): opening again would count the file open for nobody.
     if frame.flags & FLAG_REPLAY != 0 {
@@ -284,7 +284,7 @@ pub(super) fn opened_again(shared: &Shared, frame: &Frame, client: u64, reply: V
 }
 
 /// An error reply, whatever the request's reply type (`Err` encodes the same for all).
-pub(super) fn error_reply(shared: &Shared, error: WireError) -> Reply {
+fn error_reply(shared: &Shared, error: WireError) -> Reply {
     Reply {
         header: encode(&Err::<(), WireError>(error)).into(),
         payload: stamp(shared, Answered::default()),
@@ -293,11 +293,11 @@ pub(super) fn error_reply(shared: &Shared, error: WireError) -> Reply {
 
 /// How many epochs back a replayed change may have been answered: the restarts (or
 /// changes of leader) in a row a client may have missed while it replays.
-pub(super) const REPLAY_EPOCHS_MAX: u64 = 8;
+const REPLAY_EPOCHS_MAX: u64 = 8;
 
 /// The inode id a replayed create was given the first time, from its original reply.
 /// and the layout a regular file was given (its client may have written by it already).
-pub(super) fn replayed_inode(
+fn replayed_inode(
     replay: &ReplayOf,
     opcode: u16,
 ) -> Result<(Option<InodeId>, Option<freeflow_types::Layout>), WireError> {
@@ -454,7 +454,7 @@ pub(super) async fn apply_mutation(
 
 /// Set attributes; a shrink replies only once the I/O servers cut their objects (or with
 /// `Unreachable` naming the server whose cut is left pending: the size is set either way).
-pub(super) async fn set_attributes(
+async fn set_attributes(
     shared: &Arc<Shared>,
     request: SetAttributes,
     id: MutationId,
@@ -585,7 +585,7 @@ pub(super) async fn create(
 /// A mkdir; a client that polls for revocations and was leased the new directory's names
 /// is also delegated it (`Leases::delegate`): it may answer creates there before this
 /// server has them.
-pub(super) async fn mkdir(
+async fn mkdir(
     shared: &Arc<Shared>,
     request: Mkdir,
     id: MutationId,

@@ -6,6 +6,8 @@ use freeflow_proto::{encode, ErrorCode, WireError};
 
 use crate::shared::{Answered, Shared};
 
+/// The stamp of a reply: the transaction of a mutation (0 for anything else) and the
+/// lease granted on what it read or changed.
 pub(super) fn stamp(shared: &Shared, answered: Answered) -> Bytes {
     Bytes::from(encode(&ReplyStamp {
         epoch: shared.boot_epoch,
@@ -33,8 +35,6 @@ pub(super) fn unstamped<T>(
     result.map(|reply| (reply, stamp(shared, Answered::default())))
 }
 
-/// Requests served during the recovery window (the rest wait for its end): sessions, the
-/// servers' registrations and status, and what replaying clients need.
 /// `InvalidArgument` when a `request` lists more than `max` of `what`.
 pub(super) fn at_most(
     request: &str,

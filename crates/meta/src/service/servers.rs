@@ -11,7 +11,7 @@ use freeflow_proto::meta::{
 use freeflow_proto::{ErrorCode, WireError};
 
 use super::reply::at_most;
-use crate::ops::{self};
+use crate::ops;
 use crate::records::{decode_versioned, inode_key, ServerEntry};
 use crate::shared::Shared;
 use crate::store::{StoreRead, TableId};

@@ -22,9 +22,9 @@ use crate::store::{StoreRead, TableId};
 
 /// Most a lock request waits at the server before it answers `WouldBlock` (its client asks
 /// again): well under any client's call time-out.
-pub(super) const LOCK_WAIT_MS_MAX: u32 = 5_000;
+const LOCK_WAIT_MS_MAX: u32 = 5_000;
 
-pub(super) fn lock_request(
+fn lock_request(
     shared: &Shared,
     session_id: u64,
     inode: InodeId,
@@ -127,7 +127,7 @@ pub(super) fn open_session(
 }
 
 /// Longest a revocation poll is held without anything to say.
-pub(super) const REVOCATION_POLL_MS_MAX: u32 = 60_000;
+const REVOCATION_POLL_MS_MAX: u32 = 60_000;
 
 /// A client's poll for revocations. Its first makes it lease-capable; the client is then
 /// recorded durably (as for its first mutation) so that after a restart the recovery window
@@ -247,7 +247,7 @@ pub(super) fn wake_reaper_for(shared: &Shared, inodes: &[InodeId]) {
     }
 }
 
-pub(super) fn access_mask(access: freeflow_proto::meta::OpenAccess) -> u32 {
+fn access_mask(access: freeflow_proto::meta::OpenAccess) -> u32 {
     let mut mask = 0;
     if access.read {
         mask |= ACCESS_READ;
