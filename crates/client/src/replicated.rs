@@ -24,7 +24,7 @@ use freeflow_proto::io::{ReadObject, SyncObjects};
 use freeflow_proto::meta::{MemberState, ServiceMap};
 use freeflow_proto::{ErrorCode, Request};
 use freeflow_rpc::RpcError;
-use freeflow_types::{InodeId, Layout, ServerId};
+use freeflow_types::{InodeId, Layout, ObjectId, ServerId};
 
 use crate::pool::Pool;
 use crate::ClientError;
@@ -159,6 +159,10 @@ impl Pool {
                 .await;
         }
         let chain = layout.chain(stripe);
+        let object = ObjectId {
+            inode,
+            stripe_index: stripe,
+        };
         let mut retry = Retry::new(self);
         let mut map = self.service_map().await?;
         let mut unsure: Option<(ServerId, u64)> = None;
@@ -171,7 +175,7 @@ impl Pool {
             });
             if settled {
                 unsure = None;
-                let members = map.write_chain(&chain);
+                let members = map.write_chain(object, &chain);
                 // No member in service: wait for one (the freshest copy may be away).
                 if let Some((&head, rest)) = members.split_first() {
                     let request = make(map.version, rest.to_vec());
@@ -220,6 +224,10 @@ impl Pool {
                 .await;
         }
         let chain = layout.chain(stripe);
+        let object = ObjectId {
+            inode,
+            stripe_index: stripe,
+        };
         let mut retry = Retry::new(self);
         let mut map = self.service_map().await?;
         loop {
@@ -228,7 +236,7 @@ impl Pool {
                 map_version: map.version,
                 ..request.clone()
             };
-            for member in map.read_chain(&chain) {
+            for member in map.read_chain(object, &chain) {
                 let attempt = self.io_attempt(member, inode, &request, Bytes::new(), &target);
                 match self.attempt_while_in(member, &map, attempt).await {
                     None => {}
@@ -263,10 +271,14 @@ impl Pool {
             return Ok(());
         }
         let chain = layout.chain(stripe);
+        let object = ObjectId {
+            inode,
+            stripe_index: stripe,
+        };
         let mut retry = Retry::new(self);
         let mut map = self.service_map().await?;
         loop {
-            let members = map.write_chain(&chain);
+            let members = map.write_chain(object, &chain);
             let syncs = members.iter().map(|member| {
                 let attempt = self.io_attempt(*member, inode, request, Bytes::new(), &target);
                 self.attempt_while_in(*member, &map, attempt)

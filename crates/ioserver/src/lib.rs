@@ -14,9 +14,11 @@
 
 pub mod buffer_pool;
 pub mod config;
+pub mod copy;
 pub mod engine;
 pub mod error;
 pub mod fd_cache;
+pub mod fill;
 pub mod gate;
 pub mod identity;
 pub mod local_reads;
@@ -204,9 +206,11 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
             connect_timeout_ms: config.meta_connect_timeout_ms,
             ..freeflow_rpc::ConnectOptions::default()
         },
-        progress: Arc::new(resync::ResyncProgress::default()),
+        progress: Arc::new(copy::CopyProgress::default()),
+        fill_progress: Arc::new(copy::CopyProgress::default()),
     });
-    metrics::register_resync_gauges(&registry, &resync.progress);
+    metrics::register_copy_gauges(&registry, &resync.progress, metrics::CopyKind::Resync);
+    metrics::register_copy_gauges(&registry, &resync.fill_progress, metrics::CopyKind::Fill);
     metrics::register_memory_gauges(&registry, &config);
     metrics::register_replication_gauges(&registry, &replication);
     let local_reads = match &config.unix_socket {

@@ -330,29 +330,64 @@ pub fn register_replication_gauges(
     });
 }
 
-/// The resync's progress (see `resync.rs`): objects to copy, copied, and bytes copied.
-pub fn register_resync_gauges(registry: &Registry, progress: &Arc<crate::resync::ResyncProgress>) {
+/// Which copy [`register_copy_gauges`] reports on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyKind {
+    /// A server back in its chains copies what changed while it was out (`resync.rs`).
+    Resync,
+    /// A server taking a lost one's place copies its stripes (`fill.rs`).
+    Fill,
+}
+
+/// A copy's progress: objects to copy, copied, and bytes copied.
+pub fn register_copy_gauges(
+    registry: &Registry,
+    progress: &Arc<crate::copy::CopyProgress>,
+    kind: CopyKind,
+) {
     use std::sync::atomic::Ordering;
-    let running = registry.gauge(
-        "freeflow_io_resync_running",
-        "1 while this server copies what changed while it was out of its chains.",
-        &[],
-    );
-    let total = registry.gauge(
-        "freeflow_io_resync_objects",
-        "Objects the current (or last) resync has to copy.",
-        &[],
-    );
-    let done = registry.gauge(
-        "freeflow_io_resync_objects_done",
-        "Objects the current (or last) resync has copied.",
-        &[],
-    );
-    let bytes = registry.counter(
-        "freeflow_io_resync_bytes_total",
-        "Bytes copied from chain partners by resyncs since the start.",
-        &[],
-    );
+    let names = match kind {
+        CopyKind::Resync => [
+            (
+                "freeflow_io_resync_running",
+                "1 while this server copies what changed while it was out of its chains.",
+            ),
+            (
+                "freeflow_io_resync_objects",
+                "Objects the current (or last) resync has to copy.",
+            ),
+            (
+                "freeflow_io_resync_objects_done",
+                "Objects the current (or last) resync has copied.",
+            ),
+            (
+                "freeflow_io_resync_bytes_total",
+                "Bytes copied from chain partners by resyncs since the start.",
+            ),
+        ],
+        CopyKind::Fill => [
+            (
+                "freeflow_io_fill_running",
+                "1 while this server copies the stripes it takes from lost servers.",
+            ),
+            (
+                "freeflow_io_fill_objects",
+                "Objects the current (or last) fill has to copy.",
+            ),
+            (
+                "freeflow_io_fill_objects_done",
+                "Objects the current (or last) fill has copied.",
+            ),
+            (
+                "freeflow_io_fill_bytes_total",
+                "Bytes copied from survivors by fills since the start (re-replication).",
+            ),
+        ],
+    };
+    let running = registry.gauge(names[0].0, names[0].1, &[]);
+    let total = registry.gauge(names[1].0, names[1].1, &[]);
+    let done = registry.gauge(names[2].0, names[2].1, &[]);
+    let bytes = registry.counter(names[3].0, names[3].1, &[]);
     let progress = Arc::downgrade(progress);
     registry.on_render(move || {
         let Some(progress) = progress.upgrade() else {

@@ -127,6 +127,9 @@ pub async fn run_registration(
                 if let Some(order) = reply.resync {
                     resync.start(order);
                 }
+                if let Some(order) = reply.fill {
+                    resync.start_fill(order);
+                }
                 gate.set_owed(reply.cuts_owed);
                 if reply.cuts_owed > 0 {
                     (LinkState::OwesCuts, RETRY_BACKOFF_INITIAL_MS)
@@ -173,6 +176,7 @@ struct Registered {
     cuts_owed: u32,
     map_version: u64,
     resync: Option<freeflow_proto::meta::ResyncOrder>,
+    fill: Option<freeflow_proto::meta::FillOrder>,
     lease_ms: u64,
 }
 
@@ -220,6 +224,7 @@ async fn register_once(
         cuts_owed: reply.cuts_owed,
         map_version: reply.map_version,
         resync: reply.resync,
+        fill: reply.fill,
         lease_ms: reply.lease_ms,
     })
 }

@@ -19,41 +19,33 @@
 //!
 //! Deleted files need nothing here: the meta server's reaper removes their objects from a
 //! server that comes back, and cuts owed are made before it serves data (`gate.rs`).
+//!
+//! Chains are read through the map's replacements (`ServiceMap::chain`): a server back
+//! after it was replaced as lost for good copies none of the stripes it gave up, and
+//! removes its old copies of them; a stand-in still filling is no source.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use freeflow_proto::io::{AllocateMode, ListObjects, ReadObject, LIST_OBJECTS_MAX};
-use freeflow_proto::meta::{
-    InspectInodes, MemberState, ResyncDone, ResyncOrder, ServiceMap, INSPECT_INODES_MAX,
-};
-use freeflow_rpc::{ClusterKey, ConnectOptions, Connection};
-use freeflow_types::{InodeId, ObjectId, ServerId};
+use freeflow_proto::meta::{ChainMember, MemberState, ResyncDone, ResyncOrder, ServiceMap};
+use freeflow_rpc::{ClusterKey, ConnectOptions};
+use freeflow_types::{ObjectId, ServerId};
 
+use crate::copy::{copy_object, layouts, list_objects, list_own, CopyProgress, Pacer};
 use crate::replication::Replication;
-use crate::store::{ObjectStore, SHARD_COUNT};
-
-/// Bytes copied per read from the source.
-const COPY_PIECE_BYTES: u32 = 1 << 20;
-
-/// Progress of the resync, for metrics and `freeflow status`.
-#[derive(Default)]
-pub struct ResyncProgress {
-    pub running: AtomicBool,
-    pub objects_total: AtomicU64,
-    pub objects_done: AtomicU64,
-    pub bytes_copied: AtomicU64,
-}
+use crate::store::ObjectStore;
 
 pub struct Resync {
     pub store: Arc<ObjectStore>,
     pub replication: Arc<Replication>,
     pub key: ClusterKey,
     pub options: ConnectOptions,
-    pub progress: Arc<ResyncProgress>,
+    pub progress: Arc<CopyProgress>,
+    /// The fill's (`fill.rs`): a server fills only in service, and resyncs only syncing.
+    pub fill_progress: Arc<CopyProgress>,
 }
 
 impl Resync {
@@ -128,44 +120,28 @@ impl Resync {
                 .peer(*partner)
                 .await
                 .map_err(|error| error.to_string())?;
-            for object in list_recent(&connection, order.window_ms).await? {
+            let recent =
+                |listed: &freeflow_proto::io::ListedObject| listed.age_ms <= order.window_ms;
+            for object in list_objects(&connection, recent).await? {
                 candidates.entry(object).or_default().insert(*partner);
             }
         }
-        for object in self.list_own_recent(order.window_ms).await? {
+        let recent = |listed: &freeflow_proto::io::ListedObject| listed.age_ms <= order.window_ms;
+        for object in list_own(&self.store, recent).await? {
             candidates.entry(object).or_default();
         }
+        // Copies of stripes given up to a stand-in (this server was replaced while out)
+        // are not this server's any more.
+        self.remove_replaced(&map, &meta).await?;
         // 2. Layouts, and one source per object.
-        let inodes: Vec<InodeId> = candidates
-            .keys()
-            .map(|object| object.inode)
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        let mut layouts = BTreeMap::new();
-        for batch in inodes.chunks(INSPECT_INODES_MAX) {
-            let (facts, _) = meta
-                .call(
-                    &InspectInodes {
-                        inodes: batch.to_vec(),
-                    },
-                    Bytes::new(),
-                )
-                .await
-                .map_err(|error| format!("cannot read layouts from the meta server: {error}"))?;
-            for fact in facts {
-                if let Some(layout) = fact.layout {
-                    layouts.insert(fact.inode, layout);
-                }
-            }
-        }
+        let layouts = layouts(&meta, candidates.keys()).await?;
         let mut work: Vec<(ObjectId, ServerId)> = Vec::new();
         for object in candidates.keys() {
             let Some(layout) = layouts.get(&object.inode) else {
                 continue; // Removed: the reaper takes care of its objects.
             };
-            let chain = layout.chain(object.stripe_index);
-            if !chain.contains(&me) || layout.replicas() < 2 {
+            let chain = map.chain(*object, &layout.chain(object.stripe_index));
+            if !chain.iter().any(|member| member.server == me) || layout.replicas() < 2 {
                 continue;
             }
             match source_of(&map, &chain, me) {
@@ -183,13 +159,22 @@ impl Resync {
             .store(work.len() as u64, Ordering::Relaxed);
         self.progress.objects_done.store(0, Ordering::Relaxed);
         // 3. Copy, then make the copies durable before saying so.
+        let mut pacer = Pacer::new(0);
         for (object, source) in &work {
             let connection = self
                 .replication
                 .peer(*source)
                 .await
                 .map_err(|error| error.to_string())?;
-            self.copy(&connection, *object).await?;
+            copy_object(
+                &self.store,
+                &self.replication,
+                &connection,
+                *object,
+                &self.progress,
+                &mut pacer,
+            )
+            .await?;
             self.progress.objects_done.fetch_add(1, Ordering::Relaxed);
         }
         let copied: Vec<ObjectId> = work.iter().map(|(object, _)| *object).collect();
@@ -211,98 +196,53 @@ impl Resync {
         .map_err(|error| format!("the meta server did not take the end of the resync: {error}"))?;
         Ok(work.len() as u64)
     }
+}
 
-    async fn list_own_recent(&self, window_ms: u64) -> Result<Vec<ObjectId>, String> {
-        let mut recent = Vec::new();
-        for shard in 0..SHARD_COUNT {
-            let mut after = None;
-            loop {
-                let (objects, more) = self
-                    .store
-                    .list(shard, after, LIST_OBJECTS_MAX as usize)
+impl Resync {
+    /// Remove this server's copies of the stripes it was replaced for (lost for good,
+    /// then back): the map gives them to stand-ins, so they are never read or written
+    /// here again. Objects of files that are gone are left (the reaper sent their removal
+    /// to the stand-ins; `freeflow fsck --repair` finds them).
+    async fn remove_replaced(
+        &self,
+        map: &ServiceMap,
+        meta: &freeflow_rpc::Connection,
+    ) -> Result<(), String> {
+        let me = self.store.server_id();
+        let Some(below) = map
+            .replacements
+            .iter()
+            .filter(|replacement| replacement.server == me)
+            .map(|replacement| replacement.inodes_below)
+            .max()
+        else {
+            return Ok(());
+        };
+        let own = list_own(&self.store, |listed| listed.object.inode < below).await?;
+        let layouts = layouts(meta, own.iter()).await?;
+        let mut removed = 0u64;
+        for object in own {
+            let Some(layout) = layouts.get(&object.inode) else {
+                continue;
+            };
+            if layout.replicas() >= 2
+                && layout.keeps(object.stripe_index, me)
+                && !map.keeps(object, layout, me)
+            {
+                self.store
+                    .remove_one(object)
                     .await
-                    .map_err(|error| error.to_string())?;
-                after = objects.last().map(|listed| listed.object);
-                recent.extend(
-                    objects
-                        .iter()
-                        .filter(|listed| listed.age_ms <= window_ms)
-                        .map(|listed| listed.object),
-                );
-                if !more || after.is_none() {
-                    break;
-                }
+                    .map_err(|error| format!("cannot remove {object:?}, given up: {error}"))?;
+                removed += 1;
             }
         }
-        Ok(recent)
-    }
-
-    /// Make the local copy of `object` equal the source's. Each piece is copied under the
-    /// piece's range lock here: a write passed on meanwhile waits and lands after it (the
-    /// source had it before it was passed on, so writing it again changes nothing), and a
-    /// cut waits too. The lock is per piece so that no write waits long.
-    async fn copy(&self, source: &Connection, object: ObjectId) -> Result<(), String> {
-        let mut offset = 0u64;
-        let mut last_punched = false;
-        loop {
-            let _piece = self
-                .replication
-                .ranges
-                .acquire(object, offset, offset + u64::from(COPY_PIECE_BYTES))
-                .await;
-            let (reply, data) = source
-                .call(
-                    &ReadObject {
-                        object,
-                        offset,
-                        length: COPY_PIECE_BYTES,
-                        map_version: 0,
-                    },
-                    Bytes::new(),
-                )
-                .await
-                .map_err(|error| format!("cannot read {object:?} from its source: {error}"))?;
-            let length = u64::from(reply.length).min(data.len() as u64);
-            if length > 0 {
-                last_punched = data.iter().all(|byte| *byte == 0);
-                let written = if last_punched {
-                    self.store
-                        .allocate(object, offset, length, AllocateMode::PunchHole)
-                        .await
-                } else {
-                    self.store
-                        .write(object, offset, data.slice(..length as usize))
-                        .await
-                };
-                if let Err(error) = written {
-                    return Err(format!("cannot write {object:?} here: {error}"));
-                }
-                self.progress
-                    .bytes_copied
-                    .fetch_add(length, Ordering::Relaxed);
-            }
-            offset += length;
-            if length < u64::from(COPY_PIECE_BYTES) {
-                break;
-            }
+        if removed > 0 {
+            tracing::info!(
+                server_id = me,
+                objects = removed,
+                "removed the copies this server was replaced for while it was lost"
+            );
         }
-        // The source ends here: so does the copy. A punched tail leaves the length short:
-        // its last byte (a zero) is written; a cut removes what is past it.
-        let _tail = self
-            .replication
-            .ranges
-            .acquire(object, offset.saturating_sub(1), u64::MAX)
-            .await;
-        if last_punched && offset > 0 {
-            self.store
-                .write(object, offset - 1, Bytes::from_static(&[0]))
-                .await
-                .map_err(|error| format!("cannot write {object:?} here: {error}"))?;
-        }
-        self.store
-            .truncate(object, offset)
-            .await
-            .map_err(|error| format!("cannot cut {object:?} here: {error}"))?;
         Ok(())
     }
 }
@@ -317,26 +257,24 @@ enum Source {
     Away(ServerId),
 }
 
-/// Where a syncing member copies a stripe from: the first member of its chain in service;
-/// if none is, the member that went out last (it missed the fewest writes), if that one
-/// went out after this one.
-fn source_of(map: &ServiceMap, chain: &[ServerId], me: ServerId) -> Source {
-    if let Some(server) = chain
-        .iter()
-        .copied()
-        .find(|server| *server != me && map.state(*server) == MemberState::InService)
-    {
+/// Where a syncing member copies a stripe from: the first member of its chain in service
+/// (a stand-in still filling is none); if none is, the member that went out last (it
+/// missed the fewest writes), if that one went out after this one.
+fn source_of(map: &ServiceMap, chain: &[ChainMember], me: ServerId) -> Source {
+    let partners = || {
+        chain
+            .iter()
+            .filter(|member| member.server != me && !member.filling)
+            .map(|member| member.server)
+    };
+    if let Some(server) = partners().find(|server| map.state(*server) == MemberState::InService) {
         return Source::Partner(server);
     }
     let since = |server: ServerId| {
         map.member(server)
             .map_or(0, |member| member.unsynced_since_ms)
     };
-    let freshest = chain
-        .iter()
-        .copied()
-        .filter(|server| *server != me)
-        .max_by_key(|server| since(*server));
+    let freshest = partners().max_by_key(|server| since(*server));
     match freshest {
         Some(server) if since(server) > since(me) => {
             if map.state(server) == MemberState::Syncing {
@@ -359,42 +297,11 @@ fn fresher_and_out(map: &ServiceMap, me: ServerId) -> Option<ServerId> {
             member.server_id != me
                 && member.state == MemberState::Out
                 && member.unsynced_since_ms > mine
+                // Lost for good: its stripes are made again from the others.
+                && !map.replaced_while_out(member.server_id)
         })
         .max_by_key(|member| member.unsynced_since_ms)
         .map(|member| member.server_id)
-}
-
-/// The objects of a partner written within `window_ms`.
-async fn list_recent(connection: &Connection, window_ms: u64) -> Result<Vec<ObjectId>, String> {
-    let mut recent = Vec::new();
-    for shard in 0..SHARD_COUNT as u32 {
-        let mut after = None;
-        loop {
-            let (listing, _) = connection
-                .call(
-                    &ListObjects {
-                        shard,
-                        after,
-                        limit: LIST_OBJECTS_MAX,
-                    },
-                    Bytes::new(),
-                )
-                .await
-                .map_err(|error| format!("cannot list a partner's objects: {error}"))?;
-            after = listing.objects.last().map(|listed| listed.object);
-            recent.extend(
-                listing
-                    .objects
-                    .iter()
-                    .filter(|listed| listed.age_ms <= window_ms)
-                    .map(|listed| listed.object),
-            );
-            if !listing.more || after.is_none() {
-                break;
-            }
-        }
-    }
-    Ok(recent)
 }
 
 #[cfg(test)]
@@ -411,7 +318,17 @@ mod tests {
             incarnation: 1,
             unsynced_since_ms,
         };
+        let chain = |servers: &[ServerId]| -> Vec<ChainMember> {
+            servers
+                .iter()
+                .map(|server| ChainMember {
+                    server: *server,
+                    filling: false,
+                })
+                .collect()
+        };
         let map = ServiceMap {
+            replacements: Vec::new(),
             version: 3,
             members: vec![
                 member(1, MemberState::Out, 500),
@@ -421,11 +338,14 @@ mod tests {
                 member(5, MemberState::Syncing, 300),
             ],
         };
-        assert_eq!(source_of(&map, &[1, 3, 4, 2], 3), Source::Partner(4));
+        assert_eq!(
+            source_of(&map, &chain(&[1, 3, 4, 2]), 3),
+            Source::Partner(4)
+        );
         // No member in service: the one that went out last, if after this one.
-        assert_eq!(source_of(&map, &[3, 5], 3), Source::Partner(5));
-        assert_eq!(source_of(&map, &[3, 5], 5), Source::Mine);
-        assert_eq!(source_of(&map, &[3, 1], 3), Source::Away(1));
+        assert_eq!(source_of(&map, &chain(&[3, 5]), 3), Source::Partner(5));
+        assert_eq!(source_of(&map, &chain(&[3, 5]), 5), Source::Mine);
+        assert_eq!(source_of(&map, &chain(&[3, 1]), 3), Source::Away(1));
         // Server 1 went out after 3 and 5 became unsynced: their copies wait for it.
         assert_eq!(fresher_and_out(&map, 3), Some(1));
         assert_eq!(fresher_and_out(&map, 5), Some(1));

@@ -264,6 +264,7 @@ impl Service for FakeMeta {
                     cuts_owed: self.cuts_owed.load(Ordering::SeqCst),
                     map_version: 0,
                     resync: None,
+                    fill: None,
                     lease_ms: 60_000,
                 },
                 Bytes::new(),

@@ -28,6 +28,15 @@ pub struct MetaConfig {
     pub replicas: u32,
     /// An I/O server not heard from within this time is reported down. Default 5000.
     pub server_down_after_ms: u64,
+    /// An I/O server out of its chains (silent) for this long is taken as lost for good:
+    /// every replicated stripe it kept gets another server in its place, which copies it
+    /// from the survivors (re-replication). 0: never. Default 600000 (10 minutes; `freeflow
+    /// up` sets 120000): long enough for a reboot, short enough that a second failure is
+    /// unlikely to come first. At least `server_down_after_ms` when not 0.
+    pub server_dead_after_ms: u64,
+    /// Most bytes per second each server taking a lost server's place reads from the
+    /// survivors while it copies; 0: no limit. Default 104857600 (100 MiB/s).
+    pub rereplicate_bytes_per_second: u64,
     /// How often I/O servers are told to send their heartbeat. Default 1000.
     pub heartbeat_interval_ms: u32,
     /// Most mutations committed in one write transaction (one fsync). Default 256.
@@ -116,6 +125,8 @@ impl Default for MetaConfig {
             stripe_count: 0,
             replicas: 1,
             server_down_after_ms: 5000,
+            server_dead_after_ms: 600_000,
+            rereplicate_bytes_per_second: 100 << 20,
             heartbeat_interval_ms: 1000,
             commit_batch_max: 256,
             commit_queue_max: 4096,
@@ -180,6 +191,8 @@ impl MetaConfig {
             stripe_count,
             replicas,
             server_down_after_ms,
+            server_dead_after_ms,
+            rereplicate_bytes_per_second: _,
             heartbeat_interval_ms,
             commit_batch_max,
             commit_queue_max,
@@ -240,6 +253,14 @@ impl MetaConfig {
                 "server_down_after_ms",
                 format!(
                     "{server_down_after_ms} must be longer than heartbeat_interval_ms {heartbeat_interval_ms}"
+                ),
+            ));
+        }
+        if *server_dead_after_ms != 0 && *server_dead_after_ms < *server_down_after_ms {
+            return Err(invalid(
+                "server_dead_after_ms",
+                format!(
+                    "{server_dead_after_ms} is shorter than server_down_after_ms {server_down_after_ms} (0: never)"
                 ),
             ));
         }

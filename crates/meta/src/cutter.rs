@@ -90,8 +90,19 @@ pub async fn carry_out(
     let mut failures: Vec<(ServerId, String)> = Vec::new();
     // Per stripe: the object length to cut at, and the members still to confirm.
     let mut wanted: BTreeMap<u32, (u64, Vec<ServerId>)> = BTreeMap::new();
+    let replicated = record.layout.replicas() > 1;
+    // Chains as the map makes them: a lost server's stand-in is cut in its place.
+    let map = shared.registry().service_map();
     for (stripe, size_bytes) in &record.cuts {
-        let chain = record.layout.chain(*stripe);
+        let object = ObjectId {
+            inode,
+            stripe_index: *stripe,
+        };
+        let chain: Vec<ServerId> = map
+            .chain(object, &record.layout.chain(*stripe))
+            .iter()
+            .map(|member| member.server)
+            .collect();
         if chain.is_empty() {
             // Not in the layout: no object to cut (a corrupt record); drop the entry.
             tracing::warn!(inode, stripe, "pending cut of a stripe outside the layout");
@@ -101,7 +112,6 @@ pub async fn carry_out(
         let length = record.layout.object_length(*size_bytes, *stripe);
         wanted.insert(*stripe, (length, chain));
     }
-    let replicated = record.layout.replicas() > 1;
     let key = (inode, record.generation);
     if replicated {
         // Members that confirmed their cut of this truncation already are not asked again.
@@ -146,26 +156,36 @@ pub async fn carry_out(
             skipped_out.clear();
         }
         let chains: Vec<(u32, u64, Vec<ServerId>)> = {
+            let map = shared.registry().service_map();
             let registry = shared.registry();
             wanted
                 .iter()
                 .filter_map(|(stripe, (length, members))| {
+                    // The order writes take (members in service, then those syncing or
+                    // filling), so a cut and a write meet in the same order everywhere.
+                    let order = if replicated {
+                        let object = ObjectId {
+                            inode,
+                            stripe_index: *stripe,
+                        };
+                        map.write_chain(object, &record.layout.chain(*stripe))
+                    } else {
+                        members.clone()
+                    };
+                    skipped_out.extend(members.iter().filter(|server| {
+                        replicated && registry.state(**server) == MemberState::Out
+                    }));
                     let mut chain: Vec<ServerId> = Vec::with_capacity(members.len());
-                    let mut syncing = Vec::new();
-                    for server in members {
-                        match registry.state(*server) {
-                            MemberState::Out if replicated => skipped_out.push(*server),
-                            MemberState::Syncing if replicated => syncing.push(*server),
-                            _ => {
-                                if reach == Reach::UpOnly && !registry.server_is_up(*server, now) {
-                                    failures.push((*server, "server is down".into()));
-                                    return None;
-                                }
-                                chain.push(*server);
-                            }
+                    for server in order.iter().filter(|server| members.contains(server)) {
+                        if (!replicated || registry.state(*server) == MemberState::InService)
+                            && reach == Reach::UpOnly
+                            && !registry.server_is_up(*server, now)
+                        {
+                            failures.push((*server, "server is down".into()));
+                            return None;
                         }
+                        chain.push(*server);
                     }
-                    chain.extend(syncing);
                     (!chain.is_empty()).then_some((*stripe, *length, chain))
                 })
                 .collect()

@@ -20,6 +20,8 @@ pub mod reaper;
 pub mod records;
 pub mod recovery;
 pub mod registry;
+pub mod replacements;
+pub mod rereplication;
 pub mod server;
 pub mod service;
 pub mod sessions;

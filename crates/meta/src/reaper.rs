@@ -25,7 +25,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use freeflow_proto::io::RemoveObjects;
-use freeflow_types::{InodeId, ServerId};
+use freeflow_proto::meta::ServiceMap;
+use freeflow_types::{InodeId, ObjectId, ServerId};
 use tokio::task::JoinSet;
 
 use crate::cutter::{carry_out, Reach};
@@ -45,17 +46,23 @@ pub const RETRY_DELAY_MAX_MS: u64 = 10_000;
 /// Time between passes when nothing wakes the reaper (catches anything missed).
 pub const IDLE_PASS_INTERVAL_MS: u64 = 30_000;
 
-/// The stripes each server of a layout holds.
-pub fn stripes_by_server(orphan: &OrphanRecord) -> BTreeMap<ServerId, Vec<u32>> {
+/// The stripes each server of a layout holds, as the service map makes the chains (a lost
+/// server's stand-in in its place; the lost server empties itself if it comes back).
+pub fn stripes_by_server(
+    map: &ServiceMap,
+    inode: InodeId,
+    orphan: &OrphanRecord,
+) -> BTreeMap<ServerId, Vec<u32>> {
     let mut by_server: BTreeMap<ServerId, Vec<u32>> = BTreeMap::new();
-    for (stripe, server) in orphan.layout.placements() {
+    for (stripe, server) in map.placements(inode, &orphan.layout) {
         by_server.entry(server).or_default().push(stripe);
     }
     by_server
 }
 
 async fn remove_data(shared: &Shared, inode: InodeId, orphan: &OrphanRecord) -> Result<(), String> {
-    for (server, stripes) in stripes_by_server(orphan) {
+    let map = shared.registry().service_map();
+    for (server, stripes) in stripes_by_server(&map, inode, orphan) {
         let address = shared
             .registry()
             .address(server)
@@ -123,11 +130,16 @@ async fn cut_pass(shared: &Arc<Shared>) -> bool {
 pub async fn cuts_owed_by(shared: &Arc<Shared>, server: ServerId) -> u32 {
     // A member of a replicated stripe that confirmed its cut owes nothing while a
     // partner's cut is still pending.
+    let map = shared.registry().service_map();
     let owes = |inode: InodeId, record: &TruncationRecord| {
         let confirmed = shared.cuts_confirmed();
         let done = confirmed.get(&(inode, record.generation));
         record.cuts.iter().any(|(stripe, _)| {
-            record.layout.keeps(*stripe, server)
+            let object = ObjectId {
+                inode,
+                stripe_index: *stripe,
+            };
+            map.keeps(object, &record.layout, server)
                 && !done.is_some_and(|done| done.contains(&(*stripe, server)))
         })
     };

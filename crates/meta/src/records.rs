@@ -13,6 +13,7 @@
 //! | replies     | client u64 BE ++ request u64 BE | version 1 byte + postcard(ReplyRecord)  |
 //! | reply_expiry | txn u64 BE ++ client u64 BE ++ request u64 BE | empty                  |
 //! | clients     | client u64 BE               | version 1 byte + postcard(ClientRecord)     |
+//! | replacements | sequence u64 BE            | version 1 byte + postcard(proto `Replacement`) |
 //!
 //! Integers in keys are big-endian so that byte order is numeric order and all entries of
 //! one directory (or one inode's xattrs) are one contiguous range. Every record read back is

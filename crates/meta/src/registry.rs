@@ -11,15 +11,22 @@
 //! copies what changed in its absence, see `ioserver/src/resync.rs`), and back in service
 //! once it says its copy is done. Every change gives the map a new version; states are
 //! persisted with the server's entry, so an out server stays out across a restart.
+//!
+//! A server out past `server_dead_after_ms` is replaced in the chains of replicated
+//! stripes (`replacements.rs`); the registry gives the servers that take its place their
+//! order to copy once every server in service holds the map that names them.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::time::Instant;
 
-use freeflow_proto::meta::{Member, MemberState, ResyncOrder, ServerRecord, ServiceMap};
-use freeflow_types::ServerId;
+use freeflow_proto::meta::{
+    FillOrder, Member, MemberState, Replacement, ResyncOrder, ServerRecord, ServiceMap,
+};
+use freeflow_types::{InodeId, ServerId};
 
 use crate::records::ServerEntry;
+use crate::replacements::{ReplacementChange, Replacements};
 
 /// Added to the time a server was out when telling it how far back to copy: covers writes
 /// made while it was already silent but not yet put out, and clock-rate differences.
@@ -46,6 +53,7 @@ pub struct Registry {
     down_after: Duration,
     map_version: u64,
     started: Instant,
+    replacements: Replacements,
 }
 
 /// A server's state changed: its entry must be persisted.
@@ -68,7 +76,11 @@ pub struct RegistryTotals {
 }
 
 impl Registry {
-    pub fn new(persisted: Vec<(ServerId, ServerEntry)>, down_after: Duration) -> Registry {
+    pub fn new(
+        persisted: Vec<(ServerId, ServerEntry)>,
+        replacements: Vec<(u64, Replacement)>,
+        down_after: Duration,
+    ) -> Registry {
         let started = Instant::now();
         let servers = persisted
             .into_iter()
@@ -94,6 +106,7 @@ impl Registry {
             down_after,
             map_version,
             started,
+            replacements: Replacements::new(replacements, map_version),
         }
     }
 
@@ -123,7 +136,105 @@ impl Registry {
                     unsynced_since_ms: state.entry.unsynced_since_ms,
                 })
                 .collect(),
+            replacements: self.replacements.records(),
         }
+    }
+
+    /// The servers out for at least `dead_after` (by the time they may lack writes
+    /// since) and not replaced since they went out: lost for good.
+    pub fn lost(&self, dead_after: Duration) -> Vec<ServerId> {
+        let now_ms = unix_ms();
+        self.servers
+            .iter()
+            .filter(|(id, state)| {
+                state.entry.state == MemberState::Out
+                    && state.entry.unsynced_since_ms > 0
+                    && now_ms.saturating_sub(state.entry.unsynced_since_ms)
+                        >= dead_after.as_millis() as u64
+                    && !self
+                        .replacements
+                        .replaced_since(**id, state.entry.unsynced_since_ms)
+            })
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// The records that replace lost `server` for the inodes below `inodes_below`: the
+    /// servers up and in service take its place. None when there is none.
+    pub fn propose_replacement(
+        &self,
+        server: ServerId,
+        inodes_below: InodeId,
+        now: Instant,
+    ) -> Option<Vec<ReplacementChange>> {
+        let by: Vec<ServerId> = self
+            .servers
+            .iter()
+            .filter(|(id, state)| {
+                **id != server
+                    && state.entry.state == MemberState::InService
+                    && self.is_up(state, now)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        if by.is_empty() {
+            return None;
+        }
+        Some(
+            self.replacements
+                .propose(server, inodes_below, by, unix_ms()),
+        )
+    }
+
+    /// Take replacement records as persisted: the map changes.
+    pub fn apply_replacements(&mut self, changes: Vec<ReplacementChange>) {
+        if changes.is_empty() {
+            return;
+        }
+        self.map_version += 1;
+        self.replacements.apply(changes, self.map_version);
+    }
+
+    /// The copy a server taking a lost one's place may start: only once every server in
+    /// service and up holds the map that names it, so every write taken from then on is
+    /// passed on to it and every write taken before is on the survivors it copies from.
+    pub fn fill_order(
+        &self,
+        server: ServerId,
+        now: Instant,
+        bytes_per_second: u64,
+    ) -> Option<FillOrder> {
+        let since = self.replacements.filling_since(server)?;
+        let state = self.servers.get(&server)?;
+        if state.entry.state != MemberState::InService {
+            return None;
+        }
+        let all_hold = self.servers.values().all(|other| {
+            other.entry.state != MemberState::InService
+                || !self.is_up(other, now)
+                || other.held_version >= since
+        });
+        all_hold.then_some(FillOrder {
+            map_version: self.map_version,
+            bytes_per_second,
+        })
+    }
+
+    /// `server` copied what its order (given under `map_version`) asked: the records it
+    /// filled, changed, to persist before [`Registry::apply_replacements`].
+    pub fn fill_done(&self, server: ServerId, map_version: u64) -> Vec<ReplacementChange> {
+        self.replacements.fill_done(server, map_version)
+    }
+
+    /// The map version from which `server` may copy what it fills (None: it fills
+    /// nothing).
+    pub fn filling_since(&self, server: ServerId) -> Option<u64> {
+        self.replacements.filling_since(server)
+    }
+
+    /// (stand-ins still copying, stand-ins in all) over every replacement.
+    pub fn replacement_progress(&self) -> (usize, usize) {
+        self.replacements.progress()
     }
 
     /// Move a server to `to` in memory (its entry must already be persisted that way when
@@ -425,6 +536,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    const OBJECT: freeflow_types::ObjectId = freeflow_types::ObjectId {
+        inode: 5,
+        stripe_index: 0,
+    };
+
     fn entry(address: &str) -> ServerEntry {
         ServerEntry {
             address: address.into(),
@@ -440,7 +556,7 @@ mod tests {
     #[test]
     fn a_silent_server_goes_out_then_syncs_then_serves_again() {
         let start = Instant::now();
-        let mut registry = Registry::new(vec![], Duration::from_millis(50));
+        let mut registry = Registry::new(vec![], vec![], Duration::from_millis(50));
         registry.heartbeat(1, entry("a:1"), start);
         registry.heartbeat(2, entry("b:1"), start);
         assert!(registry.note_registration(1, 7, 0, true, false).is_none());
@@ -463,15 +579,18 @@ mod tests {
         assert!(registry.map_version() > first);
         let map = registry.service_map();
         assert_eq!(map.member(2).unwrap().state, MemberState::Out);
-        assert_eq!(map.write_chain(&[2, 1]), vec![1]);
-        assert_eq!(map.read_chain(&[1, 2]), vec![1]);
+        assert_eq!(map.write_chain(OBJECT, &[2, 1]), vec![1]);
+        assert_eq!(map.read_chain(OBJECT, &[1, 2]), vec![1]);
         assert!(!registry.placement_servers(later).0.contains(&2));
         // Back: syncing, but no copy before server 1 holds the new map.
         let back = later + Duration::from_millis(10);
         registry.heartbeat(2, entry("b:1"), back);
         let change = registry.note_registration(2, 9, 0, false, true).unwrap();
         assert_eq!(change.1.state, MemberState::Syncing);
-        assert_eq!(registry.service_map().write_chain(&[2, 1]), vec![1, 2]);
+        assert_eq!(
+            registry.service_map().write_chain(OBJECT, &[2, 1]),
+            vec![1, 2]
+        );
         assert!(registry.resync_order(2, back).is_none());
         let version = registry.map_version();
         registry.note_registration(1, 7, version, false, true);
@@ -514,7 +633,8 @@ mod tests {
     #[test]
     fn servers_go_down_after_silence_and_placement_falls_back() {
         let start = Instant::now();
-        let mut registry = Registry::new(vec![(3, entry("a:1"))], Duration::from_millis(50));
+        let mut registry =
+            Registry::new(vec![(3, entry("a:1"))], vec![], Duration::from_millis(50));
         assert!(!registry.needs_persist(3, "a:1"));
         assert!(registry.needs_persist(3, "a:2"));
         assert!(registry.needs_persist(4, "b:1"));
@@ -597,7 +717,7 @@ mod tests {
         fn the_service_map_never_trusts_a_copy_it_did_not_resync(steps in proptest::collection::vec(step(), 1..120)) {
             let start = Instant::now();
             let mut now = start;
-            let mut registry = Registry::new(vec![], Duration::from_millis(1_000));
+            let mut registry = Registry::new(vec![], vec![], Duration::from_millis(1_000));
             let mut alive = [true; 4];
             let mut incarnation = [1u64; 4];
             // Servers that may lack writes: set when one goes out or syncing, cleared only
@@ -671,10 +791,10 @@ mod tests {
                 version = registry.map_version();
                 let map = registry.service_map();
                 for chain in [[1u32, 2], [2, 3], [3, 1]] {
-                    for member in map.write_chain(&chain).into_iter().chain(map.read_chain(&chain)) {
+                    for member in map.write_chain(OBJECT, &chain).into_iter().chain(map.read_chain(OBJECT, &chain)) {
                         prop_assert_ne!(map.state(member), MemberState::Out);
                     }
-                    for member in map.read_chain(&chain) {
+                    for member in map.read_chain(OBJECT, &chain) {
                         prop_assert_eq!(map.state(member), MemberState::InService);
                     }
                 }

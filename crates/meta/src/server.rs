@@ -77,12 +77,14 @@ pub(crate) async fn launch(
         path: path.clone(),
         source,
     };
-    let (servers, clients) = {
+    let (servers, replacements, clients) = {
         let read = store.begin_read().map_err(store_error)?;
-        let servers = ops::servers::load_servers(&read).map_err(|error| match error {
+        let op_error = |error| match error {
             ops::OpError::Store(source) => store_error(source),
             ops::OpError::Refused(wire) => store_error(StoreError::Backend(wire.message)),
-        })?;
+        };
+        let servers = ops::servers::load_servers(&read).map_err(op_error)?;
+        let replacements = ops::servers::load_replacements(&read).map_err(op_error)?;
         // Bounded like the sessions that made them (one record per client with a session).
         let clients: HashSet<u64> = read
             .range_keys(
@@ -95,7 +97,7 @@ pub(crate) async fn launch(
             .iter()
             .filter_map(|key| key.as_slice().try_into().ok().map(u64::from_be_bytes))
             .collect();
-        (servers, clients)
+        (servers, replacements, clients)
     };
     let listener = freeflow_rpc::net::bind(&config.listen_address)
         .await
@@ -135,6 +137,7 @@ pub(crate) async fn launch(
         })),
         registry: Mutex::new(Registry::new(
             servers,
+            replacements,
             Duration::from_millis(config.server_down_after_ms),
         )),
         cuts_confirmed: Mutex::new(HashMap::new()),
@@ -215,6 +218,7 @@ pub(crate) async fn launch(
         tokio::spawn(flush_periodically(shared.clone())),
         tokio::spawn(end_recovery_in_time(shared.clone())),
         tokio::spawn(put_out_silent_servers(shared.clone())),
+        tokio::spawn(crate::rereplication::replace_lost_servers(shared.clone())),
     ];
     gauges::register_state_gauges(&registry, &shared, state_inode_count);
     if let Some((listener, _)) = metrics_listener {

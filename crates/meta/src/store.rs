@@ -60,10 +60,13 @@ pub enum TableId {
     /// Replicated metadata only: name → the state machine's own records (last applied log
     /// id, membership), changed in the same transactions as what they describe.
     RaftState,
+    /// sequence u64 BE → versioned replacement record: I/O servers lost for good and who
+    /// takes their place in the chains (re-replication, `replacements.rs`).
+    Replacements,
 }
 
 impl TableId {
-    pub const ALL: [TableId; 13] = [
+    pub const ALL: [TableId; 14] = [
         TableId::Inodes,
         TableId::Dirents,
         TableId::Symlinks,
@@ -77,11 +80,12 @@ impl TableId {
         TableId::Clients,
         TableId::Undo,
         TableId::RaftState,
+        TableId::Replacements,
     ];
 
     /// The tables a replicated batch changes and a snapshot carries: all but the state
     /// machine's own bookkeeping.
-    pub const REPLICATED: [TableId; 11] = [
+    pub const REPLICATED: [TableId; 12] = [
         TableId::Inodes,
         TableId::Dirents,
         TableId::Symlinks,
@@ -93,6 +97,7 @@ impl TableId {
         TableId::Replies,
         TableId::ReplyExpiry,
         TableId::Clients,
+        TableId::Replacements,
     ];
 
     /// The table's number in write-sets and snapshots (stable: it is on disk in Raft logs).
@@ -111,6 +116,7 @@ impl TableId {
             TableId::Clients => 11,
             TableId::Undo => 12,
             TableId::RaftState => 13,
+            TableId::Replacements => 14,
         }
     }
 
@@ -133,6 +139,7 @@ impl TableId {
             TableId::Clients => "clients",
             TableId::Undo => "undo",
             TableId::RaftState => "raft_state",
+            TableId::Replacements => "replacements",
         }
     }
 
@@ -155,7 +162,8 @@ impl TableId {
             | TableId::ReplyExpiry
             | TableId::Clients
             | TableId::Undo
-            | TableId::RaftState => None,
+            | TableId::RaftState
+            | TableId::Replacements => None,
         }
     }
 

@@ -18,7 +18,7 @@ pub use error::{ErrorCode, WireError};
 use serde::{de::DeserializeOwned, Serialize};
 
 /// Protocol version carried in every frame; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u8 = 9;
+pub const PROTOCOL_VERSION: u8 = 10;
 
 /// A request message: its stable opcode and the type of its reply.
 pub trait Request: Serialize + DeserializeOwned + Send + 'static {

@@ -1,6 +1,8 @@
 //! Requests served by the metadata server (opcodes 100-199).
 
-use freeflow_types::{Attr, FileKind, InodeId, Layout, LockKind, ServerId, SetAttr, TimeSpec};
+use freeflow_types::{
+    Attr, FileKind, InodeId, Layout, LockKind, ObjectId, ServerId, SetAttr, TimeSpec,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::requests;
@@ -143,6 +145,54 @@ pub struct Member {
 pub struct ServiceMap {
     pub version: u64,
     pub members: Vec<Member>,
+    /// Servers whose copies of replicated stripes are kept on others now (re-replication,
+    /// issue 42), oldest first: every chain is read through them ([`ServiceMap::chain`]).
+    pub replacements: Vec<Replacement>,
+}
+
+/// A server lost for good (out past `server_dead_after_ms`): in the chain of every
+/// replicated stripe of a file made before it was declared lost, another server takes its
+/// place, chosen per stripe among `by` ([`ServiceMap::chain`]), and copies the stripe
+/// from the survivors while it takes every new write (`ioserver/src/fill.rs`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Replacement {
+    /// The server replaced.
+    pub server: ServerId,
+    /// Only stripes of inodes below this number are taken from it (every inode that existed
+    /// when it was replaced): a server that comes back takes new files again.
+    pub inodes_below: InodeId,
+    /// The servers its stripes go to (in service when it was replaced).
+    pub by: Vec<ServerId>,
+    /// Those of `by` still copying their stripes: they take writes, serve no reads of
+    /// the stripes they take, and are no source of a copy.
+    pub filling: Vec<ServerId>,
+    /// When it was replaced (Unix ms, the meta server's clock).
+    pub made_ms: u64,
+}
+
+/// One member of a stripe's chain as the service map makes it ([`ServiceMap::chain`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChainMember {
+    pub server: ServerId,
+    /// Took the place of a replaced server and is still copying the stripe.
+    pub filling: bool,
+}
+
+/// Rank of `server` for taking `object` from a replaced server (rendezvous hashing: the
+/// highest rank among the candidates wins, so objects spread evenly over them and a
+/// candidate's choice does not depend on the others). Fixed here for every binary.
+fn replacement_rank(object: ObjectId, server: ServerId) -> u64 {
+    let mut x = object
+        .inode
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(u64::from(object.stripe_index).wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
+        .wrapping_add(u64::from(server).wrapping_mul(0x1656_67B1_9E37_79F9));
+    // splitmix64's finaliser.
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
 }
 
 impl ServiceMap {
@@ -157,14 +207,87 @@ impl ServiceMap {
             .map_or(MemberState::InService, |member| member.state)
     }
 
-    /// Where a replicated write of a stripe with this chain goes: the members in service
-    /// in chain order, then those syncing (they must not miss a write while they copy).
-    /// None when no member is in service: the freshest copy may be on one that is out.
-    pub fn write_chain(&self, chain: &[ServerId]) -> Vec<ServerId> {
+    /// The chain of `object` whose layout gives `layout_chain`, with every replaced server
+    /// taken out and its stand-in put in its place. Replacements apply oldest first; each
+    /// chooses among its candidates not yet in the chain (the layout's servers and earlier
+    /// stand-ins), so a newer replacement never changes an older one's choice. A slot whose
+    /// replacement has no candidate left is dropped (the stripe keeps fewer copies). A
+    /// stripe with one copy is never replaced: there is nothing to copy it from.
+    pub fn chain(&self, object: ObjectId, layout_chain: &[ServerId]) -> Vec<ChainMember> {
+        let mut slots: Vec<Option<ChainMember>> = layout_chain
+            .iter()
+            .map(|server| {
+                Some(ChainMember {
+                    server: *server,
+                    filling: false,
+                })
+            })
+            .collect();
+        if layout_chain.len() < 2 {
+            return slots.into_iter().flatten().collect();
+        }
+        let mut taken: Vec<ServerId> = layout_chain.to_vec();
+        for replacement in &self.replacements {
+            if object.inode >= replacement.inodes_below {
+                continue;
+            }
+            for slot in slots.iter_mut() {
+                if slot.is_none_or(|member| member.server != replacement.server) {
+                    continue;
+                }
+                let pick = replacement
+                    .by
+                    .iter()
+                    .copied()
+                    .filter(|candidate| !taken.contains(candidate))
+                    .max_by_key(|candidate| replacement_rank(object, *candidate));
+                *slot = pick.map(|server| ChainMember {
+                    server,
+                    filling: replacement.filling.contains(&server),
+                });
+                taken.extend(pick);
+            }
+        }
+        slots.into_iter().flatten().collect()
+    }
+
+    /// Every (stripe, server) the objects of `inode` (with `layout`) are kept on, as the
+    /// map makes the chains.
+    pub fn placements(&self, inode: InodeId, layout: &Layout) -> Vec<(u32, ServerId)> {
+        (0..layout.stripe_count())
+            .flat_map(|stripe_index| {
+                let object = ObjectId {
+                    inode,
+                    stripe_index,
+                };
+                self.chain(object, &layout.chain(stripe_index))
+                    .into_iter()
+                    .map(move |member| (stripe_index, member.server))
+            })
+            .collect()
+    }
+
+    /// Whether `server` keeps a copy of `object` (with `layout`), as the map makes the
+    /// chains.
+    pub fn keeps(&self, object: ObjectId, layout: &Layout, server: ServerId) -> bool {
+        self.chain(object, &layout.chain(object.stripe_index))
+            .iter()
+            .any(|member| member.server == server)
+    }
+
+    /// Where a replicated write of `object` goes: the members of its chain in service (and
+    /// not filling) in chain order, then the others not out (syncing, filling: they must
+    /// not miss a write while they copy). None when no member is in service: the freshest
+    /// copy may be on one that is out.
+    pub fn write_chain(&self, object: ObjectId, layout_chain: &[ServerId]) -> Vec<ServerId> {
+        let chain = self.chain(object, layout_chain);
+        let serving = |member: &ChainMember| {
+            !member.filling && self.state(member.server) == MemberState::InService
+        };
         let mut members: Vec<ServerId> = chain
             .iter()
-            .copied()
-            .filter(|server| self.state(*server) == MemberState::InService)
+            .filter(|member| serving(member))
+            .map(|member| member.server)
             .collect();
         if members.is_empty() {
             return members;
@@ -172,23 +295,52 @@ impl ServiceMap {
         members.extend(
             chain
                 .iter()
-                .copied()
-                .filter(|server| self.state(*server) == MemberState::Syncing),
+                .filter(|member| !serving(member) && self.state(member.server) != MemberState::Out)
+                .map(|member| member.server),
         );
         members
     }
 
-    /// Which copies of a replicated stripe with this chain may serve a read, best first:
-    /// the members in service from the tail (it holds only what every member
+    /// Which copies of a replicated `object` may serve a read, best first: the members in
+    /// service (and not filling) from the tail (it holds only what every member
     /// acknowledged). None when no member is in service.
-    pub fn read_chain(&self, chain: &[ServerId]) -> Vec<ServerId> {
-        chain
+    pub fn read_chain(&self, object: ObjectId, layout_chain: &[ServerId]) -> Vec<ServerId> {
+        self.chain(object, layout_chain)
             .iter()
             .rev()
-            .copied()
-            .filter(|server| self.state(*server) == MemberState::InService)
+            .filter(|member| !member.filling && self.state(member.server) == MemberState::InService)
+            .map(|member| member.server)
             .collect()
     }
+
+    /// Whether `server` is out and was replaced since it went out: its copies are made
+    /// again elsewhere, so nothing waits for it to come back.
+    pub fn replaced_while_out(&self, server: ServerId) -> bool {
+        self.member(server).is_some_and(|member| {
+            member.state == MemberState::Out
+                && self.replacements.iter().any(|replacement| {
+                    replacement.server == server && replacement.made_ms >= member.unsynced_since_ms
+                })
+        })
+    }
+
+    /// The replacements `server` still copies stripes for.
+    pub fn filling(&self, server: ServerId) -> impl Iterator<Item = &Replacement> {
+        self.replacements
+            .iter()
+            .filter(move |replacement| replacement.filling.contains(&server))
+    }
+}
+
+/// Sent to a server that takes the place of a replaced one in some chains, once every
+/// server in service holds the map that says so: copy those stripes from the survivors
+/// (`ioserver/src/fill.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FillOrder {
+    /// The map version the order was given under.
+    pub map_version: u64,
+    /// The most bytes per second the copy may read from the survivors (0: no limit).
+    pub bytes_per_second: u64,
 }
 
 /// Sent to a server back from being out, once every server in service holds the map that
@@ -215,6 +367,9 @@ pub struct RegisterReply {
     pub map_version: u64,
     /// Set while this server is syncing and may copy (see [`ResyncOrder`]).
     pub resync: Option<ResyncOrder>,
+    /// Set while this server takes the place of a replaced one and may copy its stripes
+    /// (see [`FillOrder`]).
+    pub fill: Option<FillOrder>,
     /// How long after sending this registration the server may serve replicated stripes
     /// without hearing from the meta server again: shorter than the silence after which
     /// the meta server puts it out of its chains, so a server cut off from the meta server
@@ -235,6 +390,8 @@ pub struct ClusterReport {
     /// A replicated metadata cluster's members as the leader sees them (empty for a
     /// single server).
     pub meta_members: Vec<MetaMember>,
+    /// I/O servers lost for good and who takes their place (as the service map has them).
+    pub replacements: Vec<Replacement>,
 }
 
 /// One member of a replicated metadata cluster, in a [`ClusterReport`].
@@ -565,6 +722,9 @@ requests! {
     /// Change the metadata cluster's members (leader only); replies with the members after
     /// the change is committed.
     ChangeMetaMembers = 147 => Vec<MetaMember> { change: MetaMemberChange }
+    /// Sent by an I/O server that copied every stripe it takes from replaced servers, as
+    /// its order (given under `map_version`) asked: it serves reads of them from then on.
+    FillDone = 148 => () { server_id: ServerId, map_version: u64 }
 }
 
 /// How long after its grant a lease can be kept by renewals ([`RenewLeases`]); past it the
@@ -637,4 +797,151 @@ pub struct LockConflict {
     pub end: u64,
     /// The process that holds it, on its own client.
     pub pid: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn member(server_id: ServerId, state: MemberState) -> Member {
+        Member {
+            server_id,
+            address: String::new(),
+            state,
+            incarnation: 1,
+            unsynced_since_ms: if state == MemberState::InService {
+                0
+            } else {
+                5
+            },
+        }
+    }
+
+    fn object(inode: InodeId, stripe_index: u32) -> ObjectId {
+        ObjectId {
+            inode,
+            stripe_index,
+        }
+    }
+
+    #[test]
+    fn a_replaced_server_gives_its_place_to_a_candidate_not_in_the_chain() {
+        let mut map = ServiceMap {
+            version: 7,
+            members: vec![
+                member(1, MemberState::Out),
+                member(2, MemberState::InService),
+                member(3, MemberState::InService),
+                member(4, MemberState::InService),
+            ],
+            replacements: Vec::new(),
+        };
+        let o = object(10, 0);
+        // Out and not replaced: left out of writes and reads only.
+        assert_eq!(map.write_chain(o, &[1, 2]), vec![2]);
+        assert_eq!(map.chain(o, &[1, 2]).len(), 2);
+        map.replacements.push(Replacement {
+            server: 1,
+            inodes_below: 100,
+            by: vec![2, 3],
+            filling: vec![3],
+            made_ms: 10,
+        });
+        assert!(map.replaced_while_out(1));
+        // Server 2 is in the chain already: server 3 takes the place, filling.
+        let chain = map.chain(o, &[1, 2]);
+        assert_eq!(
+            chain,
+            vec![
+                ChainMember {
+                    server: 3,
+                    filling: true
+                },
+                ChainMember {
+                    server: 2,
+                    filling: false
+                }
+            ]
+        );
+        assert_eq!(map.write_chain(o, &[1, 2]), vec![2, 3]);
+        assert_eq!(map.read_chain(o, &[1, 2]), vec![2]);
+        // Filled: it serves reads, from the tail.
+        map.replacements[0].filling.clear();
+        assert_eq!(map.write_chain(o, &[1, 2]), vec![3, 2]);
+        assert_eq!(map.read_chain(o, &[1, 2]), vec![2, 3]);
+        // Files made after the replacement, and stripes with one copy, keep their server.
+        assert_eq!(map.chain(object(100, 0), &[1, 2])[0].server, 1);
+        assert_eq!(map.chain(o, &[1])[0].server, 1);
+        // No candidate left: the slot is dropped.
+        assert_eq!(map.write_chain(o, &[1, 2, 3]), vec![2, 3]);
+        // A stand-in replaced in turn takes another.
+        map.replacements.push(Replacement {
+            server: 3,
+            inodes_below: 200,
+            by: vec![2, 4],
+            filling: vec![4],
+            made_ms: 20,
+        });
+        assert_eq!(map.write_chain(o, &[1, 2]), vec![2, 4]);
+        assert_eq!(map.filling(4).count(), 1);
+    }
+
+    fn replacements() -> impl Strategy<Value = Vec<Replacement>> {
+        proptest::collection::vec(
+            (
+                1u32..=8,
+                1u64..40,
+                proptest::collection::vec(1u32..=8, 0..6),
+                proptest::collection::vec(1u32..=8, 0..3),
+            )
+                .prop_map(|(server, inodes_below, by, filling)| Replacement {
+                    server,
+                    inodes_below,
+                    by,
+                    filling,
+                    made_ms: 1,
+                }),
+            0..6,
+        )
+    }
+
+    proptest! {
+        /// Whatever the replacements: a chain never names a server twice, never more
+        /// members than the layout's, never a replaced server for the stripes it gave up;
+        /// and a newer replacement changes only the slots held by the server it replaces,
+        /// so stand-ins that copied a stripe keep it.
+        #[test]
+        fn chains_are_stable_under_newer_replacements(
+            replacements in replacements(),
+            inode in 1u64..40,
+            stripe in 0u32..4,
+            layout_chain in proptest::sample::subsequence((1u32..=8).collect::<Vec<_>>(), 2..=3),
+        ) {
+            let o = object(inode, stripe);
+            let mut map = ServiceMap::default();
+            let mut before = map.chain(o, &layout_chain);
+            prop_assert_eq!(before.len(), layout_chain.len());
+            for replacement in replacements {
+                let replaced = replacement.server;
+                let applies = inode < replacement.inodes_below;
+                map.replacements.push(replacement);
+                let after = map.chain(o, &layout_chain);
+                prop_assert!(after.len() <= layout_chain.len());
+                for (index, member) in after.iter().enumerate() {
+                    prop_assert!(!after[..index].iter().any(|other| other.server == member.server));
+                }
+                if applies {
+                    prop_assert!(!after.iter().any(|member| member.server == replaced));
+                }
+                // Every member of the old chain not replaced now is still there.
+                for member in &before {
+                    if member.server != replaced || !applies {
+                        prop_assert!(after.iter().any(|kept| kept.server == member.server));
+                    }
+                }
+                before = after;
+            }
+        }
+    }
 }

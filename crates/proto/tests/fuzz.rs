@@ -84,6 +84,7 @@ fn every_meta_message(bytes: &[u8]) {
         ReclaimSession,
         RenewLeases,
         ChangeMetaMembers,
+        FillDone,
     );
 }
 
@@ -287,10 +288,21 @@ fn samples() -> Vec<Vec<u8>> {
                 incarnation: 99,
                 unsynced_since_ms: 1_700_000_000_000,
             }],
+            replacements: vec![Replacement {
+                server: 3,
+                inodes_below: 1 << 40,
+                by: vec![1, 2, 4],
+                filling: vec![4],
+                made_ms: 1_700_000_000_000,
+            }],
         })),
         encode(&ResyncDone {
             server_id: 2,
             map_version: 17,
+        }),
+        encode(&FillDone {
+            server_id: 4,
+            map_version: 18,
         }),
         encode(&RenewLeases {}),
         encode(&Ok::<LeasesRenewed, WireError>(LeasesRenewed {
@@ -318,6 +330,10 @@ fn samples() -> Vec<Vec<u8>> {
             resync: Some(ResyncOrder {
                 window_ms: u64::MAX,
                 map_version: 17,
+            }),
+            fill: Some(FillOrder {
+                map_version: 18,
+                bytes_per_second: 100 << 20,
             }),
             lease_ms: 2500,
         })),

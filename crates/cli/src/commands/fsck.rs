@@ -10,7 +10,7 @@
 //! |---|---|---|
 //! | its inode does not exist and is not an orphan waiting for the reaper | no inode (or a number never given out) | remove it |
 //! | its inode is a directory or a symlink | not a file | remove it |
-//! | its stripe is not in the file's layout, or not on this server | outside the layout | remove it |
+//! | its stripe is not in the file's layout, or not on this server (chains as the service map makes them: a lost server's stand-in in its place) | outside the layout | remove it |
 //! | it is longer than the file's size gives its stripe | past the size | cut it to that length |
 //!
 //! Objects that may legitimately disagree for a while are counted as waiting, not found:
@@ -18,6 +18,9 @@
 //! (the reaper makes it), of files open for writing (a writer commits its size later), and
 //! any written in the last `grace_ms` (a create answered ahead reaches the meta server
 //! after its first bytes may have reached an I/O server).
+//!
+//! A server lost for good (replaced in its chains, `ServiceMap::replacements`) and still
+//! out is not checked and not counted as unreachable: its stripes are kept elsewhere.
 //!
 //! Not checked: an object *missing* for a file (a hole reads as zeros, so a file whose
 //! stripe never got a byte has none: without a record of which stripes were written, a lost
@@ -31,6 +34,7 @@ use std::path::PathBuf;
 use freeflow_client::{
     Client, FileKind, InodeFacts, InodeId, ListedObject, ObjectId, ServerId, INSPECT_INODES_MAX,
 };
+use freeflow_proto::meta::ServiceMap;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cluster_file;
@@ -82,7 +86,10 @@ pub enum Verdict {
 }
 
 /// Judge one object of `server` against its inode's `facts`.
+/// Chains are as `map` makes them: a lost server's stand-in keeps its stripes, and the
+/// lost server's old copies are outside.
 pub fn classify(
+    map: &ServiceMap,
     server: ServerId,
     listed: &ListedObject,
     facts: &InodeFacts,
@@ -94,7 +101,7 @@ pub fn classify(
         (None, _) if facts.not_yet_allocated => Problem::NeverGiven,
         (None, _) => Problem::NoInode,
         (Some(FileKind::Regular), Some(layout)) => {
-            if !layout.keeps(stripe, server) {
+            if !map.keeps(listed.object, layout, server) {
                 Problem::OutsideLayout
             } else {
                 let expected = layout.object_length(facts.size_bytes, stripe);
@@ -163,13 +170,21 @@ async fn check(client: &Client, options: &Options) -> anyhow::Result<()> {
         bar
     };
     let mut tally = Tally::default();
+    let map = client.service_map().await?;
+    let mut lost = Vec::new();
     for server in &servers {
+        if !server.up && map.replaced_while_out(server.server_id) {
+            lost.push(server.server_id);
+            bar.inc(u64::from(SHARDS));
+            continue;
+        }
         if !server.up {
             tally.unreachable.push(server.server_id);
             bar.inc(u64::from(SHARDS));
             continue;
         }
-        if let Err(error) = check_server(client, server.server_id, options, &mut tally, &bar).await
+        if let Err(error) =
+            check_server(client, &map, server.server_id, options, &mut tally, &bar).await
         {
             bar.suspend(|| eprintln!("server {}: {error}", server.server_id));
             tally.unreachable.push(server.server_id);
@@ -190,11 +205,16 @@ async fn check(client: &Client, options: &Options) -> anyhow::Result<()> {
         })
         .collect();
     println!(
-        "fsck: {} objects ({}) on {} of {} I/O servers checked; {} problems, {} repaired{}",
+        "fsck: {} objects ({}) on {} of {} I/O servers checked{}; {} problems, {} repaired{}",
         tally.objects,
         super::status::human_bytes(tally.bytes),
-        servers.len() - tally.unreachable.len(),
+        servers.len() - tally.unreachable.len() - lost.len(),
         servers.len(),
+        if lost.is_empty() {
+            String::new()
+        } else {
+            format!(" (servers {lost:?} lost for good, their stripes kept by others)")
+        },
         tally.problems,
         tally.repaired,
         if waiting.is_empty() {
@@ -226,6 +246,7 @@ async fn check(client: &Client, options: &Options) -> anyhow::Result<()> {
 
 async fn check_server(
     client: &Client,
+    map: &ServiceMap,
     server: ServerId,
     options: &Options,
     tally: &mut Tally,
@@ -255,7 +276,7 @@ async fn check_server(
                 let Some(facts) = facts.get(&listed.object.inode) else {
                     anyhow::bail!("the meta server left inode {} out", listed.object.inode);
                 };
-                match classify(server, listed, facts, options.grace_ms) {
+                match classify(map, server, listed, facts, options.grace_ms) {
                     Verdict::Fine => {}
                     Verdict::Waiting(why) => *tally.waiting.entry(why).or_default() += 1,
                     Verdict::Problem(problem) => {
@@ -311,7 +332,9 @@ async fn repair(
     let Some(facts) = fresh.first() else {
         anyhow::bail!("the meta server left inode {} out", object.inode);
     };
-    let problem = match classify(server, listed, facts, grace_ms) {
+    // And the map: a server may have been replaced since the listing.
+    let map = client.service_map().await?;
+    let problem = match classify(&map, server, listed, facts, grace_ms) {
         Verdict::Problem(now) if now == problem => problem,
         _ => return Ok("changed meanwhile, left as is".to_string()),
     };
@@ -366,66 +389,67 @@ mod tests {
 
     #[test]
     fn each_kind_of_disagreement_is_told_apart() {
+        let map = ServiceMap::default();
         let old = 3_600_000;
         // 3 units of 4 KiB: stripe 0 holds units 0 and 2, stripe 1 holds unit 1.
         let size = 3 * 4096;
         assert_eq!(
-            classify(1, &listed(0, 8192, old), &file(size), 60_000),
+            classify(&map, 1, &listed(0, 8192, old), &file(size), 60_000),
             Verdict::Fine
         );
         assert_eq!(
-            classify(1, &listed(0, 8193, old), &file(size), 60_000),
+            classify(&map, 1, &listed(0, 8193, old), &file(size), 60_000),
             Verdict::Problem(Problem::PastSize { expected: 8192 })
         );
         assert_eq!(
-            classify(2, &listed(0, 10, old), &file(size), 60_000),
+            classify(&map, 2, &listed(0, 10, old), &file(size), 60_000),
             Verdict::Problem(Problem::OutsideLayout),
             "stripe 0 belongs on server 1"
         );
         assert_eq!(
-            classify(1, &listed(5, 10, old), &file(size), 60_000),
+            classify(&map, 1, &listed(5, 10, old), &file(size), 60_000),
             Verdict::Problem(Problem::OutsideLayout),
             "no stripe 5"
         );
         let mut cut = file(size);
         cut.pending_cuts = vec![(0, 100)];
         assert_eq!(
-            classify(1, &listed(0, 9000, old), &cut, 60_000),
+            classify(&map, 1, &listed(0, 9000, old), &cut, 60_000),
             Verdict::Waiting(Waiting::PendingCut)
         );
         let mut open = file(size);
         open.open_for_writing = true;
         assert_eq!(
-            classify(1, &listed(0, 9000, old), &open, 60_000),
+            classify(&map, 1, &listed(0, 9000, old), &open, 60_000),
             Verdict::Waiting(Waiting::OpenForWriting)
         );
         let mut gone = file(0);
         gone.kind = None;
         gone.layout = None;
         assert_eq!(
-            classify(1, &listed(0, 10, old), &gone, 60_000),
+            classify(&map, 1, &listed(0, 10, old), &gone, 60_000),
             Verdict::Problem(Problem::NoInode)
         );
         assert_eq!(
-            classify(1, &listed(0, 10, 5), &gone, 60_000),
+            classify(&map, 1, &listed(0, 10, 5), &gone, 60_000),
             Verdict::Waiting(Waiting::Young),
             "a create answered ahead may still be on its way"
         );
         gone.not_yet_allocated = true;
         assert_eq!(
-            classify(1, &listed(0, 10, old), &gone, 60_000),
+            classify(&map, 1, &listed(0, 10, old), &gone, 60_000),
             Verdict::Problem(Problem::NeverGiven)
         );
         gone.orphan = Some(Layout::new(4096, vec![1, 2]).unwrap());
         assert_eq!(
-            classify(1, &listed(0, 10, old), &gone, 60_000),
+            classify(&map, 1, &listed(0, 10, old), &gone, 60_000),
             Verdict::Waiting(Waiting::Orphan)
         );
         let mut directory = file(0);
         directory.kind = Some(FileKind::Directory);
         directory.layout = None;
         assert_eq!(
-            classify(1, &listed(0, 10, old), &directory, 60_000),
+            classify(&map, 1, &listed(0, 10, old), &directory, 60_000),
             Verdict::Problem(Problem::NotAFile(FileKind::Directory))
         );
     }

@@ -45,7 +45,19 @@ pub async fn run(cluster: Option<PathBuf>) -> anyhow::Result<()> {
         }
         for server in &report.servers {
             if server.state == freeflow_proto::meta::MemberState::Syncing {
-                println!("{}", resync_line(server).await);
+                println!("{}", copy_line(server, CopyKind::Resync).await);
+            }
+        }
+        for line in replacement_lines(&report.replacements) {
+            println!("{line}");
+        }
+        for server in &report.servers {
+            let filling = report
+                .replacements
+                .iter()
+                .any(|replacement| replacement.filling.contains(&server.server_id));
+            if filling {
+                println!("{}", copy_line(server, CopyKind::Fill).await);
             }
         }
         println!(
@@ -130,9 +142,22 @@ fn member_behind(member: &freeflow_proto::meta::MetaMember) -> String {
 /// every `raft_heartbeat_ms`, 100 ms by default).
 const MEMBER_SILENT_MS: u64 = 2_000;
 
-/// How far a syncing server's copy is, from its metrics endpoint, with a bar.
-async fn resync_line(server: &freeflow_proto::meta::ServerRecord) -> String {
-    let prefix = format!("server {} resync", server.server_id);
+/// Which copy a server makes, as [`copy_line`] reports it.
+#[derive(Clone, Copy)]
+enum CopyKind {
+    /// Back in its chains, it copies what changed while it was out.
+    Resync,
+    /// In a lost server's place, it copies that server's stripes.
+    Fill,
+}
+
+/// How far a server's copy is, from its metrics endpoint, with a bar.
+async fn copy_line(server: &freeflow_proto::meta::ServerRecord, copy: CopyKind) -> String {
+    let (what, metric) = match copy {
+        CopyKind::Resync => ("resync", "freeflow_io_resync"),
+        CopyKind::Fill => ("fill (re-replication)", "freeflow_io_fill"),
+    };
+    let prefix = format!("server {} {what}", server.server_id);
     let Some(address) = &server.metrics_address else {
         return format!("{prefix}: progress unknown (no metrics endpoint)");
     };
@@ -141,21 +166,55 @@ async fn resync_line(server: &freeflow_proto::meta::ServerRecord) -> String {
         Err(error) => return format!("{prefix}: progress unknown ({error})"),
     };
     let snapshot = freeflow_metrics::text::Snapshot::parse(&text);
-    let value = |name: &str| snapshot.value(name, &[]).unwrap_or(0.0) as u64;
-    if value("freeflow_io_resync_running") == 0 {
+    let value = |name: &str| {
+        snapshot
+            .value(&format!("{metric}_{name}"), &[])
+            .unwrap_or(0.0) as u64
+    };
+    if value("running") == 0 {
         return format!(
             "{prefix}: waiting for its order (every server in service must hold the map first)"
         );
     }
-    let (done, total) = (
-        value("freeflow_io_resync_objects_done"),
-        value("freeflow_io_resync_objects"),
-    );
+    let (done, total) = (value("objects_done"), value("objects"));
     format!(
         "{prefix}: [{}] {done}/{total} objects, {} copied",
         progress_bar(done, total, 30),
-        human_bytes(value("freeflow_io_resync_bytes_total"))
+        human_bytes(value("bytes_total"))
     )
+}
+
+/// One line per I/O server lost for good: when, who takes its stripes, and how many of
+/// them still copy.
+fn replacement_lines(replacements: &[freeflow_proto::meta::Replacement]) -> Vec<String> {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64);
+    replacements
+        .iter()
+        .map(|replacement| {
+            let copying = if replacement.filling.is_empty() {
+                "every copy made again".to_string()
+            } else {
+                format!(
+                    "[{}] servers {:?} still copying",
+                    progress_bar(
+                        (replacement.by.len() - replacement.filling.len()) as u64,
+                        replacement.by.len() as u64,
+                        10
+                    ),
+                    replacement.filling
+                )
+            };
+            format!(
+                "server {} lost for good {} ago: its replicated stripes (inodes below {}) went to servers {:?}; {copying}",
+                replacement.server,
+                human_duration_ms(now_ms.saturating_sub(replacement.made_ms)),
+                replacement.inodes_below,
+                replacement.by
+            )
+        })
+        .collect()
 }
 
 /// `width` characters, `#` for the part done.
@@ -233,6 +292,26 @@ mod tests {
         assert!(super::member_behind(&member).starts_with("5000 entries (3"));
         member.snapshot = Some((1 << 20, 4 << 20));
         assert!(super::member_behind(&member).starts_with("snapshot [#####---------------]"));
+    }
+
+    #[test]
+    fn a_lost_server_and_its_stand_ins() {
+        let mut replacement = freeflow_proto::meta::Replacement {
+            server: 3,
+            inodes_below: 900,
+            by: vec![1, 2],
+            filling: vec![2],
+            made_ms: 0,
+        };
+        let line = &super::replacement_lines(std::slice::from_ref(&replacement))[0];
+        assert!(line.starts_with("server 3 lost for good"), "{line}");
+        assert!(
+            line.ends_with("went to servers [1, 2]; [#####-----] servers [2] still copying"),
+            "{line}"
+        );
+        replacement.filling.clear();
+        let line = &super::replacement_lines(&[replacement])[0];
+        assert!(line.ends_with("every copy made again"), "{line}");
     }
 
     #[test]

@@ -19,6 +19,10 @@ use freeflow_rpc::ClusterKey;
 
 use crate::cluster_file::{self, ClientFile, IoFile, MetaFile};
 
+/// `up` is a cluster on one host for trying things: a server silent for two minutes is
+/// taken as lost and its copies made again (`init` keeps the longer default).
+const UP_SERVER_DEAD_AFTER_MS: u64 = 120_000;
+
 /// How long `up` waits for every I/O server to register before reporting ready anyway.
 const REGISTRATION_WAIT_MS: u64 = 10_000;
 
@@ -136,6 +140,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
             data_dir: data.join("meta"),
             metrics_address: metrics_at(META_METRICS_PORT_OFFSET)?,
             replicas,
+            server_dead_after_ms: UP_SERVER_DEAD_AFTER_MS,
             ..MetaConfig::default()
         }]
     } else {
@@ -155,6 +160,7 @@ pub async fn run(options: Options) -> anyhow::Result<()> {
                     replicas,
                     node_id: peer.id,
                     peers: peers.clone(),
+                    server_dead_after_ms: UP_SERVER_DEAD_AFTER_MS,
                     ..MetaConfig::default()
                 })
             })

@@ -11,6 +11,7 @@ pub mod mount;
 pub mod netswitch;
 pub mod raw;
 pub mod replicated;
+pub mod workload;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -229,6 +230,8 @@ pub struct ClusterOptions {
     pub cache_lease_ms: u32,
     /// Copies of each stripe of new files (the meta server's `replicas`).
     pub replicas: u32,
+    /// The meta server's `server_dead_after_ms` (None: its default).
+    pub server_dead_after_ms: Option<u64>,
     /// Put each I/O server's data directory on a tmpfs of this many bytes (a small file
     /// system to fill; needs root: see [`small_file_systems_available`]).
     pub io_tmpfs_bytes: Option<u64>,
@@ -268,6 +271,7 @@ impl ClusterOptions {
             recovery_window_ms: 10_000,
             cache_lease_ms: 10_000,
             replicas: 1,
+            server_dead_after_ms: None,
             io_tmpfs_bytes: None,
             switch: None,
             unix_sockets: false,
@@ -465,6 +469,10 @@ impl Cluster {
             recovery_window_ms: self.options.recovery_window_ms,
             cache_lease_ms: self.options.cache_lease_ms,
             replicas: self.options.replicas,
+            server_dead_after_ms: self
+                .options
+                .server_dead_after_ms
+                .unwrap_or(MetaConfig::default().server_dead_after_ms),
             ..MetaConfig::default()
         };
         let file = MetaFile {

@@ -744,6 +744,15 @@ impl Client {
         self.shared.pool.refresh_servers().await
     }
 
+    /// The service map as the meta server has it now: each I/O server's place in the
+    /// chains of replicated stripes, and who took the place of servers lost for good.
+    pub async fn service_map(&self) -> Result<freeflow_proto::meta::ServiceMap, ClientError> {
+        self.meta(&freeflow_proto::meta::GetServiceMap {}, || {
+            "of the cluster".to_string()
+        })
+        .await
+    }
+
     pub async fn cluster_status(&self) -> Result<ClusterReport, ClientError> {
         self.meta(&ClusterStatus {}, || "of the cluster".to_string())
             .await

@@ -43,3 +43,46 @@ pub fn put_server<W: StoreWrite>(
     )?;
     Ok(())
 }
+
+/// Most replacement records one cluster keeps (one per I/O server lost for good).
+pub const REPLACEMENTS_MAX: usize = 65_536;
+
+/// The replacement records (re-replication, `replacements.rs`), oldest first.
+pub fn load_replacements<R: StoreRead>(
+    read: &R,
+) -> OpResult<Vec<(u64, freeflow_proto::meta::Replacement)>> {
+    let pairs = read.range(
+        TableId::Replacements,
+        Bound::Unbounded,
+        Bound::Unbounded,
+        REPLACEMENTS_MAX,
+    )?;
+    let mut records = Vec::with_capacity(pairs.len());
+    for (key, value) in pairs {
+        let sequence: [u8; 8] =
+            key.as_slice()
+                .try_into()
+                .map_err(|_| crate::store::StoreError::Corrupt {
+                    table: TableId::Replacements.name(),
+                    reason: format!("a key of {} bytes, not 8", key.len()),
+                })?;
+        records.push((
+            u64::from_be_bytes(sequence),
+            decode_versioned(TableId::Replacements, &value)?,
+        ));
+    }
+    Ok(records)
+}
+
+pub fn put_replacement<W: StoreWrite>(
+    write: &mut W,
+    sequence: u64,
+    record: &freeflow_proto::meta::Replacement,
+) -> OpResult<()> {
+    write.put(
+        TableId::Replacements,
+        &sequence.to_be_bytes(),
+        &encode_versioned(record),
+    )?;
+    Ok(())
+}

@@ -20,10 +20,11 @@ use tokio::time::Instant;
 
 use freeflow_proto::frame::FLAG_REPLAY;
 use freeflow_proto::meta::{
-    is_mutation, ChangeMetaMembers, Close, CloseHandles, CloseSession, ClusterStatus, GetAttr,
-    GetLock, GetServiceMap, GetXattr, InspectInodes, LeasesRenewed, ListServers, ListXattr, Lookup,
-    LookupEntry, Open, OpenSession, ReadDir, ReadLink, ReclaimSession, RegisterServer, RenewLeases,
-    RenewSession, ReplayDone, ReserveInodes, ResyncDone, SetLock, StatFs, Sync, WaitRevocations,
+    is_mutation, ChangeMetaMembers, Close, CloseHandles, CloseSession, ClusterStatus, FillDone,
+    GetAttr, GetLock, GetServiceMap, GetXattr, InspectInodes, LeasesRenewed, ListServers,
+    ListXattr, Lookup, LookupEntry, Open, OpenSession, ReadDir, ReadLink, ReclaimSession,
+    RegisterServer, RenewLeases, RenewSession, ReplayDone, ReserveInodes, ResyncDone, SetLock,
+    StatFs, Sync, WaitRevocations,
 };
 use freeflow_proto::{ErrorCode, Request};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
@@ -64,6 +65,7 @@ fn served_while_recovering(opcode: u16) -> bool {
             | RegisterServer::OPCODE
             | GetServiceMap::OPCODE
             | ResyncDone::OPCODE
+            | FillDone::OPCODE
             | ListServers::OPCODE
             | ClusterStatus::OPCODE
             | ChangeMetaMembers::OPCODE
@@ -227,6 +229,18 @@ impl Service for MetaService {
             ResyncDone::OPCODE => {
                 handle(frame, |request: ResyncDone, _| async move {
                     unstamped(shared, resync_done(shared, request).await)
+                })
+                .await
+            }
+            FillDone::OPCODE => {
+                handle(frame, |request: FillDone, _| async move {
+                    let result = crate::rereplication::fill_done(
+                        shared,
+                        request.server_id,
+                        request.map_version,
+                    )
+                    .await;
+                    unstamped(shared, result)
                 })
                 .await
             }

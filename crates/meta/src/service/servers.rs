@@ -75,6 +75,8 @@ pub(super) fn inspect_inodes(
 }
 
 pub(super) fn cluster_status(shared: &Shared) -> ClusterReport {
+    // Taken first: a guard taken inside the literal below would live to its end.
+    let replacements = shared.registry().service_map().replacements;
     ClusterReport {
         servers: shared.registry().records(Instant::now()),
         inode_count: shared.inode_count.load(Ordering::Relaxed),
@@ -83,6 +85,7 @@ pub(super) fn cluster_status(shared: &Shared) -> ClusterReport {
         uptime_ms: shared.started.elapsed().as_millis() as u64,
         meta_metrics_address: shared.metrics_address.clone(),
         meta_members: shared.meta_members(),
+        replacements,
     }
 }
 
@@ -162,6 +165,11 @@ pub(super) async fn register_server(
             registry.resync_order(request.server_id, now),
         )
     };
+    let fill = shared.registry().fill_order(
+        request.server_id,
+        Instant::now(),
+        shared.config.rereplicate_bytes_per_second,
+    );
     if let Some(change) = change {
         persist_states(shared, vec![change]).await?;
     }
@@ -183,6 +191,7 @@ pub(super) async fn register_server(
         cuts_owed,
         map_version: shared.registry().map_version(),
         resync: if cuts_owed == 0 { resync } else { None },
+        fill: if cuts_owed == 0 { fill } else { None },
         lease_ms: shared.config.server_down_after_ms / 2,
     })
 }

@@ -1,0 +1,185 @@
+//! Re-replication (issue 42) with real processes: three I/O servers keeping two copies of
+//! every stripe, written through a mount and the library. One server is killed and stays
+//! dead past `server_dead_after_ms`: it is replaced in every chain, its stripes are copied
+//! again from the survivors while the writers go on, and every stripe ends with two
+//! identical copies on the two others. Then it comes back with its old disk and empties
+//! itself of what it gave up, and a second server is lost: every acknowledged byte still
+//! reads back. `freeflow status` and `freeflow fsck` tell the operator what happened.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::mount::{fuse_available, Mount};
+use common::workload::{chunk_bytes, file_bytes, verify_everything, wait_for_state, Workload};
+use common::{assert_bytes_eq, poll_until, Cluster, ClusterOptions, FREEFLOW};
+use freeflow_client::{Client, ObjectId, OpenOptions};
+use freeflow_proto::meta::MemberState;
+
+/// How long a server may be out before it is taken as lost (the test waits this long).
+const DEAD_AFTER_MS: u64 = 6_000;
+
+fn cli(cluster: &Cluster, args: &[&str]) -> String {
+    let output = Command::new(FREEFLOW)
+        .arg("--cluster")
+        .arg(cluster.client_toml())
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run freeflow");
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// Wait until server `lost` is replaced and every stand-in has copied its stripes.
+async fn wait_until_made_again(client: &Client, lost: u32, cluster: &Cluster) {
+    let done = poll_until(120_000, || async {
+        let map = client.service_map().await.ok()?;
+        let replacement = map
+            .replacements
+            .iter()
+            .find(|replacement| replacement.server == lost)?;
+        replacement.filling.is_empty().then_some(())
+    })
+    .await;
+    assert!(
+        done.is_some(),
+        "server {lost} was not replaced and copied again: {:?}\n{}\n{}",
+        client.service_map().await.map(|map| map.replacements),
+        cluster.meta_log(),
+        (0..cluster.io_count())
+            .map(|index| cluster.io_log(index))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// Every byte the writers were answered for, read through a fresh library client.
+async fn read_back(client: &Client, files: u64, chunks: u64) {
+    for index in 0..files {
+        let handle = client
+            .open_path(&format!("/files/f{index}"), &OpenOptions::new().read(true))
+            .await
+            .unwrap_or_else(|error| panic!("open file {index}: {error}"));
+        let bytes = handle.read_at(0, 1 << 20).await.expect("read a file");
+        assert_bytes_eq(&bytes, &file_bytes(index), &format!("file {index}"));
+        handle.close().await.expect("close");
+    }
+    let expected: Vec<u8> = (0..chunks).flat_map(chunk_bytes).collect();
+    let handle = client
+        .open_path("/stream", &OpenOptions::new().read(true))
+        .await
+        .expect("open the stream");
+    let stream = handle
+        .read_at(0, expected.len() as u64)
+        .await
+        .expect("read the stream");
+    assert_bytes_eq(&stream, &expected, "the stream");
+    handle.close().await.expect("close");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_lost_for_good_is_replaced_and_a_second_loss_loses_nothing() {
+    if !fuse_available() {
+        return;
+    }
+    let mut options = ClusterOptions::new(3);
+    options.replicas = 2;
+    options.metrics = true;
+    options.server_dead_after_ms = Some(DEAD_AFTER_MS);
+    let mut cluster = Cluster::start_with(options).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let observer = cluster.client().await;
+    let mut workload = Workload::start(&mount, cluster.client().await);
+    workload.logs.extend([
+        cluster.path().join("meta.log"),
+        cluster.path().join("io-0.log"),
+        cluster.path().join("io-2.log"),
+    ]);
+    workload.advance(5, "before any failure").await;
+
+    // Server 1 dies and does not come back in time: out after server_down_after_ms,
+    // then lost, replaced, and its stripes copied again, all under the writers.
+    cluster.kill_io(1);
+    workload.advance(3, "while server 1 is dead").await;
+    wait_for_state(&observer, 1, MemberState::Out, "after its kill").await;
+    let files_before_loss = workload
+        .files_done
+        .load(std::sync::atomic::Ordering::Acquire);
+    wait_until_made_again(&observer, 1, &cluster).await;
+    workload.advance(5, "after server 1 was replaced").await;
+    let status = cli(&cluster, &["status"]);
+    assert!(
+        status.contains("server 1 lost for good") && status.contains("every copy made again"),
+        "status tells of the replacement:\n{status}"
+    );
+    let fsck = cli(&cluster, &["fsck"]);
+    assert!(
+        fsck.contains("0 problems") && fsck.contains("servers [1] lost for good"),
+        "fsck counts the copies made again and leaves the lost server out:\n{fsck}"
+    );
+    let filled = cluster.io_log(0) + &cluster.io_log(2);
+    assert!(
+        filled.contains("fill done"),
+        "a stand-in copied stripes:\n{filled}"
+    );
+
+    // Every stripe has two identical copies, neither on server 1.
+    let (files, chunks) = workload.stop().await;
+    assert!(files > files_before_loss, "{files} files");
+    let compared =
+        verify_everything(&cluster.io_data_dirs(), &mount, &observer, files, chunks).await;
+    eprintln!("{files} files and {chunks} chunks read back; {compared} bytes of copies compared");
+    let map = observer.service_map().await.expect("the service map");
+    let mut inodes = Vec::new();
+    for path in (0..files)
+        .map(|index| format!("/files/f{index}"))
+        .chain(["/stream".to_string()])
+    {
+        let attr = observer.stat(&path).await.expect("stat");
+        let layout = attr.layout.expect("a layout");
+        for stripe in 0..layout.stripe_count() {
+            let object = ObjectId {
+                inode: attr.inode,
+                stripe_index: stripe,
+            };
+            assert!(
+                !map.keeps(object, &layout, 1),
+                "{path} stripe {stripe} still counts on lost server 1"
+            );
+        }
+        inodes.push((attr.inode, layout.stripe_count()));
+    }
+
+    // Server 1 comes back with its old disk: it takes no stripe it gave up and removes its
+    // old copies of them.
+    cluster.restart_io(1).await;
+    wait_for_state(&observer, 1, MemberState::InService, "after it came back").await;
+    let emptied = poll_until(30_000, || async {
+        inodes
+            .iter()
+            .all(|(inode, stripes)| {
+                (0..*stripes).all(|stripe| !cluster.object_path(1, *inode, stripe).exists())
+            })
+            .then_some(())
+    })
+    .await;
+    assert!(
+        emptied.is_some(),
+        "server 1 kept copies it gave up\n{}",
+        cluster.io_log(1)
+    );
+
+    // A second loss: server 0. Nothing acknowledged is lost.
+    cluster.kill_io(0);
+    wait_for_state(&observer, 0, MemberState::Out, "after its kill").await;
+    let reader = cluster.client().await;
+    read_back(&reader, files, chunks).await;
+    reader.shutdown().await;
+    observer.shutdown().await;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+}

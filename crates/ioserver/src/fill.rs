@@ -1,0 +1,179 @@
+//! Fill: a server named to take a lost server's place in some chains copies those stripes
+//! from the survivors (re-replication, issue 42; the meta server's side is
+//! `meta/src/rereplication.rs`, the choice of stand-in `ServiceMap::chain`).
+//!
+//! From the map that names it, the stand-in takes every write of those stripes (at the end
+//! of their chains) and serves none of their reads. Once every server in service holds that
+//! map, the meta server orders the fill. The fill:
+//! 1. lists the objects of every partner not out, of the inodes the replacements cover;
+//! 2. reads their layouts and keeps the stripes whose chain, as the map makes it, has this
+//!    server filling; each is copied from the first member of its chain in service that is
+//!    not filling itself;
+//! 3. copies them, stripes with the fewest copies in service first, at most the order's
+//!    bytes per second, each under this server's range locks as a resync does (a write
+//!    passed on meanwhile lands after the piece it overlaps);
+//! 4. makes the copies durable and tells the meta server, under the order's map version;
+//!    from the next map on, this server serves their reads.
+//!
+//! A stripe with no copy in service to copy from holds the fill back (it is tried again at
+//! the next order): ending without it would let this server serve a stripe it does not hold.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use freeflow_proto::meta::{FillDone, FillOrder, MemberState};
+use freeflow_types::{ObjectId, ServerId};
+
+use crate::copy::{copy_object, layouts, list_objects, Pacer};
+use crate::resync::Resync;
+
+impl Resync {
+    /// Start the fill an order asks for, unless one is running.
+    pub fn start_fill(self: &Arc<Self>, order: FillOrder) {
+        if self.fill_progress.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let resync = Arc::clone(self);
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let server_id = resync.store.server_id();
+            tracing::info!(
+                server_id,
+                bytes_per_second = order.bytes_per_second,
+                "fill starts: copying the stripes this server takes from lost servers"
+            );
+            match resync.fill(order).await {
+                Ok(copied) => tracing::info!(
+                    server_id,
+                    objects = copied,
+                    bytes = resync.fill_progress.bytes_copied.load(Ordering::Relaxed),
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "fill done; this server serves reads of those stripes"
+                ),
+                Err(error) => {
+                    tracing::warn!(server_id, %error, "fill did not finish; it starts again at the next order")
+                }
+            }
+            resync.fill_progress.running.store(false, Ordering::Release);
+        });
+    }
+
+    async fn fill(&self, order: FillOrder) -> Result<u64, String> {
+        let me = self.store.server_id();
+        if self.replication.version() != order.map_version {
+            self.replication.fetch().await?;
+        }
+        let map = self.replication.map().await;
+        if map.version != order.map_version {
+            return Err(format!(
+                "the service map moved on (order under {}, now {})",
+                order.map_version, map.version
+            ));
+        }
+        let Some(below) = map
+            .filling(me)
+            .map(|replacement| replacement.inodes_below)
+            .max()
+        else {
+            return Ok(0);
+        };
+        let meta = self
+            .replication
+            .connect_meta(&self.options)
+            .await
+            .map_err(|error| error.to_string())?;
+        // 1. Candidates: every object of the covered inodes a partner holds.
+        let mut candidates: BTreeSet<ObjectId> = BTreeSet::new();
+        let partners: Vec<ServerId> = map
+            .members
+            .iter()
+            .filter(|member| member.state != MemberState::Out && member.server_id != me)
+            .map(|member| member.server_id)
+            .collect();
+        for partner in &partners {
+            let connection = self
+                .replication
+                .peer(*partner)
+                .await
+                .map_err(|error| error.to_string())?;
+            candidates
+                .extend(list_objects(&connection, |listed| listed.object.inode < below).await?);
+        }
+        // 2. Layouts; the stripes this server fills, and a source for each.
+        let layouts = layouts(&meta, candidates.iter()).await?;
+        let mut work: Vec<(usize, ObjectId, ServerId)> = Vec::new();
+        for object in &candidates {
+            let Some(layout) = layouts.get(&object.inode) else {
+                continue; // Removed meanwhile: the reaper removes it from this server too.
+            };
+            let chain = map.chain(*object, &layout.chain(object.stripe_index));
+            if !chain
+                .iter()
+                .any(|member| member.server == me && member.filling)
+            {
+                continue;
+            }
+            let serving: Vec<ServerId> = chain
+                .iter()
+                .filter(|member| {
+                    member.server != me
+                        && !member.filling
+                        && map.state(member.server) == MemberState::InService
+                })
+                .map(|member| member.server)
+                .collect();
+            let Some(source) = serving.first() else {
+                return Err(format!(
+                    "{object:?} has no copy in service to copy from (chain {chain:?}); waiting for one"
+                ));
+            };
+            work.push((serving.len(), *object, *source));
+        }
+        // 3. Fewest copies first: those are the stripes one more loss would take.
+        work.sort_by_key(|(copies, object, _)| (*copies, *object));
+        let progress = &self.fill_progress;
+        progress
+            .objects_total
+            .store(work.len() as u64, Ordering::Relaxed);
+        progress.objects_done.store(0, Ordering::Relaxed);
+        let mut pacer = Pacer::new(order.bytes_per_second);
+        for (_, object, source) in &work {
+            let connection = self
+                .replication
+                .peer(*source)
+                .await
+                .map_err(|error| error.to_string())?;
+            copy_object(
+                &self.store,
+                &self.replication,
+                &connection,
+                *object,
+                progress,
+                &mut pacer,
+            )
+            .await?;
+            progress.objects_done.fetch_add(1, Ordering::Relaxed);
+        }
+        let copied: Vec<ObjectId> = work.iter().map(|(_, object, _)| *object).collect();
+        for batch in copied.chunks(crate::store::SYNC_OBJECTS_MAX) {
+            self.store
+                .sync(batch)
+                .await
+                .map_err(|error| format!("cannot sync the copies: {error}"))?;
+        }
+        // 4. Done.
+        meta.call(
+            &FillDone {
+                server_id: me,
+                map_version: order.map_version,
+            },
+            Bytes::new(),
+        )
+        .await
+        .map_err(|error| format!("the meta server did not take the end of the fill: {error}"))?;
+        Ok(work.len() as u64)
+    }
+}

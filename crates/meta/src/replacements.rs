@@ -1,0 +1,181 @@
+//! I/O servers lost for good and who takes their place in the chains (re-replication,
+//! issue 42; docs/replication.md "A server lost for good").
+//!
+//! A server out of its chains past `server_dead_after_ms` is replaced: a record names it,
+//! the inodes it is replaced for (every one that existed then: a server that comes back
+//! later takes new files again), and the servers in service that take its place, each
+//! stripe on one of them chosen by `ServiceMap::chain`. The record is persisted before
+//! the map shows it. From the map that shows it, every replicated write of such a stripe
+//! goes to the stand-in as well (at the end of the chain, "filling"); once every server in
+//! service holds that map, each stand-in is ordered to copy its stripes from the
+//! survivors (`ioserver/src/fill.rs`), and when it says it is done it serves their reads.
+//!
+//! Records are never removed: a client may hold a layout naming the lost server for as
+//! long as it keeps the file open, and the map must keep telling it where the stripe is.
+//! A record is small (a few dozen bytes and one id per candidate) and servers are lost
+//! rarely.
+
+use std::collections::BTreeMap;
+
+use freeflow_proto::meta::Replacement;
+use freeflow_types::{InodeId, ServerId};
+
+/// One record and the map version it appeared in (a fill is ordered only once every
+/// server in service holds that map or a later one).
+#[derive(Clone, Debug)]
+struct Entry {
+    record: Replacement,
+    version: u64,
+}
+
+/// A replacement record changed: to persist under its sequence number.
+pub type ReplacementChange = (u64, Replacement);
+
+#[derive(Debug, Default)]
+pub struct Replacements {
+    /// By sequence number: the order they were made in, oldest first.
+    entries: BTreeMap<u64, Entry>,
+}
+
+impl Replacements {
+    /// The records read from the store, as of map `version` (the first of this leader).
+    pub fn new(persisted: Vec<(u64, Replacement)>, version: u64) -> Replacements {
+        Replacements {
+            entries: persisted
+                .into_iter()
+                .map(|(sequence, record)| (sequence, Entry { record, version }))
+                .collect(),
+        }
+    }
+
+    /// Every record, oldest first, as the service map carries them.
+    pub fn records(&self) -> Vec<Replacement> {
+        self.entries
+            .values()
+            .map(|entry| entry.record.clone())
+            .collect()
+    }
+
+    /// Whether `server` was replaced at or after `since_ms` (Unix ms).
+    pub fn replaced_since(&self, server: ServerId, since_ms: u64) -> bool {
+        self.entries
+            .values()
+            .any(|entry| entry.record.server == server && entry.record.made_ms >= since_ms)
+    }
+
+    /// The records that replacing `server` by `by` writes: a new one for the inodes
+    /// below `inodes_below`, and the older ones `server` was still filling for (it takes
+    /// nothing from them now: every stripe it would have taken is replaced with it, since
+    /// the new record covers every inode they cover).
+    pub fn propose(
+        &self,
+        server: ServerId,
+        inodes_below: InodeId,
+        by: Vec<ServerId>,
+        made_ms: u64,
+    ) -> Vec<ReplacementChange> {
+        let sequence = self.entries.keys().next_back().map_or(1, |last| last + 1);
+        let mut changes: Vec<ReplacementChange> = self
+            .entries
+            .iter()
+            .filter(|(_, entry)| entry.record.filling.contains(&server))
+            .map(|(sequence, entry)| {
+                let mut record = entry.record.clone();
+                record.filling.retain(|filling| *filling != server);
+                (*sequence, record)
+            })
+            .collect();
+        changes.push((
+            sequence,
+            Replacement {
+                server,
+                inodes_below,
+                filling: by.clone(),
+                by,
+                made_ms,
+            },
+        ));
+        changes
+    }
+
+    /// Take records as persisted; those new to this map appear in map `version`.
+    pub fn apply(&mut self, changes: Vec<ReplacementChange>, version: u64) {
+        for (sequence, record) in changes {
+            match self.entries.get_mut(&sequence) {
+                Some(entry) => entry.record = record,
+                None => {
+                    self.entries.insert(sequence, Entry { record, version });
+                }
+            }
+        }
+    }
+
+    /// The newest map version among the records `server` is filling for: it may copy once
+    /// every server in service holds it. None when it fills nothing.
+    pub fn filling_since(&self, server: ServerId) -> Option<u64> {
+        self.entries
+            .values()
+            .filter(|entry| entry.record.filling.contains(&server))
+            .map(|entry| entry.version)
+            .max()
+    }
+
+    /// How many (record, stand-in) pairs are still filling, and how many there are.
+    pub fn progress(&self) -> (usize, usize) {
+        self.entries.values().fold((0, 0), |(filling, all), entry| {
+            (
+                filling + entry.record.filling.len(),
+                all + entry.record.by.len(),
+            )
+        })
+    }
+
+    /// `server` copied what an order given under `map_version` asked: it fills no record
+    /// that appeared in that map or before. The changed records, to persist.
+    pub fn fill_done(&self, server: ServerId, map_version: u64) -> Vec<ReplacementChange> {
+        self.entries
+            .iter()
+            .filter(|(_, entry)| {
+                entry.version <= map_version && entry.record.filling.contains(&server)
+            })
+            .map(|(sequence, entry)| {
+                let mut record = entry.record.clone();
+                record.filling.retain(|filling| *filling != server);
+                (*sequence, record)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replacement_is_filled_by_each_stand_in_then_done() {
+        let mut replacements = Replacements::default();
+        let first = replacements.propose(1, 100, vec![2, 3], 10);
+        assert_eq!(first.len(), 1);
+        assert_eq!(first[0].0, 1);
+        assert_eq!(first[0].1.filling, vec![2, 3]);
+        replacements.apply(first, 5);
+        assert_eq!(replacements.filling_since(2), Some(5));
+        assert!(replacements.replaced_since(1, 10) && !replacements.replaced_since(1, 11));
+        // An order given before the record appeared does not count.
+        assert!(replacements.fill_done(2, 4).is_empty());
+        let done = replacements.fill_done(2, 6);
+        assert_eq!(done[0].1.filling, vec![3]);
+        replacements.apply(done, 7);
+        assert_eq!(replacements.filling_since(2), None);
+        assert_eq!(replacements.progress(), (1, 2));
+        // Server 3 is lost in turn before it filled: the older record no longer waits
+        // for it, the new one takes its stripes.
+        let second = replacements.propose(3, 200, vec![2, 4], 20);
+        assert_eq!(second.len(), 2);
+        replacements.apply(second, 8);
+        assert_eq!(replacements.records()[0].filling, Vec::<ServerId>::new());
+        assert_eq!(replacements.records()[1].filling, vec![2, 4]);
+        assert_eq!(replacements.filling_since(4), Some(8));
+        assert_eq!(replacements.progress(), (2, 4));
+    }
+}

@@ -1,0 +1,115 @@
+//! The leader's side of re-replication (issue 42): it replaces the I/O servers lost for
+//! good and records the stand-ins' copies as they end. What a replacement is and how
+//! chains read through it: `replacements.rs`, `ServiceMap::chain`; the copy itself:
+//! `ioserver/src/fill.rs`.
+
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+use freeflow_proto::{ErrorCode, WireError};
+use freeflow_types::ServerId;
+
+use crate::ops;
+use crate::replacements::ReplacementChange;
+use crate::shared::Shared;
+
+/// Replaces, at every heartbeat interval, the servers out past `server_dead_after_ms`.
+pub(crate) async fn replace_lost_servers(shared: Arc<Shared>) {
+    let dead_after = shared.config.server_dead_after_ms;
+    if dead_after == 0 {
+        return;
+    }
+    let dead_after = Duration::from_millis(dead_after);
+    let period = Duration::from_millis(u64::from(shared.config.heartbeat_interval_ms).max(10));
+    let mut interval = tokio::time::interval(period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let lost = shared.registry().lost(dead_after);
+        for server in lost {
+            if let Err(error) = replace(&shared, server).await {
+                tracing::error!(server, %error, "cannot replace a lost I/O server; trying again");
+            }
+        }
+    }
+}
+
+/// Replace lost `server` in the chains of every replicated stripe of the files that
+/// exist now.
+async fn replace(shared: &Arc<Shared>, server: ServerId) -> Result<(), WireError> {
+    // Every inode made so far is below the high water (numbers are reserved in batches
+    // before they are given).
+    let inodes_below = shared.read(|read| Ok(ops::inode_high_water(read)?))?;
+    let Some(changes) = shared
+        .registry()
+        .propose_replacement(server, inodes_below, Instant::now())
+    else {
+        tracing::warn!(
+            server,
+            "I/O server lost for good, but no other server is in service to take its place"
+        );
+        return Ok(());
+    };
+    let by = changes
+        .last()
+        .map(|(_, record)| record.by.clone())
+        .unwrap_or_default();
+    persist(shared, &changes).await?;
+    shared.registry().apply_replacements(changes);
+    tracing::warn!(
+        server,
+        inodes_below,
+        ?by,
+        "I/O server out past server_dead_after_ms: lost for good; its copies of replicated stripes are made again on the others"
+    );
+    Ok(())
+}
+
+/// Make replacement records durable (before the map shows a new one: a restart of the
+/// leader must not forget where a stripe's writes went).
+pub(crate) async fn persist(
+    shared: &Arc<Shared>,
+    changes: &[ReplacementChange],
+) -> Result<(), WireError> {
+    let records = changes.to_vec();
+    shared
+        .write(move |write, _context| {
+            for (sequence, record) in &records {
+                ops::servers::put_replacement(write, *sequence, record)?;
+            }
+            Ok(())
+        })
+        .await?;
+    shared.sync().await?;
+    Ok(())
+}
+
+/// `FillDone`: a stand-in copied what its order asked; it serves reads of those stripes
+/// from the next map on.
+pub(crate) async fn fill_done(
+    shared: &Arc<Shared>,
+    server: ServerId,
+    map_version: u64,
+) -> Result<(), WireError> {
+    let changes = shared.registry().fill_done(server, map_version);
+    if changes.is_empty() {
+        let since = shared.registry().filling_since(server);
+        if since.is_some_and(|since| since > map_version) {
+            return Err(WireError::new(
+                ErrorCode::Stale,
+                format!(
+                    "the copy was ordered under map {map_version}, before server {server} was named to take a lost server's place: copy again"
+                ),
+            ));
+        }
+        return Ok(());
+    }
+    persist(shared, &changes).await?;
+    shared.registry().apply_replacements(changes);
+    tracing::info!(
+        server,
+        "I/O server copied the stripes it takes from lost servers: it serves their reads now"
+    );
+    Ok(())
+}
