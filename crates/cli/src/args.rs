@@ -176,6 +176,12 @@ pub enum Command {
         #[command(subcommand)]
         change: Option<MetaCommand>,
     },
+    /// Change an I/O server's place in the cluster: move every stripe off it (`drain`),
+    /// then take it out (`remove`).
+    Server {
+        #[command(subcommand)]
+        change: ServerCommand,
+    },
     /// Run an I/O server from a config file.
     Io {
         #[arg(long, value_name = "FILE")]
@@ -439,6 +445,29 @@ pub struct BenchArgs {
     /// striping: rate of each server's link in Mbit/s.
     #[arg(long, value_name = "MBIT")]
     pub striping_rate_mbit: Option<u32>,
+}
+
+/// `freeflow server ...`: an I/O server leaving the cluster. A new server needs no command:
+/// started with a new `server_id`, it registers and new files are placed on it at once.
+#[derive(Subcommand, Debug)]
+pub enum ServerCommand {
+    /// Move every stripe off the server while clients go on (new files go elsewhere);
+    /// `freeflow status` shows the progress.
+    Drain {
+        id: u32,
+        /// Wait until the drain is complete, showing its progress.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Take a drained server out of the cluster for good (it can be stopped then; its id
+    /// is never used again).
+    Remove {
+        id: u32,
+        /// Remove a server lost for good that was never drained: its stripes with one
+        /// copy are lost with it.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 /// `freeflow meta ...`: changes of a replicated metadata cluster's members, made by its leader

@@ -5,15 +5,21 @@
 //! identical copies on the two others. Then it comes back with its old disk and empties
 //! itself of what it gave up, and a second server is lost: every acknowledged byte still
 //! reads back. `freeflow status` and `freeflow fsck` tell the operator what happened.
+//!
+//! And a server drained while it runs (`freeflow server drain --wait`): every stripe moves
+//! off it under the writers, those with one copy included (read locally before, written
+//! during), then it is removed (`freeflow server remove`) and stopped with nothing lost;
+//! its registration is refused from then on.
 
 mod common;
 
 use std::process::Command;
 use std::time::Duration;
 
+use bytes::Bytes;
 use common::mount::{fuse_available, Mount};
 use common::workload::{chunk_bytes, file_bytes, verify_everything, wait_for_state, Workload};
-use common::{assert_bytes_eq, poll_until, Cluster, ClusterOptions, FREEFLOW};
+use common::{assert_bytes_eq, poll_until, read_log, Cluster, ClusterOptions, Xorshift, FREEFLOW};
 use freeflow_client::{Client, ObjectId, OpenOptions};
 use freeflow_proto::meta::MemberState;
 
@@ -182,4 +188,191 @@ async fn a_server_lost_for_good_is_replaced_and_a_second_loss_loses_nothing() {
     reader.shutdown().await;
     observer.shutdown().await;
     tokio::time::sleep(Duration::from_millis(10)).await;
+}
+
+/// `freeflow ARGS` on a blocking thread: the writers' tasks go on meanwhile.
+async fn cli_async(cluster: &Cluster, args: &[&str]) -> String {
+    let toml = cluster.client_toml();
+    let args: Vec<String> = args.iter().map(|arg| arg.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        let output = Command::new(FREEFLOW)
+            .arg("--cluster")
+            .arg(toml)
+            .args(&args)
+            .env_remove("RUST_LOG")
+            .output()
+            .expect("run freeflow");
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+    .await
+    .expect("the command's thread")
+}
+
+/// Bytes of single-copy file `index`, `generation` times rewritten in part.
+fn single_bytes(index: u64) -> Vec<u8> {
+    Xorshift::new(0x51 ^ index).bytes(300_000 + index as usize * 7_919)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_server_gives_every_stripe_away_under_the_writers_and_is_removed() {
+    if !fuse_available() {
+        return;
+    }
+    let mut options = ClusterOptions::new(3);
+    options.replicas = 2;
+    options.metrics = true;
+    // Clients on this host read stripes with one copy from the servers' files.
+    options.unix_sockets = true;
+    let mut cluster = Cluster::start_with(options).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let observer = cluster.client().await;
+    // Files with one copy of each stripe: a drain moves them too.
+    observer
+        .mkdir(freeflow_client::ROOT_INODE, "single", 0o755)
+        .await
+        .expect("mkdir");
+    observer
+        .set_dir_layout_path("/single", None, None, Some(1))
+        .await
+        .expect("one copy");
+    let mut singles = Vec::new();
+    for index in 0..12u64 {
+        let path = format!("/single/s{index}");
+        let handle = observer
+            .open_path(
+                &path,
+                &OpenOptions::new().read(true).write(true).create(true),
+            )
+            .await
+            .expect("create");
+        handle
+            .write_at(0, Bytes::from(single_bytes(index)))
+            .await
+            .expect("write");
+        handle.fsync().await.expect("fsync");
+        // Read once: the stripes on this host are read from their files from now on.
+        let back = handle.read_at(0, 1 << 20).await.expect("read");
+        assert_bytes_eq(&back, &single_bytes(index), &path);
+        singles.push(handle);
+    }
+    let mut workload = Workload::start(&mount, cluster.client().await);
+    workload.logs.extend([
+        cluster.path().join("meta.log"),
+        cluster.path().join("io-0.log"),
+    ]);
+    workload.advance(5, "before the drain").await;
+
+    // Drain server 0 and wait for it; meanwhile the single-copy files are rewritten in
+    // part through handles opened (and read locally) before the drain.
+    let drain = {
+        let toml_cluster = &cluster;
+        let drained = cli_async(toml_cluster, &["server", "drain", "0", "--wait"]);
+        let rewrite = async {
+            for pass in 0..3u64 {
+                for (index, handle) in singles.iter().enumerate() {
+                    let mut expected = single_bytes(index as u64);
+                    let offset =
+                        (pass as usize * 65_537 + index * 4_099) % (expected.len() - 5_000);
+                    let patch = Xorshift::new(pass << 8 | index as u64).bytes(5_000);
+                    expected[offset..offset + 5_000].copy_from_slice(&patch);
+                    handle
+                        .write_at(offset as u64, Bytes::from(patch))
+                        .await
+                        .unwrap_or_else(|error| {
+                            panic!("rewrite of s{index} during the drain: {error}")
+                        });
+                    let back = handle
+                        .read_at(0, 1 << 20)
+                        .await
+                        .expect("read during the drain");
+                    // Only this pass's patch is known here; compare the patched range.
+                    assert_bytes_eq(
+                        &back[offset..offset + 5_000],
+                        &expected[offset..offset + 5_000],
+                        &format!("s{index} during the drain"),
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        };
+        let (drained, ()) = tokio::join!(drained, rewrite);
+        drained
+    };
+    assert!(
+        drain.contains("drained and empty"),
+        "the drain ended:\n{drain}\n{}",
+        cluster.meta_log()
+    );
+    eprintln!("{drain}");
+    workload.advance(5, "after the drain").await;
+    let status = cli(&cluster, &["status"]);
+    assert!(
+        status.contains("server 0 drained") && status.contains("drain complete"),
+        "status tells of the drain:\n{status}"
+    );
+    // Every single-copy file: its bytes after the last pass, no stripe on server 0.
+    let map = observer.service_map().await.expect("the service map");
+    for (index, handle) in singles.into_iter().enumerate() {
+        let back = handle
+            .read_at(0, 1 << 20)
+            .await
+            .expect("read after the drain");
+        let mut expected = single_bytes(index as u64);
+        for pass in 0..3u64 {
+            let offset = (pass as usize * 65_537 + index * 4_099) % (expected.len() - 5_000);
+            let patch = Xorshift::new(pass << 8 | index as u64).bytes(5_000);
+            expected[offset..offset + 5_000].copy_from_slice(&patch);
+        }
+        assert_bytes_eq(&back, &expected, &format!("s{index} after the drain"));
+        handle.close().await.expect("close");
+        let attr = observer
+            .stat(&format!("/single/s{index}"))
+            .await
+            .expect("stat");
+        let layout = attr.layout.expect("a layout");
+        for stripe in 0..layout.stripe_count() {
+            let object = ObjectId {
+                inode: attr.inode,
+                stripe_index: stripe,
+            };
+            assert!(
+                !map.keeps(object, &layout, 0),
+                "s{index} stripe {stripe} on server 0"
+            );
+        }
+    }
+
+    // Removed, then stopped: the writers do not notice.
+    let removed = cli(&cluster, &["server", "remove", "0"]);
+    assert!(removed.contains("removed from the cluster"), "{removed}");
+    let servers = observer.servers().await.expect("servers");
+    assert!(
+        servers.iter().all(|server| server.server_id != 0),
+        "{servers:?}"
+    );
+    cluster.kill_io(0);
+    workload
+        .advance(3, "after server 0 was removed and stopped")
+        .await;
+    let (files, chunks) = workload.stop().await;
+    let compared =
+        verify_everything(&cluster.io_data_dirs(), &mount, &observer, files, chunks).await;
+    eprintln!("{files} files and {chunks} chunks read back; {compared} bytes of copies compared");
+    let fsck = cli(&cluster, &["fsck"]);
+    assert!(fsck.contains("0 problems"), "{fsck}");
+
+    // Its id is not used again.
+    cluster.respawn_io(0).await;
+    let refused = poll_until(20_000, || async {
+        read_log(&cluster.path().join("io-0.log"))
+            .contains("was removed from the cluster")
+            .then_some(())
+    })
+    .await;
+    assert!(refused.is_some(), "{}", cluster.io_log(0));
+    observer.shutdown().await;
 }

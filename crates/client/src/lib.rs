@@ -49,9 +49,9 @@ pub use paths::{OpenOptions, StripePlacement};
 // The request and reply types of the API, so users need not name the proto crate.
 pub use freeflow_proto::io::{ListedObject, ObjectListing, LIST_OBJECTS_MAX};
 pub use freeflow_proto::meta::{
-    Caller, ClusterReport, DirEntry, DirPage, FsStats, HandleRef, InodeFacts, LockConflict,
-    MetaMember, MetaMemberChange, OpenAccess, RenameMode, Revocation, ServerRecord, XattrSetMode,
-    INSPECT_INODES_MAX,
+    Caller, ClusterReport, DirEntry, DirPage, FsStats, HandleRef, InodeFacts, IoServerChange,
+    LockConflict, MetaMember, MetaMemberChange, OpenAccess, RenameMode, Revocation, ServerRecord,
+    XattrSetMode, INSPECT_INODES_MAX,
 };
 pub use freeflow_proto::ErrorCode;
 pub use freeflow_rpc::ClusterKey;

@@ -961,6 +961,11 @@ impl Pool {
         }
     }
 
+    /// The service map held, as it is (version 0: none fetched yet).
+    pub(crate) fn held_service_map(&self) -> std::sync::Arc<ServiceMap> {
+        self.service_map.lock().expect("not poisoned").clone()
+    }
+
     /// The service map held (fetched if none is yet).
     pub(crate) async fn service_map(&self) -> Result<std::sync::Arc<ServiceMap>, ClientError> {
         let held = self.service_map.lock().expect("not poisoned").clone();

@@ -141,6 +141,49 @@ impl Pool {
         }
     }
 
+    /// The one server a request for `object` (a stripe of `layout` kept on `chain`) goes
+    /// to straight, without a map version: a stripe with one copy whose server the held
+    /// map does not drain (or no map is held yet: the server refuses what it must not
+    /// take). None: down the chain as the map makes it.
+    pub(crate) fn direct(
+        &self,
+        layout: &Layout,
+        object: ObjectId,
+        chain: &[ServerId],
+    ) -> Option<ServerId> {
+        if layout.replicas() >= 2 {
+            return None;
+        }
+        let map = self.held_service_map();
+        (!map.moved(object, chain)).then(|| chain[0])
+    }
+
+    /// Whether a request sent straight to a stripe's one server was refused because a
+    /// drain moves the stripe (its server said `Stale`, and the map fetched now moves
+    /// it): it goes down the chain then. Any other failure stands.
+    pub(crate) async fn drained_meanwhile(
+        &self,
+        error: &ClientError,
+        object: ObjectId,
+        chain: &[ServerId],
+    ) -> bool {
+        let stale = matches!(
+            error,
+            ClientError::Io {
+                source: RpcError::Remote(wire),
+                ..
+            } if wire.code == ErrorCode::Stale
+        );
+        if !stale {
+            return false;
+        }
+        let held = self.held_service_map().version;
+        match self.fetch_service_map(held).await {
+            Ok(map) => map.moved(object, chain),
+            Err(_) => false,
+        }
+    }
+
     /// A write-like request (`WriteObject`, `AllocateObject`) to stripe `stripe` of
     /// `layout`; `make(map_version, forward)` builds it for the chain in effect.
     pub(crate) async fn chain_write<R: Request>(
@@ -152,17 +195,26 @@ impl Pool {
         payload: Bytes,
         target: impl Fn() -> String,
     ) -> Result<(R::Reply, Bytes), ClientError> {
-        if layout.replicas() < 2 {
-            let server = layout.servers[stripe as usize];
-            return self
-                .io_call(server, inode, &make(0, Vec::new()), payload, target)
-                .await;
-        }
         let chain = layout.chain(stripe);
         let object = ObjectId {
             inode,
             stripe_index: stripe,
         };
+        if let Some(server) = self.direct(layout, object, &chain) {
+            match self
+                .io_call(
+                    server,
+                    inode,
+                    &make(0, Vec::new()),
+                    payload.clone(),
+                    &target,
+                )
+                .await
+            {
+                Err(error) if self.drained_meanwhile(&error, object, &chain).await => {}
+                done => return done,
+            }
+        }
         let mut retry = Retry::new(self);
         let mut map = self.service_map().await?;
         let mut unsure: Option<(ServerId, u64)> = None;
@@ -217,17 +269,20 @@ impl Pool {
         request: &ReadObject,
         target: impl Fn() -> String,
     ) -> Result<(freeflow_proto::io::ReadReply, Bytes), ClientError> {
-        if layout.replicas() < 2 {
-            let server = layout.servers[stripe as usize];
-            return self
-                .io_call(server, inode, request, Bytes::new(), target)
-                .await;
-        }
         let chain = layout.chain(stripe);
         let object = ObjectId {
             inode,
             stripe_index: stripe,
         };
+        if let Some(server) = self.direct(layout, object, &chain) {
+            match self
+                .io_call(server, inode, request, Bytes::new(), &target)
+                .await
+            {
+                Err(error) if self.drained_meanwhile(&error, object, &chain).await => {}
+                done => return done,
+            }
+        }
         let mut retry = Retry::new(self);
         let mut map = self.service_map().await?;
         loop {
@@ -264,17 +319,16 @@ impl Pool {
         request: &SyncObjects,
         target: impl Fn() -> String,
     ) -> Result<(), ClientError> {
-        if layout.replicas() < 2 {
-            let server = layout.servers[stripe as usize];
-            self.io_call(server, inode, request, Bytes::new(), target)
-                .await?;
-            return Ok(());
-        }
         let chain = layout.chain(stripe);
         let object = ObjectId {
             inode,
             stripe_index: stripe,
         };
+        if let Some(server) = self.direct(layout, object, &chain) {
+            self.io_call(server, inode, request, Bytes::new(), target)
+                .await?;
+            return Ok(());
+        }
         let mut retry = Retry::new(self);
         let mut map = self.service_map().await?;
         loop {

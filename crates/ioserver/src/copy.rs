@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use freeflow_proto::io::{AllocateMode, ListObjects, ListedObject, ReadObject, LIST_OBJECTS_MAX};
+use freeflow_proto::io::{
+    AllocateMode, ListObjects, ListedObject, ReadObject, LIST_OBJECTS_MAX, MAP_VERSION_COPY,
+};
 use freeflow_proto::meta::{InspectInodes, INSPECT_INODES_MAX};
 use freeflow_rpc::Connection;
 use freeflow_types::{InodeId, Layout, ObjectId};
@@ -175,7 +177,7 @@ pub async fn copy_object(
                         object,
                         offset,
                         length: COPY_PIECE_BYTES,
-                        map_version: 0,
+                        map_version: MAP_VERSION_COPY,
                     },
                     Bytes::new(),
                 )

@@ -7,11 +7,19 @@
 //! cut (it makes them before answering). A later heartbeat that reports cuts owed closes
 //! the gate again. Clients send a refused request again after a short wait (it changed
 //! nothing); the meta server's own requests (cuts, removals, statistics) always pass.
+//!
+//! The gate also knows which objects are leaving this server: while a drain names it
+//! (`freeflow server drain`, docs/replication.md), the stripes of inodes below the drain's
+//! bound go down their chains as the service map makes them, so a request for one of
+//! them without a map version (a client that has not seen the drain) is refused with
+//! `Stale` (the client fetches the map and sends it down the chain), local reads of them
+//! stop, and the map that starts a drain is held only once no such request is still being
+//! served: from then on every write of theirs is passed on to their stand-ins.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use freeflow_proto::{ErrorCode, WireError};
-use freeflow_types::ServerId;
+use freeflow_types::{ObjectId, ServerId};
 
 /// `owed` before any registration reply: nothing is known yet.
 const UNCONFIRMED: u32 = u32::MAX;
@@ -23,6 +31,19 @@ pub struct DataGate {
     /// Counts the closings of the open gate: whoever handed out an object's descriptor
     /// (`local_reads.rs`) takes it back then.
     closings: tokio::sync::watch::Sender<u64>,
+    /// Objects of inodes below this are leaving (0: no drain names this server).
+    drained_below: AtomicU64,
+    /// Requests without a map version being served now (see [`DataGate::admit_unversioned`]).
+    unversioned: AtomicU64,
+}
+
+/// An admitted request without a map version, counted until it ends.
+pub struct Unversioned<'a>(&'a AtomicU64);
+
+impl Drop for Unversioned<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl DataGate {
@@ -32,6 +53,48 @@ impl DataGate {
             server_id,
             owed: AtomicU32::new(UNCONFIRMED),
             closings: tokio::sync::watch::Sender::new(0),
+            drained_below: AtomicU64::new(0),
+            unversioned: AtomicU64::new(0),
+        }
+    }
+
+    /// Admit a request for `objects` that carries no map version (a stripe with one copy
+    /// sent straight to its server): refused with `Stale` when one of them is leaving this
+    /// server; counted while it is served otherwise.
+    pub fn admit_unversioned(&self, objects: &[ObjectId]) -> Result<Unversioned<'_>, WireError> {
+        self.unversioned.fetch_add(1, Ordering::SeqCst);
+        let admitted = Unversioned(&self.unversioned);
+        let below = self.drained_below.load(Ordering::SeqCst);
+        if let Some(object) = objects.iter().find(|object| object.inode < below) {
+            return Err(WireError::new(
+                ErrorCode::Stale,
+                format!(
+                    "I/O server {} is being drained: inode {} stripe {} goes down its chain as the service map makes it (fetch the map)",
+                    self.server_id, object.inode, object.stripe_index
+                ),
+            ));
+        }
+        Ok(admitted)
+    }
+
+    /// Whether `object` is leaving this server (a drain names it).
+    pub fn leaving(&self, object: ObjectId) -> bool {
+        object.inode < self.drained_below.load(Ordering::SeqCst)
+    }
+
+    /// A drain names this server for the inodes below `below` (0: none): from now on
+    /// requests for them without a map version are refused and their local reads stop;
+    /// returns once no such request admitted before is still being served (the caller
+    /// holds the new map only then).
+    pub async fn set_drained_below(&self, below: u64) {
+        let before = self.drained_below.swap(below, Ordering::SeqCst);
+        if below <= before {
+            return;
+        }
+        // Descriptors handed out before let clients read objects now leaving.
+        self.closings.send_modify(|count| *count += 1);
+        while self.unversioned.load(Ordering::SeqCst) > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
     }
 
@@ -46,7 +109,7 @@ impl DataGate {
     }
 
     /// Changes each time the gate closes after it was open (a registration reply said
-    /// cuts are owed).
+    /// cuts are owed), and when a drain starts.
     pub fn closings(&self) -> tokio::sync::watch::Receiver<u64> {
         self.closings.subscribe()
     }
@@ -97,6 +160,25 @@ mod tests {
         gate.check().unwrap();
         gate.set_owed(u32::MAX);
         assert!(!gate.is_open());
+        let object = |inode| ObjectId {
+            inode,
+            stripe_index: 0,
+        };
+        let admitted = gate.admit_unversioned(&[object(5)]).unwrap();
+        drop(admitted);
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(gate.set_drained_below(6));
+        assert!(gate.leaving(object(5)) && !gate.leaving(object(6)));
+        let refused = gate
+            .admit_unversioned(&[object(6), object(5)])
+            .err()
+            .unwrap();
+        assert_eq!(refused.code, ErrorCode::Stale);
+        assert!(refused.message.contains("inode 5"), "{refused}");
+        assert!(gate.admit_unversioned(&[object(6)]).is_ok());
         assert!(gate
             .check()
             .unwrap_err()

@@ -189,6 +189,7 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         config.meta_address.clone(),
         config.meta_call_timeout_ms,
         config.meta_connect_timeout_ms,
+        Arc::clone(&gate),
     ));
     let service = Arc::new(service::IoService::new(
         Arc::clone(&store),
@@ -208,6 +209,8 @@ pub async fn start(config: IoConfig, key: ClusterKey) -> Result<RunningIo, IoSer
         },
         progress: Arc::new(copy::CopyProgress::default()),
         fill_progress: Arc::new(copy::CopyProgress::default()),
+        cleaned_version: std::sync::atomic::AtomicU64::new(0),
+        cleaning: std::sync::atomic::AtomicBool::new(false),
     });
     metrics::register_copy_gauges(&registry, &resync.progress, metrics::CopyKind::Resync);
     metrics::register_copy_gauges(&registry, &resync.fill_progress, metrics::CopyKind::Fill);

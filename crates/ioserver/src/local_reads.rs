@@ -11,7 +11,9 @@
 //! - cuts, writes and removals act on the same files, so a descriptor's reader sees them
 //!   as this server's own reads would, through the same page cache;
 //! - only unreplicated stripes are read this way (the client's rule): a copy of a chain
-//!   may lag its head, which only the served path's version checks handle.
+//!   may lag its head, which only the served path's version checks handle;
+//! - when a drain names this server, every connection is closed and no descriptor of an
+//!   object leaving is handed out again (`gate.rs`): its reads go down its chain.
 //!
 //! Only peers running as this server's user or as root are answered: they could open the
 //! objects' files anyway.
@@ -310,6 +312,15 @@ async fn open(
 ) -> Result<Option<std::fs::File>, WireError> {
     check_version(request.version)?;
     gate.check()?;
+    if gate.leaving(request.object) {
+        return Err(WireError::new(
+            ErrorCode::Stale,
+            format!(
+                "inode {} stripe {} is leaving this server (a drain): read it down its chain",
+                request.object.inode, request.object.stripe_index
+            ),
+        ));
+    }
     Ok(store.open_for_reading(request.object).await?)
 }
 

@@ -130,6 +130,7 @@ pub async fn run_registration(
                 if let Some(order) = reply.fill {
                     resync.start_fill(order);
                 }
+                resync.clean_after_drain(replication.version());
                 gate.set_owed(reply.cuts_owed);
                 if reply.cuts_owed > 0 {
                     (LinkState::OwesCuts, RETRY_BACKOFF_INITIAL_MS)

@@ -58,6 +58,8 @@ pub struct Replication {
     meta_leader: LeaderSearch,
     pub ranges: RangeLocks,
     /// Requests passed on to the next member, their payload bytes, and those that failed.
+    /// Told which objects leave this server when a map names a drain of it.
+    gate: Arc<crate::gate::DataGate>,
     pub passed_on: std::sync::atomic::AtomicU64,
     pub passed_on_bytes: std::sync::atomic::AtomicU64,
     pub pass_on_failures: std::sync::atomic::AtomicU64,
@@ -70,6 +72,7 @@ impl Replication {
         meta_address: String,
         call_timeout_ms: u64,
         connect_timeout_ms: u64,
+        gate: Arc<crate::gate::DataGate>,
     ) -> Replication {
         Replication {
             server_id,
@@ -95,6 +98,7 @@ impl Replication {
             lease_until: Mutex::new(None),
             meta_leader: LeaderSearch::new(meta_address),
             ranges: RangeLocks::default(),
+            gate,
             passed_on: std::sync::atomic::AtomicU64::new(0),
             passed_on_bytes: std::sync::atomic::AtomicU64::new(0),
             pass_on_failures: std::sync::atomic::AtomicU64::new(0),
@@ -288,6 +292,11 @@ impl Replication {
                     .is_some_and(|member| member.address == connection.address())
             });
         }
+        // A drain of this server starts with this map: held only once no request that
+        // skipped its chain is still being served here (`gate.rs`).
+        self.gate
+            .set_drained_below(fetched.drained_below(self.server_id))
+            .await;
         *map = fetched;
         self.version
             .store(version, std::sync::atomic::Ordering::Release);

@@ -25,7 +25,7 @@
 //! removes its old copies of them; a stand-in still filling is no source.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -46,6 +46,10 @@ pub struct Resync {
     pub progress: Arc<CopyProgress>,
     /// The fill's (`fill.rs`): a server fills only in service, and resyncs only syncing.
     pub fill_progress: Arc<CopyProgress>,
+    /// The map version this server last removed the copies of a completed drain under
+    /// (`Resync::clean_after_drain`), and whether it is doing so now.
+    pub cleaned_version: AtomicU64,
+    pub cleaning: AtomicBool,
 }
 
 impl Resync {
@@ -199,9 +203,42 @@ impl Resync {
 }
 
 impl Resync {
+    /// Once a drain of this server is complete in the map it holds (`map_version`), remove
+    /// the copies it gave up, once per map version, in the background.
+    pub fn clean_after_drain(self: &Arc<Self>, map_version: u64) {
+        if self.cleaned_version.load(Ordering::Acquire) == map_version
+            || self.cleaning.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let resync = Arc::clone(self);
+        tokio::spawn(async move {
+            let me = resync.store.server_id();
+            let map = resync.replication.map().await;
+            let drained = map.replacements.iter().any(|replacement| {
+                replacement.server == me && replacement.drain && replacement.complete
+            });
+            let cleaned = if drained {
+                match resync.replication.connect_meta(&resync.options).await {
+                    Ok(meta) => resync.remove_replaced(&map, &meta).await,
+                    Err(error) => Err(error.to_string()),
+                }
+            } else {
+                Ok(())
+            };
+            match cleaned {
+                Ok(()) => resync.cleaned_version.store(map.version, Ordering::Release),
+                Err(error) => {
+                    tracing::warn!(server_id = me, %error, "cannot remove the copies a drain gave up yet; trying again")
+                }
+            }
+            resync.cleaning.store(false, Ordering::Release);
+        });
+    }
+
     /// Remove this server's copies of the stripes it was replaced for (lost for good,
-    /// then back): the map gives them to stand-ins, so they are never read or written
-    /// here again. Objects of files that are gone are left (the reaper sent their removal
+    /// then back, or drained): the map gives them to stand-ins, so they are never read or
+    /// written here again. Objects of files that are gone are left (the reaper sent their removal
     /// to the stand-ins; `freeflow fsck --repair` finds them).
     async fn remove_replaced(
         &self,
@@ -225,10 +262,7 @@ impl Resync {
             let Some(layout) = layouts.get(&object.inode) else {
                 continue;
             };
-            if layout.replicas() >= 2
-                && layout.keeps(object.stripe_index, me)
-                && !map.keeps(object, layout, me)
-            {
+            if layout.keeps(object.stripe_index, me) && !map.keeps(object, layout, me) {
                 self.store
                     .remove_one(object)
                     .await

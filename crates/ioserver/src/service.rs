@@ -9,7 +9,7 @@ use bytes::Bytes;
 use freeflow_proto::io::{
     AllocateMode, AllocateObject, CopyObjectRange, IoStats, ListObjects, ObjectListing, ReadObject,
     ReadReply, RemoveObject, RemoveObjects, ReserveSpace, ServerStats, SyncObjects, TruncateObject,
-    WriteObject, LIST_OBJECTS_MAX,
+    WriteObject, LIST_OBJECTS_MAX, MAP_VERSION_COPY,
 };
 use freeflow_proto::{Request, WireError};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
@@ -131,6 +131,13 @@ impl Service for IoService {
                         )
                         .await?;
                     if request.map_version == 0 {
+                        let _unversioned = match gate.admit_unversioned(&[request.object]) {
+                            Ok(admitted) => admitted,
+                            Err(error) => {
+                                admitted.failed();
+                                return Err(error);
+                            }
+                        };
                         return match store.write(request.object, request.offset, payload).await {
                             Ok(space) => Ok((space, Bytes::new())),
                             Err(error) => {
@@ -177,9 +184,17 @@ impl Service for IoService {
             ReadObject::OPCODE => {
                 handle(frame, |request: ReadObject, _| async move {
                     gate.check()?;
-                    if request.map_version != 0 {
-                        drop(replication.hold(request.map_version).await?);
-                    }
+                    // A copy for a resync or a fill reads whatever map is held (see
+                    // `MAP_VERSION_COPY`); a client's read without a version, only what
+                    // is not leaving this server.
+                    let _unversioned = match request.map_version {
+                        MAP_VERSION_COPY => None,
+                        0 => Some(gate.admit_unversioned(&[request.object])?),
+                        version => {
+                            drop(replication.hold(version).await?);
+                            None
+                        }
+                    };
                     let data = store
                         .read(request.object, request.offset, request.length)
                         .await?;
@@ -244,6 +259,7 @@ impl Service for IoService {
                         }
                     }
                     if request.map_version == 0 {
+                        let _unversioned = gate.admit_unversioned(&[request.object])?;
                         let space = store
                             .allocate(request.object, request.offset, request.length, request.mode)
                             .await?;
@@ -278,6 +294,7 @@ impl Service for IoService {
             CopyObjectRange::OPCODE => {
                 handle(frame, |request: CopyObjectRange, _| async move {
                     gate.check()?;
+                    let _unversioned = gate.admit_unversioned(&[request.source, request.target])?;
                     let space = store
                         .copy_range(
                             request.source,

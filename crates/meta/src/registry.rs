@@ -128,6 +128,7 @@ impl Registry {
             members: self
                 .servers
                 .iter()
+                .filter(|(_, state)| state.entry.state != MemberState::Removed)
                 .map(|(id, state)| Member {
                     server_id: *id,
                     address: state.entry.address.clone(),
@@ -232,6 +233,110 @@ impl Registry {
         self.replacements.filling_since(server)
     }
 
+    /// Whether `server` was removed from the cluster (its registrations are refused).
+    pub fn removed(&self, server: ServerId) -> bool {
+        self.state(server) == MemberState::Removed
+    }
+
+    /// The record that drains `server` for the inodes below `inodes_below`, by every other
+    /// server in service and up that is not drained itself; why not, if it cannot be.
+    pub fn propose_drain(
+        &self,
+        server: ServerId,
+        inodes_below: InodeId,
+        now: Instant,
+    ) -> Result<ReplacementChange, String> {
+        match self.servers.get(&server) {
+            None => return Err(format!("I/O server {server} is not registered")),
+            Some(state) if state.entry.state == MemberState::Removed => {
+                return Err(format!("I/O server {server} was removed from the cluster"))
+            }
+            Some(_) => {}
+        }
+        if self.replacements.drains(server) {
+            return Err(format!(
+                "I/O server {server} is drained already (see `freeflow status`)"
+            ));
+        }
+        let by: Vec<ServerId> = self
+            .servers
+            .iter()
+            .filter(|(id, state)| {
+                **id != server
+                    && state.entry.state == MemberState::InService
+                    && self.is_up(state, now)
+                    && !self.replacements.drains(**id)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        if by.is_empty() {
+            return Err(format!(
+                "no other I/O server is in service to take the stripes of server {server}"
+            ));
+        }
+        Ok(self
+            .replacements
+            .propose_drain(server, inodes_below, by, unix_ms()))
+    }
+
+    /// Drains whose every stand-in is done, sealed in a map that every server in service
+    /// and up holds: they can complete.
+    pub fn completable_drains(&self, now: Instant) -> Vec<ReplacementChange> {
+        let held = self
+            .servers
+            .values()
+            .filter(|state| state.entry.state == MemberState::InService && self.is_up(state, now))
+            .map(|state| state.held_version)
+            .min()
+            .unwrap_or(0);
+        self.replacements.completable(held)
+    }
+
+    /// The entry that removes `server` from the cluster, to persist before
+    /// [`Registry::apply_removal`]; why not, if it cannot be. A server is removed once its
+    /// drain is complete and it holds no object, or (with `force`) once it was lost for
+    /// good: its stripes with one copy are lost with it.
+    pub fn propose_removal(&self, server: ServerId, force: bool) -> Result<StateChange, String> {
+        let Some(state) = self.servers.get(&server) else {
+            return Err(format!("I/O server {server} is not registered"));
+        };
+        if state.entry.state == MemberState::Removed {
+            return Err(format!("I/O server {server} was removed already"));
+        }
+        let lost = state.entry.state == MemberState::Out
+            && self
+                .replacements
+                .replaced_since(server, state.entry.unsynced_since_ms);
+        let may_go = self.replacements.drained(server) || (force && lost);
+        if !may_go {
+            return Err(if lost {
+                format!(
+                    "I/O server {server} was lost for good and its stripes with more than one copy were made again, but it may hold stripes with one copy: drain it if it can run again, or remove it with --force to give them up"
+                )
+            } else {
+                format!(
+                    "I/O server {server} still holds stripes: drain it first (`freeflow server drain {server}`) and wait until `freeflow status` shows the drain complete"
+                )
+            });
+        }
+        if !lost && state.entry.object_count > 0 {
+            return Err(format!(
+                "I/O server {server} still reports {} objects: wait until it has removed the copies it gave up (it does so once the drain completes), or see `freeflow fsck`",
+                state.entry.object_count
+            ));
+        }
+        let mut entry = state.entry.clone();
+        entry.state = MemberState::Removed;
+        Ok((server, entry))
+    }
+
+    /// Remove a server as [`Registry::propose_removal`] proposed and the store now says.
+    pub fn apply_removal(&mut self, server: ServerId) {
+        if self.set_state(server, MemberState::Removed).is_some() {
+            tracing::warn!(server, "I/O server removed from the cluster");
+        }
+    }
+
     /// (stand-ins still copying, stand-ins in all) over every replacement.
     pub fn replacement_progress(&self) -> (usize, usize) {
         self.replacements.progress()
@@ -250,6 +355,7 @@ impl Registry {
                 state.entry.unsynced_since_ms = 0;
                 state.entry.copy_everything = false;
             }
+            MemberState::Removed => {}
             MemberState::Out | MemberState::Syncing => {
                 if state.entry.unsynced_since_ms == 0 {
                     // From in service: it may lack what was written since it was last heard.
@@ -277,7 +383,7 @@ impl Registry {
         self.servers
             .iter()
             .filter(|(_, state)| {
-                state.entry.state != MemberState::Out
+                !matches!(state.entry.state, MemberState::Out | MemberState::Removed)
                     && now.saturating_duration_since(state.last_seen.unwrap_or(self.started))
                         > self.down_after
             })
@@ -479,14 +585,23 @@ impl Registry {
     /// meta server restart, before the first heartbeats); and the spares, those not out
     /// but silent of late (see `Placement::spares`).
     pub fn placement_servers(&self, now: Instant) -> (Vec<ServerId>, Vec<ServerId>) {
+        let placeable = |id: &ServerId, state: &ServerState| {
+            state.entry.state != MemberState::Removed && !self.replacements.drains(*id)
+        };
         let (up, silent): (Vec<(&ServerId, &ServerState)>, Vec<_>) = self
             .servers
             .iter()
-            .filter(|(_, state)| state.entry.state != MemberState::Out)
+            .filter(|(id, state)| state.entry.state != MemberState::Out && placeable(id, state))
             .partition(|(_, state)| self.is_up(state, now));
         let spares = silent.into_iter().map(|(id, _)| *id).collect();
         if up.is_empty() {
-            (self.servers.keys().copied().collect(), Vec::new())
+            let all = self
+                .servers
+                .iter()
+                .filter(|(id, state)| placeable(id, state))
+                .map(|(id, _)| *id)
+                .collect();
+            (all, Vec::new())
         } else {
             (up.into_iter().map(|(id, _)| *id).collect(), spares)
         }
@@ -501,6 +616,7 @@ impl Registry {
     pub fn records(&self, now: Instant) -> Vec<ServerRecord> {
         self.servers
             .iter()
+            .filter(|(_, state)| state.entry.state != MemberState::Removed)
             .map(|(id, state)| ServerRecord {
                 server_id: *id,
                 address: state.entry.address.clone(),
@@ -520,6 +636,9 @@ impl Registry {
     pub fn totals(&self, now: Instant) -> RegistryTotals {
         let mut totals = RegistryTotals::default();
         for state in self.servers.values() {
+            if state.entry.state == MemberState::Removed {
+                continue;
+            }
             totals.servers_total += 1;
             if self.is_up(state, now) {
                 totals.servers_up += 1;

@@ -26,6 +26,9 @@ use freeflow_types::{InodeId, ServerId};
 struct Entry {
     record: Replacement,
     version: u64,
+    /// A drain: the map version in which its last stand-in was done (it completes once
+    /// every server in service holds it).
+    sealed_version: u64,
 }
 
 /// A replacement record changed: to persist under its sequence number.
@@ -43,7 +46,16 @@ impl Replacements {
         Replacements {
             entries: persisted
                 .into_iter()
-                .map(|(sequence, record)| (sequence, Entry { record, version }))
+                .map(|(sequence, record)| {
+                    (
+                        sequence,
+                        Entry {
+                            record,
+                            version,
+                            sealed_version: version,
+                        },
+                    )
+                })
                 .collect(),
         }
     }
@@ -93,18 +105,90 @@ impl Replacements {
                 filling: by.clone(),
                 by,
                 made_ms,
+                drain: false,
+                complete: false,
             },
         ));
         changes
+    }
+
+    /// The record that drains running `server` (by the servers in `by`) for the inodes
+    /// below `inodes_below`.
+    pub fn propose_drain(
+        &self,
+        server: ServerId,
+        inodes_below: InodeId,
+        by: Vec<ServerId>,
+        made_ms: u64,
+    ) -> ReplacementChange {
+        let sequence = self.entries.keys().next_back().map_or(1, |last| last + 1);
+        (
+            sequence,
+            Replacement {
+                server,
+                inodes_below,
+                filling: by.clone(),
+                by,
+                made_ms,
+                drain: true,
+                complete: false,
+            },
+        )
+    }
+
+    /// Whether a drain of `server` was ever started.
+    pub fn drains(&self, server: ServerId) -> bool {
+        self.entries
+            .values()
+            .any(|entry| entry.record.drain && entry.record.server == server)
+    }
+
+    /// Whether every drain of `server` is complete (false when there is none).
+    pub fn drained(&self, server: ServerId) -> bool {
+        self.drains(server)
+            && self.entries.values().all(|entry| {
+                !(entry.record.drain && entry.record.server == server) || entry.record.complete
+            })
+    }
+
+    /// The drains sealed (every stand-in done) in a map version at or below `held`: they
+    /// can complete, since no server in service serves reads under an older map.
+    pub fn completable(&self, held: u64) -> Vec<ReplacementChange> {
+        self.entries
+            .iter()
+            .filter(|(_, entry)| {
+                entry.record.drain
+                    && !entry.record.complete
+                    && entry.record.filling.is_empty()
+                    && entry.sealed_version <= held
+            })
+            .map(|(sequence, entry)| {
+                let mut record = entry.record.clone();
+                record.complete = true;
+                (*sequence, record)
+            })
+            .collect()
     }
 
     /// Take records as persisted; those new to this map appear in map `version`.
     pub fn apply(&mut self, changes: Vec<ReplacementChange>, version: u64) {
         for (sequence, record) in changes {
             match self.entries.get_mut(&sequence) {
-                Some(entry) => entry.record = record,
+                Some(entry) => {
+                    if !entry.record.filling.is_empty() && record.filling.is_empty() {
+                        entry.sealed_version = version;
+                    }
+                    entry.record = record;
+                }
                 None => {
-                    self.entries.insert(sequence, Entry { record, version });
+                    self.entries.insert(
+                        sequence,
+                        Entry {
+                            record,
+                            version,
+                            sealed_version: version,
+                        },
+                    );
                 }
             }
         }
@@ -177,5 +261,26 @@ mod tests {
         assert_eq!(replacements.records()[1].filling, vec![2, 4]);
         assert_eq!(replacements.filling_since(4), Some(8));
         assert_eq!(replacements.progress(), (2, 4));
+    }
+
+    #[test]
+    fn a_drain_completes_only_once_its_seal_is_held() {
+        let mut replacements = Replacements::default();
+        assert!(!replacements.drained(5));
+        let drain = replacements.propose_drain(5, 50, vec![6], 1);
+        replacements.apply(vec![drain], 10);
+        assert!(replacements.drains(5) && !replacements.drained(5));
+        assert!(
+            replacements.completable(u64::MAX).is_empty(),
+            "still filling"
+        );
+        let done = replacements.fill_done(6, 10);
+        replacements.apply(done, 12);
+        assert!(replacements.completable(11).is_empty(), "sealed in map 12");
+        let complete = replacements.completable(12);
+        assert!(complete[0].1.complete);
+        replacements.apply(complete, 13);
+        assert!(replacements.drained(5));
+        assert!(replacements.completable(u64::MAX).is_empty());
     }
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
+use freeflow_proto::meta::{IoServerChange, ServerRecord};
 use freeflow_proto::{ErrorCode, WireError};
 use freeflow_types::ServerId;
 
@@ -14,23 +15,40 @@ use crate::ops;
 use crate::replacements::ReplacementChange;
 use crate::shared::Shared;
 
-/// Replaces, at every heartbeat interval, the servers out past `server_dead_after_ms`.
+/// At every heartbeat interval: replaces the servers out past `server_dead_after_ms`, and
+/// completes the drains whose seal every server in service holds.
 pub(crate) async fn replace_lost_servers(shared: Arc<Shared>) {
-    let dead_after = shared.config.server_dead_after_ms;
-    if dead_after == 0 {
-        return;
-    }
-    let dead_after = Duration::from_millis(dead_after);
+    let dead_after = match shared.config.server_dead_after_ms {
+        0 => None,
+        ms => Some(Duration::from_millis(ms)),
+    };
     let period = Duration::from_millis(u64::from(shared.config.heartbeat_interval_ms).max(10));
     let mut interval = tokio::time::interval(period);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         interval.tick().await;
-        let lost = shared.registry().lost(dead_after);
+        let lost = match dead_after {
+            Some(dead_after) => shared.registry().lost(dead_after),
+            None => Vec::new(),
+        };
         for server in lost {
             if let Err(error) = replace(&shared, server).await {
                 tracing::error!(server, %error, "cannot replace a lost I/O server; trying again");
             }
+        }
+        let complete = shared.registry().completable_drains(Instant::now());
+        if !complete.is_empty() {
+            if let Err(error) = persist(&shared, &complete).await {
+                tracing::error!(%error, "cannot complete a drain; trying again");
+                continue;
+            }
+            for (_, record) in &complete {
+                tracing::info!(
+                    server = record.server,
+                    "drain complete: the I/O server is in no chain any more"
+                );
+            }
+            shared.registry().apply_replacements(complete);
         }
     }
 }
@@ -112,4 +130,44 @@ pub(crate) async fn fill_done(
         "I/O server copied the stripes it takes from lost servers: it serves their reads now"
     );
     Ok(())
+}
+
+/// `ChangeIoServer`: drain or remove an I/O server (`freeflow server drain|remove`).
+pub(crate) async fn change_io_server(
+    shared: &Arc<Shared>,
+    server: ServerId,
+    change: IoServerChange,
+) -> Result<Vec<ServerRecord>, WireError> {
+    let refused = |reason: String| WireError::new(ErrorCode::InvalidArgument, reason);
+    match change {
+        IoServerChange::Drain => {
+            let inodes_below = shared.read(|read| Ok(ops::inode_high_water(read)?))?;
+            let proposal = shared
+                .registry()
+                .propose_drain(server, inodes_below, Instant::now())
+                .map_err(refused)?;
+            let by = proposal.1.by.clone();
+            persist(shared, std::slice::from_ref(&proposal)).await?;
+            shared.registry().apply_replacements(vec![proposal]);
+            tracing::warn!(
+                server,
+                inodes_below,
+                ?by,
+                "I/O server drained: its stripes are copied to the others, and new files go elsewhere"
+            );
+        }
+        IoServerChange::Remove { force } => {
+            let (id, entry) = shared
+                .registry()
+                .propose_removal(server, force)
+                .map_err(refused)?;
+            let persisted = entry.clone();
+            shared
+                .write(move |write, _context| ops::servers::put_server(write, id, &persisted))
+                .await?;
+            shared.sync().await?;
+            shared.registry().apply_removal(id);
+        }
+    }
+    Ok(shared.registry().records(Instant::now()))
 }

@@ -111,6 +111,12 @@ requests! {
     ReserveSpace = 210 => SpaceGrant { grant: u64, give_back: u64, need: u64, want: u64 }
 }
 
+/// The `map_version` of a `ReadObject` made by a server copying an object for a resync
+/// or a fill: served whatever map the server holds and without its lease, and also for
+/// objects being drained from it (the copier works under its own order's map). Map
+/// versions count microseconds from the Unix epoch and never reach it.
+pub const MAP_VERSION_COPY: u64 = u64::MAX;
+
 /// A grant unused this long lapses at its server.
 pub const GRANT_IDLE_MS: u64 = 30_000;
 /// A grant unused this long is taken back when another writer's `need` does not fit.

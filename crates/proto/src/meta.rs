@@ -122,6 +122,9 @@ pub enum MemberState {
     /// Back after being out: takes every write again (at the end of its chains) while it
     /// copies what changed in its absence, and serves no reads of replicated stripes.
     Syncing,
+    /// Removed from the cluster (`freeflow server remove`): in no chain, no placement and
+    /// no map; its id is never used again and its registrations are refused.
+    Removed,
 }
 
 /// One I/O server in the [`ServiceMap`].
@@ -150,10 +153,12 @@ pub struct ServiceMap {
     pub replacements: Vec<Replacement>,
 }
 
-/// A server lost for good (out past `server_dead_after_ms`): in the chain of every
-/// replicated stripe of a file made before it was declared lost, another server takes its
+/// A server lost for good (out past `server_dead_after_ms`), or drained by an operator
+/// (`drain`): in the chain of every stripe of a file made before, another server takes its
 /// place, chosen per stripe among `by` ([`ServiceMap::chain`]), and copies the stripe
-/// from the survivors while it takes every new write (`ioserver/src/fill.rs`).
+/// while it takes every new write (`ioserver/src/fill.rs`). A lost server gives up only
+/// stripes with more than one copy (nothing else holds the others); a drained one gives
+/// up every stripe, and keeps its place until its stand-ins are done (see `complete`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Replacement {
     /// The server replaced.
@@ -168,6 +173,13 @@ pub struct Replacement {
     pub filling: Vec<ServerId>,
     /// When it was replaced (Unix ms, the meta server's clock).
     pub made_ms: u64,
+    /// Drained while it runs (`freeflow server drain`): while stand-ins copy, it keeps its
+    /// place and they come after it; once all copied (sealed), they serve reads and it
+    /// takes writes only; once every server in service holds the sealed map, `complete`:
+    /// the stand-ins have its places. Its copy thus stays current until no read can reach it.
+    pub drain: bool,
+    /// A drain whose stand-ins have its places (see `drain`).
+    pub complete: bool,
 }
 
 /// One member of a stripe's chain as the service map makes it ([`ServiceMap::chain`]).
@@ -210,29 +222,31 @@ impl ServiceMap {
     /// The chain of `object` whose layout gives `layout_chain`, with every replaced server
     /// taken out and its stand-in put in its place. Replacements apply oldest first; each
     /// chooses among its candidates not yet in the chain (the layout's servers and earlier
-    /// stand-ins), so a newer replacement never changes an older one's choice. A slot whose
-    /// replacement has no candidate left is dropped (the stripe keeps fewer copies). A
-    /// stripe with one copy is never replaced: there is nothing to copy it from.
+    /// stand-ins), so a newer replacement never changes an older one's choice. A lost
+    /// server's slot with no candidate left is dropped (the stripe keeps fewer copies); a
+    /// drained server's stays its own. A lost server's stripes with one copy are not
+    /// replaced: there is nothing to copy them from. A drain not complete keeps the
+    /// drained server in its slot (taking writes; serving reads until sealed) and puts the
+    /// stand-in at the end (filling until sealed).
     pub fn chain(&self, object: ObjectId, layout_chain: &[ServerId]) -> Vec<ChainMember> {
-        let mut slots: Vec<Option<ChainMember>> = layout_chain
+        let mut slots: Vec<ChainMember> = layout_chain
             .iter()
-            .map(|server| {
-                Some(ChainMember {
-                    server: *server,
-                    filling: false,
-                })
+            .map(|server| ChainMember {
+                server: *server,
+                filling: false,
             })
             .collect();
-        if layout_chain.len() < 2 {
-            return slots.into_iter().flatten().collect();
-        }
         let mut taken: Vec<ServerId> = layout_chain.to_vec();
         for replacement in &self.replacements {
-            if object.inode >= replacement.inodes_below {
+            if object.inode >= replacement.inodes_below
+                || (!replacement.drain && layout_chain.len() < 2)
+            {
                 continue;
             }
-            for slot in slots.iter_mut() {
-                if slot.is_none_or(|member| member.server != replacement.server) {
+            let mut index = 0;
+            while index < slots.len() {
+                if slots[index].server != replacement.server {
+                    index += 1;
                     continue;
                 }
                 let pick = replacement
@@ -241,14 +255,43 @@ impl ServiceMap {
                     .copied()
                     .filter(|candidate| !taken.contains(candidate))
                     .max_by_key(|candidate| replacement_rank(object, *candidate));
-                *slot = pick.map(|server| ChainMember {
-                    server,
-                    filling: replacement.filling.contains(&server),
-                });
                 taken.extend(pick);
+                match pick {
+                    None if replacement.drain => {}
+                    None => {
+                        slots.remove(index);
+                        continue;
+                    }
+                    Some(server) if !replacement.drain => {
+                        slots[index] = ChainMember {
+                            server,
+                            filling: replacement.filling.contains(&server),
+                        };
+                    }
+                    Some(server) if !replacement.filling.is_empty() => {
+                        slots.push(ChainMember {
+                            server,
+                            filling: true,
+                        });
+                    }
+                    Some(server) if !replacement.complete => {
+                        slots[index].filling = true;
+                        slots.push(ChainMember {
+                            server,
+                            filling: false,
+                        });
+                    }
+                    Some(server) => {
+                        slots[index] = ChainMember {
+                            server,
+                            filling: false,
+                        };
+                    }
+                }
+                index += 1;
             }
         }
-        slots.into_iter().flatten().collect()
+        slots
     }
 
     /// Every (stripe, server) the objects of `inode` (with `layout`) are kept on, as the
@@ -319,9 +362,42 @@ impl ServiceMap {
         self.member(server).is_some_and(|member| {
             member.state == MemberState::Out
                 && self.replacements.iter().any(|replacement| {
-                    replacement.server == server && replacement.made_ms >= member.unsynced_since_ms
+                    replacement.server == server
+                        && !replacement.drain
+                        && replacement.made_ms >= member.unsynced_since_ms
                 })
         })
+    }
+
+    /// The inodes below which `server` is drained (0: it is not): their objects leave it,
+    /// so it takes no request for them outside their chains (without a map version).
+    pub fn drained_below(&self, server: ServerId) -> InodeId {
+        self.replacements
+            .iter()
+            .filter(|replacement| replacement.drain && replacement.server == server)
+            .map(|replacement| replacement.inodes_below)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether requests for `object` of a file with `layout_chain` for this stripe must go
+    /// down its chain as the map makes it (with the map version), not straight to the
+    /// layout's one server: a stripe with one copy whose server is being drained or was.
+    pub fn moved(&self, object: ObjectId, layout_chain: &[ServerId]) -> bool {
+        // The common case, on every request of a stripe with one copy: nothing applies.
+        let applies = |replacement: &Replacement| {
+            object.inode < replacement.inodes_below
+                && (replacement.drain || layout_chain.len() >= 2)
+        };
+        if !self.replacements.iter().any(applies) {
+            return false;
+        }
+        let chain = self.chain(object, layout_chain);
+        chain.len() != layout_chain.len()
+            || chain
+                .iter()
+                .zip(layout_chain)
+                .any(|(member, server)| member.server != *server || member.filling)
     }
 
     /// The replacements `server` still copies stripes for.
@@ -417,6 +493,19 @@ pub struct MetaMember {
     pub snapshot: Option<(u64, u64)>,
     /// It votes; false: a learner, catching up before it is promoted.
     pub voter: bool,
+}
+
+/// A change of an I/O server's place in the cluster (`freeflow server drain|remove`), made
+/// by the metadata leader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum IoServerChange {
+    /// Move every stripe off the server, under the writers; new files are placed
+    /// elsewhere. Refused when no other server is in service to take them.
+    Drain,
+    /// Take the server out of the cluster for good. Refused while it holds objects (drain
+    /// it first) unless it was lost for good and `force` says its stripes with one copy
+    /// may go with it.
+    Remove { force: bool },
 }
 
 /// A change of the metadata cluster's members (`freeflow meta add|promote|remove|replace`),
@@ -725,6 +814,9 @@ requests! {
     /// Sent by an I/O server that copied every stripe it takes from replaced servers, as
     /// its order (given under `map_version`) asked: it serves reads of them from then on.
     FillDone = 148 => () { server_id: ServerId, map_version: u64 }
+    /// Drain or remove an I/O server (leader only); replies with the servers after the
+    /// change is durable.
+    ChangeIoServer = 149 => Vec<ServerRecord> { server_id: ServerId, change: IoServerChange }
 }
 
 /// How long after its grant a lease can be kept by renewals ([`RenewLeases`]); past it the
@@ -847,6 +939,8 @@ mod tests {
             by: vec![2, 3],
             filling: vec![3],
             made_ms: 10,
+            drain: false,
+            complete: false,
         });
         assert!(map.replaced_while_out(1));
         // Server 2 is in the chain already: server 3 takes the place, filling.
@@ -882,6 +976,8 @@ mod tests {
             by: vec![2, 4],
             filling: vec![4],
             made_ms: 20,
+            drain: false,
+            complete: false,
         });
         assert_eq!(map.write_chain(o, &[1, 2]), vec![2, 4]);
         assert_eq!(map.filling(4).count(), 1);
@@ -894,16 +990,65 @@ mod tests {
                 1u64..40,
                 proptest::collection::vec(1u32..=8, 0..6),
                 proptest::collection::vec(1u32..=8, 0..3),
+                proptest::bool::weighted(0.3),
+                any::<bool>(),
             )
-                .prop_map(|(server, inodes_below, by, filling)| Replacement {
-                    server,
-                    inodes_below,
-                    by,
-                    filling,
-                    made_ms: 1,
+                .prop_map(|(server, inodes_below, by, filling, drain, complete)| {
+                    Replacement {
+                        server,
+                        inodes_below,
+                        complete: complete && filling.is_empty(),
+                        by,
+                        filling,
+                        made_ms: 1,
+                        drain,
+                    }
                 }),
             0..6,
         )
+    }
+
+    #[test]
+    fn a_drained_server_keeps_its_place_until_its_stand_ins_are_done() {
+        let mut map = ServiceMap {
+            version: 7,
+            members: vec![
+                member(1, MemberState::InService),
+                member(2, MemberState::InService),
+                member(3, MemberState::InService),
+            ],
+            replacements: vec![Replacement {
+                server: 1,
+                inodes_below: 100,
+                by: vec![2, 3],
+                filling: vec![2, 3],
+                made_ms: 10,
+                drain: true,
+                complete: false,
+            }],
+        };
+        let o = object(10, 0);
+        // Filling: server 1 reads and writes, its stand-in only takes the writes; one copy
+        // files too (a drain takes them all).
+        let stand_in = map.chain(o, &[1])[1].server;
+        assert_eq!(map.write_chain(o, &[1]), vec![1, stand_in]);
+        assert_eq!(map.read_chain(o, &[1]), vec![1]);
+        assert!(map.moved(o, &[1]) && !map.moved(object(100, 0), &[1]));
+        assert_eq!(map.drained_below(1), 100);
+        assert!(!map.replaced_while_out(1));
+        // One stand-in done, the other not: nothing changes yet.
+        map.replacements[0].filling = vec![3];
+        assert_eq!(map.read_chain(o, &[1]), vec![1]);
+        // Sealed: the stand-in serves, server 1 only takes writes.
+        map.replacements[0].filling.clear();
+        assert_eq!(map.write_chain(o, &[1]), vec![stand_in, 1]);
+        assert_eq!(map.read_chain(o, &[1]), vec![stand_in]);
+        // Complete: the stand-in alone.
+        map.replacements[0].complete = true;
+        assert_eq!(map.write_chain(o, &[1]), vec![stand_in]);
+        assert!(map.moved(o, &[1]));
+        // A two-copy chain whose other member is the only candidate keeps server 1.
+        assert_eq!(map.write_chain(o, &[1, 2, 3]), vec![1, 2, 3]);
     }
 
     proptest! {
@@ -916,23 +1061,31 @@ mod tests {
             replacements in replacements(),
             inode in 1u64..40,
             stripe in 0u32..4,
-            layout_chain in proptest::sample::subsequence((1u32..=8).collect::<Vec<_>>(), 2..=3),
+            layout_chain in proptest::sample::subsequence((1u32..=8).collect::<Vec<_>>(), 1..=3),
         ) {
             let o = object(inode, stripe);
             let mut map = ServiceMap::default();
             let mut before = map.chain(o, &layout_chain);
             prop_assert_eq!(before.len(), layout_chain.len());
+            let mut drains = 0;
             for replacement in replacements {
                 let replaced = replacement.server;
-                let applies = inode < replacement.inodes_below;
+                let drain = replacement.drain;
+                let applies = inode < replacement.inodes_below
+                    && (drain || layout_chain.len() >= 2);
+                drains += usize::from(applies && drain);
                 map.replacements.push(replacement);
                 let after = map.chain(o, &layout_chain);
-                prop_assert!(after.len() <= layout_chain.len());
+                prop_assert!(after.len() <= layout_chain.len() + drains);
                 for (index, member) in after.iter().enumerate() {
                     prop_assert!(!after[..index].iter().any(|other| other.server == member.server));
                 }
-                if applies {
+                if applies && !drain {
                     prop_assert!(!after.iter().any(|member| member.server == replaced));
+                }
+                if drain {
+                    // A drain never takes a copy away without a stand-in for it.
+                    prop_assert!(after.len() >= before.len());
                 }
                 // Every member of the old chain not replaced now is still there.
                 for member in &before {

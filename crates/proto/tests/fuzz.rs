@@ -294,6 +294,8 @@ fn samples() -> Vec<Vec<u8>> {
                 by: vec![1, 2, 4],
                 filling: vec![4],
                 made_ms: 1_700_000_000_000,
+                drain: true,
+                complete: false,
             }],
         })),
         encode(&ResyncDone {

@@ -6,6 +6,7 @@ mod exercise;
 mod exercise_names;
 mod fsck;
 mod init;
+mod io_members;
 mod members;
 mod mount;
 mod namespace;
@@ -83,6 +84,7 @@ pub async fn run(arguments: Cli) -> anyhow::Result<()> {
         )
         .into()),
         Command::Io { config } => servers::run_io(&config).await,
+        Command::Server { change } => io_members::run(cluster, change).await,
         Command::Status => status::run(cluster).await,
         Command::Fsck {
             repair,

@@ -184,8 +184,8 @@ async fn copy_line(server: &freeflow_proto::meta::ServerRecord, copy: CopyKind) 
     )
 }
 
-/// One line per I/O server lost for good: when, who takes its stripes, and how many of
-/// them still copy.
+/// One line per I/O server lost for good or drained: when, who takes its stripes, and how
+/// far the copies are.
 fn replacement_lines(replacements: &[freeflow_proto::meta::Replacement]) -> Vec<String> {
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -193,9 +193,7 @@ fn replacement_lines(replacements: &[freeflow_proto::meta::Replacement]) -> Vec<
     replacements
         .iter()
         .map(|replacement| {
-            let copying = if replacement.filling.is_empty() {
-                "every copy made again".to_string()
-            } else {
+            let copying = if !replacement.filling.is_empty() {
                 format!(
                     "[{}] servers {:?} still copying",
                     progress_bar(
@@ -205,11 +203,24 @@ fn replacement_lines(replacements: &[freeflow_proto::meta::Replacement]) -> Vec<
                     ),
                     replacement.filling
                 )
+            } else if replacement.drain && !replacement.complete {
+                "every stripe copied; its chains switch once every server holds the map"
+                    .to_string()
+            } else if replacement.drain {
+                "drain complete".to_string()
+            } else {
+                "every copy made again".to_string()
+            };
+            let what = if replacement.drain {
+                "drained"
+            } else {
+                "lost for good"
             };
             format!(
-                "server {} lost for good {} ago: its replicated stripes (inodes below {}) went to servers {:?}; {copying}",
+                "server {} {what} {} ago: its {}stripes (inodes below {}) go to servers {:?}; {copying}",
                 replacement.server,
                 human_duration_ms(now_ms.saturating_sub(replacement.made_ms)),
+                if replacement.drain { "" } else { "replicated " },
                 replacement.inodes_below,
                 replacement.by
             )
@@ -233,6 +244,7 @@ pub fn member_state(state: freeflow_proto::meta::MemberState) -> &'static str {
         freeflow_proto::meta::MemberState::InService => "in service",
         freeflow_proto::meta::MemberState::Out => "OUT",
         freeflow_proto::meta::MemberState::Syncing => "syncing",
+        freeflow_proto::meta::MemberState::Removed => "removed",
     }
 }
 
@@ -302,16 +314,25 @@ mod tests {
             by: vec![1, 2],
             filling: vec![2],
             made_ms: 0,
+            drain: false,
+            complete: false,
         };
         let line = &super::replacement_lines(std::slice::from_ref(&replacement))[0];
         assert!(line.starts_with("server 3 lost for good"), "{line}");
         assert!(
-            line.ends_with("went to servers [1, 2]; [#####-----] servers [2] still copying"),
+            line.ends_with("go to servers [1, 2]; [#####-----] servers [2] still copying"),
             "{line}"
         );
         replacement.filling.clear();
-        let line = &super::replacement_lines(&[replacement])[0];
+        let line = &super::replacement_lines(std::slice::from_ref(&replacement))[0];
         assert!(line.ends_with("every copy made again"), "{line}");
+        replacement.drain = true;
+        let line = &super::replacement_lines(std::slice::from_ref(&replacement))[0];
+        assert!(line.starts_with("server 3 drained"), "{line}");
+        assert!(line.contains("every stripe copied"), "{line}");
+        replacement.complete = true;
+        let line = &super::replacement_lines(&[replacement])[0];
+        assert!(line.ends_with("drain complete"), "{line}");
     }
 
     #[test]

@@ -769,4 +769,18 @@ impl Client {
         })
         .await
     }
+
+    /// Drain or remove an I/O server (`freeflow server drain|remove`); the servers after
+    /// the change.
+    pub async fn change_io_server(
+        &self,
+        server_id: freeflow_types::ServerId,
+        change: freeflow_proto::meta::IoServerChange,
+    ) -> Result<Vec<ServerRecord>, ClientError> {
+        self.meta(
+            &freeflow_proto::meta::ChangeIoServer { server_id, change },
+            || format!("of I/O server {server_id}"),
+        )
+        .await
+    }
 }

@@ -283,51 +283,75 @@ impl FileHandle {
             let (source_layout, target_layout) = (&source_layout, &target_layout);
             async move {
                 let target_server = target_layout.servers[piece.target.stripe_index as usize];
-                if crate::replicated::same_single_server(
+                let pool = target.client.pool();
+                let source_object = ObjectId {
+                    inode: origin.inode,
+                    stripe_index: piece.source.stripe_index,
+                };
+                let target_object = ObjectId {
+                    inode: target.inode,
+                    stripe_index: piece.target.stripe_index,
+                };
+                let source_chain = source_layout.chain(piece.source.stripe_index);
+                let target_chain = target_layout.chain(piece.target.stripe_index);
+                // Not while a drain moves either stripe: the copy must go down its chain.
+                let on_one_server = crate::replicated::same_single_server(
                     source_layout,
                     piece.source.stripe_index,
                     target_layout,
                     piece.target.stripe_index,
-                ) {
+                ) && pool
+                    .direct(source_layout, source_object, &source_chain)
+                    .is_some()
+                    && pool
+                        .direct(target_layout, target_object, &target_chain)
+                        .is_some();
+                if on_one_server {
                     let request = CopyObjectRange {
-                        source: ObjectId {
-                            inode: origin.inode,
-                            stripe_index: piece.source.stripe_index,
-                        },
+                        source: source_object,
                         source_offset: piece.source.object_offset,
-                        target: ObjectId {
-                            inode: target.inode,
-                            stripe_index: piece.target.stripe_index,
-                        },
+                        target: target_object,
                         target_offset: piece.target.object_offset,
                         // A piece is at most IO_REQUEST_BYTES_MAX, which fits u32.
                         length: piece.source.length as u32,
                     };
-                    let (space, _) = target
-                        .client
-                        .pool()
+                    let copied = pool
                         .io_call(target_server, target.inode, &request, Bytes::new(), || {
                             format!(
                                 "of {} bytes from inode {} to inode {} on one server",
                                 piece.source.length, origin.inode, target.inode
                             )
                         })
-                        .await?;
-                    let piece_end = piece.target.file_offset + piece.source.length;
-                    Ok::<_, ClientError>(Some((piece.target.stripe_index, space, piece_end)))
-                } else {
-                    let data = origin.read_piece(source_layout, &piece.source).await?;
-                    let data = if data.len() as u64 == piece.source.length {
-                        data
-                    } else {
-                        // Past the source object's end it reads as zeros.
-                        let mut filled = BytesMut::zeroed(piece.source.length as usize);
-                        filled[..data.len()].copy_from_slice(&data);
-                        filled.freeze()
-                    };
-                    self.write_at(piece.target.file_offset, data).await?;
-                    Ok(None)
+                        .await;
+                    match copied {
+                        Ok((space, _)) => {
+                            let piece_end = piece.target.file_offset + piece.source.length;
+                            return Ok::<_, ClientError>(Some((
+                                piece.target.stripe_index,
+                                space,
+                                piece_end,
+                            )));
+                        }
+                        // A drain began: read and write instead.
+                        Err(error)
+                            if pool
+                                .drained_meanwhile(&error, source_object, &source_chain)
+                                .await
+                                || pool.held_service_map().moved(target_object, &target_chain) => {}
+                        Err(error) => return Err(error),
+                    }
                 }
+                let data = origin.read_piece(source_layout, &piece.source).await?;
+                let data = if data.len() as u64 == piece.source.length {
+                    data
+                } else {
+                    // Past the source object's end it reads as zeros.
+                    let mut filled = BytesMut::zeroed(piece.source.length as usize);
+                    filled[..data.len()].copy_from_slice(&data);
+                    filled.freeze()
+                };
+                self.write_at(piece.target.file_offset, data).await?;
+                Ok(None)
             }
         });
         let done: Vec<Option<(u32, ObjectSpace, u64)>> = futures::stream::iter(copies)

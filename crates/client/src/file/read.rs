@@ -131,8 +131,8 @@ impl HandleShared {
 
     /// A piece read from an object of an I/O server on this host through its descriptor
     /// (`local.rs`); None when it must go through the RPC path: a replicated stripe (a
-    /// copy may lag its chain's head), a server elsewhere or not handing descriptors out,
-    /// a missing object.
+    /// copy may lag its chain's head), a stripe a drain moves, a server elsewhere or not
+    /// handing descriptors out, a missing object.
     pub(super) async fn read_local(
         &self,
         layout: &Layout,
@@ -143,6 +143,19 @@ impl HandleShared {
             return Ok(None);
         }
         let stripe_index = request.stripe_index;
+        let object_id = ObjectId {
+            inode: self.inode,
+            stripe_index,
+        };
+        // A drain moves the stripe: its reads go down its chain (the server stopped handing
+        // out descriptors of it and closed those it had).
+        if client
+            .pool()
+            .held_service_map()
+            .moved(object_id, &layout.chain(stripe_index))
+        {
+            return Ok(None);
+        }
         let known = || {
             self.local
                 .lock()

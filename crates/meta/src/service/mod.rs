@@ -20,11 +20,11 @@ use tokio::time::Instant;
 
 use freeflow_proto::frame::FLAG_REPLAY;
 use freeflow_proto::meta::{
-    is_mutation, ChangeMetaMembers, Close, CloseHandles, CloseSession, ClusterStatus, FillDone,
-    GetAttr, GetLock, GetServiceMap, GetXattr, InspectInodes, LeasesRenewed, ListServers,
-    ListXattr, Lookup, LookupEntry, Open, OpenSession, ReadDir, ReadLink, ReclaimSession,
-    RegisterServer, RenewLeases, RenewSession, ReplayDone, ReserveInodes, ResyncDone, SetLock,
-    StatFs, Sync, WaitRevocations,
+    is_mutation, ChangeIoServer, ChangeMetaMembers, Close, CloseHandles, CloseSession,
+    ClusterStatus, FillDone, GetAttr, GetLock, GetServiceMap, GetXattr, InspectInodes,
+    LeasesRenewed, ListServers, ListXattr, Lookup, LookupEntry, Open, OpenSession, ReadDir,
+    ReadLink, ReclaimSession, RegisterServer, RenewLeases, RenewSession, ReplayDone, ReserveInodes,
+    ResyncDone, SetLock, StatFs, Sync, WaitRevocations,
 };
 use freeflow_proto::{ErrorCode, Request};
 use freeflow_rpc::{handle, Frame, PeerInfo, Reply, Service};
@@ -229,6 +229,18 @@ impl Service for MetaService {
             ResyncDone::OPCODE => {
                 handle(frame, |request: ResyncDone, _| async move {
                     unstamped(shared, resync_done(shared, request).await)
+                })
+                .await
+            }
+            ChangeIoServer::OPCODE => {
+                handle(frame, |request: ChangeIoServer, _| async move {
+                    let result = crate::rereplication::change_io_server(
+                        shared,
+                        request.server_id,
+                        request.change,
+                    )
+                    .await;
+                    unstamped(shared, result)
                 })
                 .await
             }

@@ -107,6 +107,15 @@ pub(super) async fn register_server(
             ));
         }
     }
+    if shared.registry().removed(request.server_id) {
+        return Err(WireError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "I/O server {} was removed from the cluster (`freeflow server remove`) and its id is not used again: give this server a new server_id and an empty data directory",
+                request.server_id
+            ),
+        ));
+    }
     let entry = ServerEntry {
         address: request.address.clone(),
         capacity_bytes: request.capacity_bytes,
