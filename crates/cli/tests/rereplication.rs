@@ -376,3 +376,123 @@ async fn a_drained_server_gives_every_stripe_away_under_the_writers_and_is_remov
     assert!(refused.is_some(), "{}", cluster.io_log(0));
     observer.shutdown().await;
 }
+
+/// Bytes of base file `index` of the growth test.
+fn base_bytes(index: u64) -> Vec<u8> {
+    Xorshift::new(0xBA5E ^ index).bytes(512 << 10)
+}
+
+/// Used bytes per server in service (each on a disk of its own), as the meta server has
+/// them from the heartbeats.
+async fn usage(client: &Client) -> Vec<(u32, u64)> {
+    client
+        .servers()
+        .await
+        .expect("servers")
+        .iter()
+        .map(|server| (server.server_id, server.capacity_bytes - server.free_bytes))
+        .collect()
+}
+
+/// Whether every server's used bytes are within `percent` of its share (equal disks).
+fn even(usage: &[(u32, u64)], percent: u64) -> bool {
+    let total: u64 = usage.iter().map(|(_, used)| used).sum();
+    let share = total / usage.len() as u64;
+    usage
+        .iter()
+        .all(|(_, used)| used.abs_diff(share) <= share / 100 * percent)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_added_to_three_take_their_share_under_the_writers() {
+    if !fuse_available() || !common::small_file_systems_available() {
+        return;
+    }
+    let mut options = ClusterOptions::new(3);
+    options.replicas = 2;
+    options.metrics = true;
+    // Each server on a disk of its own, as in a deployment: the rebalancer reads usage
+    // from the disks.
+    options.io_tmpfs_bytes = Some(512 << 20);
+    options.rebalance_min_bytes = Some(4 << 20);
+    let mut cluster = Cluster::start_with(options).await;
+    let mount = Mount::start(&cluster, "mnt", &[]);
+    let observer = cluster.client().await;
+    for index in 0..200u64 {
+        let handle = observer
+            .open_path(
+                &format!("/base-{index}"),
+                &OpenOptions::new().write(true).create(true),
+            )
+            .await
+            .expect("create");
+        handle
+            .write_at(0, Bytes::from(base_bytes(index)))
+            .await
+            .expect("write");
+        handle.close().await.expect("close");
+    }
+    let before = usage(&observer).await;
+    let mut workload = Workload::start(&mount, cluster.client().await);
+    workload.logs.extend([cluster.path().join("meta.log")]);
+    workload.advance(5, "before the new servers").await;
+
+    // Two servers join: new files go to them at once, and the rebalancer moves copies
+    // of the old ones to them under the writers.
+    cluster.add_io().await;
+    cluster.add_io().await;
+    workload.advance(5, "after two servers joined").await;
+    let moved = poll_until(120_000, || async {
+        let map = observer.service_map().await.ok()?;
+        map.replacements
+            .iter()
+            .any(|replacement| replacement.drain && !replacement.drains_all())
+            .then_some(())
+    })
+    .await;
+    assert!(
+        moved.is_some(),
+        "no rebalance started: {:?}\n{}",
+        usage(&observer).await,
+        cluster.meta_log()
+    );
+    workload.advance(5, "while copies move").await;
+    let (files, chunks) = workload.stop().await;
+
+    // Once nothing moves any more, every server holds its share within 10%, the copies
+    // are identical, and every byte reads back.
+    let settled = poll_until(180_000, || async {
+        let map = observer.service_map().await.ok()?;
+        let moving = map.replacements.iter().any(|replacement| {
+            !replacement.filling.is_empty() || (replacement.drain && !replacement.complete)
+        });
+        let now = usage(&observer).await;
+        (!moving && now.len() == 5 && even(&now, 10)).then_some(now)
+    })
+    .await;
+    let status = cli(&cluster, &["status"]);
+    let Some(after) = settled else {
+        panic!(
+            "the servers' usage did not even out: {:?} (before the new ones: {before:?})\n{status}\n{}",
+            usage(&observer).await,
+            cluster.meta_log()
+        );
+    };
+    eprintln!("used bytes before {before:?}, after {after:?}\n{status}");
+    assert!(status.contains("rebalanced"), "{status}");
+    let compared =
+        verify_everything(&cluster.io_data_dirs(), &mount, &observer, files, chunks).await;
+    eprintln!("{files} files and {chunks} chunks read back; {compared} bytes of copies compared");
+    for index in 0..200u64 {
+        let handle = observer
+            .open_path(&format!("/base-{index}"), &OpenOptions::new().read(true))
+            .await
+            .expect("open");
+        let bytes = handle.read_at(0, 1 << 20).await.expect("read");
+        assert_bytes_eq(&bytes, &base_bytes(index), &format!("base file {index}"));
+        handle.close().await.expect("close");
+    }
+    let fsck = cli(&cluster, &["fsck"]);
+    assert!(fsck.contains("0 problems"), "{fsck}");
+    observer.shutdown().await;
+}

@@ -151,10 +151,13 @@ pub async fn layouts<'a>(
     Ok(layouts)
 }
 
-/// Make the local copy of `object` equal the source's. Each piece is copied under the
-/// piece's range lock here: a write passed on meanwhile waits and lands after it (the
-/// source had it before it was passed on, so writing it again changes nothing), and a
-/// cut waits too. The lock is per piece so that no write waits long.
+/// Make the local copy of `object` equal the source's. Each piece is copied under this
+/// server's range lock of everything from the piece on: a write passed on meanwhile waits
+/// and lands after it (the source had it before it was passed on, so writing it again
+/// changes nothing), a cut waits too, and a write past the piece (an append) cannot land
+/// between the read of the source's last piece and the cut of the copy to the source's
+/// length, which would take it away again. The lock is per piece so that no write waits
+/// long.
 pub async fn copy_object(
     store: &ObjectStore,
     replication: &Replication,
@@ -164,66 +167,67 @@ pub async fn copy_object(
     pacer: &mut Pacer,
 ) -> Result<(), String> {
     let mut offset = 0u64;
-    let mut last_punched = false;
     loop {
-        let length = {
-            let _piece = replication
-                .ranges
-                .acquire(object, offset, offset + u64::from(COPY_PIECE_BYTES))
-                .await;
-            let (reply, data) = source
-                .call(
-                    &ReadObject {
-                        object,
-                        offset,
-                        length: COPY_PIECE_BYTES,
-                        map_version: MAP_VERSION_COPY,
-                    },
-                    Bytes::new(),
-                )
-                .await
-                .map_err(|error| format!("cannot read {object:?} from its source: {error}"))?;
-            let length = u64::from(reply.length).min(data.len() as u64);
-            if length > 0 {
-                last_punched = data.iter().all(|byte| *byte == 0);
-                let written = if last_punched {
-                    store
-                        .allocate(object, offset, length, AllocateMode::PunchHole)
-                        .await
-                } else {
-                    store
-                        .write(object, offset, data.slice(..length as usize))
-                        .await
-                };
-                if let Err(error) = written {
-                    return Err(format!("cannot write {object:?} here: {error}"));
-                }
-                progress.bytes_copied.fetch_add(length, Ordering::Relaxed);
+        // From the byte before the piece: the end of the copy may be written below.
+        let rest = replication
+            .ranges
+            .acquire(object, offset.saturating_sub(1), u64::MAX)
+            .await;
+        let (reply, data) = source
+            .call(
+                &ReadObject {
+                    object,
+                    offset,
+                    length: COPY_PIECE_BYTES,
+                    map_version: MAP_VERSION_COPY,
+                },
+                Bytes::new(),
+            )
+            .await
+            .map_err(|error| format!("cannot read {object:?} from its source: {error}"))?;
+        let length = u64::from(reply.length).min(data.len() as u64);
+        if length > 0 {
+            let punched = data.iter().all(|byte| *byte == 0);
+            let written = if punched {
+                store
+                    .allocate(object, offset, length, AllocateMode::PunchHole)
+                    .await
+            } else {
+                store
+                    .write(object, offset, data.slice(..length as usize))
+                    .await
+            };
+            if let Err(error) = written {
+                return Err(format!("cannot write {object:?} here: {error}"));
             }
-            length
-        };
+            progress.bytes_copied.fetch_add(length, Ordering::Relaxed);
+        }
+        if length < u64::from(COPY_PIECE_BYTES) {
+            // The source ends here: so does the copy, still under the lock. A punched
+            // tail leaves the copy short (holes do not lengthen a file): its last byte, a
+            // zero, is written; the cut removes what is past the end.
+            let end = offset + length;
+            let here = store
+                .object_length(object)
+                .await
+                .map_err(|error| format!("cannot read the length of {object:?} here: {error}"))?;
+            if here < end {
+                store
+                    .write(object, end - 1, Bytes::from_static(&[0]))
+                    .await
+                    .map_err(|error| format!("cannot write {object:?} here: {error}"))?;
+            }
+            store
+                .truncate(object, end)
+                .await
+                .map_err(|error| format!("cannot cut {object:?} here: {error}"))?;
+            drop(rest);
+            pacer.paid(length).await;
+            return Ok(());
+        }
+        drop(rest);
         // Paced outside the lock: a write waiting for the piece is not held by the pace.
         pacer.paid(length).await;
         offset += length;
-        if length < u64::from(COPY_PIECE_BYTES) {
-            break;
-        }
     }
-    // The source ends here: so does the copy. A punched tail leaves the length short:
-    // its last byte (a zero) is written; a cut removes what is past it.
-    let _tail = replication
-        .ranges
-        .acquire(object, offset.saturating_sub(1), u64::MAX)
-        .await;
-    if last_punched && offset > 0 {
-        store
-            .write(object, offset - 1, Bytes::from_static(&[0]))
-            .await
-            .map_err(|error| format!("cannot write {object:?} here: {error}"))?;
-    }
-    store
-        .truncate(object, offset)
-        .await
-        .map_err(|error| format!("cannot cut {object:?} here: {error}"))?;
-    Ok(())
 }

@@ -17,7 +17,9 @@
 //! served: from then on every write of theirs is passed on to their stand-ins.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::RwLock;
 
+use freeflow_proto::meta::Replacement;
 use freeflow_proto::{ErrorCode, WireError};
 use freeflow_types::{ObjectId, ServerId};
 
@@ -31,8 +33,9 @@ pub struct DataGate {
     /// Counts the closings of the open gate: whoever handed out an object's descriptor
     /// (`local_reads.rs`) takes it back then.
     closings: tokio::sync::watch::Sender<u64>,
-    /// Objects of inodes below this are leaving (0: no drain names this server).
-    drained_below: AtomicU64,
+    /// The drains that name this server (whole, or a rebalance's share): the objects they
+    /// take are leaving. Drains are never taken back, so the list only grows.
+    leaving: RwLock<Vec<Replacement>>,
     /// Requests without a map version being served now (see [`DataGate::admit_unversioned`]).
     unversioned: AtomicU64,
 }
@@ -53,7 +56,7 @@ impl DataGate {
             server_id,
             owed: AtomicU32::new(UNCONFIRMED),
             closings: tokio::sync::watch::Sender::new(0),
-            drained_below: AtomicU64::new(0),
+            leaving: RwLock::new(Vec::new()),
             unversioned: AtomicU64::new(0),
         }
     }
@@ -64,8 +67,7 @@ impl DataGate {
     pub fn admit_unversioned(&self, objects: &[ObjectId]) -> Result<Unversioned<'_>, WireError> {
         self.unversioned.fetch_add(1, Ordering::SeqCst);
         let admitted = Unversioned(&self.unversioned);
-        let below = self.drained_below.load(Ordering::SeqCst);
-        if let Some(object) = objects.iter().find(|object| object.inode < below) {
+        if let Some(object) = objects.iter().find(|object| self.leaving(**object)) {
             return Err(WireError::new(
                 ErrorCode::Stale,
                 format!(
@@ -77,20 +79,41 @@ impl DataGate {
         Ok(admitted)
     }
 
-    /// Whether `object` is leaving this server (a drain names it).
+    /// Whether `object` is leaving this server (a drain takes it).
     pub fn leaving(&self, object: ObjectId) -> bool {
-        object.inode < self.drained_below.load(Ordering::SeqCst)
+        self.leaving
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .iter()
+            .any(|drain| drain.takes(object))
     }
 
-    /// A drain names this server for the inodes below `below` (0: none): from now on
-    /// requests for them without a map version are refused and their local reads stop;
-    /// returns once no such request admitted before is still being served (the caller
-    /// holds the new map only then).
-    pub async fn set_drained_below(&self, below: u64) {
-        let before = self.drained_below.swap(below, Ordering::SeqCst);
-        if below <= before {
-            return;
+    /// The drains that name this server, as a new map has them: from now on requests for
+    /// the objects they take without a map version are refused and their local reads
+    /// stop; returns once no such request admitted before is still being served (the
+    /// caller holds the new map only then).
+    pub async fn set_leaving(&self, drains: Vec<Replacement>) {
+        {
+            let mut leaving = self
+                .leaving
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            // Only a new drain changes what leaves (one completing does not).
+            let new = drains.iter().any(|drain| {
+                !leaving.iter().any(|known| {
+                    known.inodes_below == drain.inodes_below
+                        && known.share_ppm == drain.share_ppm
+                        && known.made_ms == drain.made_ms
+                })
+            });
+            if !new {
+                return;
+            }
+            *leaving = drains;
         }
+        // An admission that read the old list has counted itself by now (SeqCst both
+        // ways): wait for it to end.
+        std::sync::atomic::fence(Ordering::SeqCst);
         // Descriptors handed out before let clients read objects now leaving.
         self.closings.send_modify(|count| *count += 1);
         while self.unversioned.load(Ordering::SeqCst) > 0 {
@@ -170,7 +193,16 @@ mod tests {
             .enable_time()
             .build()
             .unwrap()
-            .block_on(gate.set_drained_below(6));
+            .block_on(gate.set_leaving(vec![Replacement {
+                server: 3,
+                inodes_below: 6,
+                by: vec![4],
+                filling: vec![4],
+                made_ms: 1,
+                drain: true,
+                complete: false,
+                share_ppm: freeflow_proto::meta::SHARE_ALL,
+            }]));
         assert!(gate.leaving(object(5)) && !gate.leaving(object(6)));
         let refused = gate
             .admit_unversioned(&[object(6), object(5)])

@@ -103,6 +103,9 @@ pub async fn run_registration(
             &connect_options,
             &mut connection,
             &replication,
+            resync
+                .cleaned_version
+                .load(std::sync::atomic::Ordering::Acquire),
         )
         .await;
         let (next_state, delay_ms) = match &attempt {
@@ -188,6 +191,7 @@ async fn register_once(
     connect_options: &ConnectOptions,
     connection: &mut Option<Connection>,
     replication: &Replication,
+    cleaned_version: u64,
 ) -> Result<Registered, RegisterError> {
     let map_version = replication.version();
     let stats = IoService::stats(store).map_err(RegisterError::Stats)?;
@@ -212,6 +216,7 @@ async fn register_once(
         incarnation: options.incarnation,
         map_version,
         fresh: options.fresh,
+        cleaned_version,
     };
     let (reply, _) = link.call(&request, Bytes::new()).await.map_err(|error| {
         if error.is_connection_failure() {

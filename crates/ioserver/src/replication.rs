@@ -294,9 +294,7 @@ impl Replication {
         }
         // A drain of this server starts with this map: held only once no request that
         // skipped its chain is still being served here (`gate.rs`).
-        self.gate
-            .set_drained_below(fetched.drained_below(self.server_id))
-            .await;
+        self.gate.set_leaving(fetched.leaving(self.server_id)).await;
         *map = fetched;
         self.version
             .store(version, std::sync::atomic::Ordering::Release);

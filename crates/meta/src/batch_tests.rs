@@ -63,6 +63,7 @@ async fn a_create_open_handle_is_counted_before_the_commit_that_orphans_the_file
         incarnation: 1,
         map_version: 0,
         fresh: false,
+        cleaned_version: 0,
     };
     connection.call(&register, Bytes::new()).await.unwrap();
     let (session, _) = connection

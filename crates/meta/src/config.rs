@@ -37,6 +37,13 @@ pub struct MetaConfig {
     /// Most bytes per second each server taking a lost server's place reads from the
     /// survivors while it copies; 0: no limit. Default 104857600 (100 MiB/s).
     pub rereplicate_bytes_per_second: u64,
+    /// Even out the I/O servers' used bytes (by capacity) by moving copies from the
+    /// fullest to the emptiest, at `rereplicate_bytes_per_second` per receiving server, when
+    /// one holds more than its share by 5% of it and by `rebalance_min_bytes`. Used bytes are
+    /// each disk's (capacity less free): servers sharing a disk look even. Default true.
+    pub rebalance: bool,
+    /// See `rebalance`. Default 1073741824 (1 GiB).
+    pub rebalance_min_bytes: u64,
     /// How often I/O servers are told to send their heartbeat. Default 1000.
     pub heartbeat_interval_ms: u32,
     /// Most mutations committed in one write transaction (one fsync). Default 256.
@@ -127,6 +134,8 @@ impl Default for MetaConfig {
             server_down_after_ms: 5000,
             server_dead_after_ms: 600_000,
             rereplicate_bytes_per_second: 100 << 20,
+            rebalance: true,
+            rebalance_min_bytes: 1 << 30,
             heartbeat_interval_ms: 1000,
             commit_batch_max: 256,
             commit_queue_max: 4096,
@@ -193,6 +202,8 @@ impl MetaConfig {
             server_down_after_ms,
             server_dead_after_ms,
             rereplicate_bytes_per_second: _,
+            rebalance: _,
+            rebalance_min_bytes: _,
             heartbeat_interval_ms,
             commit_batch_max,
             commit_queue_max,

@@ -21,12 +21,20 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use freeflow_proto::meta::{
-    FillOrder, Member, MemberState, Replacement, ResyncOrder, ServerRecord, ServiceMap,
+    FillOrder, Member, MemberState, Replacement, ResyncOrder, ServerRecord, ServiceMap, SHARE_ALL,
 };
 use freeflow_types::{InodeId, ServerId};
 
 use crate::records::ServerEntry;
 use crate::replacements::{ReplacementChange, Replacements};
+
+/// A rebalance: the servers over their share, each with the part of its stripes to give
+/// (millionths), and the servers under theirs that take them.
+pub type RebalancePlan = (Vec<(ServerId, u32)>, Vec<ServerId>);
+
+/// A server holding more than its share of the used bytes by more than this percentage of
+/// its share (and `rebalance_min_bytes`) gives the excess to servers under their share.
+pub const REBALANCE_SLACK_PERCENT: u64 = 5;
 
 /// Added to the time a server was out when telling it how far back to copy: covers writes
 /// made while it was already silent but not yet put out, and clock-rate differences.
@@ -45,6 +53,9 @@ struct ServerState {
     /// The map version at which it last became syncing: a copy ordered before does not
     /// count.
     syncing_since_version: u64,
+    /// The map version under which it last removed what a complete drain of it gave up
+    /// (from its registration).
+    cleaned_version: u64,
 }
 
 #[derive(Debug)]
@@ -94,6 +105,7 @@ impl Registry {
                         incarnation: 0,
                         held_version: 0,
                         syncing_since_version: 0,
+                        cleaned_version: 0,
                     },
                 )
             })
@@ -276,7 +288,7 @@ impl Registry {
         }
         Ok(self
             .replacements
-            .propose_drain(server, inodes_below, by, unix_ms()))
+            .propose_drain(server, inodes_below, by, unix_ms(), SHARE_ALL))
     }
 
     /// Drains whose every stand-in is done, sealed in a map that every server in service
@@ -335,6 +347,115 @@ impl Registry {
         if self.set_state(server, MemberState::Removed).is_some() {
             tracing::warn!(server, "I/O server removed from the cluster");
         }
+    }
+
+    /// What a registration said of the copies a drain gave up: removed under this map.
+    pub fn note_cleaned(&mut self, server: ServerId, cleaned_version: u64) {
+        if let Some(state) = self.servers.get_mut(&server) {
+            state.cleaned_version = cleaned_version;
+        }
+    }
+
+    /// The next rebalance, if usage is uneven (a server's used bytes off its share, by
+    /// capacity, by more than [`REBALANCE_SLACK_PERCENT`] of it and `min_bytes`): every
+    /// server over its share with the part of its stripes to move (in millionths), and the
+    /// servers furthest under theirs that take them. None while copies still move or a drained
+    /// server has not yet removed what it gave up (its usage would mislead), or when
+    /// usage is even. Used bytes are the disks' (capacity less free): a server with a
+    /// disk of its own.
+    pub fn rebalance_plan(&self, now: Instant, min_bytes: u64) -> Option<RebalancePlan> {
+        if self.replacements.moving() {
+            return None;
+        }
+        let cleaning = self
+            .replacements
+            .completed_drains()
+            .any(|(server, version)| {
+                self.servers.get(&server).is_some_and(|state| {
+                    state.entry.state == MemberState::InService
+                        && self.is_up(state, now)
+                        && state.cleaned_version < version
+                })
+            });
+        if cleaning {
+            return None;
+        }
+        let usage: Vec<(ServerId, u64, u64)> = self
+            .servers
+            .iter()
+            .filter(|(id, state)| {
+                state.entry.state == MemberState::InService
+                    && self.is_up(state, now)
+                    && !self.replacements.drains(**id)
+                    && state.entry.capacity_bytes > 0
+            })
+            .map(|(id, state)| {
+                let used = state
+                    .entry
+                    .capacity_bytes
+                    .saturating_sub(state.entry.free_bytes);
+                (*id, used, state.entry.capacity_bytes)
+            })
+            .collect();
+        let total_used: u128 = usage.iter().map(|(_, used, _)| u128::from(*used)).sum();
+        let total_capacity: u128 = usage
+            .iter()
+            .map(|(_, _, capacity)| u128::from(*capacity))
+            .sum();
+        if usage.len() < 2 || total_capacity == 0 {
+            return None;
+        }
+        let share_of = |capacity: u64| (total_used * u128::from(capacity) / total_capacity) as u64;
+        let threshold = |share: u64| min_bytes.max(share / 100 * REBALANCE_SLACK_PERCENT);
+        // (server, used, share) of each.
+        let shares: Vec<(ServerId, u64, u64)> = usage
+            .iter()
+            .map(|(server, used, capacity)| (*server, *used, share_of(*capacity)))
+            .collect();
+        let uneven = shares
+            .iter()
+            .any(|(_, used, share)| used.abs_diff(*share) > threshold(*share));
+        if !uneven {
+            return None;
+        }
+        // Every server over its share gives its excess (at least a MiB of it: smaller
+        // moves are not worth a record); the servers furthest under take it.
+        let givers: Vec<(ServerId, u32)> = shares
+            .iter()
+            .filter(|(_, used, share)| used.saturating_sub(*share) >= 1 << 20)
+            .map(|(server, used, share)| {
+                let over = used - share;
+                let ppm = u128::from(over) * u128::from(SHARE_ALL) / u128::from((*used).max(1));
+                (*server, (ppm as u32).clamp(1, SHARE_ALL))
+            })
+            .collect();
+        let far_under: Vec<ServerId> = shares
+            .iter()
+            .filter(|(_, used, share)| share.saturating_sub(*used) > threshold(*share) / 2)
+            .map(|(server, _, _)| *server)
+            .collect();
+        let takers = if far_under.is_empty() {
+            shares
+                .iter()
+                .filter(|(_, used, share)| used < share)
+                .map(|(server, _, _)| *server)
+                .collect()
+        } else {
+            far_under
+        };
+        (!givers.is_empty() && !takers.is_empty()).then_some((givers, takers))
+    }
+
+    /// The records of a rebalance `rebalance_plan` gave, for the inodes below
+    /// `inodes_below`.
+    pub fn propose_rebalance(
+        &self,
+        givers: &[(ServerId, u32)],
+        takers: &[ServerId],
+        inodes_below: InodeId,
+    ) -> Vec<ReplacementChange> {
+        self.replacements
+            .propose_shares(givers, inodes_below, takers, unix_ms())
     }
 
     /// (stand-ins still copying, stand-ins in all) over every replacement.
@@ -553,6 +674,7 @@ impl Registry {
                         incarnation: 0,
                         held_version: 0,
                         syncing_since_version: 0,
+                        cleaned_version: 0,
                     },
                 );
             }

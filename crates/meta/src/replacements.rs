@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 
-use freeflow_proto::meta::Replacement;
+use freeflow_proto::meta::{Replacement, SHARE_ALL};
 use freeflow_types::{InodeId, ServerId};
 
 /// One record and the map version it appeared in (a fill is ordered only once every
@@ -29,6 +29,9 @@ struct Entry {
     /// A drain: the map version in which its last stand-in was done (it completes once
     /// every server in service holds it).
     sealed_version: u64,
+    /// A drain: the map version in which it completed (its server then removes what it
+    /// gave up, and says so in its registration).
+    completed_version: u64,
 }
 
 /// A replacement record changed: to persist under its sequence number.
@@ -53,6 +56,7 @@ impl Replacements {
                             record,
                             version,
                             sealed_version: version,
+                            completed_version: version,
                         },
                     )
                 })
@@ -107,19 +111,22 @@ impl Replacements {
                 made_ms,
                 drain: false,
                 complete: false,
+                share_ppm: SHARE_ALL,
             },
         ));
         changes
     }
 
     /// The record that drains running `server` (by the servers in `by`) for the inodes
-    /// below `inodes_below`.
+    /// below `inodes_below`: all its stripes, or a share of them (a rebalance), in
+    /// millionths.
     pub fn propose_drain(
         &self,
         server: ServerId,
         inodes_below: InodeId,
         by: Vec<ServerId>,
         made_ms: u64,
+        share_ppm: u32,
     ) -> ReplacementChange {
         let sequence = self.entries.keys().next_back().map_or(1, |last| last + 1);
         (
@@ -132,23 +139,73 @@ impl Replacements {
                 made_ms,
                 drain: true,
                 complete: false,
+                share_ppm,
             },
         )
     }
 
-    /// Whether a drain of `server` was ever started.
+    /// The records of a rebalance: each (server, share in millionths) drained by `by`, for
+    /// the inodes below `inodes_below`.
+    pub fn propose_shares(
+        &self,
+        shares: &[(ServerId, u32)],
+        inodes_below: InodeId,
+        by: &[ServerId],
+        made_ms: u64,
+    ) -> Vec<ReplacementChange> {
+        let first = self.entries.keys().next_back().map_or(1, |last| last + 1);
+        shares
+            .iter()
+            .zip(first..)
+            .map(|((server, share_ppm), sequence)| {
+                (
+                    sequence,
+                    Replacement {
+                        server: *server,
+                        inodes_below,
+                        by: by.to_vec(),
+                        filling: by.to_vec(),
+                        made_ms,
+                        drain: true,
+                        complete: false,
+                        share_ppm: *share_ppm,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Whether a drain of all of `server` was ever started (a rebalance's share does not
+    /// count).
     pub fn drains(&self, server: ServerId) -> bool {
         self.entries
             .values()
-            .any(|entry| entry.record.drain && entry.record.server == server)
+            .any(|entry| entry.record.drains_all() && entry.record.server == server)
     }
 
-    /// Whether every drain of `server` is complete (false when there is none).
+    /// Whether every drain of all of `server` is complete (false when there is none).
     pub fn drained(&self, server: ServerId) -> bool {
         self.drains(server)
             && self.entries.values().all(|entry| {
-                !(entry.record.drain && entry.record.server == server) || entry.record.complete
+                !(entry.record.drains_all() && entry.record.server == server)
+                    || entry.record.complete
             })
+    }
+
+    /// Whether some record still moves copies: a stand-in filling, or a drain not
+    /// complete.
+    pub fn moving(&self) -> bool {
+        self.entries.values().any(|entry| {
+            !entry.record.filling.is_empty() || (entry.record.drain && !entry.record.complete)
+        })
+    }
+
+    /// The complete drains, each with its server and the map version it completed in.
+    pub fn completed_drains(&self) -> impl Iterator<Item = (ServerId, u64)> + '_ {
+        self.entries
+            .values()
+            .filter(|entry| entry.record.drain && entry.record.complete)
+            .map(|entry| (entry.record.server, entry.completed_version))
     }
 
     /// The drains sealed (every stand-in done) in a map version at or below `held`: they
@@ -178,6 +235,9 @@ impl Replacements {
                     if !entry.record.filling.is_empty() && record.filling.is_empty() {
                         entry.sealed_version = version;
                     }
+                    if !entry.record.complete && record.complete {
+                        entry.completed_version = version;
+                    }
                     entry.record = record;
                 }
                 None => {
@@ -187,6 +247,7 @@ impl Replacements {
                             record,
                             version,
                             sealed_version: version,
+                            completed_version: version,
                         },
                     );
                 }
@@ -267,7 +328,7 @@ mod tests {
     fn a_drain_completes_only_once_its_seal_is_held() {
         let mut replacements = Replacements::default();
         assert!(!replacements.drained(5));
-        let drain = replacements.propose_drain(5, 50, vec![6], 1);
+        let drain = replacements.propose_drain(5, 50, vec![6], 1, SHARE_ALL);
         replacements.apply(vec![drain], 10);
         assert!(replacements.drains(5) && !replacements.drained(5));
         assert!(
@@ -279,8 +340,17 @@ mod tests {
         assert!(replacements.completable(11).is_empty(), "sealed in map 12");
         let complete = replacements.completable(12);
         assert!(complete[0].1.complete);
+        assert!(replacements.moving());
         replacements.apply(complete, 13);
-        assert!(replacements.drained(5));
+        assert!(replacements.drained(5) && !replacements.moving());
+        assert_eq!(
+            replacements.completed_drains().collect::<Vec<_>>(),
+            vec![(5, 13)]
+        );
+        // A rebalance's share is no drain of the whole server.
+        let share = replacements.propose_drain(6, 60, vec![7], 2, SHARE_ALL / 2);
+        replacements.apply(vec![share], 14);
+        assert!(!replacements.drains(6) && replacements.moving());
         assert!(replacements.completable(u64::MAX).is_empty());
     }
 }

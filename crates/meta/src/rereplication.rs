@@ -36,6 +36,11 @@ pub(crate) async fn replace_lost_servers(shared: Arc<Shared>) {
                 tracing::error!(server, %error, "cannot replace a lost I/O server; trying again");
             }
         }
+        if shared.config.rebalance {
+            if let Err(error) = rebalance(&shared).await {
+                tracing::error!(%error, "cannot start a rebalance; trying again");
+            }
+        }
         let complete = shared.registry().completable_drains(Instant::now());
         if !complete.is_empty() {
             if let Err(error) = persist(&shared, &complete).await {
@@ -80,6 +85,29 @@ async fn replace(shared: &Arc<Shared>, server: ServerId) -> Result<(), WireError
         inodes_below,
         ?by,
         "I/O server out past server_dead_after_ms: lost for good; its copies of replicated stripes are made again on the others"
+    );
+    Ok(())
+}
+
+/// Start a rebalance when the servers' used bytes are uneven (`Registry::rebalance_plan`):
+/// each server over its share gives a share of its stripes (a partial drain) to those
+/// under theirs.
+async fn rebalance(shared: &Arc<Shared>) -> Result<(), WireError> {
+    let min_bytes = shared.config.rebalance_min_bytes;
+    let Some((givers, takers)) = shared.registry().rebalance_plan(Instant::now(), min_bytes) else {
+        return Ok(());
+    };
+    let inodes_below = shared.read(|read| Ok(ops::inode_high_water(read)?))?;
+    let changes = shared
+        .registry()
+        .propose_rebalance(&givers, &takers, inodes_below);
+    persist(shared, &changes).await?;
+    shared.registry().apply_replacements(changes);
+    tracing::info!(
+        ?givers,
+        ?takers,
+        inodes_below,
+        "rebalance: servers over their share of the used bytes give part of their stripes (millionths) to those under"
     );
     Ok(())
 }

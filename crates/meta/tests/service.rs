@@ -242,6 +242,7 @@ async fn reaper_removes_data_after_the_last_close_and_restart_keeps_the_namespac
         incarnation: 1,
         map_version: 0,
         fresh: false,
+        cleaned_version: 0,
     };
     connection.call(&register, Bytes::new()).await.unwrap();
     let (session, _) = connection
@@ -367,6 +368,7 @@ async fn orphans_survive_a_restart_and_wait_one_lease_before_reaping() {
         incarnation: 1,
         map_version: 0,
         fresh: false,
+        cleaned_version: 0,
     };
     connection
         .call(&register(dead_address), Bytes::new())
@@ -441,6 +443,7 @@ fn register(server_id: u32, address: String) -> RegisterServer {
         incarnation: 1,
         map_version: 0,
         fresh: false,
+        cleaned_version: 0,
     }
 }
 

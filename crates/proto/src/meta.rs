@@ -180,6 +180,42 @@ pub struct Replacement {
     pub drain: bool,
     /// A drain whose stand-ins have its places (see `drain`).
     pub complete: bool,
+    /// The part of the server's stripes the record takes, in millionths ([`SHARE_ALL`]:
+    /// all): a rebalance drains part of a full server onto emptier ones. Which stripes is
+    /// fixed per object by a hash ([`Replacement::takes`]).
+    pub share_ppm: u32,
+}
+
+/// [`Replacement::share_ppm`] of a record that takes every stripe.
+pub const SHARE_ALL: u32 = 1_000_000;
+
+impl Replacement {
+    /// Whether this record takes `object` from its server (its inode is covered and the
+    /// object falls in its share).
+    pub fn takes(&self, object: ObjectId) -> bool {
+        object.inode < self.inodes_below
+            && (self.share_ppm >= SHARE_ALL || self.share_rank(object) < u64::from(self.share_ppm))
+    }
+
+    /// Where `object` falls in 0..SHARE_ALL for this record's share: a hash of the object
+    /// and the record (its server and time), so that the next rebalance of the same server
+    /// draws other stripes than the last one, which moved those it drew already.
+    fn share_rank(&self, object: ObjectId) -> u64 {
+        let seed = (u64::from(self.server) << 32) ^ self.made_ms ^ 0x5BD1_E995;
+        let mixed = replacement_rank(object, (seed ^ (seed >> 32)) as ServerId);
+        replacement_rank(
+            ObjectId {
+                inode: mixed ^ self.made_ms,
+                stripe_index: object.stripe_index,
+            },
+            self.server,
+        ) % u64::from(SHARE_ALL)
+    }
+
+    /// Whether this record is a drain of every stripe of its server.
+    pub fn drains_all(&self) -> bool {
+        self.drain && self.share_ppm >= SHARE_ALL
+    }
 }
 
 /// One member of a stripe's chain as the service map makes it ([`ServiceMap::chain`]).
@@ -238,9 +274,7 @@ impl ServiceMap {
             .collect();
         let mut taken: Vec<ServerId> = layout_chain.to_vec();
         for replacement in &self.replacements {
-            if object.inode >= replacement.inodes_below
-                || (!replacement.drain && layout_chain.len() < 2)
-            {
+            if !replacement.takes(object) || (!replacement.drain && layout_chain.len() < 2) {
                 continue;
             }
             let mut index = 0;
@@ -369,15 +403,15 @@ impl ServiceMap {
         })
     }
 
-    /// The inodes below which `server` is drained (0: it is not): their objects leave it,
-    /// so it takes no request for them outside their chains (without a map version).
-    pub fn drained_below(&self, server: ServerId) -> InodeId {
+    /// The drains of `server` (whole or a share, under way or complete): the objects they
+    /// take leave it, so it takes no request for them outside their chains (without a
+    /// map version).
+    pub fn leaving(&self, server: ServerId) -> Vec<Replacement> {
         self.replacements
             .iter()
             .filter(|replacement| replacement.drain && replacement.server == server)
-            .map(|replacement| replacement.inodes_below)
-            .max()
-            .unwrap_or(0)
+            .cloned()
+            .collect()
     }
 
     /// Whether requests for `object` of a file with `layout_chain` for this stripe must go
@@ -386,8 +420,7 @@ impl ServiceMap {
     pub fn moved(&self, object: ObjectId, layout_chain: &[ServerId]) -> bool {
         // The common case, on every request of a stripe with one copy: nothing applies.
         let applies = |replacement: &Replacement| {
-            object.inode < replacement.inodes_below
-                && (replacement.drain || layout_chain.len() >= 2)
+            (replacement.drain || layout_chain.len() >= 2) && replacement.takes(object)
         };
         if !self.replacements.iter().any(applies) {
             return false;
@@ -729,6 +762,10 @@ requests! {
         map_version: u64,
         /// Its data directory was created by this start: it holds no object at all.
         fresh: bool,
+        /// The map version under which it last removed the copies a complete drain (or a
+        /// rebalance's share) of it gave up (0: never): a rebalance waits for it, since
+        /// the disk's usage tells the truth only after.
+        cleaned_version: u64,
     }
     ClusterStatus = 133 => ClusterReport {}
     /// Make every change applied so far durable before replying (fsync of a directory,
@@ -941,6 +978,7 @@ mod tests {
             made_ms: 10,
             drain: false,
             complete: false,
+            share_ppm: SHARE_ALL,
         });
         assert!(map.replaced_while_out(1));
         // Server 2 is in the chain already: server 3 takes the place, filling.
@@ -978,6 +1016,7 @@ mod tests {
             made_ms: 20,
             drain: false,
             complete: false,
+            share_ppm: SHARE_ALL,
         });
         assert_eq!(map.write_chain(o, &[1, 2]), vec![2, 4]);
         assert_eq!(map.filling(4).count(), 1);
@@ -992,18 +1031,23 @@ mod tests {
                 proptest::collection::vec(1u32..=8, 0..3),
                 proptest::bool::weighted(0.3),
                 any::<bool>(),
+                prop_oneof![Just(SHARE_ALL), 0..SHARE_ALL],
             )
-                .prop_map(|(server, inodes_below, by, filling, drain, complete)| {
-                    Replacement {
-                        server,
-                        inodes_below,
-                        complete: complete && filling.is_empty(),
-                        by,
-                        filling,
-                        made_ms: 1,
-                        drain,
-                    }
-                }),
+                .prop_map(
+                    |(server, inodes_below, by, filling, drain, complete, share_ppm)| {
+                        Replacement {
+                            server,
+                            inodes_below,
+                            complete: complete && filling.is_empty(),
+                            by,
+                            filling,
+                            made_ms: 1,
+                            drain,
+                            // Only drains take a share (a rebalance).
+                            share_ppm: if drain { share_ppm } else { SHARE_ALL },
+                        }
+                    },
+                ),
             0..6,
         )
     }
@@ -1025,6 +1069,7 @@ mod tests {
                 made_ms: 10,
                 drain: true,
                 complete: false,
+                share_ppm: SHARE_ALL,
             }],
         };
         let o = object(10, 0);
@@ -1034,7 +1079,7 @@ mod tests {
         assert_eq!(map.write_chain(o, &[1]), vec![1, stand_in]);
         assert_eq!(map.read_chain(o, &[1]), vec![1]);
         assert!(map.moved(o, &[1]) && !map.moved(object(100, 0), &[1]));
-        assert_eq!(map.drained_below(1), 100);
+        assert_eq!(map.leaving(1).len(), 1);
         assert!(!map.replaced_while_out(1));
         // One stand-in done, the other not: nothing changes yet.
         map.replacements[0].filling = vec![3];
@@ -1071,8 +1116,7 @@ mod tests {
             for replacement in replacements {
                 let replaced = replacement.server;
                 let drain = replacement.drain;
-                let applies = inode < replacement.inodes_below
-                    && (drain || layout_chain.len() >= 2);
+                let applies = replacement.takes(o) && (drain || layout_chain.len() >= 2);
                 drains += usize::from(applies && drain);
                 map.replacements.push(replacement);
                 let after = map.chain(o, &layout_chain);

@@ -296,6 +296,7 @@ fn samples() -> Vec<Vec<u8>> {
                 made_ms: 1_700_000_000_000,
                 drain: true,
                 complete: false,
+                share_ppm: SHARE_ALL,
             }],
         })),
         encode(&ResyncDone {

@@ -206,15 +206,22 @@ fn replacement_lines(replacements: &[freeflow_proto::meta::Replacement]) -> Vec<
             } else if replacement.drain && !replacement.complete {
                 "every stripe copied; its chains switch once every server holds the map"
                     .to_string()
-            } else if replacement.drain {
+            } else if replacement.drains_all() {
                 "drain complete".to_string()
+            } else if replacement.drain {
+                "moved".to_string()
             } else {
                 "every copy made again".to_string()
             };
-            let what = if replacement.drain {
-                "drained"
+            let what = if replacement.drains_all() {
+                "drained".to_string()
+            } else if replacement.drain {
+                format!(
+                    "rebalanced ({:.1}% of its stripes)",
+                    f64::from(replacement.share_ppm) / 1e4
+                )
             } else {
-                "lost for good"
+                "lost for good".to_string()
             };
             format!(
                 "server {} {what} {} ago: its {}stripes (inodes below {}) go to servers {:?}; {copying}",
@@ -316,6 +323,7 @@ mod tests {
             made_ms: 0,
             drain: false,
             complete: false,
+            share_ppm: freeflow_proto::meta::SHARE_ALL,
         };
         let line = &super::replacement_lines(std::slice::from_ref(&replacement))[0];
         assert!(line.starts_with("server 3 lost for good"), "{line}");

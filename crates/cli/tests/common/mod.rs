@@ -232,6 +232,8 @@ pub struct ClusterOptions {
     pub replicas: u32,
     /// The meta server's `server_dead_after_ms` (None: its default).
     pub server_dead_after_ms: Option<u64>,
+    /// The meta server's `rebalance_min_bytes` (None: its default).
+    pub rebalance_min_bytes: Option<u64>,
     /// Put each I/O server's data directory on a tmpfs of this many bytes (a small file
     /// system to fill; needs root: see [`small_file_systems_available`]).
     pub io_tmpfs_bytes: Option<u64>,
@@ -272,6 +274,7 @@ impl ClusterOptions {
             cache_lease_ms: 10_000,
             replicas: 1,
             server_dead_after_ms: None,
+            rebalance_min_bytes: None,
             io_tmpfs_bytes: None,
             switch: None,
             unix_sockets: false,
@@ -364,6 +367,40 @@ fn write_toml<T: Serialize>(path: &Path, value: &T) {
     std::fs::write(path, text).expect("write a config file");
 }
 
+/// I/O server `server_id` of a cluster in `dir`, not started; its data directory is a tmpfs
+/// of its own with `io_tmpfs_bytes`.
+fn new_io_server(options: &ClusterOptions, dir: &Path, server_id: u32) -> IoServer {
+    let server = IoServer {
+        server_id,
+        address: io_address(options, server_id as usize),
+        log_path: dir.join(format!("io-{server_id}.log")),
+        data_dir: dir.join(format!("io-{server_id}")),
+        config_path: dir.join(format!("io-{server_id}.toml")),
+        child: None,
+        metrics_address: metrics_address(options.metrics),
+    };
+    if let Some(bytes) = options.io_tmpfs_bytes {
+        std::fs::create_dir_all(&server.data_dir).expect("make a data directory");
+        let status = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={bytes}"),
+                "freeflow-test",
+            ])
+            .arg(&server.data_dir)
+            .status()
+            .expect("run mount");
+        assert!(
+            status.success(),
+            "mount a tmpfs on {}",
+            server.data_dir.display()
+        );
+    }
+    server
+}
+
 impl Cluster {
     /// A cluster of one meta server and `io_count` I/O servers (io_uring engine).
     pub async fn start(io_count: u32) -> Cluster {
@@ -379,37 +416,8 @@ impl Cluster {
         key.write_new(&dir.path().join("cluster.key"))
             .expect("write the cluster key");
         let io = (0..options.io_count)
-            .map(|server_id| IoServer {
-                server_id,
-                address: io_address(&options, server_id as usize),
-                log_path: dir.path().join(format!("io-{server_id}.log")),
-                data_dir: dir.path().join(format!("io-{server_id}")),
-                config_path: dir.path().join(format!("io-{server_id}.toml")),
-                child: None,
-                metrics_address: metrics_address(options.metrics),
-            })
+            .map(|server_id| new_io_server(&options, dir.path(), server_id))
             .collect::<Vec<IoServer>>();
-        if let Some(bytes) = options.io_tmpfs_bytes {
-            for server in &io {
-                std::fs::create_dir_all(&server.data_dir).expect("make a data directory");
-                let status = Command::new("mount")
-                    .args([
-                        "-t",
-                        "tmpfs",
-                        "-o",
-                        &format!("size={bytes}"),
-                        "freeflow-test",
-                    ])
-                    .arg(&server.data_dir)
-                    .status()
-                    .expect("run mount");
-                assert!(
-                    status.success(),
-                    "mount a tmpfs on {}",
-                    server.data_dir.display()
-                );
-            }
-        }
         let mut cluster = Cluster {
             meta_log_path: dir.path().join("meta.log"),
             meta_config_path: dir.path().join("meta.toml"),
@@ -435,23 +443,40 @@ impl Cluster {
             cluster.meta_metrics_address = metrics_address(cluster.options.metrics);
         }
         for index in 0..cluster.io.len() {
-            for attempt in 0..PORT_ATTEMPTS {
-                cluster.write_io_config(index);
-                let log_offset = file_length(&cluster.io[index].log_path);
-                cluster.spawn_io(index);
-                if cluster.wait_io_serving(index, Some(log_offset)).await {
-                    break;
-                }
-                assert!(
-                    attempt + 1 < PORT_ATTEMPTS,
-                    "I/O server {index}: no free port"
-                );
-                cluster.io[index].address = io_address(&cluster.options, index);
-                cluster.io[index].metrics_address = metrics_address(cluster.options.metrics);
-            }
+            cluster.start_io_first_time(index).await;
         }
         cluster.wait_all_io_up().await;
         cluster
+    }
+
+    /// Start I/O server `index` for the first time, on another port if its own was
+    /// taken meanwhile.
+    async fn start_io_first_time(&mut self, index: usize) {
+        for attempt in 0..PORT_ATTEMPTS {
+            self.write_io_config(index);
+            let log_offset = file_length(&self.io[index].log_path);
+            self.spawn_io(index);
+            if self.wait_io_serving(index, Some(log_offset)).await {
+                return;
+            }
+            assert!(
+                attempt + 1 < PORT_ATTEMPTS,
+                "I/O server {index}: no free port"
+            );
+            self.io[index].address = io_address(&self.options, index);
+            self.io[index].metrics_address = metrics_address(self.options.metrics);
+        }
+    }
+
+    /// Add a new I/O server (the next id, its own tmpfs with `io_tmpfs_bytes`), started
+    /// and registered; its index.
+    pub async fn add_io(&mut self) -> usize {
+        let index = self.io.len();
+        let server = new_io_server(&self.options, self.dir.path(), index as u32);
+        self.io.push(server);
+        self.start_io_first_time(index).await;
+        self.wait_all_io_up().await;
+        index
     }
 
     fn write_meta_config(&self) {
@@ -473,6 +498,10 @@ impl Cluster {
                 .options
                 .server_dead_after_ms
                 .unwrap_or(MetaConfig::default().server_dead_after_ms),
+            rebalance_min_bytes: self
+                .options
+                .rebalance_min_bytes
+                .unwrap_or(MetaConfig::default().rebalance_min_bytes),
             ..MetaConfig::default()
         };
         let file = MetaFile {

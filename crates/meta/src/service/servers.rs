@@ -161,6 +161,7 @@ pub(super) async fn register_server(
         let now = Instant::now();
         let came_up = registry.heartbeat(request.server_id, entry, now);
         registry.set_metrics_address(request.server_id, request.metrics_address);
+        registry.note_cleaned(request.server_id, request.cleaned_version);
         let change = registry.note_registration(
             request.server_id,
             request.incarnation,
