@@ -8,13 +8,17 @@
 //! member's disk lost (it comes back under a new id and an admin client replaces the old
 //! one in the membership: remove, add as a learner, promote once caught up),
 //! an I/O server crashed and restarted or cut off from every other host, and latency on
-//! every message.
+//! every message. Each seed also changes the I/O servers once (issue 42), as drawn: one is
+//! lost for good (crashed, never back: after `server_dead_after_ms` it is replaced and its
+//! stripes are copied again from the survivors), or drained and removed by an admin client
+//! (`ChangeIoServer`), or a fourth one joins; the faults go on meanwhile.
 //!
 //! Checked after every step of the simulation: no two members lead the same term, and no
 //! client call fails (a failover is at most a pause). At the end, with the faults healed
-//! and every I/O server back in service: every change a client was answered is there (each
-//! name created, renamed or removed as answered, each file's bytes as written and its two
-//! copies identical on disk), and once the members have applied the same entry their
+//! and every I/O server still in the cluster back in service and nothing moving: every
+//! change a client was answered is there (each name created, renamed or removed as
+//! answered, each file's bytes as written and the two copies of each stripe, in its chain
+//! as the service map makes it, identical on disk), and once the members have applied the same entry their
 //! replicated state is identical. A failure names its seed; `FREEFLOW_SIM_SEED=N` runs that
 //! one alone, and `FREEFLOW_SIM_SEEDS=K` runs K seeds (a soak; the test suite runs a few),
 //! from `FREEFLOW_SIM_FIRST` (1). `FREEFLOW_SIM_OVERLAP_IO=1` lets a second I/O server fail
@@ -48,6 +52,8 @@ const CLIENT_PORT: u16 = 7000;
 const RAFT_PORT: u16 = 7074;
 /// I/O servers, keeping two copies of every stripe.
 const IO_SERVERS: usize = 3;
+/// The I/O server that may join during a seed (`IoChange::Join`), on host `i4`.
+const IO_JOINING: usize = 3;
 const IO_PORT: u16 = 7100;
 /// Simulated time the clients make changes for (faults come and go meanwhile).
 const WORK_FOR: Duration = Duration::from_secs(20);
@@ -288,12 +294,27 @@ async fn watch_io_servers(key: ClusterKey) {
     };
     loop {
         if let Ok(report) = client.cluster_status().await {
+            let live = io_live_servers();
             let in_service = report
                 .servers
                 .iter()
-                .filter(|server| server.state == MemberState::InService)
+                .filter(|server| {
+                    server.state == MemberState::InService
+                        && live.contains(&(server.server_id as usize))
+                })
                 .count();
-            IO_IN_SERVICE.with(|count| count.set(in_service));
+            // Copies on their way count as a failure not over yet.
+            let moving = report.replacements.iter().any(|replacement| {
+                !replacement.filling.is_empty() || (replacement.drain && !replacement.complete)
+            });
+            IO_IN_SERVICE.with(|count| count.set(if moving { 0 } else { in_service }));
+            if let Some(IoChange::Lost(index)) = IO_CHANGE.with(|change| change.get()) {
+                let replaced = report
+                    .replacements
+                    .iter()
+                    .any(|replacement| replacement.server == index as u32);
+                LOST_REPLACED.with(|cell| cell.set(replaced));
+            }
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -311,6 +332,7 @@ async fn verify(
         .await
         .map_err(|error| format!("checker: connect: {error}"))?;
     let until = tokio::time::Instant::now() + Duration::from_secs(120);
+    let live = io_live();
     loop {
         let report = client.cluster_status().await.ok();
         let in_service = report.as_ref().map_or(0, |report| {
@@ -320,17 +342,35 @@ async fn verify(
                 .filter(|server| server.state == MemberState::InService)
                 .count()
         });
-        if in_service == IO_SERVERS {
+        let moving = report.as_ref().is_none_or(|report| {
+            report.replacements.iter().any(|replacement| {
+                !replacement.filling.is_empty() || (replacement.drain && !replacement.complete)
+            })
+        });
+        // A server lost for good must have been replaced too.
+        let replaced = match IO_CHANGE.with(|change| change.get()) {
+            Some(IoChange::Lost(index)) => report.as_ref().is_some_and(|report| {
+                report
+                    .replacements
+                    .iter()
+                    .any(|replacement| replacement.server == index as u32)
+            }),
+            _ => true,
+        };
+        if in_service == live && !moving && replaced {
             break;
         }
         if tokio::time::Instant::now() > until {
             return Err(format!(
-                "the I/O servers are not all back in service: {:?}",
-                report.map(|report| report
-                    .servers
-                    .iter()
-                    .map(|server| (server.server_id, server.state))
-                    .collect::<Vec<_>>())
+                "the I/O servers are not all back in service ({live} expected) or copies still move: {:?}",
+                report.map(|report| (
+                    report
+                        .servers
+                        .iter()
+                        .map(|server| (server.server_id, server.state))
+                        .collect::<Vec<_>>(),
+                    report.replacements
+                ))
             ));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -392,9 +432,27 @@ async fn check_file(client: &Client, name: &str, data: &Path) -> Result<(), Stri
     if layout.replicas() != 2 {
         return Err(format!("{name}: {} copies, not 2", layout.replicas()));
     }
+    let map = client
+        .service_map()
+        .await
+        .map_err(|error| format!("service map: {error}"))?;
     for stripe in 0..layout.stripe_count() {
-        let copies: Vec<Vec<u8>> = layout
-            .chain(stripe)
+        let object = freeflow_types::ObjectId {
+            inode: attr.inode,
+            stripe_index: stripe,
+        };
+        let chain: Vec<u32> = map
+            .chain(object, &layout.chain(stripe))
+            .iter()
+            .map(|member| member.server)
+            .collect();
+        if chain.len() != 2 || chain.iter().any(|server| gone_io(*server as usize)) {
+            return Err(format!(
+                "{name} stripe {stripe}: its chain is {chain:?} (layout {:?})",
+                layout.chain(stripe)
+            ));
+        }
+        let copies: Vec<Vec<u8>> = chain
             .iter()
             .map(|server| {
                 let object = data
@@ -407,8 +465,7 @@ async fn check_file(client: &Client, name: &str, data: &Path) -> Result<(), Stri
             .collect();
         if copies.iter().any(|copy| copy != &copies[0]) {
             return Err(format!(
-                "{name} stripe {stripe}: copies on servers {:?} differ ({:?} bytes)",
-                layout.chain(stripe),
+                "{name} stripe {stripe}: copies on servers {chain:?} differ ({:?} bytes)",
                 copies.iter().map(Vec::len).collect::<Vec<_>>()
             ));
         }
@@ -467,12 +524,74 @@ fn meta_config(index: usize, data: &Path, ids: &[u64]) -> MetaConfig {
         replicas: 2,
         stripe_unit_bytes: 64 << 10,
         server_down_after_ms: 2_000,
+        // A server out this long is lost for good (`IoChange::Lost`): replaced.
+        server_dead_after_ms: 5_000,
         heartbeat_interval_ms: 500,
         ..MetaConfig::default()
     }
 }
 
 type Members = Rc<RefCell<Vec<Option<ReplicatedMeta>>>>;
+
+/// I/O server `index` as a simulated host (started again after a crash, on its data).
+fn host_io(sim: &mut turmoil::Sim, index: usize, data: &Path, key: &ClusterKey) {
+    let config = io_config(index, data);
+    let key = key.clone();
+    sim.host(io_host(index), move || {
+        let (config, key) = (config.clone(), key.clone());
+        async move {
+            // A crashed instance's engine threads may hold the directory a moment.
+            let mut tries = 0;
+            let _server = loop {
+                match freeflow_ioserver::start(config.clone(), key.clone()).await {
+                    Ok(server) => break server,
+                    Err(error) if tries < 100 => {
+                        tries += 1;
+                        tracing::debug!(%error, "I/O server start failed; again");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    Err(error) => return Err(error.to_string().into()),
+                }
+            };
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+    });
+}
+
+/// The change of the I/O servers a seed makes once (issue 42).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum IoChange {
+    /// Crashed and never back: replaced after `server_dead_after_ms`.
+    Lost(usize),
+    /// Drained, then removed and stopped, by the admin client.
+    Drained(usize),
+    /// A fourth server joins.
+    Join,
+}
+
+/// The I/O servers in the cluster now (not lost, drained or removed), with the one that
+/// joined.
+fn io_live_servers() -> Vec<usize> {
+    let change = IO_CHANGE.with(|change| change.get());
+    let mut live: Vec<usize> = (0..IO_SERVERS).filter(|index| !gone_io(*index)).collect();
+    if change == Some(IoChange::Join) {
+        live.push(IO_JOINING);
+    }
+    live
+}
+
+fn io_live() -> usize {
+    io_live_servers().len()
+}
+
+/// Whether I/O server `index` left the cluster (lost for good, or drained).
+fn gone_io(index: usize) -> bool {
+    matches!(
+        IO_CHANGE.with(|change| change.get()),
+        Some(IoChange::Lost(gone) | IoChange::Drained(gone)) if gone == index
+    )
+}
 
 struct Outcome {
     names: usize,
@@ -481,6 +600,7 @@ struct Outcome {
     faults: usize,
     leaders: usize,
     simulated: Duration,
+    io_change: Option<IoChange>,
 }
 
 fn run_seed(seed: u64) -> Result<Outcome, String> {
@@ -524,28 +644,7 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
         });
     }
     for index in 0..IO_SERVERS {
-        let config = io_config(index, dir.path());
-        let key = key.clone();
-        sim.host(io_host(index), move || {
-            let (config, key) = (config.clone(), key.clone());
-            async move {
-                // A crashed instance's engine threads may hold the directory a moment.
-                let mut tries = 0;
-                let _server = loop {
-                    match freeflow_ioserver::start(config.clone(), key.clone()).await {
-                        Ok(server) => break server,
-                        Err(error) if tries < 100 => {
-                            tries += 1;
-                            tracing::debug!(%error, "I/O server start failed; again");
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                        }
-                        Err(error) => return Err(error.to_string().into()),
-                    }
-                };
-                std::future::pending::<()>().await;
-                Ok(())
-            }
-        });
+        host_io(&mut sim, index, dir.path(), &key);
     }
     let answers = Rc::new(RefCell::new(Answers::default()));
     {
@@ -614,8 +713,22 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
         if finished {
             break;
         }
+        if DRAIN_REMOVED.with(|removed| removed.replace(false)) {
+            if let Some(IoChange::Drained(index)) = IO_CHANGE.with(|change| change.get()) {
+                tracing::info!(index, "drained I/O server removed: stopped");
+                sim.crash(io_host(index));
+            }
+        }
         let working = answers.borrow().done < 2;
-        let replacing = REPLACEMENT.with(|job| job.borrow().is_some());
+        // A lost server's wait (`server_dead_after_ms`) runs on the leader's clock, which
+        // a leader change starts again (the wall clock the meta server also counts by does
+        // not move with simulated time): no new fault until it is replaced.
+        let waiting_for_loss = matches!(
+            IO_CHANGE.with(|change| change.get()),
+            Some(IoChange::Lost(_))
+        ) && !LOST_REPLACED.with(|replaced| replaced.get());
+        let replacing =
+            REPLACEMENT.with(|job| job.borrow().is_some()) || (waiting_for_loss && fault.is_none());
         if now >= next_change && !replacing {
             if let Some(ended) = fault.take() {
                 heal(&mut sim, &members, &ids, dir.path(), ended);
@@ -632,16 +745,41 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
                     // back under a new id: the admin client replaces it.
                     let lost = draw.below(MEMBERS as u64) as usize;
                     (Fault::Replaced(lost), draw.millis(300, 2_000))
+                } else if faults == 2 {
+                    // Then the I/O servers change once, as drawn.
+                    let index = draw.below(IO_SERVERS as u64) as usize;
+                    let change = match draw.below(3) {
+                        0 => IoChange::Lost(index),
+                        1 => IoChange::Drained(index),
+                        _ => IoChange::Join,
+                    };
+                    tracing::info!(?change, "I/O servers change");
+                    IO_CHANGE.with(|cell| cell.set(Some(change)));
+                    match change {
+                        IoChange::Lost(index) => sim.crash(io_host(index)),
+                        IoChange::Drained(_) => {}
+                        IoChange::Join => host_io(&mut sim, IO_JOINING, dir.path(), &key),
+                    }
+                    faults += 1;
+                    next_change = now + draw.millis(500, 2_000);
+                    continue;
                 } else {
                     let mut chosen = choose(&mut draw, leader);
                     // One I/O server failure at a time, as the promise says: another only
                     // once every I/O server is back in service (resynced).
                     // `FREEFLOW_SIM_OVERLAP_IO=1` lifts that (a soak of double failures).
+                    // With a server lost or drained, two are left for two copies: one
+                    // more failure would give new files one copy (beyond the promise).
+                    let shrunk = io_live() < IO_SERVERS;
                     if matches!(chosen, Fault::IoCrashed(_) | Fault::IoCutOff(_))
-                        && !overlapping_io_faults()
-                        && IO_IN_SERVICE.with(|count| count.get()) < IO_SERVERS
+                        && (shrunk
+                            || (!overlapping_io_faults()
+                                && IO_IN_SERVICE.with(|count| count.get()) < io_live()))
                     {
-                        chosen = Fault::Crashed(leader.unwrap_or(0));
+                        // A metadata fault instead, as drawn (always the leader's crash
+                        // here kept the leaders changing so fast, once I/O faults were
+                        // barred for good, that a fill never finished).
+                        chosen = choose_meta(&mut draw, leader);
                     }
                     (chosen, draw.millis(300, 3_000))
                 };
@@ -697,9 +835,10 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
     // Not vacuous: the clients changed things, and the schedule did its work (the second
     // fault replaces a member).
     let replaced = REPLACED.with(|count| count.get());
-    if names == 0 || faults < 3 || replaced != 1 {
+    let io_change = IO_CHANGE.with(|change| change.get());
+    if names == 0 || faults < 4 || replaced != 1 || io_change.is_none() {
         return Err(format!(
-            "a seed that tested little: {names} names, {faults} faults, {replaced} members replaced"
+            "a seed that tested little: {names} names, {faults} faults, {replaced} members replaced, I/O change {io_change:?}"
         ));
     }
     let files = answers
@@ -719,6 +858,7 @@ fn run_seed(seed: u64) -> Result<Outcome, String> {
         faults,
         leaders: leaders_by_term.len(),
         simulated,
+        io_change,
     })
 }
 
@@ -733,6 +873,14 @@ thread_local! {
     /// I/O servers in service as the meta leader last said (`watch_io_servers`).
     static IO_IN_SERVICE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     static HEALING_PENDING: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+    /// The change of the I/O servers made in this seed (`IoChange`).
+    static IO_CHANGE: std::cell::Cell<Option<IoChange>> = const { std::cell::Cell::new(None) };
+    /// The admin client removed the drained server: the schedule stops it.
+    static DRAIN_REMOVED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The server lost in this seed is replaced (`watch_io_servers`).
+    static LOST_REPLACED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The admin client's drain is over (removed), or none was asked.
+    static DRAIN_DONE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// The operator of `Fault::Replaced`: once the member is back under its new id (on the old
@@ -745,7 +893,16 @@ async fn replace_members(key: ClusterKey) {
         return;
     };
     let again = || tokio::time::sleep(Duration::from_millis(200));
-    while !ADMIN_DONE.with(|done| done.get()) {
+    while !ADMIN_DONE.with(|done| done.get()) || !DRAIN_DONE.with(|done| done.get()) {
+        if let Some(IoChange::Drained(index)) = IO_CHANGE.with(|change| change.get()) {
+            if !DRAIN_DONE.with(|done| done.get()) {
+                drain_and_remove(&client, index as u32).await;
+                DRAIN_DONE.with(|done| done.set(true));
+                DRAIN_REMOVED.with(|removed| removed.set(true));
+            }
+        } else if ADMIN_DONE.with(|done| done.get()) {
+            DRAIN_DONE.with(|done| done.set(true));
+        }
         let Some((old, new, index)) = REPLACEMENT.with(|job| *job.borrow()) else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
@@ -786,6 +943,37 @@ async fn replace_members(key: ClusterKey) {
     client.shutdown().await;
 }
 
+/// The operator of `IoChange::Drained`: drain the server, wait until the drain is complete
+/// and the server holds nothing, then remove it, as `freeflow server drain --wait` and
+/// `freeflow server remove` do; each step sent again until done.
+async fn drain_and_remove(client: &Client, server: u32) {
+    use freeflow_proto::meta::IoServerChange;
+    loop {
+        match client.change_io_server(server, IoServerChange::Drain).await {
+            Ok(_) => break,
+            Err(error) if error.to_string().contains("drained already") => break,
+            Err(error) => {
+                tracing::info!(server, %error, "drain not started yet");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    loop {
+        match client
+            .change_io_server(server, IoServerChange::Remove { force: false })
+            .await
+        {
+            Ok(_) => break,
+            Err(error) if error.to_string().contains("removed already") => break,
+            Err(error) => {
+                tracing::debug!(server, %error, "not removed yet");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+    }
+    tracing::info!(server, "I/O server drained and removed");
+}
+
 /// Whether I/O faults may come while another I/O server is not back in service yet.
 fn overlapping_io_faults() -> bool {
     std::env::var("FREEFLOW_SIM_OVERLAP_IO").is_ok_and(|value| value == "1")
@@ -809,11 +997,21 @@ fn leader_of(members: &Members) -> Option<usize> {
 }
 
 fn choose(draw: &mut Draw, leader: Option<usize>) -> Fault {
-    let any = |draw: &mut Draw| draw.below(MEMBERS as u64) as usize;
-    let any_io = |draw: &mut Draw| draw.below(IO_SERVERS as u64) as usize;
+    let any_io = |draw: &mut Draw| {
+        let live = io_live_servers();
+        live[draw.below(live.len() as u64) as usize]
+    };
     match draw.below(8) {
         6 => Fault::IoCrashed(any_io(draw)),
         7 => Fault::IoCutOff(any_io(draw)),
+        _ => choose_meta(draw, leader),
+    }
+}
+
+/// A fault of the metadata members or the client's link to them.
+fn choose_meta(draw: &mut Draw, leader: Option<usize>) -> Fault {
+    let any = |draw: &mut Draw| draw.below(MEMBERS as u64) as usize;
+    match draw.below(6) {
         0 | 1 => Fault::Crashed(leader.unwrap_or_else(|| any(draw))),
         2 => Fault::Crashed(any(draw)),
         3 => Fault::LeaderCutOff(leader.unwrap_or_else(|| any(draw))),
@@ -860,7 +1058,12 @@ fn inflict(sim: &mut turmoil::Sim, members: &Members, fault: &Fault) {
 /// Every host but I/O server `index`.
 fn io_peers(index: usize) -> Vec<String> {
     let mut peers: Vec<String> = (0..MEMBERS).map(member).collect();
-    peers.extend((0..IO_SERVERS).filter(|other| *other != index).map(io_host));
+    peers.extend(
+        io_live_servers()
+            .into_iter()
+            .filter(|other| *other != index)
+            .map(io_host),
+    );
     peers.push("client".to_string());
     peers
 }
@@ -973,6 +1176,10 @@ fn replicated_metadata_keeps_every_answer_under_simulated_faults() {
         ADMIN_DONE.with(|done| done.set(false));
         REPLACEMENT.with(|job| *job.borrow_mut() = None);
         REPLACED.with(|count| count.set(0));
+        IO_CHANGE.with(|change| change.set(None));
+        LOST_REPLACED.with(|replaced| replaced.set(false));
+        DRAIN_REMOVED.with(|removed| removed.set(false));
+        DRAIN_DONE.with(|done| done.set(false));
         let started = std::time::Instant::now();
         let installed_before = SNAPSHOTS_INSTALLED.load(Ordering::Relaxed);
         match run_seed(seed) {
@@ -986,10 +1193,11 @@ fn replicated_metadata_keeps_every_answer_under_simulated_faults() {
                 let installed = SNAPSHOTS_INSTALLED.load(Ordering::Relaxed) - installed_before;
                 snapshots += installed;
                 eprintln!(
-                    "seed {seed}: {} names checked ({} files), {} faults, {} terms with a leader, {installed} snapshots installed, {:?} simulated in {:?}",
+                    "seed {seed}: {} names checked ({} files), {} faults, I/O servers {:?}, {} terms with a leader, {installed} snapshots installed, {:?} simulated in {:?}",
                     outcome.names,
                     outcome.files,
                     outcome.faults,
+                    outcome.io_change,
                     outcome.leaders,
                     outcome.simulated,
                     started.elapsed()

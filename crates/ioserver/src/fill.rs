@@ -12,8 +12,9 @@
 //! 3. copies them, stripes with the fewest copies in service first, at most the order's
 //!    bytes per second, each under this server's range locks as a resync does (a write
 //!    passed on meanwhile lands after the piece it overlaps);
-//! 4. makes the copies durable and tells the meta server, under the order's map version;
-//!    from the next map on, this server serves their reads.
+//! 4. makes the copies durable and tells the meta server which records it copied for
+//!    (whichever member leads by then); from the next map on, this server serves their
+//!    reads.
 //!
 //! A stripe with no copy in service to copy from holds the fill back (it is tried again at
 //! the next order): ending without it would let this server serve a stripe it does not hold.
@@ -29,6 +30,11 @@ use freeflow_types::{ObjectId, ServerId};
 
 use crate::copy::{copy_object, layouts, list_objects, Pacer};
 use crate::resync::Resync;
+
+/// How often, and how long apart, a fill asks the meta servers again when none answers (a
+/// leader change takes a second or two).
+const META_TRIES: u32 = 50;
+const META_RETRY: std::time::Duration = std::time::Duration::from_millis(200);
 
 impl Resync {
     /// Start the fill an order asks for, unless one is running.
@@ -80,11 +86,11 @@ impl Resync {
         else {
             return Ok(0);
         };
-        let meta = self
-            .replication
-            .connect_meta(&self.options)
-            .await
-            .map_err(|error| error.to_string())?;
+        // The records this fill is for, as named in its order's map.
+        let records: Vec<(ServerId, u64)> = map
+            .filling(me)
+            .map(|replacement| (replacement.server, replacement.made_ms))
+            .collect();
         // 1. Candidates: every object of the covered inodes a partner holds.
         let mut candidates: BTreeSet<ObjectId> = BTreeSet::new();
         let partners: Vec<ServerId> = map
@@ -103,7 +109,23 @@ impl Resync {
                 .extend(list_objects(&connection, |listed| listed.object.inode < below).await?);
         }
         // 2. Layouts; the stripes this server fills, and a source for each.
-        let layouts = layouts(&meta, candidates.iter()).await?;
+        // A leader change breaks the meta connection: asked again (a fill is long to redo).
+        let mut tries = 0;
+        let layouts = loop {
+            let attempt = match self.replication.connect_meta(&self.options).await {
+                Ok(meta) => layouts(&meta, candidates.iter()).await,
+                Err(error) => Err(error.to_string()),
+            };
+            match attempt {
+                Ok(layouts) => break layouts,
+                Err(error) if tries < META_TRIES => {
+                    tries += 1;
+                    tracing::debug!(%error, "cannot read layouts yet; again");
+                    tokio::time::sleep(META_RETRY).await;
+                }
+                Err(error) => return Err(error),
+            }
+        };
         let mut work: Vec<(usize, ObjectId, ServerId)> = Vec::new();
         for object in &candidates {
             let Some(layout) = layouts.get(&object.inode) else {
@@ -164,16 +186,36 @@ impl Resync {
                 .await
                 .map_err(|error| format!("cannot sync the copies: {error}"))?;
         }
-        // 4. Done.
-        meta.call(
-            &FillDone {
-                server_id: me,
-                map_version: order.map_version,
-            },
-            Bytes::new(),
-        )
-        .await
-        .map_err(|error| format!("the meta server did not take the end of the fill: {error}"))?;
+        // 4. Done, told whichever leader leads now.
+        let done = FillDone {
+            server_id: me,
+            map_version: order.map_version,
+            replacements: records,
+        };
+        let mut tries = 0;
+        loop {
+            let attempt = match self.replication.connect_meta(&self.options).await {
+                Ok(meta) => meta
+                    .call(&done, Bytes::new())
+                    .await
+                    .map(|_| ())
+                    .map_err(|error| error.to_string()),
+                Err(error) => Err(error.to_string()),
+            };
+            match attempt {
+                Ok(()) => break,
+                Err(error) if tries < META_TRIES => {
+                    tries += 1;
+                    tracing::debug!(%error, "the end of the fill not taken yet; again");
+                    tokio::time::sleep(META_RETRY).await;
+                }
+                Err(error) => {
+                    return Err(format!(
+                        "the meta server did not take the end of the fill: {error}"
+                    ))
+                }
+            }
+        }
         Ok(work.len() as u64)
     }
 }

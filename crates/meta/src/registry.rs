@@ -153,17 +153,20 @@ impl Registry {
         }
     }
 
-    /// The servers out for at least `dead_after` (by the time they may lack writes
-    /// since) and not replaced since they went out: lost for good.
-    pub fn lost(&self, dead_after: Duration) -> Vec<ServerId> {
+    /// The servers out for at least `dead_after`, not replaced since they went out: lost
+    /// for good. Out that long by the wall clock since it may lack writes (persisted, so a
+    /// leader change does not start the wait again), or by this leader's own clock since it
+    /// last heard from it (or since its start).
+    pub fn lost(&self, dead_after: Duration, now: Instant) -> Vec<ServerId> {
         let now_ms = unix_ms();
         self.servers
             .iter()
             .filter(|(id, state)| {
+                let out_for_ms = now_ms.saturating_sub(state.entry.unsynced_since_ms);
+                let silent_for =
+                    now.saturating_duration_since(state.last_seen.unwrap_or(self.started));
                 state.entry.state == MemberState::Out
-                    && state.entry.unsynced_since_ms > 0
-                    && now_ms.saturating_sub(state.entry.unsynced_since_ms)
-                        >= dead_after.as_millis() as u64
+                    && (out_for_ms >= dead_after.as_millis() as u64 || silent_for >= dead_after)
                     && !self
                         .replacements
                         .replaced_since(**id, state.entry.unsynced_since_ms)
@@ -233,10 +236,14 @@ impl Registry {
         })
     }
 
-    /// `server` copied what its order (given under `map_version`) asked: the records it
-    /// filled, changed, to persist before [`Registry::apply_replacements`].
-    pub fn fill_done(&self, server: ServerId, map_version: u64) -> Vec<ReplacementChange> {
-        self.replacements.fill_done(server, map_version)
+    /// `server` copied what its order asked for these records: them, changed, to persist
+    /// before [`Registry::apply_replacements`].
+    pub fn fill_done(
+        &self,
+        server: ServerId,
+        records: &[(ServerId, u64)],
+    ) -> Vec<ReplacementChange> {
+        self.replacements.fill_done(server, records)
     }
 
     /// The map version from which `server` may copy what it fills (None: it fills
@@ -248,6 +255,67 @@ impl Registry {
     /// Whether `server` was removed from the cluster (its registrations are refused).
     pub fn removed(&self, server: ServerId) -> bool {
         self.state(server) == MemberState::Removed
+    }
+
+    /// The servers of `layout` (a file's, of inode `inode`) that left the cluster — lost
+    /// for good (a stripe with more than one copy) or drained — by a record that does not
+    /// cover this inode: a create replayed after a leader change keeps the layout its first
+    /// answer gave, made before the record but numbered past its bound. Each with whether
+    /// it was drained.
+    pub fn uncovered(
+        &self,
+        inode: InodeId,
+        layout: &freeflow_types::Layout,
+    ) -> Vec<(ServerId, bool)> {
+        let map = self.service_map();
+        let mut servers: Vec<ServerId> = layout.servers.clone();
+        servers.extend(layout.copies.iter().copied());
+        servers.sort_unstable();
+        servers.dedup();
+        servers
+            .into_iter()
+            .filter_map(|server| {
+                let drained = self.replacements.drains(server);
+                let lost = layout.replicas() >= 2 && map.replaced_while_out(server);
+                let covered = map.replacements.iter().any(|replacement| {
+                    replacement.server == server
+                        && replacement.share_ppm >= SHARE_ALL
+                        && replacement.drain == drained
+                        && inode < replacement.inodes_below
+                });
+                ((drained || lost) && !covered).then_some((server, drained))
+            })
+            .collect()
+    }
+
+    /// A further drain record of `server` (drained already) for the inodes below
+    /// `inodes_below`, or a further replacement of it (lost): see [`Registry::uncovered`].
+    pub fn propose_cover(
+        &self,
+        server: ServerId,
+        drained: bool,
+        inodes_below: InodeId,
+        now: Instant,
+    ) -> Option<Vec<ReplacementChange>> {
+        if !drained {
+            return self.propose_replacement(server, inodes_below, now);
+        }
+        let by: Vec<ServerId> = self
+            .servers
+            .iter()
+            .filter(|(id, state)| {
+                **id != server
+                    && state.entry.state == MemberState::InService
+                    && self.is_up(state, now)
+                    && !self.replacements.drains(**id)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        (!by.is_empty()).then(|| {
+            vec![self
+                .replacements
+                .propose_drain(server, inodes_below, by, unix_ms(), SHARE_ALL)]
+        })
     }
 
     /// The record that drains `server` for the inodes below `inodes_below`, by every other
@@ -703,9 +771,9 @@ impl Registry {
     }
 
     /// Servers new files are placed on: those up and not out of their chains (a syncing
-    /// one takes every write already), or every registered one if none is (just after a
-    /// meta server restart, before the first heartbeats); and the spares, those not out
-    /// but silent of late (see `Placement::spares`).
+    /// one takes every write already), or every registered one not out if none is (just
+    /// after a meta server restart, before the first heartbeats); and the spares, those not
+    /// out but silent of late (see `Placement::spares`). Never a drained or removed one.
     pub fn placement_servers(&self, now: Instant) -> (Vec<ServerId>, Vec<ServerId>) {
         let placeable = |id: &ServerId, state: &ServerState| {
             state.entry.state != MemberState::Removed && !self.replacements.drains(*id)
@@ -717,12 +785,23 @@ impl Registry {
             .partition(|(_, state)| self.is_up(state, now));
         let spares = silent.into_iter().map(|(id, _)| *id).collect();
         if up.is_empty() {
-            let all = self
-                .servers
-                .iter()
-                .filter(|(id, state)| placeable(id, state))
-                .map(|(id, _)| *id)
-                .collect();
+            // Not those out (the state is persisted): one lost for good would leave its
+            // files a copy short that no replacement covers (numbered past its bound).
+            let registered = |out: bool| -> Vec<ServerId> {
+                self.servers
+                    .iter()
+                    .filter(|(id, state)| {
+                        placeable(id, state) && (out || state.entry.state != MemberState::Out)
+                    })
+                    .map(|(id, _)| *id)
+                    .collect()
+            };
+            let not_out = registered(false);
+            let all = if not_out.is_empty() {
+                registered(true)
+            } else {
+                not_out
+            };
             (all, Vec::new())
         } else {
             (up.into_iter().map(|(id, _)| *id).collect(), spares)

@@ -275,13 +275,20 @@ impl Replacements {
         })
     }
 
-    /// `server` copied what an order given under `map_version` asked: it fills no record
-    /// that appeared in that map or before. The changed records, to persist.
-    pub fn fill_done(&self, server: ServerId, map_version: u64) -> Vec<ReplacementChange> {
+    /// `server` copied every stripe it takes for these records (each named by its server
+    /// and `made_ms`): it fills them no more. The changed records, to persist. Any order
+    /// counts, whichever leader gave it: an order is given only once every server in
+    /// service holds the map naming every record the server fills in it.
+    pub fn fill_done(
+        &self,
+        server: ServerId,
+        records: &[(ServerId, u64)],
+    ) -> Vec<ReplacementChange> {
         self.entries
             .iter()
             .filter(|(_, entry)| {
-                entry.version <= map_version && entry.record.filling.contains(&server)
+                entry.record.filling.contains(&server)
+                    && records.contains(&(entry.record.server, entry.record.made_ms))
             })
             .map(|(sequence, entry)| {
                 let mut record = entry.record.clone();
@@ -306,9 +313,9 @@ mod tests {
         replacements.apply(first, 5);
         assert_eq!(replacements.filling_since(2), Some(5));
         assert!(replacements.replaced_since(1, 10) && !replacements.replaced_since(1, 11));
-        // An order given before the record appeared does not count.
-        assert!(replacements.fill_done(2, 4).is_empty());
-        let done = replacements.fill_done(2, 6);
+        // A fill of another record does not count.
+        assert!(replacements.fill_done(2, &[(1, 9)]).is_empty());
+        let done = replacements.fill_done(2, &[(1, 10)]);
         assert_eq!(done[0].1.filling, vec![3]);
         replacements.apply(done, 7);
         assert_eq!(replacements.filling_since(2), None);
@@ -335,7 +342,7 @@ mod tests {
             replacements.completable(u64::MAX).is_empty(),
             "still filling"
         );
-        let done = replacements.fill_done(6, 10);
+        let done = replacements.fill_done(6, &[(5, 1)]);
         replacements.apply(done, 12);
         assert!(replacements.completable(11).is_empty(), "sealed in map 12");
         let complete = replacements.completable(12);

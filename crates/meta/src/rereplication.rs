@@ -28,7 +28,7 @@ pub(crate) async fn replace_lost_servers(shared: Arc<Shared>) {
     loop {
         interval.tick().await;
         let lost = match dead_after {
-            Some(dead_after) => shared.registry().lost(dead_after),
+            Some(dead_after) => shared.registry().lost(dead_after, Instant::now()),
             None => Vec::new(),
         };
         for server in lost {
@@ -112,6 +112,43 @@ async fn rebalance(shared: &Arc<Shared>) -> Result<(), WireError> {
     Ok(())
 }
 
+/// After a create replayed with the layout its first answer gave: if that layout names a
+/// server that left the cluster by a record not covering the file (`Registry::uncovered`),
+/// a further record covers it, so its stripes are made again or moved like the others.
+pub(crate) fn cover_replayed(
+    shared: &Arc<Shared>,
+    inode: freeflow_types::InodeId,
+    layout: freeflow_types::Layout,
+) {
+    let uncovered = shared.registry().uncovered(inode, &layout);
+    if uncovered.is_empty() {
+        return;
+    }
+    let shared = Arc::clone(shared);
+    tokio::spawn(async move {
+        for (server, drained) in uncovered {
+            let Some(changes) =
+                shared
+                    .registry()
+                    .propose_cover(server, drained, inode + 1, Instant::now())
+            else {
+                continue;
+            };
+            if let Err(error) = persist(&shared, &changes).await {
+                tracing::error!(server, inode, %error, "cannot cover a replayed file's layout");
+                continue;
+            }
+            shared.registry().apply_replacements(changes);
+            tracing::warn!(
+                server,
+                inode,
+                drained,
+                "a create replayed after a leader change names a server that left the cluster: a further record covers it"
+            );
+        }
+    });
+}
+
 /// Make replacement records durable (before the map shows a new one: a restart of the
 /// leader must not forget where a stripe's writes went).
 pub(crate) async fn persist(
@@ -131,31 +168,23 @@ pub(crate) async fn persist(
     Ok(())
 }
 
-/// `FillDone`: a stand-in copied what its order asked; it serves reads of those stripes
-/// from the next map on.
+/// `FillDone`: a stand-in copied what its order asked for these records; it serves reads
+/// of those stripes from the next map on.
 pub(crate) async fn fill_done(
     shared: &Arc<Shared>,
     server: ServerId,
-    map_version: u64,
+    records: &[(ServerId, u64)],
 ) -> Result<(), WireError> {
-    let changes = shared.registry().fill_done(server, map_version);
+    let changes = shared.registry().fill_done(server, records);
     if changes.is_empty() {
-        let since = shared.registry().filling_since(server);
-        if since.is_some_and(|since| since > map_version) {
-            return Err(WireError::new(
-                ErrorCode::Stale,
-                format!(
-                    "the copy was ordered under map {map_version}, before server {server} was named to take a lost server's place: copy again"
-                ),
-            ));
-        }
         return Ok(());
     }
     persist(shared, &changes).await?;
     shared.registry().apply_replacements(changes);
     tracing::info!(
         server,
-        "I/O server copied the stripes it takes from lost servers: it serves their reads now"
+        ?records,
+        "I/O server copied the stripes it takes for these replacements: it serves their reads now"
     );
     Ok(())
 }

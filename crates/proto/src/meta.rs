@@ -848,9 +848,11 @@ requests! {
     /// Change the metadata cluster's members (leader only); replies with the members after
     /// the change is committed.
     ChangeMetaMembers = 147 => Vec<MetaMember> { change: MetaMemberChange }
-    /// Sent by an I/O server that copied every stripe it takes from replaced servers, as
-    /// its order (given under `map_version`) asked: it serves reads of them from then on.
-    FillDone = 148 => () { server_id: ServerId, map_version: u64 }
+    /// Sent by an I/O server that copied every stripe it takes for these replacements
+    /// (each named by its server and `made_ms`, as in the map of its order, given under
+    /// `map_version`): it serves reads of them from then on. Named rather than by map
+    /// version, so a fill ordered by one metadata leader counts with the next.
+    FillDone = 148 => () { server_id: ServerId, map_version: u64, replacements: Vec<(ServerId, u64)> }
     /// Drain or remove an I/O server (leader only); replies with the servers after the
     /// change is durable.
     ChangeIoServer = 149 => Vec<ServerRecord> { server_id: ServerId, change: IoServerChange }

@@ -306,6 +306,7 @@ fn samples() -> Vec<Vec<u8>> {
         encode(&FillDone {
             server_id: 4,
             map_version: 18,
+            replacements: vec![(3, 1_700_000_000_000)],
         }),
         encode(&RenewLeases {}),
         encode(&Ok::<LeasesRenewed, WireError>(LeasesRenewed {

@@ -249,7 +249,7 @@ impl Service for MetaService {
                     let result = crate::rereplication::fill_done(
                         shared,
                         request.server_id,
-                        request.map_version,
+                        &request.replacements,
                     )
                     .await;
                     unstamped(shared, result)

@@ -544,6 +544,7 @@ pub(super) async fn create(
         None => None,
     };
     let binder = shared.clone();
+    let replayed_layout = id.forced_layout.is_some();
     let created = shared
         .mutate(id.client, false, move |write, context| {
             context.forced_inode = id.forced_inode;
@@ -564,6 +565,11 @@ pub(super) async fn create(
             Ok(outcome)
         })
         .await;
+    if let (Ok((outcome, _)), true) = (&created, replayed_layout) {
+        if let Some(layout) = &outcome.reply.attr.layout {
+            crate::rereplication::cover_replayed(shared, outcome.reply.attr.inode, layout.clone());
+        }
+    }
     match (created, reserved) {
         (Ok((outcome, answered)), None) => Ok((outcome.reply, answered)),
         (Ok((outcome, answered)), Some(_)) if outcome.reply.handle_id.is_some() => {
