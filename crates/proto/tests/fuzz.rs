@@ -85,6 +85,7 @@ fn every_meta_message(bytes: &[u8]) {
         RenewLeases,
         ChangeMetaMembers,
         FillDone,
+        ChangeIoServer,
     );
 }
 
@@ -307,6 +308,10 @@ fn samples() -> Vec<Vec<u8>> {
             server_id: 4,
             map_version: 18,
             replacements: vec![(3, 1_700_000_000_000)],
+        }),
+        encode(&ChangeIoServer {
+            server_id: 3,
+            change: IoServerChange::Remove { force: true },
         }),
         encode(&RenewLeases {}),
         encode(&Ok::<LeasesRenewed, WireError>(LeasesRenewed {
