@@ -77,8 +77,11 @@ class Cluster:
     def wait(self, what, done, limit=600):
         deadline = time.time() + limit
         while time.time() < deadline:
-            if done():
-                return
+            try:
+                if done():
+                    return
+            except subprocess.CalledProcessError:
+                pass  # not serving yet
             time.sleep(0.5)
         sys.exit(f"timed out waiting for {what}\n{self.cli('status')}")
 
