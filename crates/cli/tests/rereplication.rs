@@ -27,10 +27,18 @@ use freeflow_proto::meta::MemberState;
 const DEAD_AFTER_MS: u64 = 6_000;
 
 fn cli(cluster: &Cluster, args: &[&str]) -> String {
+    run_cli(
+        cluster.client_toml(),
+        args.iter().map(|arg| arg.to_string()).collect(),
+    )
+}
+
+/// `freeflow --cluster TOML ARGS`: its output and errors.
+fn run_cli(toml: std::path::PathBuf, args: Vec<String>) -> String {
     let output = Command::new(FREEFLOW)
         .arg("--cluster")
-        .arg(cluster.client_toml())
-        .args(args)
+        .arg(toml)
+        .args(&args)
         .env_remove("RUST_LOG")
         .output()
         .expect("run freeflow");
@@ -194,22 +202,9 @@ async fn a_server_lost_for_good_is_replaced_and_a_second_loss_loses_nothing() {
 async fn cli_async(cluster: &Cluster, args: &[&str]) -> String {
     let toml = cluster.client_toml();
     let args: Vec<String> = args.iter().map(|arg| arg.to_string()).collect();
-    tokio::task::spawn_blocking(move || {
-        let output = Command::new(FREEFLOW)
-            .arg("--cluster")
-            .arg(toml)
-            .args(&args)
-            .env_remove("RUST_LOG")
-            .output()
-            .expect("run freeflow");
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        )
-    })
-    .await
-    .expect("the command's thread")
+    tokio::task::spawn_blocking(move || run_cli(toml, args))
+        .await
+        .expect("the command's thread")
 }
 
 /// Bytes of single-copy file `index`, `generation` times rewritten in part.

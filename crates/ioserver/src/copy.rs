@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -12,7 +13,7 @@ use freeflow_proto::io::{
 };
 use freeflow_proto::meta::{InspectInodes, INSPECT_INODES_MAX};
 use freeflow_rpc::Connection;
-use freeflow_types::{InodeId, Layout, ObjectId};
+use freeflow_types::{InodeId, Layout, ObjectId, ServerId};
 
 use crate::replication::Replication;
 use crate::store::{ObjectStore, SHARD_COUNT};
@@ -27,6 +28,38 @@ pub struct CopyProgress {
     pub objects_total: AtomicU64,
     pub objects_done: AtomicU64,
     pub bytes_copied: AtomicU64,
+}
+
+/// Run `copy` (a resync or a fill) in the background, unless one of its kind runs
+/// (`progress.running`), and log its end: `done` with the objects, bytes and time it took,
+/// or `failed` with the reason (the next order starts it again).
+pub fn spawn_copy<F>(
+    progress: &Arc<CopyProgress>,
+    server_id: ServerId,
+    done: &'static str,
+    failed: &'static str,
+    copy: F,
+) where
+    F: std::future::Future<Output = Result<u64, String>> + Send + 'static,
+{
+    if progress.running.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let progress = Arc::clone(progress);
+    tokio::spawn(async move {
+        let started = Instant::now();
+        match copy.await {
+            Ok(copied) => tracing::info!(
+                server_id,
+                objects = copied,
+                bytes = progress.bytes_copied.load(Ordering::Relaxed),
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "{done}"
+            ),
+            Err(error) => tracing::warn!(server_id, %error, "{failed}"),
+        }
+        progress.running.store(false, Ordering::Release);
+    });
 }
 
 /// Holds a copy to a number of bytes per second (0: no limit), measured from its start.

@@ -22,13 +22,12 @@
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 use freeflow_proto::meta::{FillDone, FillOrder, MemberState};
 use freeflow_types::{ObjectId, ServerId};
 
-use crate::copy::{copy_object, layouts, list_objects, Pacer};
+use crate::copy::{copy_object, layouts, list_objects, spawn_copy, Pacer};
 use crate::resync::Resync;
 
 /// How often, and how long apart, a fill asks the meta servers again when none answers (a
@@ -39,32 +38,22 @@ const META_RETRY: std::time::Duration = std::time::Duration::from_millis(200);
 impl Resync {
     /// Start the fill an order asks for, unless one is running.
     pub fn start_fill(self: &Arc<Self>, order: FillOrder) {
-        if self.fill_progress.running.swap(true, Ordering::AcqRel) {
-            return;
-        }
         let resync = Arc::clone(self);
-        tokio::spawn(async move {
-            let started = Instant::now();
-            let server_id = resync.store.server_id();
-            tracing::info!(
-                server_id,
-                bytes_per_second = order.bytes_per_second,
-                "fill starts: copying the stripes this server takes from lost servers"
-            );
-            match resync.fill(order).await {
-                Ok(copied) => tracing::info!(
+        let server_id = self.store.server_id();
+        spawn_copy(
+            &self.fill_progress,
+            server_id,
+            "fill done; this server serves reads of those stripes",
+            "fill did not finish; it starts again at the next order",
+            async move {
+                tracing::info!(
                     server_id,
-                    objects = copied,
-                    bytes = resync.fill_progress.bytes_copied.load(Ordering::Relaxed),
-                    elapsed_ms = started.elapsed().as_millis() as u64,
-                    "fill done; this server serves reads of those stripes"
-                ),
-                Err(error) => {
-                    tracing::warn!(server_id, %error, "fill did not finish; it starts again at the next order")
-                }
-            }
-            resync.fill_progress.running.store(false, Ordering::Release);
-        });
+                    bytes_per_second = order.bytes_per_second,
+                    "fill starts: copying the stripes this server takes from lost servers"
+                );
+                resync.fill(order).await
+            },
+        );
     }
 
     async fn fill(&self, order: FillOrder) -> Result<u64, String> {

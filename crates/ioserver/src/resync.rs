@@ -27,14 +27,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 use freeflow_proto::meta::{ChainMember, MemberState, ResyncDone, ResyncOrder, ServiceMap};
 use freeflow_rpc::{ClusterKey, ConnectOptions};
 use freeflow_types::{ObjectId, ServerId};
 
-use crate::copy::{copy_object, layouts, list_objects, list_own, CopyProgress, Pacer};
+use crate::copy::{copy_object, layouts, list_objects, list_own, spawn_copy, CopyProgress, Pacer};
 use crate::replication::Replication;
 use crate::store::ObjectStore;
 
@@ -55,28 +54,18 @@ pub struct Resync {
 impl Resync {
     /// Start the copy an order asks for, unless one is running.
     pub fn start(self: &Arc<Self>, order: ResyncOrder) {
-        if self.progress.running.swap(true, Ordering::AcqRel) {
-            return;
-        }
         let resync = Arc::clone(self);
-        tokio::spawn(async move {
-            let started = Instant::now();
-            let server_id = resync.store.server_id();
-            tracing::info!(server_id, window_ms = order.window_ms, "resync starts");
-            match resync.run(order).await {
-                Ok(copied) => tracing::info!(
-                    server_id,
-                    objects = copied,
-                    bytes = resync.progress.bytes_copied.load(Ordering::Relaxed),
-                    elapsed_ms = started.elapsed().as_millis() as u64,
-                    "resync done; back in service"
-                ),
-                Err(error) => {
-                    tracing::warn!(server_id, %error, "resync did not finish; it starts again at the next order")
-                }
-            }
-            resync.progress.running.store(false, Ordering::Release);
-        });
+        let server_id = self.store.server_id();
+        spawn_copy(
+            &self.progress,
+            server_id,
+            "resync done; back in service",
+            "resync did not finish; it starts again at the next order",
+            async move {
+                tracing::info!(server_id, window_ms = order.window_ms, "resync starts");
+                resync.run(order).await
+            },
+        );
     }
 
     async fn run(&self, order: ResyncOrder) -> Result<u64, String> {

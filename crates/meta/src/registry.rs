@@ -175,24 +175,30 @@ impl Registry {
             .collect()
     }
 
+    /// The servers that may take `server`'s place: up, in service, and not drained
+    /// themselves.
+    fn stand_ins_for(&self, server: ServerId, now: Instant) -> Vec<ServerId> {
+        self.servers
+            .iter()
+            .filter(|(id, state)| {
+                **id != server
+                    && state.entry.state == MemberState::InService
+                    && self.is_up(state, now)
+                    && !self.replacements.drains(**id)
+            })
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     /// The records that replace lost `server` for the inodes below `inodes_below`: the
-    /// servers up and in service take its place. None when there is none.
+    /// servers up, in service and not drained take its place. None when there is none.
     pub fn propose_replacement(
         &self,
         server: ServerId,
         inodes_below: InodeId,
         now: Instant,
     ) -> Option<Vec<ReplacementChange>> {
-        let by: Vec<ServerId> = self
-            .servers
-            .iter()
-            .filter(|(id, state)| {
-                **id != server
-                    && state.entry.state == MemberState::InService
-                    && self.is_up(state, now)
-            })
-            .map(|(id, _)| *id)
-            .collect();
+        let by = self.stand_ins_for(server, now);
         if by.is_empty() {
             return None;
         }
@@ -300,17 +306,7 @@ impl Registry {
         if !drained {
             return self.propose_replacement(server, inodes_below, now);
         }
-        let by: Vec<ServerId> = self
-            .servers
-            .iter()
-            .filter(|(id, state)| {
-                **id != server
-                    && state.entry.state == MemberState::InService
-                    && self.is_up(state, now)
-                    && !self.replacements.drains(**id)
-            })
-            .map(|(id, _)| *id)
-            .collect();
+        let by = self.stand_ins_for(server, now);
         (!by.is_empty()).then(|| {
             vec![self
                 .replacements
@@ -338,17 +334,7 @@ impl Registry {
                 "I/O server {server} is drained already (see `freeflow status`)"
             ));
         }
-        let by: Vec<ServerId> = self
-            .servers
-            .iter()
-            .filter(|(id, state)| {
-                **id != server
-                    && state.entry.state == MemberState::InService
-                    && self.is_up(state, now)
-                    && !self.replacements.drains(**id)
-            })
-            .map(|(id, _)| *id)
-            .collect();
+        let by = self.stand_ins_for(server, now);
         if by.is_empty() {
             return Err(format!(
                 "no other I/O server is in service to take the stripes of server {server}"

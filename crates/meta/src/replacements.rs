@@ -128,20 +128,8 @@ impl Replacements {
         made_ms: u64,
         share_ppm: u32,
     ) -> ReplacementChange {
-        let sequence = self.entries.keys().next_back().map_or(1, |last| last + 1);
-        (
-            sequence,
-            Replacement {
-                server,
-                inodes_below,
-                filling: by.clone(),
-                by,
-                made_ms,
-                drain: true,
-                complete: false,
-                share_ppm,
-            },
-        )
+        let mut records = self.propose_shares(&[(server, share_ppm)], inodes_below, &by, made_ms);
+        records.remove(0)
     }
 
     /// The records of a rebalance: each (server, share in millionths) drained by `by`, for
