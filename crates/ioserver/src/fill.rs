@@ -58,16 +58,7 @@ impl Resync {
 
     async fn fill(&self, order: FillOrder) -> Result<u64, String> {
         let me = self.store.server_id();
-        if self.replication.version() != order.map_version {
-            self.replication.fetch().await?;
-        }
-        let map = self.replication.map().await;
-        if map.version != order.map_version {
-            return Err(format!(
-                "the service map moved on (order under {}, now {})",
-                order.map_version, map.version
-            ));
-        }
+        let map = self.replication.map_of_order(order.map_version).await?;
         let Some(below) = map
             .filling(me)
             .map(|replacement| replacement.inodes_below)

@@ -301,6 +301,23 @@ impl Replication {
         Ok(version)
     }
 
+    /// The map an order (a resync's, a fill's) was given under, fetched if need be; an
+    /// error when the meta server has moved on since (the next order comes with the next
+    /// heartbeat).
+    pub async fn map_of_order(&self, version: u64) -> Result<ServiceMap, String> {
+        if self.version() != version {
+            self.fetch().await?;
+        }
+        let map = self.map().await;
+        if map.version != version {
+            return Err(format!(
+                "the service map moved on (order under {version}, now {})",
+                map.version
+            ));
+        }
+        Ok(map)
+    }
+
     /// Fetch the map whenever a request named a newer one, until the server stops.
     pub async fn fetch_when_told(self: Arc<Self>) {
         loop {

@@ -71,16 +71,7 @@ impl Resync {
     async fn run(&self, order: ResyncOrder) -> Result<u64, String> {
         let me = self.store.server_id();
         // The map of the order, so partners in service are those the meta server named.
-        if self.replication.version() != order.map_version {
-            self.replication.fetch().await?;
-        }
-        let map = self.replication.map().await;
-        if map.version != order.map_version {
-            return Err(format!(
-                "the service map moved on (order under {}, now {})",
-                order.map_version, map.version
-            ));
-        }
+        let map = self.replication.map_of_order(order.map_version).await?;
         // A server that went out after this one may hold the only copy of what was written
         // to a chain of the two while this one was away. Its objects cannot be listed while
         // it is out, so the copy waits for it rather than end without them (and put this
