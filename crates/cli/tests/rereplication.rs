@@ -136,6 +136,21 @@ async fn a_server_lost_for_good_is_replaced_and_a_second_loss_loses_nothing() {
         fsck.contains("0 problems") && fsck.contains("servers [1] lost for good"),
         "fsck counts the copies made again and leaves the lost server out:\n{fsck}"
     );
+    let metrics = freeflow_metrics::scrape(
+        cluster.meta_metrics_address().expect("metrics on"),
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("scrape the meta server");
+    let snapshot = freeflow_metrics::text::Snapshot::parse(&metrics);
+    assert_eq!(
+        (
+            snapshot.value("freeflow_meta_io_replacements", &[]),
+            snapshot.value("freeflow_meta_io_stand_ins_filling", &[])
+        ),
+        (Some(1.0), Some(0.0)),
+        "the meta server's gauges count the record, its copies done"
+    );
     let filled = cluster.io_log(0) + &cluster.io_log(2);
     assert!(
         filled.contains("fill done"),

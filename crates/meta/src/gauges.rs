@@ -1,6 +1,6 @@
 //! The gauges read from the metadata server's state at each scrape (docs/metrics.md lists
 //! every name): inodes, orphans, sessions, open handles, servers, the writer's queue, the
-//! start-up figures and each member's lag.
+//! start-up figures, each member's lag, and the I/O servers' replacement records.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -35,6 +35,16 @@ pub fn register_state_gauges(
         &[],
     );
     let servers_total = registry.gauge("freeflow_meta_io_servers", "I/O servers registered.", &[]);
+    let replacements = registry.gauge(
+        "freeflow_meta_io_replacements",
+        "Records of I/O servers lost for good, drained or rebalanced (each moves stripes to stand-ins).",
+        &[],
+    );
+    let stand_ins_filling = registry.gauge(
+        "freeflow_meta_io_stand_ins_filling",
+        "Stand-ins still copying the stripes they take (re-replication, drain, rebalance).",
+        &[],
+    );
     let writer_queue = registry.gauge(
         "freeflow_meta_writer_queue_depth",
         "Mutations queued for the group-commit writer.",
@@ -118,6 +128,9 @@ pub fn register_state_gauges(
         let totals = shared.registry().totals(Instant::now());
         servers_up.set(u64::from(totals.servers_up));
         servers_total.set(u64::from(totals.servers_total));
+        let (filling, _) = shared.registry().replacement_progress();
+        replacements.set(shared.registry().service_map().replacements.len() as u64);
+        stand_ins_filling.set(filling as u64);
         let queued = shared
             .config
             .commit_queue_max
