@@ -128,6 +128,30 @@ pub async fn list_objects(
     Ok(kept)
 }
 
+/// The objects every partner not out (in service or syncing) holds that `keep` takes,
+/// each with the partners listing it.
+pub async fn list_partners(
+    replication: &Replication,
+    map: &freeflow_proto::meta::ServiceMap,
+    keep: impl Fn(&ListedObject) -> bool,
+) -> Result<BTreeMap<ObjectId, Vec<ServerId>>, String> {
+    let me = replication.server_id();
+    let mut listed: BTreeMap<ObjectId, Vec<ServerId>> = BTreeMap::new();
+    for member in &map.members {
+        if member.state == freeflow_proto::meta::MemberState::Out || member.server_id == me {
+            continue;
+        }
+        let connection = replication
+            .peer(member.server_id)
+            .await
+            .map_err(|error| error.to_string())?;
+        for object in list_objects(&connection, &keep).await? {
+            listed.entry(object).or_default().push(member.server_id);
+        }
+    }
+    Ok(listed)
+}
+
 /// The objects of this server that `keep` takes.
 pub async fn list_own(
     store: &ObjectStore,

@@ -27,7 +27,7 @@ use bytes::Bytes;
 use freeflow_proto::meta::{FillDone, FillOrder, MemberState};
 use freeflow_types::{ObjectId, ServerId};
 
-use crate::copy::{copy_object, layouts, list_objects, spawn_copy, Pacer};
+use crate::copy::{copy_object, layouts, list_partners, spawn_copy, Pacer};
 use crate::resync::Resync;
 
 /// How often, and how long apart, a fill asks the meta servers again when none answers (a
@@ -72,22 +72,12 @@ impl Resync {
             .map(|replacement| (replacement.server, replacement.made_ms))
             .collect();
         // 1. Candidates: every object of the covered inodes a partner holds.
-        let mut candidates: BTreeSet<ObjectId> = BTreeSet::new();
-        let partners: Vec<ServerId> = map
-            .members
-            .iter()
-            .filter(|member| member.state != MemberState::Out && member.server_id != me)
-            .map(|member| member.server_id)
-            .collect();
-        for partner in &partners {
-            let connection = self
-                .replication
-                .peer(*partner)
-                .await
-                .map_err(|error| error.to_string())?;
-            candidates
-                .extend(list_objects(&connection, |listed| listed.object.inode < below).await?);
-        }
+        let candidates: BTreeSet<ObjectId> = list_partners(&self.replication, &map, |listed| {
+            listed.object.inode < below
+        })
+        .await?
+        .into_keys()
+        .collect();
         // 2. Layouts; the stripes this server fills, and a source for each.
         // A leader change breaks the meta connection: asked again (a fill is long to redo).
         let mut tries = 0;

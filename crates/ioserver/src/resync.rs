@@ -24,7 +24,7 @@
 //! after it was replaced as lost for good copies none of the stripes it gave up, and
 //! removes its old copies of them; a stand-in still filling is no source.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -33,7 +33,7 @@ use freeflow_proto::meta::{ChainMember, MemberState, ResyncDone, ResyncOrder, Se
 use freeflow_rpc::{ClusterKey, ConnectOptions};
 use freeflow_types::{ObjectId, ServerId};
 
-use crate::copy::{copy_object, layouts, list_objects, list_own, spawn_copy, CopyProgress, Pacer};
+use crate::copy::{copy_object, layouts, list_own, list_partners, spawn_copy, CopyProgress, Pacer};
 use crate::replication::Replication;
 use crate::store::ObjectStore;
 
@@ -87,30 +87,13 @@ impl Resync {
             .connect_meta(&self.options)
             .await
             .map_err(|error| error.to_string())?;
-        // 1. Candidates: (object) -> listed by whom.
-        let mut candidates: BTreeMap<ObjectId, BTreeSet<ServerId>> = BTreeMap::new();
-        let partners: Vec<ServerId> = map
-            .members
-            .iter()
-            // Syncing partners too: an object whose freshest copy is on one (its chain has
-            // no member in service) is copied from it, or waited for (`source_of`); not
-            // listing them missed such objects altogether (found by the simulation).
-            .filter(|member| member.state != MemberState::Out && member.server_id != me)
-            .map(|member| member.server_id)
-            .collect();
-        for partner in &partners {
-            let connection = self
-                .replication
-                .peer(*partner)
-                .await
-                .map_err(|error| error.to_string())?;
-            let recent =
-                |listed: &freeflow_proto::io::ListedObject| listed.age_ms <= order.window_ms;
-            for object in list_objects(&connection, recent).await? {
-                candidates.entry(object).or_default().insert(*partner);
-            }
-        }
+        // 1. Candidates: (object) -> listed by whom. Syncing partners too: an object whose
+        // freshest copy is on one (its chain has no member in service) is copied from it, or
+        // waited for (`source_of`); not listing them missed such objects altogether (found
+        // by the simulation).
         let recent = |listed: &freeflow_proto::io::ListedObject| listed.age_ms <= order.window_ms;
+        let mut candidates: BTreeMap<ObjectId, Vec<ServerId>> =
+            list_partners(&self.replication, &map, recent).await?;
         for object in list_own(&self.store, recent).await? {
             candidates.entry(object).or_default();
         }

@@ -64,6 +64,11 @@ impl Replacements {
         }
     }
 
+    /// The sequence number the next record takes.
+    fn next_sequence(&self) -> u64 {
+        self.entries.keys().next_back().map_or(1, |last| last + 1)
+    }
+
     /// Every record, oldest first, as the service map carries them.
     pub fn records(&self) -> Vec<Replacement> {
         self.entries
@@ -90,7 +95,7 @@ impl Replacements {
         by: Vec<ServerId>,
         made_ms: u64,
     ) -> Vec<ReplacementChange> {
-        let sequence = self.entries.keys().next_back().map_or(1, |last| last + 1);
+        let sequence = self.next_sequence();
         let mut changes: Vec<ReplacementChange> = self
             .entries
             .iter()
@@ -141,7 +146,7 @@ impl Replacements {
         by: &[ServerId],
         made_ms: u64,
     ) -> Vec<ReplacementChange> {
-        let first = self.entries.keys().next_back().map_or(1, |last| last + 1);
+        let first = self.next_sequence();
         shares
             .iter()
             .zip(first..)

@@ -149,11 +149,10 @@ impl HandleShared {
         };
         // A drain moves the stripe: its reads go down its chain (the server stopped handing
         // out descriptors of it and closed those it had).
-        if client
-            .pool()
-            .held_service_map()
-            .moved(object_id, &layout.chain(stripe_index))
-        {
+        if client.pool().held_service_map().moved(
+            object_id,
+            std::slice::from_ref(&layout.servers[stripe_index as usize]),
+        ) {
             return Ok(None);
         }
         let known = || {
